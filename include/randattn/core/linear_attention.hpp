@@ -1,0 +1,279 @@
+#pragma once
+// Linear attention over given feature matrices: [num | den] = Q' (K'^T [V | 1]), optionally
+// with a sign vector (phi(q)^T diag(sigma) phi(k)) and per-row log-scales (ScaledFeatures).
+// Causal attention is computed by chunked prefix sums made of matrix products: inside a chunk
+// the masked product (Q'_c K'_c^T ⊙ L)[V_c | 1], across chunks a carried state
+// S = sum_j K'_j^T [V_j | 1]. The stabiliser never looks at future keys: inside a chunk row i
+// is scaled by the running maximum of the key log-scales up to i, and the carried state by the
+// maximum over past chunks, so output i depends on keys 0..i only (bit for bit).
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+#include "../detail/gemm.hpp"
+#include "../detail/parallel.hpp"
+#include "../detail/validation.hpp"
+#include "scaled_features.hpp"
+#include "softmax_accumulator.hpp"
+#include "types.hpp"
+
+namespace randattn {
+
+struct LinearOptions {
+  bool causal = false;              // query i sees keys j <= i (requires n_q == n_k)
+  Index chunk_size = 0;             // causal chunk length and key panel; 0 = 128
+  double denominator_epsilon = 1e-6;  // finalize guard, see SoftmaxAccumulator::finalize
+  bool check_finite = true;         // throw std::invalid_argument on NaN/Inf input
+};
+
+namespace detail {
+
+constexpr Index kDefaultLinearChunk = 128;
+
+template <typename Scalar>
+RowMatrix<Scalar> append_ones(const Eigen::Ref<const RowMatrix<Scalar>>& v) {
+  RowMatrix<Scalar> ve(v.rows(), v.cols() + 1);
+  ve.leftCols(v.cols()) = v;
+  ve.col(v.cols()).setOnes();
+  return ve;
+}
+
+template <typename Scalar>
+void check_linear_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& qf,
+                         const Eigen::Ref<const Vector<Scalar>>& q_log,
+                         const Eigen::Ref<const RowMatrix<Scalar>>& kf,
+                         const Eigen::Ref<const Vector<Scalar>>& k_log,
+                         const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                         const Eigen::Ref<const Vector<Scalar>>& signs, const LinearOptions& opt) {
+  require(qf.cols() == kf.cols(), where, "q_features (", shape_of(qf), ") and k_features (",
+          shape_of(kf), ") must have the same feature dimension");
+  require(kf.rows() == v.rows(), where, "k_features (", shape_of(kf), ") and v (", shape_of(v),
+          ") must have the same number of rows");
+  require(q_log.size() == 0 || q_log.size() == qf.rows(), where, "q_log_scale has ",
+          q_log.size(), " entries, expected 0 or ", qf.rows());
+  require(k_log.size() == 0 || k_log.size() == kf.rows(), where, "k_log_scale has ",
+          k_log.size(), " entries, expected 0 or ", kf.rows());
+  require(signs.size() == 0 || signs.size() == qf.cols(), where, "signs has ", signs.size(),
+          " entries, expected 0 or the feature dimension ", qf.cols());
+  for (Index i = 0; i < signs.size(); ++i) {
+    require(signs(i) == Scalar(1) || signs(i) == Scalar(-1), where, "signs(", i, ") = ", signs(i),
+            " is not +1 or -1");
+  }
+  require(!opt.causal || qf.rows() == kf.rows(), where, "causal attention needs as many queries (",
+          qf.rows(), ") as keys (", kf.rows(), ")");
+  require(opt.chunk_size >= 0, where, "chunk_size must be >= 0, got ", opt.chunk_size);
+  require(opt.denominator_epsilon >= 0 && std::isfinite(opt.denominator_epsilon), where,
+          "denominator_epsilon must be finite and >= 0, got ", opt.denominator_epsilon);
+  if (qf.rows() > 0) {
+    require(kf.rows() > 0, where, "attention over zero keys is undefined (q_features ",
+            shape_of(qf), ", k_features ", shape_of(kf), ")");
+    require(qf.cols() > 0, where, "feature dimension must be >= 1 (q_features ", shape_of(qf),
+            ")");
+  }
+  require_finite(qf, where, "q_features", opt.check_finite);
+  require_finite(kf, where, "k_features", opt.check_finite);
+  require_finite(v, where, "v", opt.check_finite);
+  require_finite(q_log, where, "q_log_scale", opt.check_finite);
+  require_finite(k_log, where, "k_log_scale", opt.check_finite);
+}
+
+// Adds keys with signed features kc (C x M, modified in place) and log-scales sk (empty = 0)
+// to the state S (M x (dv+1)) held relative to exp(c).
+template <typename Scalar, typename KChunk, typename LogChunk, typename VEChunk>
+void add_keys_to_state(RowMatrix<Scalar>& state, Scalar& c, KChunk&& kc, const LogChunk& sk,
+                       const VEChunk& ve) {
+  if (sk.size() > 0) {
+    const Scalar c_new = std::max(c, sk.maxCoeff());
+    if (c != -std::numeric_limits<Scalar>::infinity() && c_new != c) state *= std::exp(c - c_new);
+    c = c_new;
+    kc = (sk.array() - c).exp().matrix().asDiagonal() * kc;
+  } else {
+    c = 0;
+  }
+  gemm_fixed_depth(state, kc.transpose(), ve, /*accumulate=*/true);
+}
+
+template <typename Scalar>
+SoftmaxAccumulator<Scalar> linear_bidirectional(const Eigen::Ref<const RowMatrix<Scalar>>& qf,
+                                                const Eigen::Ref<const Vector<Scalar>>& q_log,
+                                                const Eigen::Ref<const RowMatrix<Scalar>>& kf,
+                                                const Eigen::Ref<const Vector<Scalar>>& k_log,
+                                                const RowMatrix<Scalar>& ve,
+                                                const Eigen::Ref<const Vector<Scalar>>& signs,
+                                                Index chunk) {
+  const Index n_k = kf.rows(), m = kf.cols(), w = ve.cols();
+  RowMatrix<Scalar> state = RowMatrix<Scalar>::Zero(m, w);
+  // One common scale for all keys (no causality to respect), so the state never rescales.
+  Scalar c = k_log.size() > 0 ? k_log.maxCoeff() : Scalar(0);
+  RowMatrix<Scalar> kc(chunk, m);
+  for (Index j0 = 0; j0 < n_k; j0 += chunk) {
+    const Index len = std::min(chunk, n_k - j0);
+    auto kblock = kc.topRows(len);
+    if (signs.size() > 0) {
+      kblock.noalias() = kf.middleRows(j0, len) * signs.asDiagonal();
+    } else {
+      kblock = kf.middleRows(j0, len);
+    }
+    if (k_log.size() > 0) {
+      add_keys_to_state(state, c, kblock, k_log.segment(j0, len), ve.middleRows(j0, len));
+    } else {
+      add_keys_to_state(state, c, kblock, Vector<Scalar>(), ve.middleRows(j0, len));
+    }
+  }
+  RowMatrix<Scalar> nd(qf.rows(), w);
+  gemm_fixed_depth(nd, qf, state, /*accumulate=*/false);
+  Vector<Scalar> log_scale = Vector<Scalar>::Constant(qf.rows(), c);
+  if (q_log.size() > 0) log_scale += q_log;
+  return SoftmaxAccumulator<Scalar>(std::move(nd), std::move(log_scale));
+}
+
+template <typename Scalar>
+SoftmaxAccumulator<Scalar> linear_causal(const Eigen::Ref<const RowMatrix<Scalar>>& qf,
+                                         const Eigen::Ref<const Vector<Scalar>>& q_log,
+                                         const Eigen::Ref<const RowMatrix<Scalar>>& kf,
+                                         const Eigen::Ref<const Vector<Scalar>>& k_log,
+                                         const RowMatrix<Scalar>& ve,
+                                         const Eigen::Ref<const Vector<Scalar>>& signs,
+                                         Index chunk) {
+  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  const Index n = qf.rows(), m = kf.cols(), w = ve.cols();
+  const bool scaled = k_log.size() > 0;
+  SoftmaxAccumulator<Scalar> acc(n, w - 1);
+  RowMatrix<Scalar> state = RowMatrix<Scalar>::Zero(m, w);
+  Scalar c = kNegInf;  // log-scale of the state: max over past chunks' keys
+  RowMatrix<Scalar> kc(chunk, m), weights(chunk, chunk), nd(chunk, w);
+  Vector<Scalar> running_max(chunk), log_rows(chunk);
+  for (Index i0 = 0; i0 < n; i0 += chunk) {
+    const Index len = std::min(chunk, n - i0);
+    auto kblock = kc.topRows(len);
+    if (signs.size() > 0) {
+      kblock.noalias() = kf.middleRows(i0, len) * signs.asDiagonal();
+    } else {
+      kblock = kf.middleRows(i0, len);
+    }
+    const auto qblock = qf.middleRows(i0, len);
+    auto wblock = weights.topLeftCorner(len, len);
+    gemm_fixed_depth(wblock, qblock, kblock.transpose(), /*accumulate=*/false);
+    // Causal mask, and for scaled keys the weight exp(s_j - M_i) with M_i = max_{j<=i} s_j.
+    Scalar prefix_max = kNegInf;
+    for (Index i = 0; i < len; ++i) {
+      if (scaled) {
+        prefix_max = std::max(prefix_max, k_log(i0 + i));
+        running_max(i) = prefix_max;
+        wblock.row(i).head(i + 1).array() *=
+            (k_log.segment(i0, i + 1).array() - prefix_max).exp().transpose();
+      } else {
+        running_max(i) = 0;
+      }
+      wblock.row(i).tail(len - i - 1).setZero();
+    }
+    auto ndblock = nd.topRows(len);
+    gemm_fixed_depth(ndblock, wblock, ve.middleRows(i0, len), /*accumulate=*/false);
+    log_rows.head(len) = running_max.head(len);
+    if (q_log.size() > 0) log_rows.head(len) += q_log.segment(i0, len);
+    acc.merge_rows(i0, ndblock, log_rows.head(len));
+    if (c != kNegInf) {
+      gemm_fixed_depth(ndblock, qblock, state, /*accumulate=*/false);
+      log_rows.head(len).setConstant(c);
+      if (q_log.size() > 0) log_rows.head(len) += q_log.segment(i0, len);
+      acc.merge_rows(i0, ndblock, log_rows.head(len));
+    }
+    if (scaled) {
+      add_keys_to_state(state, c, kblock, k_log.segment(i0, len), ve.middleRows(i0, len));
+    } else {
+      add_keys_to_state(state, c, kblock, Vector<Scalar>(), ve.middleRows(i0, len));
+    }
+  }
+  return acc;
+}
+
+}  // namespace detail
+
+// The unnormalised result as an accumulator (for merging with other partial results).
+// Empty q_log_scale / k_log_scale mean zeros; empty signs mean all +1.
+template <typename Scalar>
+SoftmaxAccumulator<Scalar> linear_attention_accumulate(
+    const Eigen::Ref<const RowMatrix<Scalar>>& q_features,
+    const Eigen::Ref<const Vector<Scalar>>& q_log_scale,
+    const Eigen::Ref<const RowMatrix<Scalar>>& k_features,
+    const Eigen::Ref<const Vector<Scalar>>& k_log_scale,
+    const Eigen::Ref<const RowMatrix<Scalar>>& v, const Eigen::Ref<const Vector<Scalar>>& signs,
+    const LinearOptions& opt = {}) {
+  const char* where = "linear_attention";
+  detail::check_linear_inputs<Scalar>(where, q_features, q_log_scale, k_features, k_log_scale, v,
+                                      signs, opt);
+  const Index chunk = opt.chunk_size > 0 ? opt.chunk_size : detail::kDefaultLinearChunk;
+  if (q_features.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
+  const RowMatrix<Scalar> ve = detail::append_ones<Scalar>(v);
+  return opt.causal ? detail::linear_causal<Scalar>(q_features, q_log_scale, k_features,
+                                                    k_log_scale, ve, signs, chunk)
+                    : detail::linear_bidirectional<Scalar>(q_features, q_log_scale, k_features,
+                                                           k_log_scale, ve, signs, chunk);
+}
+
+// Normalised linear attention D^{-1} Q'(K'^T [V | 1]) for scaled features.
+template <typename Scalar, typename DV>
+RowMatrix<Scalar> linear_attention(const ScaledFeatures<Scalar>& q, const ScaledFeatures<Scalar>& k,
+                                   const Eigen::MatrixBase<DV>& v, const LinearOptions& opt = {},
+                                   const Vector<Scalar>& signs = Vector<Scalar>()) {
+  static_assert(std::is_same<Scalar, typename DV::Scalar>::value,
+                "features and values must share the scalar type");
+  return linear_attention_accumulate<Scalar>(q.values, q.log_scale, k.values, k.log_scale, v,
+                                             signs, opt)
+      .finalize(static_cast<Scalar>(opt.denominator_epsilon));
+}
+
+// Normalised linear attention for plain feature matrices (no log-scales, no signs).
+template <typename DQ, typename DK, typename DV>
+RowMatrix<typename DQ::Scalar> linear_attention(const Eigen::MatrixBase<DQ>& q_features,
+                                                const Eigen::MatrixBase<DK>& k_features,
+                                                const Eigen::MatrixBase<DV>& v,
+                                                const LinearOptions& opt = {}) {
+  using Scalar = typename DQ::Scalar;
+  static_assert(std::is_same<Scalar, typename DK::Scalar>::value &&
+                    std::is_same<Scalar, typename DV::Scalar>::value,
+                "q_features, k_features and v must share the scalar type");
+  const Vector<Scalar> none;
+  return linear_attention_accumulate<Scalar>(q_features, none, k_features, none, v, none, opt)
+      .finalize(static_cast<Scalar>(opt.denominator_epsilon));
+}
+
+// Batched multi-head linear attention over contiguous row-major buffers:
+// q_features (batch, heads, n_q, M), k_features (batch, heads, n_k, M), v (batch, heads, n_k, dv),
+// out (batch, heads, n_q, dv); shape.d is the feature dimension M. Log-scale buffers
+// (batch, heads, n) may be null (zeros); signs (M) may be null (all +1). Slices run in parallel
+// with OpenMP, each on one thread, so results do not depend on the thread count.
+template <typename Scalar>
+void linear_attention_batched(const Scalar* q_features, const Scalar* q_log_scale,
+                              const Scalar* k_features, const Scalar* k_log_scale, const Scalar* v,
+                              const Scalar* signs, Scalar* out, const BatchShape& shape,
+                              const LinearOptions& opt = {}) {
+  const char* where = "linear_attention_batched";
+  detail::require(shape.batch >= 0 && shape.heads >= 0 && shape.n_q >= 0 && shape.n_k >= 0 &&
+                      shape.d >= 0 && shape.dv >= 0,
+                  where, "negative dimension in shape (batch ", shape.batch, ", heads ",
+                  shape.heads, ", n_q ", shape.n_q, ", n_k ", shape.n_k, ", M ", shape.d, ", dv ",
+                  shape.dv, ")");
+  detail::require(shape.slices() == 0 || shape.n_q == 0 ||
+                      (q_features && k_features && v && out),
+                  where, "null data pointer");
+  using CMap = Eigen::Map<const RowMatrix<Scalar>>;
+  using VMap = Eigen::Map<const Vector<Scalar>>;
+  const VMap sign_map(signs, signs ? shape.d : 0);
+  detail::parallel_for(shape.slices(), [&](Index s) {
+    const CMap qf(q_features + s * shape.n_q * shape.d, shape.n_q, shape.d);
+    const CMap kf(k_features + s * shape.n_k * shape.d, shape.n_k, shape.d);
+    const CMap vs(v + s * shape.n_k * shape.dv, shape.n_k, shape.dv);
+    const VMap ql(q_log_scale ? q_log_scale + s * shape.n_q : nullptr, q_log_scale ? shape.n_q : 0);
+    const VMap kl(k_log_scale ? k_log_scale + s * shape.n_k : nullptr, k_log_scale ? shape.n_k : 0);
+    Eigen::Map<RowMatrix<Scalar>> o(out + s * shape.n_q * shape.dv, shape.n_q, shape.dv);
+    linear_attention_accumulate<Scalar>(qf, ql, kf, kl, vs, sign_map, opt)
+        .finalize_into(o, static_cast<Scalar>(opt.denominator_epsilon));
+  });
+}
+
+}  // namespace randattn

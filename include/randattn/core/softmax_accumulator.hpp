@@ -1,0 +1,126 @@
+#pragma once
+// The shared core of every attention path: per query row an unnormalised pair
+// (num_i, den_i) relative to a per-row log-scale c_i, i.e. the true pair is
+// exp(c_i) * (num_i, den_i). Partial results for the same rows (key blocks, hash rounds,
+// shards) merge exactly like online softmax.
+
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#include <Eigen/Core>
+
+#include "../detail/validation.hpp"
+#include "types.hpp"
+
+namespace randattn {
+
+template <typename Scalar_>
+class SoftmaxAccumulator {
+ public:
+  using Scalar = Scalar_;
+
+  SoftmaxAccumulator() : SoftmaxAccumulator(0, 0) {}
+
+  // Empty state: no weight on any row (den = 0, log-scale = -inf).
+  SoftmaxAccumulator(Index rows, Index value_dim)
+      : value_dim_(value_dim),
+        nd_(RowMatrix<Scalar>::Zero(rows, value_dim + 1)),
+        log_scale_(Vector<Scalar>::Constant(rows, -std::numeric_limits<Scalar>::infinity())) {
+    detail::require(rows >= 0 && value_dim >= 0, "SoftmaxAccumulator",
+                    "negative shape: rows = ", rows, ", value_dim = ", value_dim);
+  }
+
+  // Takes a complete [num | den] block (rows x (value_dim + 1)) with its per-row log-scales.
+  SoftmaxAccumulator(RowMatrix<Scalar> numden, Vector<Scalar> log_scale)
+      : value_dim_(numden.cols() - 1), nd_(std::move(numden)), log_scale_(std::move(log_scale)) {
+    detail::require(nd_.cols() >= 1 && log_scale_.size() == nd_.rows(), "SoftmaxAccumulator",
+                    "numden is ", nd_.rows(), "x", nd_.cols(), " but ", log_scale_.size(),
+                    " log-scales were given");
+  }
+
+  Index rows() const { return nd_.rows(); }
+  Index value_dim() const { return value_dim_; }
+
+  // [num | den]: rows x (value_dim + 1); the last column is the denominator.
+  const RowMatrix<Scalar>& numden() const { return nd_; }
+  auto numerator() const { return nd_.leftCols(value_dim_); }
+  auto denominator() const { return nd_.col(value_dim_); }
+  const Vector<Scalar>& log_scale() const { return log_scale_; }
+
+  // Merges a partial [num | den] block for rows [row0, row0 + nd.rows()), given relative to
+  // the per-row log-scales `log_scale`. A row with log-scale -inf carries no weight.
+  // Rows are independent, so disjoint row ranges may be merged from different threads.
+  template <typename DerivedND, typename DerivedC>
+  void merge_rows(Index row0, const Eigen::MatrixBase<DerivedND>& nd,
+                  const Eigen::MatrixBase<DerivedC>& log_scale) {
+    detail::require(nd.cols() == value_dim_ + 1 && log_scale.size() == nd.rows() && row0 >= 0 &&
+                        row0 + nd.rows() <= rows(),
+                    "SoftmaxAccumulator::merge_rows", "block ", nd.rows(), "x", nd.cols(),
+                    " with ", log_scale.size(), " log-scales at row ", row0,
+                    " does not fit an accumulator of ", rows(), "x", value_dim_ + 1);
+    for (Index r = 0; r < nd.rows(); ++r) merge_row(row0 + r, nd.row(r), Scalar(log_scale(r)));
+  }
+
+  // Merges another accumulator over the same rows.
+  void merge(const SoftmaxAccumulator& other) {
+    detail::require(other.rows() == rows() && other.value_dim() == value_dim_,
+                    "SoftmaxAccumulator::merge", "shapes differ: ", rows(), "x", value_dim_,
+                    " vs ", other.rows(), "x", other.value_dim());
+    merge_rows(0, other.nd_, other.log_scale_);
+  }
+
+  // o_i = num_i / den'_i with the denominator guard den' = den + 2*eps*[|den| <= eps]
+  // (the rule of the Performer reference code). With eps > 0 every |den'| >= eps, so signed
+  // or trigonometric estimates whose denominator is near zero give large but finite output.
+  // A row whose guarded denominator is exactly zero (eps = 0 and no weight) outputs zeros.
+  RowMatrix<Scalar> finalize(Scalar epsilon = 0) const {
+    RowMatrix<Scalar> out(rows(), value_dim_);
+    finalize_into(out, epsilon);
+    return out;
+  }
+
+  template <typename Derived>
+  void finalize_into(const Eigen::MatrixBase<Derived>& out_, Scalar epsilon = 0) const {
+    auto& out = const_cast<Eigen::MatrixBase<Derived>&>(out_);
+    detail::require(out.rows() == rows() && out.cols() == value_dim_,
+                    "SoftmaxAccumulator::finalize_into", "output is ", out.rows(), "x",
+                    out.cols(), ", expected ", rows(), "x", value_dim_);
+    detail::require(epsilon >= 0, "SoftmaxAccumulator::finalize", "epsilon must be >= 0, got ",
+                    epsilon);
+    for (Index i = 0; i < rows(); ++i) {
+      const Scalar den = guarded_denominator(nd_(i, value_dim_), epsilon);
+      if (den == Scalar(0)) {
+        out.row(i).setZero();
+      } else {
+        out.row(i) = nd_.row(i).head(value_dim_) / den;
+      }
+    }
+  }
+
+  static Scalar guarded_denominator(Scalar den, Scalar epsilon) {
+    return std::abs(den) <= epsilon ? den + 2 * epsilon : den;
+  }
+
+ private:
+  template <typename Row>
+  void merge_row(Index i, const Row& incoming, Scalar c_in) {
+    Scalar& c = log_scale_(i);
+    if (c_in == -std::numeric_limits<Scalar>::infinity()) return;
+    if (c == -std::numeric_limits<Scalar>::infinity()) {
+      nd_.row(i) = incoming;
+      c = c_in;
+    } else if (c_in <= c) {
+      nd_.row(i) += std::exp(c_in - c) * incoming;
+    } else {
+      nd_.row(i) = std::exp(c - c_in) * nd_.row(i) + incoming;
+      c = c_in;
+    }
+  }
+
+  Index value_dim_;
+  RowMatrix<Scalar> nd_;
+  Vector<Scalar> log_scale_;
+};
+
+}  // namespace randattn

@@ -1,0 +1,12 @@
+#pragma once
+// randattn: randomized attention approximation and tensor sketching on Eigen.
+
+#include "core/types.hpp"
+#include "core/softmax_accumulator.hpp"
+#include "core/scaled_features.hpp"
+#include "core/linear_attention.hpp"
+#include "core/linear_decoder.hpp"
+#include "core/exact_attention.hpp"
+#include "linalg/hadamard.hpp"
+#include "random/philox.hpp"
+#include "random/fill.hpp"

@@ -1,0 +1,313 @@
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <limits>
+
+#include "support.hpp"
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+using randattn::Index;
+using randattn::LinearOptions;
+using randattn::RowMatrix;
+using randattn::SoftmaxAccumulator;
+using randattn::Vector;
+using testing::rel_error;
+
+namespace {
+
+// Explicit D^{-1} (A ⊙ mask) [V] with A_ij = exp(sq_i + sk_j) * q_i^T diag(sigma) k_j, in double.
+template <typename Scalar>
+RowMatrix<double> explicit_linear(const RowMatrix<Scalar>& qf, const Vector<Scalar>& q_log,
+                                  const RowMatrix<Scalar>& kf, const Vector<Scalar>& k_log,
+                                  const RowMatrix<Scalar>& v, const Vector<Scalar>& signs,
+                                  bool causal) {
+  const Index n_q = qf.rows(), n_k = kf.rows();
+  Eigen::VectorXd sigma = signs.size() ? Eigen::VectorXd(signs.template cast<double>())
+                                       : Eigen::VectorXd::Ones(qf.cols());
+  Eigen::MatrixXd a = qf.template cast<double>() * sigma.asDiagonal() *
+                      kf.template cast<double>().transpose();
+  for (Index i = 0; i < n_q; ++i) {
+    for (Index j = 0; j < n_k; ++j) {
+      const double s = (q_log.size() ? double(q_log(i)) : 0.0) + (k_log.size() ? double(k_log(j)) : 0.0);
+      a(i, j) *= std::exp(s);
+      if (causal && j > i) a(i, j) = 0;
+    }
+  }
+  const Eigen::MatrixXd num = a * v.template cast<double>();
+  const Eigen::VectorXd den = a.rowwise().sum();
+  return den.cwiseInverse().asDiagonal() * num;
+}
+
+template <typename Scalar>
+struct LinearProblem {
+  RowMatrix<Scalar> qf, kf, v;
+  Vector<Scalar> q_log, k_log, signs;
+};
+
+// Positive features, log-scales spread over [-log_spread, log_spread], and (optionally) signs
+// that flip a few small features so the signed denominators stay well away from zero.
+template <typename Scalar>
+LinearProblem<Scalar> make_problem(std::uint64_t seed, Index n, Index m, Index dv, double log_spread,
+                                   bool with_signs) {
+  LinearProblem<Scalar> p;
+  p.qf = testing::uniform<Scalar>(seed, n, m, 0.1, 1.0);
+  p.kf = testing::uniform<Scalar>(seed + 1, n, m, 0.1, 1.0);
+  p.v = testing::gaussian<Scalar>(seed + 2, n, dv);
+  if (log_spread > 0) {
+    p.q_log = testing::uniform<Scalar>(seed + 3, n, 1, -log_spread, log_spread).col(0);
+    p.k_log = testing::uniform<Scalar>(seed + 4, n, 1, -log_spread, log_spread).col(0);
+  }
+  if (with_signs) {
+    p.signs = Vector<Scalar>::Ones(m);
+    for (Index i = 0; i < m; i += 4) {
+      p.signs(i) = -1;
+      p.qf.col(i) *= Scalar(0.1);
+    }
+  }
+  return p;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("SoftmaxAccumulator merges partial results exactly", "[core][accumulator]", float,
+                   double) {
+  using Scalar = TestType;
+  const Index n = 5, dv = 3;
+  // Two partial sums of the same weights, given relative to very different log-scales.
+  RowMatrix<Scalar> w1 = testing::uniform<Scalar>(1, n, 4, 0.0, 1.0);
+  RowMatrix<Scalar> w2 = testing::uniform<Scalar>(2, n, 6, 0.0, 1.0);
+  RowMatrix<Scalar> v1 = testing::gaussian<Scalar>(3, 4, dv), v2 = testing::gaussian<Scalar>(4, 6, dv);
+  auto numden = [&](const RowMatrix<Scalar>& w, const RowMatrix<Scalar>& v) {
+    RowMatrix<Scalar> nd(n, dv + 1);
+    nd.leftCols(dv) = w * v;
+    nd.col(dv) = w.rowwise().sum();
+    return nd;
+  };
+  const Vector<Scalar> c1 = Vector<Scalar>::Constant(n, Scalar(3)), c2 = Vector<Scalar>::Constant(n, Scalar(-2));
+  // True weights: e^3 w1 and e^-2 w2.
+  RowMatrix<double> num = std::exp(3.0) * (w1 * v1).template cast<double>() +
+                          std::exp(-2.0) * (w2 * v2).template cast<double>();
+  Eigen::VectorXd den = std::exp(3.0) * w1.rowwise().sum().template cast<double>() +
+                        std::exp(-2.0) * w2.rowwise().sum().template cast<double>();
+  const RowMatrix<double> expected = den.cwiseInverse().asDiagonal() * num;
+
+  SoftmaxAccumulator<Scalar> a(n, dv), b(n, dv);
+  a.merge_rows(0, numden(w1, v1), c1);
+  b.merge_rows(0, numden(w2, v2), c2);
+  SoftmaxAccumulator<Scalar> ab = a, ba = b;
+  ab.merge(b);
+  ba.merge(a);
+  CHECK(rel_error(ab.finalize(), expected) < testing::tolerance<Scalar>());
+  CHECK(rel_error(ba.finalize(), expected) < testing::tolerance<Scalar>());
+  CHECK((ab.log_scale().array() == Scalar(3)).all());
+
+  // Merging an empty accumulator changes nothing; an empty one finalizes to zeros.
+  SoftmaxAccumulator<Scalar> empty(n, dv);
+  SoftmaxAccumulator<Scalar> same = ab;
+  same.merge(empty);
+  CHECK((same.numden().array() == ab.numden().array()).all());
+  CHECK((empty.finalize().array() == 0).all());
+
+  CHECK_THROWS_AS(a.merge(SoftmaxAccumulator<Scalar>(n + 1, dv)), std::invalid_argument);
+  CHECK_THROWS_AS(a.merge_rows(3, numden(w1, v1), c1), std::invalid_argument);
+}
+
+TEMPLATE_TEST_CASE("Denominator guard", "[core][accumulator]", float, double) {
+  using Scalar = TestType;
+  RowMatrix<Scalar> nd(4, 2);
+  nd << 1, 2,     // ordinary row
+      1, 0,       // den = 0
+      1, -1e-9,   // tiny negative den
+      0, 0;       // no weight at all
+  SoftmaxAccumulator<Scalar> acc(nd, Vector<Scalar>::Zero(4));
+  const Scalar eps = Scalar(1e-6);
+  const RowMatrix<Scalar> out = acc.finalize(eps);
+  CHECK(out(0, 0) == Scalar(0.5));
+  CHECK(out(1, 0) == Scalar(1) / (Scalar(0) + 2 * eps));
+  CHECK(out(2, 0) == Scalar(1) / (Scalar(-1e-9) + 2 * eps));
+  CHECK(out(3, 0) == 0);
+  CHECK(out.allFinite());
+  // Without a guard, a zero denominator gives a zero row rather than Inf or NaN.
+  const RowMatrix<Scalar> raw = acc.finalize(0);
+  CHECK(raw(1, 0) == 0);
+  CHECK(raw(3, 0) == 0);
+  CHECK_THROWS_AS(acc.finalize(-1), std::invalid_argument);
+}
+
+TEMPLATE_TEST_CASE("Linear core equals the explicit masked product", "[core][linear]", float, double) {
+  using Scalar = TestType;
+  const double tol = testing::tolerance<Scalar>();
+  const Index n = 301, m = 24, dv = 7;
+  for (bool with_signs : {false, true}) {
+    for (double spread : {0.0, 8.0}) {
+      const auto p = make_problem<Scalar>(100 + 10 * with_signs + Index(spread), n, m, dv, spread, with_signs);
+      for (bool causal : {false, true}) {
+        const RowMatrix<double> expected =
+            explicit_linear(p.qf, p.q_log, p.kf, p.k_log, p.v, p.signs, causal);
+        for (Index chunk : {1, 7, 64, 100, 301, 512}) {
+          INFO("signs " << with_signs << " spread " << spread << " causal " << causal << " chunk "
+                        << chunk);
+          LinearOptions opt;
+          opt.causal = causal;
+          opt.chunk_size = chunk;
+          const RowMatrix<Scalar> out =
+              randattn::linear_attention_accumulate<Scalar>(p.qf, p.q_log, p.kf, p.k_log, p.v,
+                                                            p.signs, opt)
+                  .finalize(Scalar(opt.denominator_epsilon));
+          CHECK(rel_error(out, expected) < tol);
+        }
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("Linear core with ScaledFeatures and plain matrices", "[core][linear]", float, double) {
+  using Scalar = TestType;
+  const auto p = make_problem<Scalar>(7, 50, 8, 3, 2.0, false);
+  const randattn::ScaledFeatures<Scalar> q{p.qf, p.q_log}, k{p.kf, p.k_log};
+  const RowMatrix<double> expected = explicit_linear(p.qf, p.q_log, p.kf, p.k_log, p.v, p.signs, false);
+  CHECK(rel_error(randattn::linear_attention(q, k, p.v), expected) < testing::tolerance<Scalar>());
+  const RowMatrix<double> plain_expected =
+      explicit_linear(p.qf, Vector<Scalar>(), p.kf, Vector<Scalar>(), p.v, p.signs, true);
+  LinearOptions opt;
+  opt.causal = true;
+  CHECK(rel_error(randattn::linear_attention(p.qf, p.kf, p.v, opt), plain_expected) <
+        testing::tolerance<Scalar>());
+}
+
+TEMPLATE_TEST_CASE("Causal linear core never looks at future keys", "[core][linear][causal]", float, double) {
+  using Scalar = TestType;
+  const Index n = 200, m = 16, dv = 5;
+  for (bool scaled : {false, true}) {
+    for (Index chunk : {1, 32, 64, 256}) {
+      INFO("scaled " << scaled << " chunk " << chunk);
+      auto p = make_problem<Scalar>(31, n, m, dv, scaled ? 6.0 : 0.0, true);
+      LinearOptions opt;
+      opt.causal = true;
+      opt.chunk_size = chunk;
+      const RowMatrix<Scalar> before = randattn::linear_attention_accumulate<Scalar>(
+          p.qf, p.q_log, p.kf, p.k_log, p.v, p.signs, opt).finalize(Scalar(1e-6));
+      // The last key becomes dominant: far larger features and (when scaled) a log-scale that
+      // would underflow every other key if it were used as a shared stabiliser.
+      p.kf.row(n - 1).setConstant(Scalar(50));
+      if (scaled) p.k_log(n - 1) = Scalar(80);
+      const RowMatrix<Scalar> after = randattn::linear_attention_accumulate<Scalar>(
+          p.qf, p.q_log, p.kf, p.k_log, p.v, p.signs, opt).finalize(Scalar(1e-6));
+      CHECK(testing::rows_bit_identical(before, after, n - 1));
+      CHECK_FALSE(testing::rows_bit_identical(before, after, n));
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("Streaming decoder equals causal linear attention", "[core][linear][decoder]", float, double) {
+  using Scalar = TestType;
+  const Index n = 90, m = 12, dv = 4;
+  for (bool scaled : {false, true}) {
+    const auto p = make_problem<Scalar>(55, n, m, dv, scaled ? 5.0 : 0.0, true);
+    LinearOptions opt;
+    opt.causal = true;
+    opt.chunk_size = 16;
+    const RowMatrix<Scalar> causal = randattn::linear_attention_accumulate<Scalar>(
+        p.qf, p.q_log, p.kf, p.k_log, p.v, p.signs, opt).finalize(Scalar(opt.denominator_epsilon));
+    randattn::LinearDecoderState<Scalar> state(m, dv, p.signs);
+    RowMatrix<Scalar> streamed(n, dv);
+    for (Index t = 0; t < n; ++t) {
+      state.append(p.kf.row(t), p.v.row(t), scaled ? p.k_log(t) : Scalar(0));
+      streamed.row(t) = state.query(p.qf.row(t), scaled ? p.q_log(t) : Scalar(0));
+    }
+    CHECK(state.length() == n);
+    CHECK(rel_error(streamed, causal) < testing::tolerance<Scalar>());
+  }
+  randattn::LinearDecoderState<Scalar> state(m, dv);
+  CHECK_THROWS_AS(state.query(Vector<Scalar>::Ones(m)), std::invalid_argument);
+  CHECK_THROWS_AS(state.append(Vector<Scalar>::Ones(m + 1), Vector<Scalar>::Ones(dv)),
+                  std::invalid_argument);
+  CHECK_THROWS_AS(randattn::LinearDecoderState<Scalar>(0, dv), std::invalid_argument);
+}
+
+TEST_CASE("Linear core validates its arguments", "[core][linear][validation]") {
+  using M = RowMatrix<double>;
+  const M q = M::Ones(4, 3), k = M::Ones(5, 3), v = M::Ones(5, 2);
+  const Vector<double> none;
+  auto call = [&](const M& qq, const M& kk, const M& vv, const Vector<double>& ql,
+                  const Vector<double>& kl, const Vector<double>& s, LinearOptions opt = {}) {
+    return randattn::linear_attention_accumulate<double>(qq, ql, kk, kl, vv, s, opt);
+  };
+  CHECK_NOTHROW(call(q, k, v, none, none, none));
+  CHECK_THROWS_AS(call(q, M::Ones(5, 4), v, none, none, none), std::invalid_argument);
+  CHECK_THROWS_AS(call(q, k, M::Ones(4, 2), none, none, none), std::invalid_argument);
+  CHECK_THROWS_AS(call(q, k, v, Vector<double>::Zero(3), none, none), std::invalid_argument);
+  CHECK_THROWS_AS(call(q, k, v, none, Vector<double>::Zero(4), none), std::invalid_argument);
+  CHECK_THROWS_AS(call(q, k, v, none, none, Vector<double>::Ones(2)), std::invalid_argument);
+  CHECK_THROWS_AS(call(q, k, v, none, none, Vector<double>::Constant(3, 0.5)), std::invalid_argument);
+  LinearOptions causal;
+  causal.causal = true;
+  CHECK_THROWS_AS(call(q, k, v, none, none, none, causal), std::invalid_argument);
+  LinearOptions bad_chunk;
+  bad_chunk.chunk_size = -1;
+  CHECK_THROWS_AS(call(q, k, v, none, none, none, bad_chunk), std::invalid_argument);
+  CHECK_THROWS_AS(call(q, M(0, 3), M(0, 2), none, none, none), std::invalid_argument);
+  M nan_k = k;
+  nan_k(2, 1) = std::numeric_limits<double>::quiet_NaN();
+  try {
+    call(q, nan_k, v, none, none, none);
+    FAIL("NaN input was accepted");
+  } catch (const std::invalid_argument& e) {
+    CHECK(std::string(e.what()).find("k_features") != std::string::npos);
+    CHECK(std::string(e.what()).find("(2, 1)") != std::string::npos);
+  }
+  LinearOptions unchecked;
+  unchecked.check_finite = false;
+  CHECK_NOTHROW(call(q, nan_k, v, none, none, none, unchecked));
+
+  // Edge cases: no queries gives an empty result; one token and one feature work.
+  CHECK(call(M(0, 3), k, v, none, none, none).finalize().rows() == 0);
+  const M one_q = M::Constant(1, 1, 2.0), one_k = M::Constant(1, 1, 3.0), one_v = M::Constant(1, 1, -4.0);
+  CHECK(call(one_q, one_k, one_v, none, none, none, causal).finalize()(0, 0) == -4.0);
+}
+
+TEMPLATE_TEST_CASE("Batched linear attention equals per-slice calls for any thread count",
+                   "[core][linear][batched]", float, double) {
+  using Scalar = TestType;
+  randattn::BatchShape shape;
+  shape.batch = 2;
+  shape.heads = 3;
+  shape.n_q = shape.n_k = 70;
+  shape.d = 10;
+  shape.dv = 4;
+  const Index s = shape.slices();
+  const RowMatrix<Scalar> qf = testing::uniform<Scalar>(1, s * shape.n_q, shape.d, 0.1, 1.0);
+  const RowMatrix<Scalar> kf = testing::uniform<Scalar>(2, s * shape.n_k, shape.d, 0.1, 1.0);
+  const RowMatrix<Scalar> v = testing::gaussian<Scalar>(3, s * shape.n_k, shape.dv);
+  const RowMatrix<Scalar> kl = testing::uniform<Scalar>(4, s * shape.n_k, 1, -3, 3);
+  for (bool causal : {false, true}) {
+    LinearOptions opt;
+    opt.causal = causal;
+    opt.chunk_size = 16;
+    RowMatrix<Scalar> out(s * shape.n_q, shape.dv);
+    randattn::linear_attention_batched<Scalar>(qf.data(), nullptr, kf.data(), kl.data(), v.data(),
+                                               nullptr, out.data(), shape, opt);
+    for (Index i = 0; i < s; ++i) {
+      const RowMatrix<Scalar> slice = randattn::linear_attention_accumulate<Scalar>(
+          qf.middleRows(i * shape.n_q, shape.n_q), Vector<Scalar>(),
+          kf.middleRows(i * shape.n_k, shape.n_k), kl.col(0).segment(i * shape.n_k, shape.n_k),
+          v.middleRows(i * shape.n_k, shape.n_k), Vector<Scalar>(), opt).finalize(Scalar(1e-6));
+      CHECK((out.middleRows(i * shape.n_q, shape.n_q).array() == slice.array()).all());
+    }
+#if defined(_OPENMP)
+    RowMatrix<Scalar> one(out.rows(), out.cols()), two(out.rows(), out.cols());
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(1);
+    randattn::linear_attention_batched<Scalar>(qf.data(), nullptr, kf.data(), kl.data(), v.data(),
+                                               nullptr, one.data(), shape, opt);
+    omp_set_num_threads(2);
+    randattn::linear_attention_batched<Scalar>(qf.data(), nullptr, kf.data(), kl.data(), v.data(),
+                                               nullptr, two.data(), shape, opt);
+    omp_set_num_threads(saved);
+    CHECK((one.array() == two.array()).all());
+#endif
+  }
+}

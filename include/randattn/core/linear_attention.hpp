@@ -25,14 +25,17 @@ namespace randattn {
 
 struct LinearOptions {
   bool causal = false;              // query i sees keys j <= i (requires n_q == n_k)
-  Index chunk_size = 0;             // causal chunk length and key panel; 0 = 128
+  Index chunk_size = 0;             // rows per chunk (causal) or key panel; 0 = automatic
   double denominator_epsilon = 1e-6;  // finalize guard, see SoftmaxAccumulator::finalize
   bool check_finite = true;         // throw std::invalid_argument on NaN/Inf input
 };
 
 namespace detail {
 
-constexpr Index kDefaultLinearChunk = 128;
+// Causal chunks trade the O(n*C*M) masked products against per-chunk overhead; bidirectional
+// panels only bound the depth of the key products.
+constexpr Index kDefaultCausalChunk = 128;
+constexpr Index kDefaultKeyPanel = kMaxGemmDepth;
 
 template <typename Scalar>
 RowMatrix<Scalar> append_ones(const Eigen::Ref<const RowMatrix<Scalar>>& v) {
@@ -81,20 +84,60 @@ void check_linear_inputs(const char* where, const Eigen::Ref<const RowMatrix<Sca
   require_finite(k_log, where, "k_log_scale", opt.check_finite);
 }
 
-// Adds keys with signed features kc (C x M, modified in place) and log-scales sk (empty = 0)
-// to the state S (M x (dv+1)) held relative to exp(c).
-template <typename Scalar, typename KChunk, typename LogChunk, typename VEChunk>
-void add_keys_to_state(RowMatrix<Scalar>& state, Scalar& c, KChunk&& kc, const LogChunk& sk,
-                       const VEChunk& ve) {
-  if (sk.size() > 0) {
-    const Scalar c_new = std::max(c, sk.maxCoeff());
-    if (c != -std::numeric_limits<Scalar>::infinity() && c_new != c) state *= std::exp(c - c_new);
-    c = c_new;
-    kc = (sk.array() - c).exp().matrix().asDiagonal() * kc;
+// Per-chunk key summaries T_t = K'_t^T [V_t | 1] (signs applied), each relative to
+// exp(log_scale(t)) with log_scale(t) the largest key log-scale of chunk t. They depend on
+// chunk t's keys alone and are computed in parallel.
+template <typename Scalar>
+struct KeySummaries {
+  RowMatrix<Scalar> blocks;  // (chunks * M) x (dv + 1); chunk t is rows [t*M, (t+1)*M)
+  Vector<Scalar> log_scale;  // chunks
+  Index m = 0;
+
+  auto block(Index t) { return blocks.middleRows(t * m, m); }
+  auto block(Index t) const { return blocks.middleRows(t * m, m); }
+};
+
+// Key rows [j0, j0 + len) with signs and the weights exp(k_log - g) applied, written to out.
+template <typename Scalar, typename Out>
+void weighted_keys(Out&& out, const Eigen::Ref<const RowMatrix<Scalar>>& kf,
+                   const Eigen::Ref<const Vector<Scalar>>& k_log,
+                   const Eigen::Ref<const Vector<Scalar>>& signs, Index j0, Index len, Scalar g) {
+  const auto keys = kf.middleRows(j0, len);
+  if (k_log.size() > 0) {
+    const Vector<Scalar> w = (k_log.segment(j0, len).array() - g).exp().matrix();
+    if (signs.size() > 0) {
+      out.noalias() = w.asDiagonal() * keys * signs.asDiagonal();
+    } else {
+      out.noalias() = w.asDiagonal() * keys;
+    }
+  } else if (signs.size() > 0) {
+    out.noalias() = keys * signs.asDiagonal();
   } else {
-    c = 0;
+    out = keys;
   }
-  gemm_fixed_depth(state, kc.transpose(), ve, /*accumulate=*/true);
+}
+
+template <typename Scalar>
+KeySummaries<Scalar> summarise_keys(const Eigen::Ref<const RowMatrix<Scalar>>& kf,
+                                    const Eigen::Ref<const Vector<Scalar>>& k_log,
+                                    const RowMatrix<Scalar>& ve,
+                                    const Eigen::Ref<const Vector<Scalar>>& signs, Index chunk) {
+  const Index n_k = kf.rows(), m = kf.cols(), chunks = (n_k + chunk - 1) / chunk;
+  KeySummaries<Scalar> sums{RowMatrix<Scalar>(chunks * m, ve.cols()), Vector<Scalar>(chunks), m};
+  parallel_for(chunks, [&](Index t) {
+    const Index j0 = t * chunk, len = std::min(chunk, n_k - j0);
+    const Scalar g = k_log.size() > 0 ? k_log.segment(j0, len).maxCoeff() : Scalar(0);
+    sums.log_scale(t) = g;
+    if (k_log.size() == 0 && signs.size() == 0) {  // nothing to apply: no copy needed
+      gemm_fixed_depth(sums.block(t), kf.middleRows(j0, len).transpose(), ve.middleRows(j0, len),
+                       false);
+      return;
+    }
+    RowMatrix<Scalar> keys(len, m);
+    weighted_keys<Scalar>(keys, kf, k_log, signs, j0, len, g);
+    gemm_fixed_depth(sums.block(t), keys.transpose(), ve.middleRows(j0, len), false);
+  });
+  return sums;
 }
 
 template <typename Scalar>
@@ -105,28 +148,19 @@ SoftmaxAccumulator<Scalar> linear_bidirectional(const Eigen::Ref<const RowMatrix
                                                 const RowMatrix<Scalar>& ve,
                                                 const Eigen::Ref<const Vector<Scalar>>& signs,
                                                 Index chunk) {
-  const Index n_k = kf.rows(), m = kf.cols(), w = ve.cols();
-  RowMatrix<Scalar> state = RowMatrix<Scalar>::Zero(m, w);
-  // One common scale for all keys (no causality to respect), so the state never rescales.
-  Scalar c = k_log.size() > 0 ? k_log.maxCoeff() : Scalar(0);
-  RowMatrix<Scalar> kc(chunk, m);
-  for (Index j0 = 0; j0 < n_k; j0 += chunk) {
-    const Index len = std::min(chunk, n_k - j0);
-    auto kblock = kc.topRows(len);
-    if (signs.size() > 0) {
-      kblock.noalias() = kf.middleRows(j0, len) * signs.asDiagonal();
-    } else {
-      kblock = kf.middleRows(j0, len);
-    }
-    if (k_log.size() > 0) {
-      add_keys_to_state(state, c, kblock, k_log.segment(j0, len), ve.middleRows(j0, len));
-    } else {
-      add_keys_to_state(state, c, kblock, Vector<Scalar>(), ve.middleRows(j0, len));
-    }
-  }
-  RowMatrix<Scalar> nd(qf.rows(), w);
-  gemm_fixed_depth(nd, qf, state, /*accumulate=*/false);
-  Vector<Scalar> log_scale = Vector<Scalar>::Constant(qf.rows(), c);
+  const KeySummaries<Scalar> sums = summarise_keys<Scalar>(kf, k_log, ve, signs, chunk);
+  // Summing the chunks in a fixed order keeps the result independent of the thread count.
+  RowMatrix<Scalar> state = sums.block(0);
+  Scalar c = sums.log_scale(0);
+  for (Index t = 1; t < sums.log_scale.size(); ++t)
+    merge_scaled(state, c, sums.block(t), sums.log_scale(t));
+  const Index n_q = qf.rows();
+  RowMatrix<Scalar> nd(n_q, ve.cols());
+  parallel_for((n_q + chunk - 1) / chunk, [&](Index b) {
+    const Index i0 = b * chunk, len = std::min(chunk, n_q - i0);
+    gemm_fixed_depth(nd.middleRows(i0, len), qf.middleRows(i0, len), state, false);
+  });
+  Vector<Scalar> log_scale = Vector<Scalar>::Constant(n_q, c);
   if (q_log.size() > 0) log_scale += q_log;
   return SoftmaxAccumulator<Scalar>(std::move(nd), std::move(log_scale));
 }
@@ -141,53 +175,52 @@ SoftmaxAccumulator<Scalar> linear_causal(const Eigen::Ref<const RowMatrix<Scalar
                                          Index chunk) {
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   const Index n = qf.rows(), m = kf.cols(), w = ve.cols();
-  const bool scaled = k_log.size() > 0;
-  SoftmaxAccumulator<Scalar> acc(n, w - 1);
-  RowMatrix<Scalar> state = RowMatrix<Scalar>::Zero(m, w);
-  Scalar c = kNegInf;  // log-scale of the state: max over past chunks' keys
-  RowMatrix<Scalar> kc(chunk, m), weights(chunk, chunk), nd(chunk, w);
-  Vector<Scalar> running_max(chunk), log_rows(chunk);
-  for (Index i0 = 0; i0 < n; i0 += chunk) {
-    const Index len = std::min(chunk, n - i0);
-    auto kblock = kc.topRows(len);
-    if (signs.size() > 0) {
-      kblock.noalias() = kf.middleRows(i0, len) * signs.asDiagonal();
-    } else {
-      kblock = kf.middleRows(i0, len);
-    }
-    const auto qblock = qf.middleRows(i0, len);
-    auto wblock = weights.topLeftCorner(len, len);
-    gemm_fixed_depth(wblock, qblock, kblock.transpose(), /*accumulate=*/false);
-    // Causal mask, and for scaled keys the weight exp(s_j - M_i) with M_i = max_{j<=i} s_j.
-    Scalar prefix_max = kNegInf;
-    for (Index i = 0; i < len; ++i) {
-      if (scaled) {
-        prefix_max = std::max(prefix_max, k_log(i0 + i));
-        running_max(i) = prefix_max;
-        wblock.row(i).head(i + 1).array() *=
-            (k_log.segment(i0, i + 1).array() - prefix_max).exp().transpose();
-      } else {
-        running_max(i) = 0;
-      }
-      wblock.row(i).tail(len - i - 1).setZero();
-    }
-    auto ndblock = nd.topRows(len);
-    gemm_fixed_depth(ndblock, wblock, ve.middleRows(i0, len), /*accumulate=*/false);
-    log_rows.head(len) = running_max.head(len);
-    if (q_log.size() > 0) log_rows.head(len) += q_log.segment(i0, len);
-    acc.merge_rows(i0, ndblock, log_rows.head(len));
-    if (c != kNegInf) {
-      gemm_fixed_depth(ndblock, qblock, state, /*accumulate=*/false);
-      log_rows.head(len).setConstant(c);
-      if (q_log.size() > 0) log_rows.head(len) += q_log.segment(i0, len);
-      acc.merge_rows(i0, ndblock, log_rows.head(len));
-    }
-    if (scaled) {
-      add_keys_to_state(state, c, kblock, k_log.segment(i0, len), ve.middleRows(i0, len));
-    } else {
-      add_keys_to_state(state, c, kblock, Vector<Scalar>(), ve.middleRows(i0, len));
+  // Exclusive prefix over the chunk summaries: afterwards block t is the state of all keys
+  // before chunk t (log-scale -inf for t = 0). Sequential and in a fixed order.
+  KeySummaries<Scalar> prefix = summarise_keys<Scalar>(kf, k_log, ve, signs, chunk);
+  {
+    RowMatrix<Scalar> running = RowMatrix<Scalar>::Zero(m, w), incoming(m, w);
+    Scalar c = kNegInf;
+    for (Index t = 0; t < prefix.log_scale.size(); ++t) {
+      incoming = prefix.block(t);
+      const Scalar c_in = prefix.log_scale(t);
+      prefix.block(t) = running;
+      prefix.log_scale(t) = c;
+      merge_scaled(running, c, incoming, c_in);
     }
   }
+  SoftmaxAccumulator<Scalar> acc(n, w - 1);
+  parallel_for(prefix.log_scale.size(), [&](Index t) {
+    const Index i0 = t * chunk, len = std::min(chunk, n - i0);
+    const auto queries = qf.middleRows(i0, len);
+    RowMatrix<Scalar> keys(len, m), weights(len, len), nd(len, w);
+    Vector<Scalar> log_rows(len);
+    weighted_keys<Scalar>(keys, kf, Vector<Scalar>(), signs, i0, len, Scalar(0));
+    gemm_fixed_depth(weights, queries, keys.transpose(), false);
+    // Causal mask, and for scaled keys the weight exp(s_j - M_i) with M_i = max_{j<=i} s_j:
+    // row i never sees a log-scale of a later key.
+    Scalar prefix_max = kNegInf;
+    for (Index i = 0; i < len; ++i) {
+      if (k_log.size() > 0) {
+        prefix_max = std::max(prefix_max, k_log(i0 + i));
+        weights.row(i).head(i + 1).array() *=
+            (k_log.segment(i0, i + 1).array() - prefix_max).exp().transpose();
+        log_rows(i) = prefix_max;
+      } else {
+        log_rows(i) = 0;
+      }
+      weights.row(i).tail(len - i - 1).setZero();
+    }
+    if (q_log.size() > 0) log_rows += q_log.segment(i0, len);
+    gemm_fixed_depth(nd, weights, ve.middleRows(i0, len), false);
+    acc.merge_rows(i0, nd, log_rows);
+    if (prefix.log_scale(t) != kNegInf) {
+      gemm_fixed_depth(nd, queries, prefix.block(t), false);
+      log_rows.setConstant(prefix.log_scale(t));
+      if (q_log.size() > 0) log_rows += q_log.segment(i0, len);
+      acc.merge_rows(i0, nd, log_rows);
+    }
+  });
   return acc;
 }
 
@@ -206,7 +239,9 @@ SoftmaxAccumulator<Scalar> linear_attention_accumulate(
   const char* where = "linear_attention";
   detail::check_linear_inputs<Scalar>(where, q_features, q_log_scale, k_features, k_log_scale, v,
                                       signs, opt);
-  const Index chunk = opt.chunk_size > 0 ? opt.chunk_size : detail::kDefaultLinearChunk;
+  const Index chunk = opt.chunk_size > 0 ? opt.chunk_size
+                      : opt.causal         ? detail::kDefaultCausalChunk
+                                           : detail::kDefaultKeyPanel;
   if (q_features.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
   const RowMatrix<Scalar> ve = detail::append_ones<Scalar>(v);
   return opt.causal ? detail::linear_causal<Scalar>(q_features, q_log_scale, k_features,

@@ -15,6 +15,28 @@
 
 namespace randattn {
 
+namespace detail {
+
+// The online-softmax merge rule: dst (relative to exp(c_dst)) absorbs src (relative to
+// exp(c_src)); a log-scale of -inf means "no weight yet". Serves accumulator rows and the
+// carried key states of linear attention alike.
+template <typename Dst, typename Src, typename Scalar>
+void merge_scaled(Dst&& dst, Scalar& c_dst, const Src& src, Scalar c_src) {
+  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  if (c_src == kNegInf) return;
+  if (c_dst == kNegInf) {
+    dst = src;
+    c_dst = c_src;
+  } else if (c_src <= c_dst) {
+    dst += std::exp(c_src - c_dst) * src;
+  } else {
+    dst = std::exp(c_dst - c_src) * dst + src;
+    c_dst = c_src;
+  }
+}
+
+}  // namespace detail
+
 template <typename Scalar_>
 class SoftmaxAccumulator {
  public:
@@ -105,17 +127,7 @@ class SoftmaxAccumulator {
  private:
   template <typename Row>
   void merge_row(Index i, const Row& incoming, Scalar c_in) {
-    Scalar& c = log_scale_(i);
-    if (c_in == -std::numeric_limits<Scalar>::infinity()) return;
-    if (c == -std::numeric_limits<Scalar>::infinity()) {
-      nd_.row(i) = incoming;
-      c = c_in;
-    } else if (c_in <= c) {
-      nd_.row(i) += std::exp(c_in - c) * incoming;
-    } else {
-      nd_.row(i) = std::exp(c - c_in) * nd_.row(i) + incoming;
-      c = c_in;
-    }
+    detail::merge_scaled(nd_.row(i), log_scale_(i), incoming, c_in);
   }
 
   Index value_dim_;

@@ -30,12 +30,19 @@ void require(bool ok, const char* where, const Parts&... parts) {
   if (!ok) fail(where, parts...);
 }
 
+// x * 0 is 0 for finite x and NaN for NaN or Inf, so one vectorised sum decides.
+template <typename Derived>
+bool all_finite(const Eigen::DenseBase<Derived>& m) {
+  using Scalar = typename Derived::Scalar;
+  return m.size() == 0 || (m.derived().array() * Scalar(0)).sum() == Scalar(0);
+}
+
 // Rejects NaN and Inf unless the caller opted out; the message names the argument
 // and the first offending position so the user can find it.
 template <typename Derived>
 void require_finite(const Eigen::DenseBase<Derived>& m, const char* where, const char* name,
                     bool check = true) {
-  if (!check || m.derived().allFinite()) return;
+  if (!check || all_finite(m)) return;
   for (Eigen::Index i = 0; i < m.rows(); ++i) {
     for (Eigen::Index j = 0; j < m.cols(); ++j) {
       const auto x = m(i, j);
@@ -51,7 +58,7 @@ template <typename Scalar>
 void require_finite(const Scalar* data, Eigen::Index count, const char* where, const char* name,
                     bool check = true) {
   if (!check) return;
-  if (Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(data, count).allFinite()) return;
+  if (all_finite(Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(data, count))) return;
   for (Eigen::Index i = 0; i < count; ++i) {
     const Scalar x = data[i];
     if (!(x == x) || x - x != x - x) {

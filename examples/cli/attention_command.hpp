@@ -1,0 +1,218 @@
+#pragma once
+// `randattn-cli attention`: attention of .npy inputs, written to a .npy output.
+
+#include <randattn/io/npy.hpp>
+
+#include <CLI/CLI.hpp>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <iostream>
+#include <limits>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "common.hpp"
+#include "methods.hpp"
+
+namespace randattn_cli {
+
+class AttentionCommand {
+ public:
+  explicit AttentionCommand(CLI::App& app) : methods_(make_methods()) {
+    std::string names;
+    for (const auto& m : methods_) names += std::string(names.empty() ? "" : ", ") + m->name();
+    cmd_ = app.add_subcommand("attention", "Compute attention of Q, K, V given as .npy files");
+    cmd_->add_option("--method", method_, "Attention method (" + names + ")")->capture_default_str();
+    cmd_->add_option("--q", q_path_, "Queries .npy: (n_q, d) or (batch, heads, n_q, d)")->required();
+    cmd_->add_option("--k", k_path_, "Keys .npy: (n_k, d) or (batch, heads, n_k, d)")->required();
+    cmd_->add_option("--v", v_path_, "Values .npy: (n_k, dv) or (batch, heads, n_k, dv)")->required();
+    cmd_->add_option("--out", out_path_, "Output .npy: (n_q, dv) or (batch, heads, n_q, dv), dtype of the inputs")
+        ->required();
+    cmd_->add_flag("--causal", settings_.causal, "Query i attends to keys j <= i only (needs n_q == n_k)");
+    scale_opt_ = cmd_->add_option("--scale", scale_, "Logit scale (default 1/sqrt(d))");
+    threads_opt_ = cmd_->add_option("--threads", threads_, "Number of OpenMP threads");
+    cmd_->add_flag("--report", report_, "Print one JSON line describing the run to stdout");
+    for (auto& m : methods_) m->add_options(*cmd_);
+  }
+
+  bool selected() const { return cmd_->parsed(); }
+
+  int run() {
+    const AttentionMethod& method = select_method();
+    if (scale_opt_->count() > 0) {
+      if (!std::isfinite(scale_)) throw CliError("--scale must be a finite number");
+      settings_.scale = scale_;
+    }
+    if (threads_opt_->count() > 0) {
+      if (threads_ < 1) throw CliError("--threads must be at least 1, got " + std::to_string(threads_));
+#ifdef _OPENMP
+      omp_set_num_threads(threads_);
+#endif
+    }
+
+    const randattn::io::NpyArray q = load("--q", q_path_);
+    const randattn::io::NpyArray k = load("--k", k_path_);
+    const randattn::io::NpyArray v = load("--v", v_path_);
+    const randattn::BatchShape shape = check_shapes(q, k, v);
+    const double scale = settings_.scale ? *settings_.scale : method.default_scale(shape.d);
+
+    Shape out_shape;
+    if (q.ndim() == 4) out_shape = {shape.batch, shape.heads};
+    out_shape.push_back(shape.n_q);
+    out_shape.push_back(shape.dv);
+
+    double seconds = 0;
+    if (q.is_float32())
+      seconds = compute<float>(method, q, k, v, shape, out_shape);
+    else
+      seconds = compute<double>(method, q, k, v, shape, out_shape);
+
+    if (report_) {
+      JsonObject json;
+      json.add("method", method.name())
+          .add("dtype", randattn::io::dtype_name(q.dtype()))
+          .add("q", q.shape)
+          .add("k", k.shape)
+          .add("v", v.shape)
+          .add("out", out_shape)
+          .add("causal", settings_.causal)
+          .add("scale", scale)
+          .add("threads", effective_threads());
+      method.report(json);
+      json.add("seconds", seconds);
+      std::cout << json.str() << std::endl;
+    }
+    return 0;
+  }
+
+ private:
+  const AttentionMethod& select_method() const {
+    const AttentionMethod* chosen = nullptr;
+    std::string names;
+    for (const auto& m : methods_) {
+      names += std::string(names.empty() ? "" : ", ") + m->name();
+      if (method_ == m->name()) chosen = m.get();
+    }
+    if (!chosen) throw CliError("unknown --method '" + method_ + "' (available: " + names + ")");
+    for (const auto& m : methods_) {
+      if (m.get() == chosen) continue;
+      for (const CLI::Option* opt : m->own_options())
+        if (opt->count() > 0)
+          throw CliError("option " + opt->get_name() + " belongs to --method " + m->name() + ", not " + method_);
+    }
+    return *chosen;
+  }
+
+  static int effective_threads() {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+  }
+
+  static randattn::io::NpyArray load(const char* flag, const std::string& path) {
+    try {
+      return randattn::io::read_npy(path);
+    } catch (const std::bad_alloc&) {
+      throw CliError(std::string(flag) + ": " + path + ": out of memory while reading");
+    } catch (const std::exception& e) {
+      throw CliError(std::string(flag) + ": " + e.what());
+    }
+  }
+
+  static randattn::BatchShape check_shapes(const randattn::io::NpyArray& q, const randattn::io::NpyArray& k,
+                                           const randattn::io::NpyArray& v) {
+    const struct {
+      const char* flag;
+      const randattn::io::NpyArray& a;
+    } inputs[] = {{"--q", q}, {"--k", k}, {"--v", v}};
+    for (const auto& in : inputs) {
+      if (in.a.ndim() != 2 && in.a.ndim() != 4)
+        throw CliError(std::string(in.flag) + ": expected a 2-D (n, d) or 4-D (batch, heads, n, d) array, got shape " +
+                       shape_str(in.a.shape));
+    }
+    const std::string shapes =
+        "q " + shape_str(q.shape) + ", k " + shape_str(k.shape) + ", v " + shape_str(v.shape);
+    if (q.dtype() != k.dtype() || q.dtype() != v.dtype())
+      throw CliError(std::string("--q, --k and --v must have the same dtype, got q ") +
+                     randattn::io::dtype_name(q.dtype()) + ", k " + randattn::io::dtype_name(k.dtype()) + ", v " +
+                     randattn::io::dtype_name(v.dtype()));
+    if (q.ndim() != k.ndim() || q.ndim() != v.ndim())
+      throw CliError("--q, --k and --v must have the same number of dimensions, got " + shapes);
+
+    const std::size_t r = q.ndim() - 2;  // index of the token axis
+    randattn::BatchShape s;
+    if (r == 2) {
+      if (k.shape[0] != q.shape[0] || v.shape[0] != q.shape[0] || k.shape[1] != q.shape[1] ||
+          v.shape[1] != q.shape[1])
+        throw CliError("batch and head dimensions of --q, --k and --v differ: " + shapes);
+      s.batch = q.shape[0];
+      s.heads = q.shape[1];
+    }
+    s.n_q = q.shape[r];
+    s.d = q.shape[r + 1];
+    s.n_k = k.shape[r];
+    s.dv = v.shape[r + 1];
+    if (k.shape[r + 1] != s.d)
+      throw CliError("--q and --k must have the same feature dimension d: " + shapes);
+    if (v.shape[r] != s.n_k)
+      throw CliError("--k and --v must have the same number of tokens n_k: " + shapes);
+    if (s.d == 0) throw CliError("feature dimension d must be positive: " + shapes);
+    if (s.n_k == 0) throw CliError("at least one key is needed: " + shapes);
+    return s;
+  }
+
+  template <typename Scalar>
+  double compute(const AttentionMethod& method, const randattn::io::NpyArray& q, const randattn::io::NpyArray& k,
+                 const randattn::io::NpyArray& v, const randattn::BatchShape& shape, const Shape& out_shape) const {
+    std::uint64_t count = 1;
+    for (std::int64_t dim : out_shape) {
+      const auto u = static_cast<std::uint64_t>(dim);
+      if (u != 0 && count > std::numeric_limits<std::uint64_t>::max() / sizeof(Scalar) / u)
+        throw CliError("output shape " + shape_str(out_shape) + " is too large");
+      count *= u;
+    }
+    std::vector<Scalar> out;
+    try {
+      out.resize(static_cast<std::size_t>(count));
+    } catch (const std::bad_alloc&) {
+      throw CliError("out of memory allocating the output " + shape_str(out_shape));
+    } catch (const std::length_error&) {
+      throw CliError("output shape " + shape_str(out_shape) + " is too large");
+    }
+
+    const auto start = std::chrono::steady_clock::now();
+    method.run(q.values<Scalar>().data(), k.values<Scalar>().data(), v.values<Scalar>().data(), out.data(), shape,
+               settings_);
+    const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
+
+    try {
+      randattn::io::write_npy(out_path_, out.data(), out_shape);
+    } catch (const std::exception& e) {
+      throw CliError(std::string("--out: ") + e.what());
+    }
+    return elapsed.count();
+  }
+
+  std::vector<std::unique_ptr<AttentionMethod>> methods_;
+  CLI::App* cmd_ = nullptr;
+  CLI::Option* scale_opt_ = nullptr;
+  CLI::Option* threads_opt_ = nullptr;
+  std::string method_ = "exact";
+  std::string q_path_, k_path_, v_path_, out_path_;
+  double scale_ = 0;
+  int threads_ = 1;
+  bool report_ = false;
+  CommonSettings settings_;
+};
+
+}  // namespace randattn_cli

@@ -1,0 +1,83 @@
+#pragma once
+// Shared helpers of randattn-cli: the error type, shape formatting and a tiny JSON writer.
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace randattn_cli {
+
+// Any user-facing failure; main() prints "randattn-cli: error: <what>" and exits with code 2.
+class CliError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+using Shape = std::vector<std::int64_t>;
+
+// "(2, 3)" — Python tuple notation, as NumPy users read shapes.
+inline std::string shape_str(const Shape& s) {
+  std::string out = "(";
+  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  if (s.size() == 1) out += ",";
+  return out + ")";
+}
+
+// One JSON object on one line, built key by key.
+class JsonObject {
+ public:
+  JsonObject& add(const std::string& key, const std::string& value) {
+    return raw(key, quote(value));
+  }
+  JsonObject& add(const std::string& key, const char* value) { return add(key, std::string(value)); }
+  JsonObject& add(const std::string& key, bool value) { return raw(key, value ? "true" : "false"); }
+  JsonObject& add(const std::string& key, int value) { return raw(key, std::to_string(value)); }
+  JsonObject& add(const std::string& key, std::int64_t value) { return raw(key, std::to_string(value)); }
+  JsonObject& add(const std::string& key, double value) {
+    if (!std::isfinite(value)) return raw(key, "null");
+    // Shortest "%g" representation that reads back as the same double.
+    char buf[32];
+    for (int prec = 1; prec <= 17; ++prec) {
+      std::snprintf(buf, sizeof buf, "%.*g", prec, value);
+      if (std::strtod(buf, nullptr) == value) break;
+    }
+    return raw(key, buf);
+  }
+  JsonObject& add(const std::string& key, const Shape& shape) {
+    std::string s = "[";
+    for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+    return raw(key, s + "]");
+  }
+  std::string str() const { return "{" + body_ + "}"; }
+
+ private:
+  JsonObject& raw(const std::string& key, const std::string& value) {
+    if (!body_.empty()) body_ += ",";
+    body_ += quote(key) + ":" + value;
+    return *this;
+  }
+  static std::string quote(const std::string& s) {
+    std::string out = "\"";
+    for (char c : s) {
+      const auto u = static_cast<unsigned char>(c);
+      if (c == '"' || c == '\\') {
+        out += '\\';
+        out += c;
+      } else if (u < 0x20) {
+        char buf[8];
+        std::snprintf(buf, sizeof buf, "\\u%04x", u);
+        out += buf;
+      } else {
+        out += c;
+      }
+    }
+    return out + "\"";
+  }
+  std::string body_;
+};
+
+}  // namespace randattn_cli

@@ -1,0 +1,57 @@
+// randattn-cli: command-line front end of randattn.
+//
+//   randattn-cli attention --method exact --q q.npy --k k.npy --v v.npy --out o.npy
+//                          [--causal] [--scale s] [--threads t] [--report]
+//
+// Exit codes: 0 on success (and for --help), 2 on any error, reported as one line on stderr
+// starting with "randattn-cli: error: ". Outputs are written atomically: on error no output file
+// is created or modified.
+
+#include <CLI/CLI.hpp>
+
+#include <exception>
+#include <iostream>
+#include <string>
+
+#include "attention_command.hpp"
+
+#ifndef RANDATTN_CLI_VERSION
+#define RANDATTN_CLI_VERSION "unknown"
+#endif
+
+namespace {
+
+int report_error(const std::string& what) {
+  std::string line = what;
+  for (char& c : line)
+    if (c == '\n' || c == '\r') c = ' ';
+  while (!line.empty() && line.back() == ' ') line.pop_back();
+  if (line.empty()) line = "unknown error";
+  std::cerr << "randattn-cli: error: " << line << std::endl;
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    CLI::App app{"randattn command-line interface: randomized and exact attention on .npy files", "randattn-cli"};
+    app.set_version_flag("--version", std::string("randattn-cli ") + RANDATTN_CLI_VERSION);
+    app.require_subcommand(1);
+    randattn_cli::AttentionCommand attention(app);
+
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+      if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
+      return report_error(e.what());
+    }
+
+    if (attention.selected()) return attention.run();
+    return report_error("no subcommand given (try --help)");
+  } catch (const std::exception& e) {
+    return report_error(e.what());
+  } catch (...) {
+    return report_error("unknown error");
+  }
+}

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Builds randattn and runs the whole test suite. Extra arguments are passed to ctest.
+set -euo pipefail
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/common.sh"
+
+randattn_require_packages
+randattn_configure_and_build
+ctest --test-dir "$RANDATTN_BUILD_DIR" --output-on-failure "$@"

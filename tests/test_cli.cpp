@@ -1,0 +1,316 @@
+// Contract tests of randattn-cli: results, the --report line, and the error contract (one line on
+// stderr starting with "randattn-cli: error: ", exit code 2, no output file written).
+#include <randattn/io/npy.hpp>
+
+#include <catch2/catch.hpp>
+
+#ifdef RANDATTN_CLI_PATH
+
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace fs = std::filesystem;
+using randattn::io::NpyArray;
+
+namespace {
+
+struct Result {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += (c == '\'') ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+// Scratch directory holding the inputs and outputs of one test case.
+class Workspace {
+ public:
+  Workspace() {
+    std::random_device rd;
+    dir_ = fs::temp_directory_path() / ("randattn_cli_test_" + std::to_string(rd()) + std::to_string(rd()));
+    fs::create_directories(dir_);
+    fs::create_directories(dir_ / "logs");
+  }
+  ~Workspace() {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  // Runs randattn-cli with `args` (already shell-quoted where needed).
+  Result run(const std::string& args) const {
+    const fs::path out = dir_ / "logs" / "stdout", err = dir_ / "logs" / "stderr";
+    const std::string cmd = quote(RANDATTN_CLI_PATH) + " " + args + " >" + quote(out.string()) + " 2>" +
+                            quote(err.string());
+    const int status = std::system(cmd.c_str());
+    Result r;
+    r.exit_code = (status != -1 && WIFEXITED(status)) ? WEXITSTATUS(status) : -1;
+    r.out = slurp(out);
+    r.err = slurp(err);
+    return r;
+  }
+
+  // Files in the workspace (logs excluded), sorted.
+  std::vector<std::string> files() const {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir_))
+      if (e.path().filename() != "logs") names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+ private:
+  fs::path dir_;
+};
+
+template <typename T>
+std::vector<T> data(std::size_t n, std::uint64_t seed) {
+  std::vector<T> v(n);
+  std::uint64_t s = seed * 0x9e3779b97f4a7c15ull + 1;
+  for (auto& x : v) {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    x = static_cast<T>(static_cast<double>(s >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+  }
+  return v;
+}
+
+template <typename T>
+void save(const Workspace& ws, const std::string& name, const std::vector<std::int64_t>& shape, std::uint64_t seed) {
+  std::size_t n = 1;
+  for (auto d : shape) n *= static_cast<std::size_t>(d);
+  randattn::io::write_npy(ws.path(name), data<T>(n, seed), shape);
+}
+
+// Softmax attention in double, slice by slice, for (batch*heads) row-major slices.
+template <typename T>
+std::vector<double> reference(const std::vector<T>& q, const std::vector<T>& k, const std::vector<T>& v,
+                              std::int64_t slices, std::int64_t nq, std::int64_t nk, std::int64_t d, std::int64_t dv,
+                              double scale, bool causal) {
+  std::vector<double> out(static_cast<std::size_t>(slices * nq * dv), 0.0);
+  for (std::int64_t s = 0; s < slices; ++s) {
+    for (std::int64_t i = 0; i < nq; ++i) {
+      const std::int64_t lim = causal ? i + 1 : nk;
+      std::vector<double> logits(static_cast<std::size_t>(lim));
+      double mx = -INFINITY;
+      for (std::int64_t j = 0; j < lim; ++j) {
+        double dot = 0;
+        for (std::int64_t c = 0; c < d; ++c) dot += double(q[(s * nq + i) * d + c]) * double(k[(s * nk + j) * d + c]);
+        logits[j] = scale * dot;
+        mx = std::max(mx, logits[j]);
+      }
+      double den = 0;
+      for (auto& l : logits) den += (l = std::exp(l - mx));
+      for (std::int64_t j = 0; j < lim; ++j)
+        for (std::int64_t c = 0; c < dv; ++c)
+          out[(s * nq + i) * dv + c] += logits[j] / den * double(v[(s * nk + j) * dv + c]);
+    }
+  }
+  return out;
+}
+
+void require_error(const Workspace& ws, const std::string& args, const std::string& phrase = "") {
+  const std::vector<std::string> before = ws.files();
+  const Result r = ws.run(args);
+  INFO("args: " << args << "\nstderr: " << r.err << "\nstdout: " << r.out);
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.empty());
+  CHECK(r.err.rfind("randattn-cli: error: ", 0) == 0);
+  REQUIRE(!r.err.empty());
+  CHECK(r.err.back() == '\n');
+  CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  if (!phrase.empty()) CHECK(r.err.find(phrase) != std::string::npos);
+  CHECK(ws.files() == before);  // no output, no temporary left behind
+}
+
+}  // namespace
+
+TEST_CASE("cli: --help exits 0", "[cli]") {
+  Workspace ws;
+  Result r = ws.run("--help");
+  CHECK(r.exit_code == 0);
+  CHECK(r.out.find("attention") != std::string::npos);
+  r = ws.run("attention --help");
+  CHECK(r.exit_code == 0);
+  CHECK(r.out.find("--method") != std::string::npos);
+  CHECK(r.out.find("--causal") != std::string::npos);
+}
+
+TEST_CASE("cli: 2-D float32 exact attention", "[cli]") {
+  Workspace ws;
+  save<float>(ws, "q.npy", {5, 4}, 1);
+  save<float>(ws, "k.npy", {7, 4}, 2);
+  save<float>(ws, "v.npy", {7, 3}, 3);
+  const Result r = ws.run("attention --method exact --q " + quote(ws.path("q.npy")) + " --k " +
+                          quote(ws.path("k.npy")) + " --v " + quote(ws.path("v.npy")) + " --out " +
+                          quote(ws.path("o.npy")));
+  INFO("stderr: " << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.empty());
+  CHECK(r.err.empty());
+  const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));
+  CHECK(o.shape == std::vector<std::int64_t>{5, 3});
+  REQUIRE(o.is_float32());
+  const auto ref = reference(data<float>(20, 1), data<float>(28, 2), data<float>(21, 3), 1, 5, 7, 4, 3, 0.5, false);
+  for (std::size_t i = 0; i < ref.size(); ++i) CHECK(o.values<float>()[i] == Approx(ref[i]).margin(1e-5));
+  CHECK(ws.files() == std::vector<std::string>{"k.npy", "o.npy", "q.npy", "v.npy"});
+}
+
+TEST_CASE("cli: 4-D float64 causal attention with --report", "[cli]") {
+  Workspace ws;
+  save<double>(ws, "q.npy", {2, 3, 6, 4}, 4);
+  save<double>(ws, "k.npy", {2, 3, 6, 4}, 5);
+  save<double>(ws, "v.npy", {2, 3, 6, 5}, 6);
+  const Result r = ws.run("attention --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
+                          quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy")) +
+                          " --causal --scale 0.3 --threads 2 --report");
+  INFO("stderr: " << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.err.empty());
+
+  const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));
+  CHECK(o.shape == std::vector<std::int64_t>{2, 3, 6, 5});
+  REQUIRE(o.is_float64());
+  const auto ref = reference(data<double>(144, 4), data<double>(144, 5), data<double>(180, 6), 6, 6, 6, 4, 5, 0.3, true);
+  for (std::size_t i = 0; i < ref.size(); ++i) CHECK(o.values<double>()[i] == Approx(ref[i]).margin(1e-12));
+
+  // Exactly one JSON object on one line.
+  REQUIRE(std::count(r.out.begin(), r.out.end(), '\n') == 1);
+  REQUIRE(r.out.back() == '\n');
+  const std::string line = r.out.substr(0, r.out.size() - 1);
+  const std::string head =
+      R"({"method":"exact","dtype":"float64","q":[2,3,6,4],"k":[2,3,6,4],"v":[2,3,6,5],"out":[2,3,6,5],)"
+      R"("causal":true,"scale":0.3,"threads":)";
+  CHECK(line.rfind(head, 0) == 0);
+  const std::size_t sec = line.find(",\"seconds\":");
+  REQUIRE(sec != std::string::npos);
+  const std::string threads = line.substr(head.size(), sec - head.size());
+  CHECK((threads == "1" || threads == "2"));
+  const std::string seconds = line.substr(sec + 11, line.size() - sec - 12);
+  char* end = nullptr;
+  const double s = std::strtod(seconds.c_str(), &end);
+  CHECK(*end == '\0');
+  CHECK(s >= 0.0);
+  CHECK(line.back() == '}');
+}
+
+TEST_CASE("cli: --report shows the default scale 1/sqrt(d)", "[cli]") {
+  Workspace ws;
+  save<float>(ws, "q.npy", {3, 64}, 7);
+  save<float>(ws, "k.npy", {4, 64}, 8);
+  save<float>(ws, "v.npy", {4, 2}, 9);
+  const Result r = ws.run("attention --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
+                          quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy")) + " --report");
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find(R"("dtype":"float32")") != std::string::npos);
+  CHECK(r.out.find(R"("causal":false,"scale":0.125,)") != std::string::npos);
+  CHECK(r.out.find(R"("out":[3,2])") != std::string::npos);
+}
+
+TEST_CASE("cli: every failure is one stderr line, exit code 2 and no output", "[cli]") {
+  Workspace ws;
+  save<float>(ws, "q.npy", {5, 4}, 1);
+  save<float>(ws, "k.npy", {7, 4}, 2);
+  save<float>(ws, "v.npy", {7, 3}, 3);
+  save<float>(ws, "q3d.npy", {1, 5, 4}, 1);
+  save<float>(ws, "q1d.npy", {4}, 1);
+  save<float>(ws, "k_d5.npy", {7, 5}, 2);
+  save<float>(ws, "v_n6.npy", {6, 3}, 3);
+  save<double>(ws, "v_f64.npy", {7, 3}, 3);
+  save<float>(ws, "q4d.npy", {1, 2, 5, 4}, 1);
+  save<float>(ws, "k4d.npy", {1, 2, 7, 4}, 1);
+  save<float>(ws, "v4d_b2.npy", {2, 2, 7, 3}, 1);
+  save<float>(ws, "k0.npy", {0, 4}, 1);
+  save<float>(ws, "v0.npy", {0, 3}, 1);
+  {
+    std::vector<float> bad = data<float>(20, 1);
+    bad[7] = NAN;
+    randattn::io::write_npy(ws.path("q_nan.npy"), bad, {5, 4});
+    std::vector<float> inf = data<float>(21, 3);
+    inf[20] = INFINITY;
+    randattn::io::write_npy(ws.path("v_inf.npy"), inf, {7, 3});
+  }
+  {
+    std::ofstream(ws.path("garbage.npy")) << "this is not an npy file";
+    std::ofstream f(ws.path("int.npy"), std::ios::binary);
+    std::string header = "{'descr': '<i4', 'fortran_order': False, 'shape': (5, 4), }";
+    header.append(128 - 10 - header.size() - 1, ' ');
+    header += '\n';
+    f << std::string("\x93NUMPY\x01\x00", 8) << static_cast<char>(header.size()) << '\0' << header
+      << std::string(80, '\0');
+  }
+  const std::string q = " --q " + quote(ws.path("q.npy"));
+  const std::string k = " --k " + quote(ws.path("k.npy"));
+  const std::string v = " --v " + quote(ws.path("v.npy"));
+  const std::string out = " --out " + quote(ws.path("o.npy"));
+  auto with = [&](const std::string& flag, const std::string& file) { return " --" + flag + " " + quote(ws.path(file)); };
+
+  SECTION("unreadable or malformed input") {
+    require_error(ws, "attention" + with("q", "missing.npy") + k + v + out, "missing.npy: no such file");
+    require_error(ws, "attention" + with("q", "garbage.npy") + k + v + out, "bad magic");
+    require_error(ws, "attention" + q + with("k", "int.npy") + v + out, "unsupported dtype '<i4'");
+    require_error(ws, "attention" + q + k + with("v", "logs") + out, "is a directory");
+  }
+  SECTION("wrong number of dimensions") {
+    require_error(ws, "attention" + with("q", "q3d.npy") + k + v + out, "got shape (1, 5, 4)");
+    require_error(ws, "attention" + with("q", "q1d.npy") + k + v + out, "got shape (4,)");
+    require_error(ws, "attention" + with("q", "q4d.npy") + k + v + out, "same number of dimensions");
+  }
+  SECTION("mismatched shapes and dtypes") {
+    require_error(ws, "attention" + q + with("k", "k_d5.npy") + v + out, "feature dimension");
+    require_error(ws, "attention" + q + k + with("v", "v_n6.npy") + out, "number of tokens");
+    require_error(ws, "attention" + q + k + with("v", "v_f64.npy") + out, "same dtype");
+    require_error(ws, "attention" + with("q", "q4d.npy") + with("k", "k4d.npy") + with("v", "v4d_b2.npy") + out,
+                  "batch and head");
+    require_error(ws, "attention" + q + with("k", "k0.npy") + with("v", "v0.npy") + out, "at least one key");
+    require_error(ws, "attention --causal" + q + k + v + out);  // causal needs n_q == n_k
+  }
+  SECTION("non-finite input") {
+    require_error(ws, "attention" + with("q", "q_nan.npy") + k + v + out, "non-finite");
+    require_error(ws, "attention" + q + k + with("v", "v_inf.npy") + out, "non-finite");
+  }
+  SECTION("unknown method, flags and subcommands; bad option values") {
+    require_error(ws, "attention --method favor" + q + k + v + out, "unknown --method 'favor'");
+    require_error(ws, "attention --bogus" + q + k + v + out);
+    require_error(ws, "attention" + q + k + v);  // --out missing
+    require_error(ws, "");
+    require_error(ws, "frobnicate");
+    require_error(ws, "attention --threads 0" + q + k + v + out, "--threads");
+    require_error(ws, "attention --scale nan" + q + k + v + out);
+    require_error(ws, "attention --scale abc" + q + k + v + out);
+  }
+  SECTION("unwritable output") {
+    require_error(ws, "attention" + q + k + v + with("out", "no_dir/o.npy"), "--out");
+    fs::create_directory(ws.path("taken"));
+    require_error(ws, "attention" + q + k + v + with("out", "taken"), "--out");
+  }
+  SECTION("a failed run leaves an existing output untouched") {
+    std::ofstream(ws.path("o.npy")) << "previous";
+    require_error(ws, "attention" + with("q", "q_nan.npy") + k + v + out);
+    CHECK(slurp(ws.path("o.npy")) == "previous");
+  }
+}
+
+#else
+
+TEST_CASE("cli: randattn-cli not built, contract tests skipped", "[cli]") {
+  WARN("RANDATTN_BUILD_EXAMPLES is OFF: randattn-cli contract tests skipped");
+}
+
+#endif

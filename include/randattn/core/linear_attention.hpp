@@ -77,11 +77,25 @@ void check_linear_inputs(const char* where, const Eigen::Ref<const RowMatrix<Sca
     require(qf.cols() > 0, where, "feature dimension must be >= 1 (q_features ", shape_of(qf),
             ")");
   }
-  require_finite(qf, where, "q_features", opt.check_finite);
-  require_finite(kf, where, "k_features", opt.check_finite);
-  require_finite(v, where, "v", opt.check_finite);
+  // The feature matrices are checked after the products (see reject_non_finite_features); the
+  // log-scales feed maxima and exponentials, so they are checked now.
   require_finite(q_log, where, "q_log_scale", opt.check_finite);
   require_finite(k_log, where, "k_log_scale", opt.check_finite);
+}
+
+// Every product term of a NaN or Inf input entry reaches some output row (IEEE: NaN and
+// Inf * 0 give NaN, masked entries are overwritten, not multiplied), so one scan of the small
+// n x (dv+1) result replaces three scans of the large inputs; only when it finds a non-finite
+// value are the inputs scanned to name the offending entry.
+template <typename Scalar>
+void reject_non_finite_features(const char* where, const SoftmaxAccumulator<Scalar>& acc,
+                                const Eigen::Ref<const RowMatrix<Scalar>>& qf,
+                                const Eigen::Ref<const RowMatrix<Scalar>>& kf,
+                                const Eigen::Ref<const RowMatrix<Scalar>>& v) {
+  if (all_finite(acc.numden())) return;
+  require_finite(qf, where, "q_features");
+  require_finite(kf, where, "k_features");
+  require_finite(v, where, "v");
 }
 
 // Per-chunk key summaries T_t = K'_t^T [V_t | 1] (signs applied), each relative to
@@ -244,10 +258,13 @@ SoftmaxAccumulator<Scalar> linear_attention_accumulate(
                                            : detail::kDefaultKeyPanel;
   if (q_features.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
   const RowMatrix<Scalar> ve = detail::append_ones<Scalar>(v);
-  return opt.causal ? detail::linear_causal<Scalar>(q_features, q_log_scale, k_features,
-                                                    k_log_scale, ve, signs, chunk)
-                    : detail::linear_bidirectional<Scalar>(q_features, q_log_scale, k_features,
-                                                           k_log_scale, ve, signs, chunk);
+  SoftmaxAccumulator<Scalar> acc =
+      opt.causal ? detail::linear_causal<Scalar>(q_features, q_log_scale, k_features, k_log_scale,
+                                                 ve, signs, chunk)
+                 : detail::linear_bidirectional<Scalar>(q_features, q_log_scale, k_features,
+                                                        k_log_scale, ve, signs, chunk);
+  if (opt.check_finite) detail::reject_non_finite_features(where, acc, q_features, k_features, v);
+  return acc;
 }
 
 // Normalised linear attention D^{-1} Q'(K'^T [V | 1]) for scaled features.

@@ -18,10 +18,17 @@ constexpr Index kMaxGemmDepth = 256;
 template <typename Out, typename A, typename B>
 void gemm_fixed_depth(Out&& out, const A& a, const B& b, bool accumulate) {
   const Index depth = a.cols();
-  if (!accumulate) out.setZero();
+  if (depth == 0) {
+    if (!accumulate) out.setZero();
+    return;
+  }
   for (Index k0 = 0; k0 < depth; k0 += kMaxGemmDepth) {
     const Index kb = std::min(kMaxGemmDepth, depth - k0);
-    out.noalias() += a.middleCols(k0, kb) * b.middleRows(k0, kb);
+    if (k0 == 0 && !accumulate) {
+      out.noalias() = a.middleCols(k0, kb) * b.middleRows(k0, kb);
+    } else {
+      out.noalias() += a.middleCols(k0, kb) * b.middleRows(k0, kb);
+    }
   }
 }
 

@@ -2,6 +2,8 @@
 // Always-on argument checks for public entry points. Each failure throws
 // std::invalid_argument with a message naming the function, the argument and the shapes.
 
+#include <cmath>
+#include <limits>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -30,11 +32,25 @@ void require(bool ok, const char* where, const Parts&... parts) {
   if (!ok) fail(where, parts...);
 }
 
-// x * 0 is 0 for finite x and NaN for NaN or Inf, so one vectorised sum decides.
+// A branch-free scan over contiguous storage (the compiler vectorises it) for the common case
+// of direct-access inputs; Eigen's own allFinite for anything else.
 template <typename Derived>
 bool all_finite(const Eigen::DenseBase<Derived>& m) {
   using Scalar = typename Derived::Scalar;
-  return m.size() == 0 || (m.derived().array() * Scalar(0)).sum() == Scalar(0);
+  const Derived& x = m.derived();
+  if constexpr (bool(Derived::Flags & Eigen::DirectAccessBit) &&
+                Derived::InnerStrideAtCompileTime == 1) {
+    const Scalar largest = std::numeric_limits<Scalar>::max();
+    for (Eigen::Index o = 0; o < x.outerSize(); ++o) {
+      const Scalar* p = x.data() + o * x.outerStride();
+      int bad = 0;
+      for (Eigen::Index i = 0; i < x.innerSize(); ++i) bad |= !(std::abs(p[i]) <= largest);
+      if (bad) return false;
+    }
+    return true;
+  } else {
+    return x.allFinite();
+  }
 }
 
 // Rejects NaN and Inf unless the caller opted out; the message names the argument

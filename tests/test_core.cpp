@@ -262,6 +262,16 @@ TEST_CASE("Linear core validates its arguments", "[core][linear][validation]") {
   LinearOptions unchecked;
   unchecked.check_finite = false;
   CHECK_NOTHROW(call(q, nan_k, v, none, none, none, unchecked));
+  M nan_v = v;
+  nan_v(4, 0) = std::numeric_limits<double>::quiet_NaN();
+  CHECK_THROWS_WITH(call(q, k, nan_v, none, none, none), Catch::Contains("v (5x2)"));
+  M inf_q = q;
+  inf_q(0, 2) = -std::numeric_limits<double>::infinity();
+  CHECK_THROWS_WITH(call(inf_q, k, v, none, none, none), Catch::Contains("q_features (4x3)"));
+  CHECK_THROWS_AS(call(q, k, v, none, Vector<double>::Constant(5, std::nan("")), none), std::invalid_argument);
+  // Finite features whose products overflow: a clear error, never Inf or NaN.
+  CHECK_THROWS_WITH(call(M::Constant(4, 3, 1e200), M::Constant(5, 3, 1e200), v, none, none, none),
+                    Catch::Contains("overflowed"));
 
   // Edge cases: no queries gives an empty result; one token and one feature work.
   CHECK(call(M(0, 3), k, v, none, none, none).finalize().rows() == 0);

@@ -104,6 +104,17 @@ TEST_CASE("Exact attention validates its arguments", "[exact][validation]") {
     CHECK(what.find("exact_attention") != std::string::npos);
     CHECK(what.find("q (4x3)") != std::string::npos);
   }
+  // Finite inputs whose logits overflow: a clear error, never NaN.
+  try {
+    randattn::exact_attention(M::Constant(4, 3, 1e200), M::Constant(5, 3, 1e200), v);
+    FAIL("overflowing logits were accepted");
+  } catch (const std::invalid_argument& e) {
+    CHECK(std::string(e.what()).find("overflowed") != std::string::npos);
+  }
+  // Opting out of the check lets non-finite values propagate.
+  ExactOptions unchecked;
+  unchecked.check_finite = false;
+  CHECK_FALSE(randattn::exact_attention(inf_q, k, v, unchecked).allFinite());
   try {
     randattn::exact_attention(q, M::Ones(5, 4), v);
   } catch (const std::invalid_argument& e) {

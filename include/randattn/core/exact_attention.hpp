@@ -51,11 +51,20 @@ Scalar check_exact_inputs(const char* where, const Eigen::Ref<const RowMatrix<Sc
   }
   require(!opt.scale || std::isfinite(*opt.scale), where, "scale must be finite, got ",
           opt.scale ? *opt.scale : 0.0);
-  require_finite(q, where, "q", opt.check_finite);
-  require_finite(k, where, "k", opt.check_finite);
-  require_finite(v, where, "v", opt.check_finite);
   const double scale = opt.scale ? *opt.scale : 1.0 / std::sqrt(double(std::max<Index>(q.cols(), 1)));
   return static_cast<Scalar>(scale);
+}
+
+// Names the first non-finite entry of q, k or v (see check_result_finite).
+template <typename Scalar>
+auto exact_input_scan(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                      const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                      const Eigen::Ref<const RowMatrix<Scalar>>& v) {
+  return [=, &q, &k, &v] {
+    require_finite(q, where, "q");
+    require_finite(k, where, "k");
+    require_finite(v, where, "v");
+  };
 }
 
 template <typename Scalar>
@@ -107,7 +116,10 @@ SoftmaxAccumulator<Scalar> exact_attention_accumulate(const Eigen::Ref<const Row
                                                       const ExactOptions& opt = {}) {
   const Scalar scale = detail::check_exact_inputs<Scalar>("exact_attention", q, k, v, opt);
   const Index block = opt.block_size > 0 ? opt.block_size : detail::kDefaultExactBlock;
-  return detail::exact_tiled<Scalar>(q, k, v, scale, opt.causal, block);
+  SoftmaxAccumulator<Scalar> acc = detail::exact_tiled<Scalar>(q, k, v, scale, opt.causal, block);
+  detail::check_result_finite("exact_attention", acc.numden(), opt.check_finite,
+                              detail::exact_input_scan<Scalar>("exact_attention", q, k, v));
+  return acc;
 }
 
 // softmax(scale * Q K^T [masked]) V, tiled: q n_q x d, k n_k x d, v n_k x dv -> n_q x dv.
@@ -134,6 +146,7 @@ RowMatrix<typename DQ::Scalar> naive_attention(const Eigen::MatrixBase<DQ>& q,
   using Scalar = typename DQ::Scalar;
   const RowMatrix<Scalar> qm = q, km = k, vm = v;
   const Scalar scale = detail::check_exact_inputs<Scalar>("naive_attention", qm, km, vm, opt);
+  if (opt.check_finite) detail::exact_input_scan<Scalar>("naive_attention", qm, km, vm)();
   RowMatrix<Scalar> p = (scale * qm) * km.transpose();
   if (opt.causal) {
     for (Index i = 0; i < p.rows(); ++i)

@@ -77,25 +77,22 @@ void check_linear_inputs(const char* where, const Eigen::Ref<const RowMatrix<Sca
     require(qf.cols() > 0, where, "feature dimension must be >= 1 (q_features ", shape_of(qf),
             ")");
   }
-  // The feature matrices are checked after the products (see reject_non_finite_features); the
-  // log-scales feed maxima and exponentials, so they are checked now.
+  // The feature matrices are checked through the result (check_result_finite); the log-scales
+  // feed maxima and exponentials, so they are checked now.
   require_finite(q_log, where, "q_log_scale", opt.check_finite);
   require_finite(k_log, where, "k_log_scale", opt.check_finite);
 }
 
-// Every product term of a NaN or Inf input entry reaches some output row (IEEE: NaN and
-// Inf * 0 give NaN, masked entries are overwritten, not multiplied), so one scan of the small
-// n x (dv+1) result replaces three scans of the large inputs; only when it finds a non-finite
-// value are the inputs scanned to name the offending entry.
+// Names the first non-finite entry of the feature and value inputs (see check_result_finite).
 template <typename Scalar>
-void reject_non_finite_features(const char* where, const SoftmaxAccumulator<Scalar>& acc,
-                                const Eigen::Ref<const RowMatrix<Scalar>>& qf,
-                                const Eigen::Ref<const RowMatrix<Scalar>>& kf,
-                                const Eigen::Ref<const RowMatrix<Scalar>>& v) {
-  if (all_finite(acc.numden())) return;
-  require_finite(qf, where, "q_features");
-  require_finite(kf, where, "k_features");
-  require_finite(v, where, "v");
+auto linear_input_scan(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& qf,
+                       const Eigen::Ref<const RowMatrix<Scalar>>& kf,
+                       const Eigen::Ref<const RowMatrix<Scalar>>& v) {
+  return [=, &qf, &kf, &v] {
+    require_finite(qf, where, "q_features");
+    require_finite(kf, where, "k_features");
+    require_finite(v, where, "v");
+  };
 }
 
 // Per-chunk key summaries T_t = K'_t^T [V_t | 1] (signs applied), each relative to
@@ -263,7 +260,8 @@ SoftmaxAccumulator<Scalar> linear_attention_accumulate(
                                                  ve, signs, chunk)
                  : detail::linear_bidirectional<Scalar>(q_features, q_log_scale, k_features,
                                                         k_log_scale, ve, signs, chunk);
-  if (opt.check_finite) detail::reject_non_finite_features(where, acc, q_features, k_features, v);
+  detail::check_result_finite(where, acc.numden(), opt.check_finite,
+                              detail::linear_input_scan<Scalar>(where, q_features, k_features, v));
   return acc;
 }
 
@@ -274,9 +272,11 @@ RowMatrix<Scalar> linear_attention(const ScaledFeatures<Scalar>& q, const Scaled
                                    const Vector<Scalar>& signs = Vector<Scalar>()) {
   static_assert(std::is_same<Scalar, typename DV::Scalar>::value,
                 "features and values must share the scalar type");
-  return linear_attention_accumulate<Scalar>(q.values, q.log_scale, k.values, k.log_scale, v,
-                                             signs, opt)
-      .finalize(static_cast<Scalar>(opt.denominator_epsilon));
+  RowMatrix<Scalar> out = linear_attention_accumulate<Scalar>(q.values, q.log_scale, k.values,
+                                                             k.log_scale, v, signs, opt)
+                              .finalize(static_cast<Scalar>(opt.denominator_epsilon));
+  detail::check_result_finite("linear_attention", out, opt.check_finite, [] {});
+  return out;
 }
 
 // Normalised linear attention for plain feature matrices (no log-scales, no signs).
@@ -290,8 +290,11 @@ RowMatrix<typename DQ::Scalar> linear_attention(const Eigen::MatrixBase<DQ>& q_f
                     std::is_same<Scalar, typename DV::Scalar>::value,
                 "q_features, k_features and v must share the scalar type");
   const Vector<Scalar> none;
-  return linear_attention_accumulate<Scalar>(q_features, none, k_features, none, v, none, opt)
-      .finalize(static_cast<Scalar>(opt.denominator_epsilon));
+  RowMatrix<Scalar> out =
+      linear_attention_accumulate<Scalar>(q_features, none, k_features, none, v, none, opt)
+          .finalize(static_cast<Scalar>(opt.denominator_epsilon));
+  detail::check_result_finite("linear_attention", out, opt.check_finite, [] {});
+  return out;
 }
 
 // Batched multi-head linear attention over contiguous row-major buffers:
@@ -325,6 +328,7 @@ void linear_attention_batched(const Scalar* q_features, const Scalar* q_log_scal
     Eigen::Map<RowMatrix<Scalar>> o(out + s * shape.n_q * shape.dv, shape.n_q, shape.dv);
     linear_attention_accumulate<Scalar>(qf, ql, kf, kl, vs, sign_map, opt)
         .finalize_into(o, static_cast<Scalar>(opt.denominator_epsilon));
+    detail::check_result_finite(where, o, opt.check_finite, [] {});
   });
 }
 

@@ -84,4 +84,18 @@ void require_finite(const Scalar* data, Eigen::Index count, const char* where, c
   }
 }
 
+// Post-condition of every computation on finite inputs. A NaN or Inf input entry always reaches
+// the result (IEEE: NaN and Inf * 0 give NaN; masked entries are overwritten, not multiplied),
+// so one scan of the small result replaces scans of the large inputs before the work. When the
+// result is not finite, scan_inputs() throws naming the first non-finite input entry; if every
+// input is finite the result overflowed, which is reported too: never silent NaN or Inf.
+template <typename Result, typename ScanInputs>
+void check_result_finite(const char* where, const Eigen::DenseBase<Result>& result, bool check,
+                         ScanInputs&& scan_inputs) {
+  if (!check || all_finite(result)) return;
+  scan_inputs();
+  fail(where, "the result overflowed the floating-point range although every input is finite; ",
+       "rescale the inputs or the logit scale");
+}
+
 }  // namespace randattn::detail

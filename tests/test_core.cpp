@@ -280,7 +280,7 @@ TEST_CASE("Linear core validates its arguments", "[core][linear][validation]") {
 }
 
 TEMPLATE_TEST_CASE("Batched linear attention equals per-slice calls for any thread count",
-                   "[core][linear][batched]", float, double) {
+                   "[core][linear][batched][threads]", float, double) {
   using Scalar = TestType;
   randattn::BatchShape shape;
   shape.batch = 2;

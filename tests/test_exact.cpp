@@ -125,7 +125,7 @@ TEST_CASE("Exact attention validates its arguments", "[exact][validation]") {
 }
 
 TEMPLATE_TEST_CASE("Batched exact attention equals per-slice calls for any thread count",
-                   "[exact][batched]", float, double) {
+                   "[exact][batched][threads]", float, double) {
   using Scalar = TestType;
   randattn::BatchShape shape;
   shape.batch = 2;

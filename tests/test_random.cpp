@@ -37,7 +37,7 @@ TEST_CASE("Philox stream matches Random123's published known-answer vectors", "[
   }
 }
 
-TEMPLATE_TEST_CASE("Fills are pure functions of (seed, stream, i, j)", "[random]", float, double) {
+TEMPLATE_TEST_CASE("Fills are pure functions of (seed, stream, i, j)", "[random][threads]", float, double) {
   const Philox rng(20261130, 3);
   RowMatrix<TestType> row_major(37, 23);
   Eigen::Matrix<TestType, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor> col_major(37, 23);

@@ -52,6 +52,8 @@ Scalar check_exact_inputs(const char* where, const Eigen::Ref<const RowMatrix<Sc
   require(!opt.scale || std::isfinite(*opt.scale), where, "scale must be finite, got ",
           opt.scale ? *opt.scale : 0.0);
   const double scale = opt.scale ? *opt.scale : 1.0 / std::sqrt(double(std::max<Index>(q.cols(), 1)));
+  require(std::isfinite(static_cast<Scalar>(scale)), where, "scale ", scale,
+          " is not representable in the input's floating-point type");
   return static_cast<Scalar>(scale);
 }
 
@@ -117,8 +119,10 @@ SoftmaxAccumulator<Scalar> exact_attention_accumulate(const Eigen::Ref<const Row
   const Scalar scale = detail::check_exact_inputs<Scalar>("exact_attention", q, k, v, opt);
   const Index block = opt.block_size > 0 ? opt.block_size : detail::kDefaultExactBlock;
   SoftmaxAccumulator<Scalar> acc = detail::exact_tiled<Scalar>(q, k, v, scale, opt.causal, block);
-  detail::check_result_finite("exact_attention", acc.numden(), opt.check_finite,
-                              detail::exact_input_scan<Scalar>("exact_attention", q, k, v));
+  const auto scan = detail::exact_input_scan<Scalar>("exact_attention", q, k, v);
+  detail::check_result_finite("exact_attention", acc.numden(), opt.check_finite, scan);
+  // Every row has a valid key, so a log-scale of -inf means all its logits overflowed to -inf.
+  detail::check_result_finite("exact_attention", acc.log_scale(), opt.check_finite, scan);
   return acc;
 }
 
@@ -146,7 +150,7 @@ RowMatrix<typename DQ::Scalar> naive_attention(const Eigen::MatrixBase<DQ>& q,
   using Scalar = typename DQ::Scalar;
   const RowMatrix<Scalar> qm = q, km = k, vm = v;
   const Scalar scale = detail::check_exact_inputs<Scalar>("naive_attention", qm, km, vm, opt);
-  if (opt.check_finite) detail::exact_input_scan<Scalar>("naive_attention", qm, km, vm)();
+
   RowMatrix<Scalar> p = (scale * qm) * km.transpose();
   if (opt.causal) {
     for (Index i = 0; i < p.rows(); ++i)
@@ -156,7 +160,10 @@ RowMatrix<typename DQ::Scalar> naive_attention(const Eigen::MatrixBase<DQ>& q,
     p.row(i).array() = (p.row(i).array() - p.row(i).maxCoeff()).exp();
     p.row(i) /= p.row(i).sum();
   }
-  return p * vm;
+  RowMatrix<Scalar> out = p * vm;
+  detail::check_result_finite("naive_attention", out, opt.check_finite,
+                              detail::exact_input_scan<Scalar>("naive_attention", qm, km, vm));
+  return out;
 }
 
 // Batched multi-head exact attention over contiguous row-major buffers:

@@ -79,8 +79,15 @@ void check_linear_inputs(const char* where, const Eigen::Ref<const RowMatrix<Sca
   }
   // The feature matrices are checked through the result (check_result_finite); the log-scales
   // feed maxima and exponentials, so they are checked now.
-  require_finite(q_log, where, "q_log_scale", opt.check_finite);
-  require_finite(k_log, where, "k_log_scale", opt.check_finite);
+  // Log-scales are logarithms: realistic ones are far below 1e4. The bound keeps every sum and
+  // difference of two of them finite, so no row is mistaken for "no weight" (log-scale -inf).
+  const Scalar log_bound = std::numeric_limits<Scalar>::max() / 4;
+  for (const auto* log_scale : {&q_log, &k_log}) {
+    const char* name = log_scale == &q_log ? "q_log_scale" : "k_log_scale";
+    require_finite(*log_scale, where, name, opt.check_finite);
+    require(log_scale->size() == 0 || log_scale->cwiseAbs().maxCoeff() <= log_bound, where, name,
+            " has an entry of magnitude above ", log_bound);
+  }
 }
 
 // Names the first non-finite entry of the feature and value inputs (see check_result_finite).

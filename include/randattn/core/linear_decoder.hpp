@@ -91,7 +91,9 @@ class LinearDecoderState {
     const Scalar den =
         SoftmaxAccumulator<Scalar>::guarded_denominator(nd(value_dim()), epsilon_);
     if (den == Scalar(0)) return RowVector::Zero(value_dim());
-    return nd.head(value_dim()) / den;
+    RowVector out = nd.head(value_dim()) / den;
+    detail::check_result_finite("LinearDecoderState::query", out, true, [] {});
+    return out;
   }
 
   void reset() {

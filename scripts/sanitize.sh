@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Builds the test suite with clang under AddressSanitizer + UndefinedBehaviorSanitizer and runs
+# all of it (halting on the first report), then under ThreadSanitizer and runs the tests tagged
+# [threads]. OpenMP comes from LLVM's libomp with its Archer tool, which tells ThreadSanitizer
+# about OpenMP's own synchronisation.
+set -euo pipefail
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/common.sh"
+
+RANDATTN_PACKAGES+=(clang libclang-rt-14-dev libomp-14-dev)
+randattn_require_packages
+
+archer=/usr/lib/llvm-14/lib/libarcher.so
+sanitized_build() {  # <dir> <sanitizers> <targets...>
+    local dir=$1 sanitizers=$2
+    shift 2
+    cmake -S "$RANDATTN_ROOT" -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+        -DCMAKE_CXX_COMPILER=clang++ -DRANDATTN_SANITIZE="$sanitizers" \
+        -DRANDATTN_BUILD_BENCHMARKS=OFF -DRANDATTN_INSTALL=OFF
+    cmake --build "$dir" -j"$(nproc)" --target "$@"
+}
+
+randattn_log "AddressSanitizer + UndefinedBehaviorSanitizer: whole test suite"
+sanitized_build "$RANDATTN_ROOT/build-asan" address,undefined randattn_tests randattn-cli
+ASAN_OPTIONS=halt_on_error=1:detect_leaks=1:abort_on_error=1 \
+UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+    ctest --test-dir "$RANDATTN_ROOT/build-asan" --output-on-failure --label-exclude packaging
+
+randattn_log "ThreadSanitizer: multi-threaded tests"
+sanitized_build "$RANDATTN_ROOT/build-tsan" thread randattn_tests
+TSAN_OPTIONS=halt_on_error=1 OMP_TOOL_LIBRARIES="$archer" OMP_NUM_THREADS=2 \
+    "$RANDATTN_ROOT/build-tsan/tests/randattn_tests" "[threads]"

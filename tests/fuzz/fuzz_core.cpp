@@ -1,0 +1,156 @@
+// The core's public entry points driven by fuzzed shapes, options and values (NaN, Inf,
+// denormals, huge and tiny magnitudes included). Every call either throws
+// std::invalid_argument or returns a result of the right shape with finite entries; softmax
+// outputs are convex combinations of the value rows.
+#include <fuzzer/FuzzedDataProvider.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+
+#include <randattn/randattn.hpp>
+
+namespace {
+
+using randattn::Index;
+using randattn::RowMatrix;
+using randattn::Vector;
+
+#define FUZZ_REQUIRE(cond)                                                      \
+  do {                                                                          \
+    if (!(cond)) {                                                              \
+      std::fprintf(stderr, "fuzz_core: %s does not hold (line %d)\n", #cond, __LINE__); \
+      std::abort();                                                             \
+    }                                                                           \
+  } while (0)
+
+template <typename Scalar>
+Scalar consume_value(FuzzedDataProvider& in, int mode) {
+  switch (mode) {
+    case 0:
+      return in.ConsumeFloatingPointInRange<Scalar>(Scalar(-3), Scalar(3));
+    case 1:
+      return in.ConsumeFloatingPointInRange<Scalar>(Scalar(-30), Scalar(30));
+    default:
+      return in.ConsumeFloatingPoint<Scalar>();  // anything, non-finite included
+  }
+}
+
+template <typename Scalar>
+RowMatrix<Scalar> consume_matrix(FuzzedDataProvider& in, Index rows, Index cols, int mode) {
+  RowMatrix<Scalar> m(rows, cols);
+  for (Index i = 0; i < m.size(); ++i) m.data()[i] = consume_value<Scalar>(in, mode);
+  return m;
+}
+
+// Output rows of softmax-weighted averages lie in the per-column range of v (up to rounding).
+// Linear attention on nonnegative features may also return a zero row: the documented result
+// when every weight of the row is zero (or underflows to zero).
+template <typename Scalar>
+void require_convex(const RowMatrix<Scalar>& out, const RowMatrix<Scalar>& v, bool zero_rows_allowed) {
+  if (v.size() == 0) return;
+  const double slack = 1e-3 * std::max(1.0, double(v.cwiseAbs().maxCoeff()));
+  for (Index i = 0; i < out.rows(); ++i) {
+    if (zero_rows_allowed && (out.row(i).array() == 0).all()) continue;
+    for (Index c = 0; c < v.cols(); ++c) {
+      FUZZ_REQUIRE(out(i, c) >= v.col(c).minCoeff() - slack && out(i, c) <= v.col(c).maxCoeff() + slack);
+    }
+  }
+}
+
+template <typename Scalar>
+void run(FuzzedDataProvider& in) {
+  const int entry = in.ConsumeIntegralInRange(0, 4);
+  const int mode = in.ConsumeIntegralInRange(0, 2);
+  const Index n_q = in.ConsumeIntegralInRange(0, 40), n_k = in.ConsumeIntegralInRange(0, 40);
+  const Index d = in.ConsumeIntegralInRange(0, 9), dv = in.ConsumeIntegralInRange(0, 5);
+  const bool causal = in.ConsumeBool();
+  const RowMatrix<Scalar> q = consume_matrix<Scalar>(in, n_q, d, mode);
+  const RowMatrix<Scalar> k = consume_matrix<Scalar>(in, n_k, d, mode);
+  const RowMatrix<Scalar> v = consume_matrix<Scalar>(in, n_k, dv, mode);
+  try {
+    switch (entry) {
+      case 0: {  // exact, tiled and naive
+        randattn::ExactOptions opt;
+        opt.causal = causal;
+        if (in.ConsumeBool()) opt.scale = in.ConsumeFloatingPoint<double>();
+        opt.block_size = in.ConsumeIntegralInRange<Index>(-1, 300);
+        const bool naive = in.ConsumeBool();
+        const RowMatrix<Scalar> out = naive ? randattn::naive_attention(q, k, v, opt)
+                                            : randattn::exact_attention(q, k, v, opt);
+        FUZZ_REQUIRE(out.rows() == n_q && out.cols() == dv && out.allFinite());
+        require_convex(out, v, false);
+        break;
+      }
+      case 1: {  // linear core on nonnegative features with log-scales: a convex combination
+        randattn::LinearOptions opt;
+        opt.causal = causal;
+        opt.chunk_size = in.ConsumeIntegralInRange<Index>(-1, 50);
+        // The additive guard (eps > 0) moves small positive denominators, so only eps = 0 keeps
+        // nonnegative weights an exact convex combination.
+        const bool guarded = in.ConsumeBool();
+        opt.denominator_epsilon = guarded ? 1e-6 : 0.0;
+        randattn::ScaledFeatures<Scalar> qf{q.cwiseAbs(), Vector<Scalar>()};
+        randattn::ScaledFeatures<Scalar> kf{k.cwiseAbs(), Vector<Scalar>()};
+        if (in.ConsumeBool()) qf.log_scale = consume_matrix<Scalar>(in, n_q, 1, mode).col(0);
+        if (in.ConsumeBool()) kf.log_scale = consume_matrix<Scalar>(in, n_k, 1, mode).col(0);
+        const RowMatrix<Scalar> out = randattn::linear_attention(qf, kf, v, opt);
+        FUZZ_REQUIRE(out.rows() == n_q && out.cols() == dv && out.allFinite());
+        if (!guarded) require_convex(out, v, true);
+        break;
+      }
+      case 2: {  // linear core with signed features and the denominator guard
+        randattn::LinearOptions opt;
+        opt.causal = causal;
+        opt.chunk_size = in.ConsumeIntegralInRange<Index>(0, 50);
+        Vector<Scalar> signs(d);
+        for (Index i = 0; i < d; ++i) signs(i) = in.ConsumeBool() ? Scalar(1) : Scalar(-1);
+        const randattn::ScaledFeatures<Scalar> qf{q, Vector<Scalar>()}, kf{k, Vector<Scalar>()};
+        const RowMatrix<Scalar> out = randattn::linear_attention(qf, kf, v, opt, signs);
+        FUZZ_REQUIRE(out.rows() == n_q && out.cols() == dv && out.allFinite());
+        break;
+      }
+      case 3: {  // streaming decoder
+        randattn::LinearDecoderState<Scalar> state(d, dv);
+        for (Index t = 0; t < std::min(n_q, n_k); ++t) {
+          state.append(k.row(t).cwiseAbs(), v.row(t), consume_value<Scalar>(in, mode));
+          const auto out = state.query(q.row(t).cwiseAbs(), consume_value<Scalar>(in, mode));
+          FUZZ_REQUIRE(out.size() == dv && out.allFinite());
+        }
+        break;
+      }
+      default: {  // batched exact attention over (batch, heads) slices cut from the same data
+        randattn::BatchShape shape;
+        shape.batch = in.ConsumeIntegralInRange<Index>(0, 2);
+        shape.heads = in.ConsumeIntegralInRange<Index>(1, 2);
+        const Index s = std::max<Index>(shape.slices(), 1);
+        shape.n_q = n_q / s;
+        shape.n_k = n_k / s;
+        shape.d = d;
+        shape.dv = dv;
+        randattn::ExactOptions opt;
+        opt.causal = causal;
+        RowMatrix<Scalar> out(shape.slices() * shape.n_q, dv);
+        randattn::exact_attention_batched<Scalar>(q.data(), k.data(), v.data(), out.data(), shape, opt);
+        FUZZ_REQUIRE(out.allFinite());
+        break;
+      }
+    }
+  } catch (const std::invalid_argument&) {
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  FuzzedDataProvider in(data, size);
+  if (in.ConsumeBool()) {
+    run<float>(in);
+  } else {
+    run<double>(in);
+  }
+  return 0;
+}

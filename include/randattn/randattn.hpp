@@ -10,3 +10,6 @@
 #include "linalg/hadamard.hpp"
 #include "random/philox.hpp"
 #include "random/fill.hpp"
+#include "features/projection.hpp"
+#include "features/feature_maps.hpp"
+#include "attention/random_feature_attention.hpp"

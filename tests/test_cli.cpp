@@ -417,6 +417,31 @@ TEST_CASE("cli: favor, favor-hyp and trig with --compare", "[cli][features]") {
   }
 }
 
+TEST_CASE("cli: hybrid and hybrid-gaussian", "[cli][hybrid]") {
+  Workspace ws;
+  const std::int64_t n = 40, d = 6, dv = 2;
+  save<double>(ws, "q.npy", {n, d}, 31);
+  save<double>(ws, "k.npy", {n, d}, 32);
+  save<double>(ws, "v.npy", {n, dv}, 33);
+  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
+                         quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+  Result r = ws.run("attention --method hybrid --features 16 --lambda-features 4 --seed 2 --causal --compare" + io);
+  INFO("stderr: " << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(json_number(r.out, "feature_dim") == 2 * 5 * 32 + 32);  // 2 (n_lambda + 1) 2m + 2m
+  CHECK(json_number(r.out, "lambda_features") == 4);
+  CHECK(std::isfinite(json_number(r.out, "rel_error")));
+  r = ws.run("attention --method hybrid-gaussian --features 16 --lambda-features 4 --bandwidth 0.5 --report" + io);
+  REQUIRE(r.exit_code == 0);
+  CHECK(json_number(r.out, "feature_dim") == 2 * 4 * (32 + 16) + 16);  // 2 n_lambda (2m + m) + m
+  CHECK(json_number(r.out, "bandwidth") == 0.5);
+  for (double x : randattn::io::read_npy(ws.path("o.npy")).values<double>()) CHECK(std::isfinite(x));
+  save<double>(ws, "w.npy", {4, d}, 34);
+  require_error(ws, "attention --method hybrid --omega " + quote(ws.path("w.npy")) + io, "--omega");
+  require_error(ws, "attention --method favor --bandwidth 2" + io, "--bandwidth");
+  require_error(ws, "attention --method hybrid-gaussian --bandwidth -1" + io, "--bandwidth");
+}
+
 #else
 
 TEST_CASE("cli: randattn-cli not built, contract tests skipped", "[cli]") {

@@ -1,7 +1,9 @@
 #pragma once
 // Random-feature attention methods of randattn-cli: favor (positive features), favor-hyp
-// (hyperbolic positive features) and trig. They share one group of flags (--features,
-// --projection, --seed, --omega), registered once and owned by every method of the family.
+// (hyperbolic positive features), trig, hybrid (angular hybrid of hyperbolic and trig) and
+// hybrid-gaussian (Gaussian-kernel hybrid of trig and positive). They share one group of flags
+// (--features, --projection, --seed, --omega, --lambda-features, --bandwidth), each registered
+// once and owned by the methods that use it.
 
 #include <randattn/io/npy.hpp>
 #include <randattn/randattn.hpp>
@@ -12,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -27,6 +30,8 @@ class FeatureFlags {
   std::string projection = "orthogonal";
   std::uint64_t seed = 0;
   std::string omega_path;
+  std::int64_t lambda_features = 16;
+  double bandwidth = 1.0;
 
   CLI::Option* option(CLI::App& cmd, const std::string& name) {
     auto found = options_.find(name);
@@ -42,6 +47,15 @@ class FeatureFlags {
                 ->check(CLI::IsMember({"iid", "orthogonal", "hadamard"}));
     } else if (name == "seed") {
       opt = cmd.add_option("--seed", seed, tag + "seed of the random projection (default 0)");
+    } else if (name == "lambda-features") {
+      opt = cmd.add_option("--lambda-features", lambda_features,
+                           tag + "hybrids: random features n_lambda of the weight estimator (default 16)")
+                ->check(CLI::PositiveNumber);
+    } else if (name == "bandwidth") {
+      opt = cmd.add_option("--bandwidth", bandwidth,
+                           tag + "hybrid-gaussian: bandwidth s of lambda = exp(-s^2 |x - y|^2 / 2) on "
+                                 "normalised rows (default 1)")
+                ->check(CLI::PositiveNumber);
     } else if (name == "omega") {
       opt = cmd.add_option("--omega", omega_path,
                            tag + "W.npy (m, d): use its rows as the projections omega_i (m = rows of W)");
@@ -55,9 +69,10 @@ class FeatureFlags {
     return found != options_.end() && found->second->count() > 0;
   }
 
-  // Calls fn with the projection selected by the flags (d = input dimension).
+  // Calls fn with the projection selected by the flags (d = input dimension). With --omega,
+  // `features` becomes the number of rows of W.
   template <typename Scalar, typename Fn>
-  void with_projection(std::int64_t d, Fn&& fn) const {
+  void with_projection(std::int64_t d, Fn&& fn) {
     if (!omega_path.empty()) {
       if (given("projection")) throw CliError("--omega and --projection cannot be combined");
       randattn::io::NpyArray w;
@@ -72,6 +87,7 @@ class FeatureFlags {
       if (given("features") && w.shape[0] != features)
         throw CliError("--features " + std::to_string(features) + " disagrees with the " +
                        std::to_string(w.shape[0]) + " rows of --omega");
+      features = w.shape[0];
       try {
         if (w.is_float32())
           fn(randattn::UserProjection<Scalar>(randattn::io::as_matrix<float>(w)));
@@ -102,8 +118,9 @@ class FeatureFlags {
   std::map<std::string, CLI::Option*> options_;
 };
 
-// A random-feature method: Family supplies name, summary, the flags it uses and the map built
-// from a projection. The map's feature dimension is reported.
+// A random-feature method: Family supplies name, summary, the flags it uses and
+// make<Scalar>(projection, flags, d), the map built on that projection (hybrids take only its
+// kind). The map's feature dimension is reported.
 template <typename Family>
 class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
  public:
@@ -113,11 +130,12 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
   const char* summary() const override { return Family::summary; }
 
   void add_options(CLI::App& cmd) override {
-    for (const char* flag : {"features", "projection", "seed", "omega"}) this->share_option(flags_->option(cmd, flag));
+    for (const char* flag : Family::flags) this->share_option(flags_->option(cmd, flag));
   }
 
   void report(JsonObject& json) const override {
     flags_->report(json);
+    Family::report(*flags_, json);
     if (feature_dim_ > 0) json.add("feature_dim", feature_dim_);
   }
 
@@ -128,10 +146,8 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
     opt.causal = settings.causal;
     opt.scale = settings.scale;
     flags_->with_projection<Scalar>(shape.d, [&](auto projection) {
-      using Projection = decltype(projection);
-      const typename Family::template Map<Scalar, Projection> map(std::move(projection));
+      const auto map = Family::template make<Scalar>(std::move(projection), *flags_, shape.d);
       feature_dim_ = map.feature_dim();
-      if (!flags_->omega_path.empty()) flags_->features = map.projections();
       randattn::random_feature_attention_batched(map, q, k, v, out, shape, opt);
     });
   }
@@ -141,25 +157,62 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
   mutable std::int64_t feature_dim_ = 0;
 };
 
-struct FavorFamily {
+// One map on the given projection.
+template <template <typename, typename> class Map>
+struct SingleMap {
+  static constexpr const char* flags[] = {"features", "projection", "seed", "omega"};
+  template <typename Scalar, typename Projection>
+  static Map<Scalar, Projection> make(Projection projection, const FeatureFlags&, std::int64_t) {
+    return Map<Scalar, Projection>(std::move(projection));
+  }
+  static void report(const FeatureFlags&, JsonObject&) {}
+};
+
+struct FavorFamily : SingleMap<randattn::PositiveFeatures> {
   static constexpr const char* name = "favor";
   static constexpr const char* summary = "FAVOR+ positive random features (m features)";
-  template <typename Scalar, typename Projection>
-  using Map = randattn::PositiveFeatures<Scalar, Projection>;
 };
 
-struct FavorHypFamily {
+struct FavorHypFamily : SingleMap<randattn::HyperbolicFeatures> {
   static constexpr const char* name = "favor-hyp";
   static constexpr const char* summary = "hyperbolic positive random features (2m features)";
-  template <typename Scalar, typename Projection>
-  using Map = randattn::HyperbolicFeatures<Scalar, Projection>;
 };
 
-struct TrigFamily {
+struct TrigFamily : SingleMap<randattn::TrigFeatures> {
   static constexpr const char* name = "trig";
   static constexpr const char* summary = "trigonometric random features (2m features, guarded denominator)";
+};
+
+// Hybrids draw their own projections of the selected kind. --omega is not among their flags, so
+// a user projection never reaches them; it maps to the default kind to keep the dispatch generic.
+template <typename Scalar, typename P>
+using DrawnProjection = std::conditional_t<std::is_same<P, randattn::UserProjection<Scalar>>::value,
+                                           randattn::OrthogonalProjection<Scalar>, P>;
+
+struct HybridFamily {
+  static constexpr const char* name = "hybrid";
+  static constexpr const char* summary =
+      "angular hybrid lambda*hyperbolic + (1-lambda)*trig, lambda = angle/pi (guarded denominator)";
+  static constexpr const char* flags[] = {"features", "projection", "seed", "lambda-features"};
   template <typename Scalar, typename Projection>
-  using Map = randattn::TrigFeatures<Scalar, Projection>;
+  static randattn::HybridFeatures<Scalar> make(Projection, const FeatureFlags& f, std::int64_t d) {
+    return randattn::angular_hybrid<Scalar, DrawnProjection<Scalar, Projection>>(f.features, f.lambda_features, d, f.seed);
+  }
+  static void report(const FeatureFlags& f, JsonObject& json) { json.add("lambda_features", f.lambda_features); }
+};
+
+struct HybridGaussianFamily {
+  static constexpr const char* name = "hybrid-gaussian";
+  static constexpr const char* summary =
+      "Gaussian hybrid lambda*trig + (1-lambda)*positive, lambda = exp(-s^2|x-y|^2/2) (guarded denominator)";
+  static constexpr const char* flags[] = {"features", "projection", "seed", "lambda-features", "bandwidth"};
+  template <typename Scalar, typename Projection>
+  static randattn::HybridFeatures<Scalar> make(Projection, const FeatureFlags& f, std::int64_t d) {
+    return randattn::gaussian_hybrid<Scalar, DrawnProjection<Scalar, Projection>>(f.features, f.lambda_features, d, f.bandwidth, f.seed);
+  }
+  static void report(const FeatureFlags& f, JsonObject& json) {
+    json.add("lambda_features", f.lambda_features).add("bandwidth", f.bandwidth);
+  }
 };
 
 inline void add_feature_methods(std::vector<std::unique_ptr<AttentionMethod>>& methods) {
@@ -167,6 +220,8 @@ inline void add_feature_methods(std::vector<std::unique_ptr<AttentionMethod>>& m
   methods.push_back(std::make_unique<FeatureMethod<FavorFamily>>(flags));
   methods.push_back(std::make_unique<FeatureMethod<FavorHypFamily>>(flags));
   methods.push_back(std::make_unique<FeatureMethod<TrigFamily>>(flags));
+  methods.push_back(std::make_unique<FeatureMethod<HybridFamily>>(flags));
+  methods.push_back(std::make_unique<FeatureMethod<HybridGaussianFamily>>(flags));
 }
 
 }  // namespace randattn_cli

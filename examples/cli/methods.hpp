@@ -112,7 +112,7 @@ class ExactMethod final : public TypedMethod<ExactMethod> {
   }
 };
 
-// favor, favor-hyp, trig (feature_methods.hpp).
+// favor, favor-hyp, trig, hybrid, hybrid-gaussian (feature_methods.hpp).
 inline void add_feature_methods(std::vector<std::unique_ptr<AttentionMethod>>& methods);
 
 inline std::vector<std::unique_ptr<AttentionMethod>> make_methods() {

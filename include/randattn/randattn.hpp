@@ -13,3 +13,4 @@
 #include "features/projection.hpp"
 #include "features/feature_maps.hpp"
 #include "attention/random_feature_attention.hpp"
+#include "features/hybrid.hpp"

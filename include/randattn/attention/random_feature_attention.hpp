@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <optional>
+#include <utility>
 #include <type_traits>
 
 #include <Eigen/Core>
@@ -74,13 +75,13 @@ FeatureAttentionSettings<typename Map::Scalar> feature_attention_settings(
   return {static_cast<Scalar>(std::sqrt(scale)), lin};
 }
 
+// Validates one (q, k, v) slice and maps q and k to features.
 template <typename Map>
-SoftmaxAccumulator<typename Map::Scalar> feature_attention_slice(
-    const char* where, const Map& map,
-    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
-    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
-    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
-    const FeatureAttentionSettings<typename Map::Scalar>& s, bool check_finite) {
+std::pair<ScaledFeatures<typename Map::Scalar>, ScaledFeatures<typename Map::Scalar>>
+map_slice(const char* where, const Map& map, const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
+          const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
+          const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
+          const FeatureAttentionSettings<typename Map::Scalar>& s, bool check_finite) {
   using Scalar = typename Map::Scalar;
   require(q.cols() == map.input_dim() && k.cols() == map.input_dim(), where, "q (", shape_of(q),
           ") and k (", shape_of(k), ") must have the feature map's input dimension ",
@@ -94,12 +95,26 @@ SoftmaxAccumulator<typename Map::Scalar> feature_attention_slice(
   require_finite(q, where, "q", check_finite);
   require_finite(k, where, "k", check_finite);
   require_finite(v, where, "v", check_finite);
-  if (q.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
   const Index dim = map.feature_dim();
   ScaledFeatures<Scalar> qf{RowMatrix<Scalar>(q.rows(), dim), Vector<Scalar>(q.rows())};
   ScaledFeatures<Scalar> kf{RowMatrix<Scalar>(k.rows(), dim), Vector<Scalar>(k.rows())};
-  map.features_into(q, s.normaliser, qf.values, qf.log_scale, FeatureSide::query);
-  map.features_into(k, s.normaliser, kf.values, kf.log_scale, FeatureSide::key);
+  if (q.rows() > 0) {
+    map.features_into(q, s.normaliser, qf.values, qf.log_scale, FeatureSide::query);
+    map.features_into(k, s.normaliser, kf.values, kf.log_scale, FeatureSide::key);
+  }
+  return {std::move(qf), std::move(kf)};
+}
+
+template <typename Map>
+SoftmaxAccumulator<typename Map::Scalar> feature_attention_slice(
+    const char* where, const Map& map,
+    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
+    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
+    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
+    const FeatureAttentionSettings<typename Map::Scalar>& s, bool check_finite) {
+  using Scalar = typename Map::Scalar;
+  const auto [qf, kf] = map_slice(where, map, q, k, v, s, check_finite);
+  if (q.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
   return linear_attention_accumulate<Scalar>(qf.values, qf.log_scale, kf.values, kf.log_scale, v,
                                              map.signs(), s.linear);
 }
@@ -165,6 +180,51 @@ void random_feature_attention_batched(const Map& map, const typename Map::Scalar
     detail::feature_attention_slice(where, map, qs, ks, vs, s, opt.check_finite)
         .finalize_into(o, static_cast<Scalar>(s.linear.denominator_epsilon));
   });
+}
+
+// Attention with every kernel estimate clipped at zero: weights max(0, φ(q_i)ᵀ diag(σ) φ(k_j))
+// (masked when causal). For signed maps (trig, hybrid) this removes negative weights but is
+// BIASED (E[max(0, X)] >= E[X]); it costs O(n_q · n_k · M) — the weights are formed block by
+// block, never as an n_q × n_k matrix — so it is meant for moderate n and for study. A row
+// whose clipped weights all vanish gets the denominator guard, i.e. zeros.
+template <typename Map, typename DQ, typename DK, typename DV>
+RowMatrix<typename Map::Scalar> random_feature_attention_clipped(
+    const Map& map, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+    const Eigen::MatrixBase<DV>& v, const RandomFeatureOptions& opt = {}) {
+  using Scalar = typename Map::Scalar;
+  static_assert(std::is_same<Scalar, typename DQ::Scalar>::value &&
+                    std::is_same<Scalar, typename DK::Scalar>::value &&
+                    std::is_same<Scalar, typename DV::Scalar>::value,
+                "the feature map, q, k and v must share the scalar type");
+  const char* where = "random_feature_attention_clipped";
+  const auto s = detail::feature_attention_settings(where, map, opt);
+  const RowMatrix<Scalar> ve = detail::append_ones<Scalar>(v);
+  const auto [qf, kf] = detail::map_slice(where, map, q, k, v, s, opt.check_finite);
+  const Index n_q = qf.rows(), n_k = kf.rows(), block = 128;
+  SoftmaxAccumulator<Scalar> acc(n_q, v.cols());
+  Vector<Scalar> sigma = map.signs();
+  if (sigma.size() == 0) sigma = Vector<Scalar>::Ones(map.feature_dim());
+  detail::parallel_for((n_q + block - 1) / block, [&](Index b) {
+    const Index i0 = b * block, bq = std::min(block, n_q - i0);
+    const RowMatrix<Scalar> signed_q = qf.values.middleRows(i0, bq) * sigma.asDiagonal();
+    RowMatrix<Scalar> w(bq, block), nd(bq, ve.cols());
+    const Index k_end = opt.causal ? i0 + bq : n_k;
+    for (Index j0 = 0; j0 < k_end; j0 += block) {
+      const Index bk = std::min(block, k_end - j0);
+      const Scalar g = kf.log_scale.segment(j0, bk).maxCoeff();
+      auto wb = w.leftCols(bk);
+      detail::gemm_fixed_depth(wb, signed_q, kf.values.middleRows(j0, bk).transpose(), false);
+      const Vector<Scalar> key_weight = (kf.log_scale.segment(j0, bk).array() - g).exp().matrix();
+      wb = wb.cwiseMax(Scalar(0)) * key_weight.asDiagonal();
+      for (Index r = 0; opt.causal && r < bq; ++r) {
+        const Index first_masked = std::max<Index>(0, i0 + r + 1 - j0);
+        if (first_masked < bk) wb.row(r).tail(bk - first_masked).setZero();
+      }
+      nd.noalias() = wb * ve.middleRows(j0, bk);
+      acc.merge_rows(i0, nd, (qf.log_scale.segment(i0, bq).array() + g).matrix());
+    }
+  });
+  return acc.finalize(static_cast<Scalar>(s.linear.denominator_epsilon));
 }
 
 // Causal attention one token at a time (decoding): append(k_t, v_t), then query(q_t) returns

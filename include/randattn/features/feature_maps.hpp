@@ -46,9 +46,10 @@ enum class FeatureSide { query, key };
 namespace detail {
 
 // What the three maps share: the projection, validation, the tiled projection product and
-// the allocating front ends. Derived supplies `dim_multiplier` (features per projection row),
-// `nonnegative` and `finish(tile, x, c, log_scale)` which turns the projections u = xωᵀ
-// (left m columns of the tile) into values and log-scales, in place and without allocating.
+// the allocating front ends. Derived supplies `features_for(m)` (feature dimension for m projections),
+// `nonnegative` and `finish_row(row, ‖x‖², c)`, which turns the projections u = ωᵀx (the
+// first m entries of a feature row) into the row's values in place, without allocating, and
+// returns its log-scale.
 template <typename Derived, typename Scalar_, typename Projection_>
 class ProjectedFeatureMap {
  public:
@@ -63,7 +64,7 @@ class ProjectedFeatureMap {
 
   Index input_dim() const { return projection_.input_dim(); }
   Index projections() const { return projection_.features(); }
-  Index feature_dim() const { return Derived::dim_multiplier * projection_.features(); }
+  Index feature_dim() const { return Derived::features_for(projection_.features()); }
   // Sign vector of φ(q)ᵀ diag(σ) φ(k): empty, i.e. all +1.
   Vector<Scalar> signs() const { return Vector<Scalar>(); }
 
@@ -88,7 +89,8 @@ class ProjectedFeatureMap {
       const auto xt = x.middleRows(i0, rows);
       auto vt = values.middleRows(i0, rows);
       projection_.apply(xt, vt.leftCols(m));
-      derived().finish(vt, xt, normaliser, log_scale.segment(i0, rows));
+      for (Index r = 0; r < rows; ++r)
+        log_scale(i0 + r) = derived().finish_row(vt.row(r), xt.row(r).squaredNorm(), normaliser);
     });
   }
 
@@ -106,6 +108,7 @@ class ProjectedFeatureMap {
 
  protected:
   static constexpr Index kTile = 256;
+  static Scalar log_sqrt(Index count) { return Scalar(0.5 * std::log(double(count))); }
   const Derived& derived() const { return static_cast<const Derived&>(*this); }
   Projection projection_;
 };
@@ -119,20 +122,16 @@ class PositiveFeatures
   using Base = detail::ProjectedFeatureMap<PositiveFeatures, Scalar, Projection>;
 
  public:
-  static constexpr Index dim_multiplier = 1;
+  static constexpr Index features_for(Index m) { return m; }
   static constexpr bool nonnegative = true;
   using Base::Base;
 
-  template <typename Tile, typename X, typename Log>
-  void finish(Tile& tile, const X& x, Scalar c, Log&& log_scale) const {
-    const Index m = this->projections();
-    const Scalar log_norm = Scalar(0.5 * std::log(double(m)));
-    for (Index r = 0; r < tile.rows(); ++r) {
-      auto u = tile.row(r);
-      const Scalar top = u.maxCoeff();
-      u = ((u.array() - top) * c).exp().matrix();
-      log_scale(r) = c * top - Scalar(0.5) * c * c * x.row(r).squaredNorm() - log_norm;
-    }
+  // Row u = ωᵀx (m entries) to exp(c(u − max u)); returns the row's log-scale.
+  template <typename Row>
+  Scalar finish_row(Row&& row, Scalar sq_norm, Scalar c) const {
+    const Scalar top = row.maxCoeff();
+    row = ((row.array() - top) * c).exp().matrix();
+    return c * top - Scalar(0.5) * c * c * sq_norm - this->log_sqrt(this->projections());
   }
 };
 
@@ -145,21 +144,19 @@ class HyperbolicFeatures
   using Base = detail::ProjectedFeatureMap<HyperbolicFeatures, Scalar, Projection>;
 
  public:
-  static constexpr Index dim_multiplier = 2;
+  static constexpr Index features_for(Index m) { return 2 * m; }
   static constexpr bool nonnegative = true;
   using Base::Base;
 
-  template <typename Tile, typename X, typename Log>
-  void finish(Tile& tile, const X& x, Scalar c, Log&& log_scale) const {
+  // Row [u | ·] to [exp(c(u − max|u|)) | exp(c(−u − max|u|))]; returns the log-scale.
+  template <typename Row>
+  Scalar finish_row(Row&& row, Scalar sq_norm, Scalar c) const {
     const Index m = this->projections();
-    const Scalar log_norm = Scalar(0.5 * std::log(2.0 * double(m)));
-    for (Index r = 0; r < tile.rows(); ++r) {
-      auto u = tile.row(r).head(m);
-      const Scalar top = std::max(u.maxCoeff(), -u.minCoeff());
-      tile.row(r).tail(m) = ((-u.array() - top) * c).exp().matrix();
-      u = ((u.array() - top) * c).exp().matrix();
-      log_scale(r) = c * top - Scalar(0.5) * c * c * x.row(r).squaredNorm() - log_norm;
-    }
+    auto u = row.head(m);
+    const Scalar top = std::max(u.maxCoeff(), -u.minCoeff());
+    row.tail(m) = ((-u.array() - top) * c).exp().matrix();
+    u = ((u.array() - top) * c).exp().matrix();
+    return c * top - Scalar(0.5) * c * c * sq_norm - this->log_sqrt(2 * m);
   }
 };
 
@@ -171,21 +168,19 @@ class TrigFeatures
   using Base = detail::ProjectedFeatureMap<TrigFeatures, Scalar, Projection>;
 
  public:
-  static constexpr Index dim_multiplier = 2;
+  static constexpr Index features_for(Index m) { return 2 * m; }
   static constexpr bool nonnegative = false;
   using Base::Base;
 
-  template <typename Tile, typename X, typename Log>
-  void finish(Tile& tile, const X& x, Scalar c, Log&& log_scale) const {
+  // Row [u | ·] to [sin(cu) | cos(cu)]; returns the log-scale ‖cx‖²/2 − log √m.
+  template <typename Row>
+  Scalar finish_row(Row&& row, Scalar sq_norm, Scalar c) const {
     const Index m = this->projections();
-    const Scalar log_norm = Scalar(0.5 * std::log(double(m)));
-    for (Index r = 0; r < tile.rows(); ++r) {
-      auto u = tile.row(r).head(m);
-      u *= c;
-      tile.row(r).tail(m) = u.array().cos().matrix();
-      u = u.array().sin().matrix();
-      log_scale(r) = Scalar(0.5) * c * c * x.row(r).squaredNorm() - log_norm;
-    }
+    auto u = row.head(m);
+    u *= c;
+    row.tail(m) = u.array().cos().matrix();
+    u = u.array().sin().matrix();
+    return Scalar(0.5) * c * c * sq_norm - this->log_sqrt(m);
   }
 };
 

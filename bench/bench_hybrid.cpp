@@ -60,7 +60,7 @@ void Exact(benchmark::State& state) {
 
 }  // namespace
 
-// Equal total dimensions: 2·4·32 + 32 = 288 and 2·8·64 + 64 = 1216 (angular);
+// Total dimensions: 2·4·32 + 32 = 288 and 2·8·64 + 64 = 1088 (angular; nearest FAVOR+ 1216);
 // 2·3·48 + 16 = 304 and 2·6·96 + 32 = 1184 (Gaussian).
 BENCHMARK(Hybrid)->ArgNames({"m", "nl"})->Args({16, 3})->Args({32, 7})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(HybridGaussian)->ArgNames({"m", "nl"})->Args({16, 3})->Args({32, 6})->Unit(benchmark::kMillisecond)->UseRealTime();

@@ -286,7 +286,7 @@ TEST_CASE("cli: every failure is one stderr line, exit code 2 and no output", "[
     require_error(ws, "attention" + q + k + with("v", "v_inf.npy") + out, "non-finite");
   }
   SECTION("unknown method, flags and subcommands; bad option values") {
-    require_error(ws, "attention --method favor" + q + k + v + out, "unknown --method 'favor'");
+    require_error(ws, "attention --method nosuch" + q + k + v + out, "unknown --method 'nosuch'");
     require_error(ws, "attention --bogus" + q + k + v + out);
     require_error(ws, "attention" + q + k + v);  // --out missing
     require_error(ws, "");
@@ -305,6 +305,141 @@ TEST_CASE("cli: every failure is one stderr line, exit code 2 and no output", "[
     require_error(ws, "attention" + with("q", "q_nan.npy") + k + v + out);
     CHECK(slurp(ws.path("o.npy")) == "previous");
   }
+}
+
+// ---- Random-feature methods (favor, favor-hyp, trig) ------------------------------------------
+
+namespace {
+
+// The positive-feature formula of SPEC §3 with the rows of W as ω, then attention, in double.
+std::vector<double> favor_reference(const std::vector<double>& q, const std::vector<double>& k,
+                                    const std::vector<double>& v, const std::vector<double>& w, std::int64_t n,
+                                    std::int64_t d, std::int64_t dv, std::int64_t m, double scale) {
+  const double c = std::sqrt(scale);
+  auto phi = [&](const std::vector<double>& x, std::int64_t i) {
+    double sq = 0;
+    for (std::int64_t t = 0; t < d; ++t) sq += c * x[i * d + t] * c * x[i * d + t];
+    std::vector<double> f(static_cast<std::size_t>(m));
+    for (std::int64_t r = 0; r < m; ++r) {
+      double u = 0;
+      for (std::int64_t t = 0; t < d; ++t) u += w[r * d + t] * c * x[i * d + t];
+      f[r] = std::exp(u - sq / 2) / std::sqrt(double(m));
+    }
+    return f;
+  };
+  std::vector<double> out(static_cast<std::size_t>(n * dv), 0.0);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const auto fq = phi(q, i);
+    double den = 0;
+    std::vector<double> num(static_cast<std::size_t>(dv), 0.0);
+    for (std::int64_t j = 0; j < n; ++j) {
+      const auto fk = phi(k, j);
+      double a = 0;
+      for (std::int64_t r = 0; r < m; ++r) a += fq[r] * fk[r];
+      den += a;
+      for (std::int64_t t = 0; t < dv; ++t) num[t] += a * v[j * dv + t];
+    }
+    for (std::int64_t t = 0; t < dv; ++t) out[i * dv + t] = num[t] / den;
+  }
+  return out;
+}
+
+double json_number(const std::string& line, const std::string& key) {
+  const std::size_t at = line.find("\"" + key + "\":");
+  if (at == std::string::npos) return NAN;
+  return std::strtod(line.c_str() + at + key.size() + 3, nullptr);
+}
+
+}  // namespace
+
+TEST_CASE("cli: favor with --omega evaluates the SPEC formulas with W", "[cli][features]") {
+  Workspace ws;
+  const std::int64_t n = 6, d = 4, dv = 3, m = 5;
+  save<double>(ws, "q.npy", {n, d}, 11);
+  save<double>(ws, "k.npy", {n, d}, 12);
+  save<double>(ws, "v.npy", {n, dv}, 13);
+  save<double>(ws, "w.npy", {m, d}, 14);
+  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
+                         quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+  const Result r = ws.run("attention --method favor --omega " + quote(ws.path("w.npy")) + io +
+                          " --scale 0.6 --report");
+  INFO("stderr: " << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find(R"("method":"favor")") != std::string::npos);
+  CHECK(r.out.find(R"("features":5,"projection":"user")") != std::string::npos);
+  CHECK(r.out.find(R"("feature_dim":5)") != std::string::npos);
+  const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));
+  const auto ref = favor_reference(data<double>(n * d, 11), data<double>(n * d, 12), data<double>(n * dv, 13),
+                                   data<double>(m * d, 14), n, d, dv, m, 0.6);
+  for (std::size_t i = 0; i < ref.size(); ++i) CHECK(o.values<double>()[i] == Approx(ref[i]).margin(1e-12));
+
+  // The shared flags are rejected by methods outside the family and checked against W.
+  require_error(ws, "attention --method exact --features 8" + io, "--features");
+  require_error(ws, "attention --method favor --features 4 --omega " + quote(ws.path("w.npy")) + io, "rows of --omega");
+  require_error(ws, "attention --method favor --projection iid --omega " + quote(ws.path("w.npy")) + io,
+                "cannot be combined");
+  save<double>(ws, "w_d5.npy", {m, 5}, 14);
+  require_error(ws, "attention --method trig --omega " + quote(ws.path("w_d5.npy")) + io, "expected an (m, 4)");
+  require_error(ws, "attention --method favor --projection gaussian" + io, "--projection");
+  require_error(ws, "attention --method favor --features 0" + io, "--features");
+}
+
+TEST_CASE("cli: favor, favor-hyp and trig with --compare", "[cli][features]") {
+  Workspace ws;
+  const std::int64_t n = 64, d = 8, dv = 4;
+  save<float>(ws, "q.npy", {2, 2, n, d}, 21);
+  save<float>(ws, "k.npy", {2, 2, n, d}, 22);
+  save<float>(ws, "v.npy", {2, 2, n, dv}, 23);
+  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
+                         quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+  const auto exact = reference(data<float>(4 * n * d, 21), data<float>(4 * n * d, 22), data<float>(4 * n * dv, 23),
+                               4, n, n, d, dv, 1.0 / std::sqrt(double(d)), true);
+  for (const std::string method : {"favor", "favor-hyp", "trig"}) {
+    for (const std::string projection : {"iid", "orthogonal", "hadamard"}) {
+      INFO(method << " " << projection);
+      const Result r = ws.run("attention --method " + method + " --features 128 --projection " + projection +
+                              " --seed 3 --causal --compare" + io);
+      INFO("stderr: " << r.err);
+      REQUIRE(r.exit_code == 0);
+      REQUIRE(std::count(r.out.begin(), r.out.end(), '\n') == 1);
+      CHECK(r.out.find("\"projection\":\"" + projection + "\",\"seed\":3") != std::string::npos);
+      CHECK(json_number(r.out, "feature_dim") == (method == "favor" ? 128 : 256));
+      const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));
+      double diff = 0, norm = 0;
+      for (std::size_t i = 0; i < exact.size(); ++i) {
+        diff += std::pow(double(o.values<float>()[i]) - exact[i], 2);
+        norm += exact[i] * exact[i];
+      }
+      // The reported error is the error of the written output against exact attention.
+      CHECK(json_number(r.out, "rel_error") == Approx(std::sqrt(diff / norm)).epsilon(1e-4));
+      CHECK(json_number(r.out, "rel_error") < 0.5);
+    }
+  }
+}
+
+TEST_CASE("cli: hybrid and hybrid-gaussian", "[cli][hybrid]") {
+  Workspace ws;
+  const std::int64_t n = 40, d = 6, dv = 2;
+  save<double>(ws, "q.npy", {n, d}, 31);
+  save<double>(ws, "k.npy", {n, d}, 32);
+  save<double>(ws, "v.npy", {n, dv}, 33);
+  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
+                         quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+  Result r = ws.run("attention --method hybrid --features 16 --lambda-features 4 --seed 2 --causal --compare" + io);
+  INFO("stderr: " << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(json_number(r.out, "feature_dim") == 2 * 5 * 32 + 32);  // 2 (n_lambda + 1) 2m + 2m
+  CHECK(json_number(r.out, "lambda_features") == 4);
+  CHECK(std::isfinite(json_number(r.out, "rel_error")));
+  r = ws.run("attention --method hybrid-gaussian --features 16 --lambda-features 4 --bandwidth 0.5 --report" + io);
+  REQUIRE(r.exit_code == 0);
+  CHECK(json_number(r.out, "feature_dim") == 2 * 4 * (32 + 16) + 16);  // 2 n_lambda (2m + m) + m
+  CHECK(json_number(r.out, "bandwidth") == 0.5);
+  for (double x : randattn::io::read_npy(ws.path("o.npy")).values<double>()) CHECK(std::isfinite(x));
+  save<double>(ws, "w.npy", {4, d}, 34);
+  require_error(ws, "attention --method hybrid --omega " + quote(ws.path("w.npy")) + io, "--omega");
+  require_error(ws, "attention --method favor --bandwidth 2" + io, "--bandwidth");
+  require_error(ws, "attention --method hybrid-gaussian --bandwidth -1" + io, "--bandwidth");
 }
 
 #else

@@ -40,6 +40,9 @@ class AttentionCommand {
     scale_opt_ = cmd_->add_option("--scale", scale_, "Logit scale (default 1/sqrt(d))");
     threads_opt_ = cmd_->add_option("--threads", threads_, "Number of OpenMP threads");
     cmd_->add_flag("--report", report_, "Print one JSON line describing the run to stdout");
+    cmd_->add_flag("--compare", compare_,
+                   "Also compute exact attention and add \"rel_error\" (relative Frobenius error) to the "
+                   "--report line (implies --report)");
     for (auto& m : methods_) m->add_options(*cmd_);
   }
 
@@ -69,13 +72,13 @@ class AttentionCommand {
     out_shape.push_back(shape.n_q);
     out_shape.push_back(shape.dv);
 
-    double seconds = 0;
+    double seconds = 0, rel_error = 0;
     if (q.is_float32())
-      seconds = compute<float>(method, q, k, v, shape, out_shape);
+      seconds = compute<float>(method, q, k, v, shape, out_shape, scale, rel_error);
     else
-      seconds = compute<double>(method, q, k, v, shape, out_shape);
+      seconds = compute<double>(method, q, k, v, shape, out_shape, scale, rel_error);
 
-    if (report_) {
+    if (report_ || compare_) {
       JsonObject json;
       json.add("method", method.name())
           .add("dtype", randattn::io::dtype_name(q.dtype()))
@@ -87,6 +90,7 @@ class AttentionCommand {
           .add("scale", scale)
           .add("threads", effective_threads());
       method.report(json);
+      if (compare_) json.add("rel_error", rel_error);
       json.add("seconds", seconds);
       std::cout << json.str() << std::endl;
     }
@@ -105,7 +109,7 @@ class AttentionCommand {
     for (const auto& m : methods_) {
       if (m.get() == chosen) continue;
       for (const CLI::Option* opt : m->own_options())
-        if (opt->count() > 0)
+        if (opt->count() > 0 && !chosen->owns(opt))
           throw CliError("option " + opt->get_name() + " belongs to --method " + m->name() + ", not " + method_);
     }
     return *chosen;
@@ -173,7 +177,8 @@ class AttentionCommand {
 
   template <typename Scalar>
   double compute(const AttentionMethod& method, const randattn::io::NpyArray& q, const randattn::io::NpyArray& k,
-                 const randattn::io::NpyArray& v, const randattn::BatchShape& shape, const Shape& out_shape) const {
+                 const randattn::io::NpyArray& v, const randattn::BatchShape& shape, const Shape& out_shape,
+                 double scale, double& rel_error) const {
     std::uint64_t count = 1;
     for (std::int64_t dim : out_shape) {
       const auto u = static_cast<std::uint64_t>(dim);
@@ -194,6 +199,7 @@ class AttentionCommand {
     method.run(q.values<Scalar>().data(), k.values<Scalar>().data(), v.values<Scalar>().data(), out.data(), shape,
                settings_);
     const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
+    if (compare_) rel_error = compare_with_exact(q, k, v, out, shape, scale);
 
     try {
       randattn::io::write_npy(out_path_, out.data(), out_shape);
@@ -201,6 +207,25 @@ class AttentionCommand {
       throw CliError(std::string("--out: ") + e.what());
     }
     return elapsed.count();
+  }
+
+  // ‖out − exact‖_F / ‖exact‖_F against exact attention with the same scale and mask.
+  template <typename Scalar>
+  double compare_with_exact(const randattn::io::NpyArray& q, const randattn::io::NpyArray& k,
+                            const randattn::io::NpyArray& v, const std::vector<Scalar>& out,
+                            const randattn::BatchShape& shape, double scale) const {
+    std::vector<Scalar> exact(out.size());
+    randattn::ExactOptions opt;
+    opt.causal = settings_.causal;
+    opt.scale = scale;
+    randattn::exact_attention_batched(q.values<Scalar>().data(), k.values<Scalar>().data(),
+                                      v.values<Scalar>().data(), exact.data(), shape, opt);
+    double diff = 0, norm = 0;
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      diff += (double(out[i]) - double(exact[i])) * (double(out[i]) - double(exact[i]));
+      norm += double(exact[i]) * double(exact[i]);
+    }
+    return std::sqrt(diff) / std::sqrt(norm);
   }
 
   std::vector<std::unique_ptr<AttentionMethod>> methods_;
@@ -212,6 +237,7 @@ class AttentionCommand {
   double scale_ = 0;
   int threads_ = 1;
   bool report_ = false;
+  bool compare_ = false;
   CommonSettings settings_;
 };
 

@@ -54,8 +54,14 @@ class AttentionMethod {
   virtual void run(const double* q, const double* k, const double* v, double* out,
                    const randattn::BatchShape& shape, const CommonSettings& settings) const = 0;
 
-  // Options registered by add_options(); giving any of them with another --method is an error.
+  // Options registered by add_options(); giving any of them with a method that does not own
+  // them is an error. An option shared by a family of methods is owned by each of them.
   const std::vector<CLI::Option*>& own_options() const { return own_options_; }
+  bool owns(const CLI::Option* opt) const {
+    for (const CLI::Option* o : own_options_)
+      if (o == opt) return true;
+    return false;
+  }
 
  protected:
   template <typename T>
@@ -64,6 +70,8 @@ class AttentionMethod {
     own_options_.push_back(opt);
     return opt;
   }
+  // Claims an option registered elsewhere (a flag shared by a family of methods).
+  void share_option(CLI::Option* opt) { own_options_.push_back(opt); }
   CLI::Option* add_method_flag(CLI::App& cmd, const std::string& flag, bool& target, const std::string& help) {
     CLI::Option* opt = cmd.add_flag(flag, target, std::string("[") + name() + "] " + help);
     own_options_.push_back(opt);
@@ -104,10 +112,17 @@ class ExactMethod final : public TypedMethod<ExactMethod> {
   }
 };
 
+// favor, favor-hyp, trig, hybrid, hybrid-gaussian (feature_methods.hpp).
+inline void add_feature_methods(std::vector<std::unique_ptr<AttentionMethod>>& methods);
+
 inline std::vector<std::unique_ptr<AttentionMethod>> make_methods() {
   std::vector<std::unique_ptr<AttentionMethod>> methods;
   methods.push_back(std::make_unique<ExactMethod>());
+  add_feature_methods(methods);
   return methods;
 }
 
 }  // namespace randattn_cli
+
+#include "feature_methods.hpp"
+

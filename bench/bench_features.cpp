@@ -1,0 +1,122 @@
+// Random-feature attention against tiled exact attention, in one binary so that ratios come
+// from one run. d = dv = 64, m = 256 projections, float.
+//
+//  - ProjectionGemm: the plain Eigen product X ωᵀ (n × d × m), the floor of every feature map.
+//  - FeatureMap/<map>/<projection>: n rows to features (projection + exp/sin/cos + log-scales);
+//    GFLOP/s counts the projection product only, so it compares directly with ProjectionGemm.
+//  - Exact, Favor (positive features), FavorHyp (hyperbolic): attention end to end at
+//    n = 128 ... 65536, bidirectional and causal (features of q and k included). GFLOP/s of
+//    Exact counts its two products; of Favor/FavorHyp the feature products and the core.
+// Arguments: n, causal (0/1); threads are fixed by --threads (default 1).
+
+#include <string>
+
+#include "bench_common.hpp"
+
+namespace {
+
+using bench::Index;
+using bench::RowMatrix;
+using randattn::GaussianProjection;
+using randattn::HadamardProjection;
+using randattn::OrthogonalProjection;
+constexpr Index kD = 64, kDv = 64, kM = 256;
+
+// Inputs with scale · ‖q‖² ≈ 2 (entries N(0, 0.25), scale = 1/8).
+struct Inputs {
+  RowMatrix<float> q, k, v;
+  explicit Inputs(Index n)
+      : q(bench::gaussian<float>(1, n, kD, 0.5)),
+        k(bench::gaussian<float>(2, n, kD, 0.5)),
+        v(bench::gaussian<float>(3, n, kDv)) {}
+};
+
+void ProjectionGemm(benchmark::State& state) {
+  const Index n = state.range(0);
+  bench::set_threads(1);
+  const Inputs in(n);
+  const RowMatrix<float> omega = bench::gaussian<float>(4, kM, kD);
+  RowMatrix<float> u(n, kM);
+  for (auto _ : state) {
+    u.noalias() = in.q * omega.transpose();
+    benchmark::DoNotOptimize(u.data());
+    benchmark::ClobberMemory();
+  }
+  bench::report_gflops(state, 2.0 * double(n) * kD * kM);
+}
+
+template <typename Map>
+void FeatureMap(benchmark::State& state, Map map) {
+  const Index n = state.range(0);
+  bench::set_threads(1);
+  const Inputs in(n);
+  randattn::ScaledFeatures<float> f{RowMatrix<float>(n, map.feature_dim()), randattn::Vector<float>(n)};
+  for (auto _ : state) {
+    map.features_into(in.q, 0.35f, f.values, f.log_scale);
+    benchmark::DoNotOptimize(f.values.data());
+    benchmark::ClobberMemory();
+  }
+  bench::report_gflops(state, 2.0 * double(n) * kD * kM);
+  state.counters["rows/s"] = benchmark::Counter(double(n), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+double exact_flops(Index n, bool causal) { return (causal ? 0.5 : 1.0) * 2.0 * double(n) * double(n) * (kD + kDv); }
+double feature_flops(Index n, Index dim) { return 4.0 * double(n) * kD * kM + 4.0 * double(n) * dim * (kDv + 1); }
+
+void Exact(benchmark::State& state) {
+  const Index n = state.range(0);
+  bench::set_threads(1);
+  const Inputs in(n);
+  randattn::ExactOptions opt;
+  opt.causal = state.range(1) != 0;
+  for (auto _ : state) {
+    RowMatrix<float> out = randattn::exact_attention(in.q, in.k, in.v, opt);
+    benchmark::DoNotOptimize(out.data());
+  }
+  bench::report_gflops(state, exact_flops(n, opt.causal));
+}
+
+template <typename Map>
+void Features(benchmark::State& state, Map map) {
+  const Index n = state.range(0);
+  bench::set_threads(1);
+  const Inputs in(n);
+  randattn::RandomFeatureOptions opt;
+  opt.causal = state.range(1) != 0;
+  for (auto _ : state) {
+    RowMatrix<float> out = randattn::random_feature_attention(map, in.q, in.k, in.v, opt);
+    benchmark::DoNotOptimize(out.data());
+  }
+  bench::report_gflops(state, feature_flops(n, map.feature_dim()));
+}
+
+void Favor(benchmark::State& state) {
+  Features(state, randattn::PositiveFeatures(OrthogonalProjection<float>(kM, kD, 1)));
+}
+void FavorHyp(benchmark::State& state) {
+  Features(state, randattn::HyperbolicFeatures(OrthogonalProjection<float>(kM, kD, 1)));
+}
+
+void end_to_end_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"n", "causal"});
+  for (int causal : {0, 1})
+    for (Index n : {128, 256, 512, 1024, 4096, 16384, 65536}) b->Args({n, causal});
+  b->Unit(benchmark::kMillisecond)->UseRealTime();
+}
+
+}  // namespace
+
+BENCHMARK(ProjectionGemm)->ArgNames({"n"})->Arg(16384)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(FeatureMap, positive/iid, randattn::PositiveFeatures(GaussianProjection<float>(kM, kD, 1)))
+    ->ArgNames({"n"})->Arg(16384)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(FeatureMap, positive/orthogonal, randattn::PositiveFeatures(OrthogonalProjection<float>(kM, kD, 1)))
+    ->ArgNames({"n"})->Arg(16384)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(FeatureMap, positive/hadamard, randattn::PositiveFeatures(HadamardProjection<float>(kM, kD, 1)))
+    ->ArgNames({"n"})->Arg(16384)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(FeatureMap, hyperbolic/orthogonal, randattn::HyperbolicFeatures(OrthogonalProjection<float>(kM, kD, 1)))
+    ->ArgNames({"n"})->Arg(16384)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(FeatureMap, trig/orthogonal, randattn::TrigFeatures(OrthogonalProjection<float>(kM, kD, 1)))
+    ->ArgNames({"n"})->Arg(16384)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(Exact)->Apply(end_to_end_args);
+BENCHMARK(Favor)->Apply(end_to_end_args);
+BENCHMARK(FavorHyp)->Apply(end_to_end_args);

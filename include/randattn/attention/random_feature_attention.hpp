@@ -1,0 +1,283 @@
+#pragma once
+// Random-feature attention: a feature map (features/feature_maps.hpp, features/hybrid.hpp)
+// followed by the shared linear core, softmax(scale · Q Kᵀ) V ≈ D⁻¹ φ(Q) diag(σ) (φ(K)ᵀ [V | 1]).
+// Bidirectional, causal (chunked prefix sums; output i depends on rows 0..i only, bit for
+// bit), batched multi-head, and one token at a time (RandomFeatureDecoder).
+//
+// A feature map type Map provides: Scalar; input_dim(); feature_dim();
+// features_into(x, normaliser, values, log_scale, FeatureSide); signs() (empty = all +1);
+// and `static constexpr bool nonnegative`. The data normaliser scale^{1/2} is applied to q
+// and k inside the map, so the estimated kernel is exp(scale · qᵀk).
+//
+// Denominator guard. Nonnegative maps (positive, hyperbolic) give positive denominators and
+// use denominator_epsilon = 0 by default: no bias at all; a row is returned as zeros only if
+// its denominator underflows to exactly 0 (possible only at extreme norms, e.g. scale·‖q‖²
+// in the hundreds in float). Signed maps (trig, hybrid) can produce denominators near zero or
+// negative and use 1e-6 by default: den ← den + 2ε·[|den| ≤ ε] (den relative to the row's
+// log-scale), so every output is finite; an explicit 0 is rejected for them.
+
+#include <cmath>
+#include <optional>
+#include <utility>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+#include "../core/linear_attention.hpp"
+#include "../core/linear_decoder.hpp"
+#include "../core/scaled_features.hpp"
+#include "../core/softmax_accumulator.hpp"
+#include "../core/types.hpp"
+#include "../detail/parallel.hpp"
+#include "../detail/validation.hpp"
+#include "../features/feature_maps.hpp"
+
+namespace randattn {
+
+struct RandomFeatureOptions {
+  bool causal = false;                        // query i sees keys j <= i (needs n_q == n_k)
+  std::optional<double> scale;                // logits scale · q.k, > 0; default 1/sqrt(d)
+  std::optional<double> denominator_epsilon;  // default 0 (nonnegative maps) or 1e-6 (signed)
+  Index chunk_size = 0;                       // causal chunk length; 0 = automatic
+  bool check_finite = true;                   // throw std::invalid_argument on NaN/Inf input
+};
+
+namespace detail {
+
+// Resolved settings: the data normaliser scale^{1/2} and the options of the linear core.
+template <typename Scalar>
+struct FeatureAttentionSettings {
+  Scalar normaliser;
+  LinearOptions linear;
+};
+
+template <typename Map>
+FeatureAttentionSettings<typename Map::Scalar> feature_attention_settings(
+    const char* where, const Map& map, const RandomFeatureOptions& opt) {
+  using Scalar = typename Map::Scalar;
+  const double scale = opt.scale ? *opt.scale : 1.0 / std::sqrt(double(map.input_dim()));
+  require(scale > 0 && std::isfinite(scale), where,
+          "scale must be positive and finite (the data normaliser is scale^(1/2)), got ", scale);
+  const double eps = opt.denominator_epsilon ? *opt.denominator_epsilon
+                     : Map::nonnegative      ? 0.0
+                                             : LinearOptions{}.denominator_epsilon;
+  require(eps >= 0 && std::isfinite(eps), where, "denominator_epsilon must be finite and >= 0, got ",
+          eps);
+  require(Map::nonnegative || eps > 0, where,
+          "this feature map is not positive: denominator_epsilon must be > 0 so that ",
+          "denominators near zero are guarded");
+  require(opt.chunk_size >= 0, where, "chunk_size must be >= 0, got ", opt.chunk_size);
+  LinearOptions lin;
+  lin.causal = opt.causal;
+  lin.chunk_size = opt.chunk_size;
+  lin.denominator_epsilon = eps;
+  lin.check_finite = false;  // the features of finite inputs are finite
+  return {static_cast<Scalar>(std::sqrt(scale)), lin};
+}
+
+// Validates one (q, k, v) slice and maps q and k to features.
+template <typename Map>
+std::pair<ScaledFeatures<typename Map::Scalar>, ScaledFeatures<typename Map::Scalar>>
+map_slice(const char* where, const Map& map, const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
+          const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
+          const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
+          const FeatureAttentionSettings<typename Map::Scalar>& s, bool check_finite) {
+  using Scalar = typename Map::Scalar;
+  require(q.cols() == map.input_dim() && k.cols() == map.input_dim(), where, "q (", shape_of(q),
+          ") and k (", shape_of(k), ") must have the feature map's input dimension ",
+          map.input_dim());
+  require(k.rows() == v.rows(), where, "k (", shape_of(k), ") and v (", shape_of(v),
+          ") must have the same number of rows");
+  require(!s.linear.causal || q.rows() == k.rows(), where,
+          "causal attention needs as many queries (", q.rows(), ") as keys (", k.rows(), ")");
+  require(q.rows() == 0 || k.rows() > 0, where, "attention over zero keys is undefined (q ",
+          shape_of(q), ", k ", shape_of(k), ")");
+  require_finite(q, where, "q", check_finite);
+  require_finite(k, where, "k", check_finite);
+  require_finite(v, where, "v", check_finite);
+  const Index dim = map.feature_dim();
+  ScaledFeatures<Scalar> qf{RowMatrix<Scalar>(q.rows(), dim), Vector<Scalar>(q.rows())};
+  ScaledFeatures<Scalar> kf{RowMatrix<Scalar>(k.rows(), dim), Vector<Scalar>(k.rows())};
+  if (q.rows() > 0) {
+    map.features_into(q, s.normaliser, qf.values, qf.log_scale, FeatureSide::query);
+    map.features_into(k, s.normaliser, kf.values, kf.log_scale, FeatureSide::key);
+  }
+  return {std::move(qf), std::move(kf)};
+}
+
+template <typename Map>
+SoftmaxAccumulator<typename Map::Scalar> feature_attention_slice(
+    const char* where, const Map& map,
+    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
+    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
+    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
+    const FeatureAttentionSettings<typename Map::Scalar>& s, bool check_finite) {
+  using Scalar = typename Map::Scalar;
+  const auto [qf, kf] = map_slice(where, map, q, k, v, s, check_finite);
+  if (q.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
+  return linear_attention_accumulate<Scalar>(qf.values, qf.log_scale, kf.values, kf.log_scale, v,
+                                             map.signs(), s.linear);
+}
+
+}  // namespace detail
+
+// Unnormalised result as an accumulator (to merge with other partial results).
+template <typename Map>
+SoftmaxAccumulator<typename Map::Scalar> random_feature_attention_accumulate(
+    const Map& map, const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
+    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
+    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
+    const RandomFeatureOptions& opt = {}) {
+  const char* where = "random_feature_attention";
+  const auto s = detail::feature_attention_settings(where, map, opt);
+  return detail::feature_attention_slice(where, map, q, k, v, s, opt.check_finite);
+}
+
+// softmax(scale · Q Kᵀ [masked]) V estimated with the map: q n_q×d, k n_k×d, v n_k×dv.
+template <typename Map, typename DQ, typename DK, typename DV>
+RowMatrix<typename Map::Scalar> random_feature_attention(const Map& map,
+                                                         const Eigen::MatrixBase<DQ>& q,
+                                                         const Eigen::MatrixBase<DK>& k,
+                                                         const Eigen::MatrixBase<DV>& v,
+                                                         const RandomFeatureOptions& opt = {}) {
+  using Scalar = typename Map::Scalar;
+  static_assert(std::is_same<Scalar, typename DQ::Scalar>::value &&
+                    std::is_same<Scalar, typename DK::Scalar>::value &&
+                    std::is_same<Scalar, typename DV::Scalar>::value,
+                "the feature map, q, k and v must share the scalar type");
+  const char* where = "random_feature_attention";
+  const auto s = detail::feature_attention_settings(where, map, opt);
+  return detail::feature_attention_slice(where, map, q, k, v, s, opt.check_finite)
+      .finalize(static_cast<Scalar>(s.linear.denominator_epsilon));
+}
+
+// Batched multi-head form over contiguous row-major buffers: q (batch, heads, n_q, d),
+// k (batch, heads, n_k, d), v (batch, heads, n_k, dv), out (batch, heads, n_q, dv). One map
+// (one ω) serves every slice. Slices run in parallel, each on one thread: results do not
+// depend on the thread count.
+template <typename Map>
+void random_feature_attention_batched(const Map& map, const typename Map::Scalar* q,
+                                      const typename Map::Scalar* k,
+                                      const typename Map::Scalar* v, typename Map::Scalar* out,
+                                      const BatchShape& shape, const RandomFeatureOptions& opt = {}) {
+  using Scalar = typename Map::Scalar;
+  const char* where = "random_feature_attention_batched";
+  detail::require(shape.batch >= 0 && shape.heads >= 0 && shape.n_q >= 0 && shape.n_k >= 0 &&
+                      shape.dv >= 0 && shape.d == map.input_dim(),
+                  where, "shape (batch ", shape.batch, ", heads ", shape.heads, ", n_q ",
+                  shape.n_q, ", n_k ", shape.n_k, ", d ", shape.d, ", dv ", shape.dv,
+                  ") must be non-negative with d equal to the map's input dimension ",
+                  map.input_dim());
+  detail::require(shape.slices() == 0 || shape.n_q == 0 || (q && k && v && out), where,
+                  "null data pointer");
+  const auto s = detail::feature_attention_settings(where, map, opt);
+  using CMap = Eigen::Map<const RowMatrix<Scalar>>;
+  detail::parallel_for(shape.slices(), [&](Index i) {
+    const CMap qs(q + i * shape.n_q * shape.d, shape.n_q, shape.d);
+    const CMap ks(k + i * shape.n_k * shape.d, shape.n_k, shape.d);
+    const CMap vs(v + i * shape.n_k * shape.dv, shape.n_k, shape.dv);
+    Eigen::Map<RowMatrix<Scalar>> o(out + i * shape.n_q * shape.dv, shape.n_q, shape.dv);
+    detail::feature_attention_slice(where, map, qs, ks, vs, s, opt.check_finite)
+        .finalize_into(o, static_cast<Scalar>(s.linear.denominator_epsilon));
+  });
+}
+
+// Attention with every kernel estimate clipped at zero: weights max(0, φ(q_i)ᵀ diag(σ) φ(k_j))
+// (masked when causal). For signed maps (trig, hybrid) this removes negative weights but is
+// BIASED (E[max(0, X)] >= E[X]); it costs O(n_q · n_k · M) — the weights are formed block by
+// block, never as an n_q × n_k matrix — so it is meant for moderate n and for study. A row
+// whose clipped weights all vanish gets the denominator guard, i.e. zeros.
+template <typename Map, typename DQ, typename DK, typename DV>
+RowMatrix<typename Map::Scalar> random_feature_attention_clipped(
+    const Map& map, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+    const Eigen::MatrixBase<DV>& v, const RandomFeatureOptions& opt = {}) {
+  using Scalar = typename Map::Scalar;
+  static_assert(std::is_same<Scalar, typename DQ::Scalar>::value &&
+                    std::is_same<Scalar, typename DK::Scalar>::value &&
+                    std::is_same<Scalar, typename DV::Scalar>::value,
+                "the feature map, q, k and v must share the scalar type");
+  const char* where = "random_feature_attention_clipped";
+  const auto s = detail::feature_attention_settings(where, map, opt);
+  const RowMatrix<Scalar> ve = detail::append_ones<Scalar>(v);
+  const auto [qf, kf] = detail::map_slice(where, map, q, k, v, s, opt.check_finite);
+  const Index n_q = qf.rows(), n_k = kf.rows(), block = 128;
+  SoftmaxAccumulator<Scalar> acc(n_q, v.cols());
+  Vector<Scalar> sigma = map.signs();
+  if (sigma.size() == 0) sigma = Vector<Scalar>::Ones(map.feature_dim());
+  detail::parallel_for((n_q + block - 1) / block, [&](Index b) {
+    const Index i0 = b * block, bq = std::min(block, n_q - i0);
+    const RowMatrix<Scalar> signed_q = qf.values.middleRows(i0, bq) * sigma.asDiagonal();
+    RowMatrix<Scalar> w(bq, block), nd(bq, ve.cols());
+    const Index k_end = opt.causal ? i0 + bq : n_k;
+    for (Index j0 = 0; j0 < k_end; j0 += block) {
+      const Index bk = std::min(block, k_end - j0);
+      const Scalar g = kf.log_scale.segment(j0, bk).maxCoeff();
+      auto wb = w.leftCols(bk);
+      detail::gemm_fixed_depth(wb, signed_q, kf.values.middleRows(j0, bk).transpose(), false);
+      const Vector<Scalar> key_weight = (kf.log_scale.segment(j0, bk).array() - g).exp().matrix();
+      wb = wb.cwiseMax(Scalar(0)) * key_weight.asDiagonal();
+      for (Index r = 0; opt.causal && r < bq; ++r) {
+        const Index first_masked = std::max<Index>(0, i0 + r + 1 - j0);
+        if (first_masked < bk) wb.row(r).tail(bk - first_masked).setZero();
+      }
+      nd.noalias() = wb * ve.middleRows(j0, bk);
+      acc.merge_rows(i0, nd, (qf.log_scale.segment(i0, bq).array() + g).matrix());
+    }
+  });
+  return acc.finalize(static_cast<Scalar>(s.linear.denominator_epsilon));
+}
+
+// Causal attention one token at a time (decoding): append(k_t, v_t), then query(q_t) returns
+// the output of position t. O(M · dv) per token, no allocation per token for maps on dense
+// projections. Computes what random_feature_attention computes with causal = true, up to
+// rounding.
+template <typename Map>
+class RandomFeatureDecoder {
+ public:
+  using Scalar = typename Map::Scalar;
+  using RowVector = Eigen::Matrix<Scalar, 1, Eigen::Dynamic>;
+
+  RandomFeatureDecoder(Map map, Index value_dim, const RandomFeatureOptions& opt = {})
+      : map_(std::move(map)),
+        settings_(detail::feature_attention_settings("RandomFeatureDecoder", map_, opt)),
+        state_(map_.feature_dim(), value_dim, map_.signs(), settings_.linear.denominator_epsilon),
+        x_(1, map_.input_dim()),
+        features_(1, map_.feature_dim()),
+        log_scale_(1),
+        check_finite_(opt.check_finite) {}
+
+  const Map& map() const { return map_; }
+  Index length() const { return state_.length(); }
+  void reset() { state_.reset(); }
+
+  template <typename DK, typename DV>
+  void append(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v) {
+    map_row(k, "k", FeatureSide::key);
+    state_.append(features_, v, log_scale_(0));
+  }
+
+  template <typename DQ>
+  RowVector query(const Eigen::MatrixBase<DQ>& q) {
+    map_row(q, "q", FeatureSide::query);
+    return state_.query(features_, log_scale_(0));
+  }
+
+ private:
+  template <typename DX>
+  void map_row(const Eigen::MatrixBase<DX>& x, const char* name, FeatureSide side) {
+    detail::require(x.size() == map_.input_dim(), "RandomFeatureDecoder", name, " has ", x.size(),
+                    " entries, expected ", map_.input_dim());
+    x_ = x.derived().reshaped().transpose();
+    detail::require_finite(x_, "RandomFeatureDecoder", name, check_finite_);
+    map_.features_into(x_, settings_.normaliser, features_, log_scale_, side);
+  }
+
+  Map map_;
+  detail::FeatureAttentionSettings<Scalar> settings_;
+  LinearDecoderState<Scalar> state_;
+  RowMatrix<Scalar> x_, features_;
+  Vector<Scalar> log_scale_;
+  bool check_finite_;
+};
+
+}  // namespace randattn

@@ -1,0 +1,263 @@
+#pragma once
+// Random projections ω ∈ R^{m×d} for random-feature maps. Every projection applies itself to a
+// block of rows, out = X ωᵀ (n×m), and can be materialised with matrix().
+//
+//  - GaussianProjection: i.i.d. N(0, 1) entries.
+//  - OrthogonalProjection: blocks of d rows, each the Q of a QR factorisation of a Gaussian d×d
+//    matrix with the sign correction Q·diag(sign(diag R)) that makes Q Haar-distributed; rows
+//    rescaled to χ(d)-distributed norms (default: each row is then marginally N(0, I_d), so the
+//    feature maps stay unbiased) or to √d.
+//  - HadamardProjection: blocks of p = next_power_of_two(d) rows of √p · p^{-3/2} H D₃ H D₂ H D₁
+//    (H the unnormalised Walsh–Hadamard matrix, D random ±1 diagonals), applied to the input
+//    zero-padded to length p with the fast transform, O(m log d) per row. Its rows are only
+//    approximately Gaussian: feature maps built on it carry a small bias.
+//  - UserProjection: a given ω (for example the projection buffer of a model trained elsewhere),
+//    used as is.
+//
+// The random projections are pure functions of (seed, m, d): the draw does not depend on the
+// scalar type (it is made in double and rounded), the thread count or the block size.
+// redraw(seed) draws a new ω of the same kind and shape.
+
+#include <cmath>
+#include <cstdint>
+#include <utility>
+
+#include <Eigen/Core>
+#include <Eigen/QR>
+
+#include "../core/types.hpp"
+#include "../detail/gemm.hpp"
+#include "../detail/parallel.hpp"
+#include "../detail/validation.hpp"
+#include "../linalg/hadamard.hpp"
+#include "../random/fill.hpp"
+#include "../random/philox.hpp"
+
+namespace randattn {
+
+// Row norms of structured (orthogonal, Hadamard) projections.
+enum class RowNorm {
+  chi,     // independent χ-distributed norms, as the rows of an i.i.d. Gaussian matrix have
+  sqrt_d,  // every row has norm √d (√p for Hadamard before restriction to d coordinates)
+};
+
+namespace detail {
+
+// Philox streams of the projections: distinct purposes never share random numbers.
+enum ProjectionStream : std::uint32_t {
+  kStreamIid = 0x50524a00u,
+  kStreamOrthogonalBlock = 0x50524a01u,
+  kStreamRowNorm = 0x50524a02u,
+  kStreamHadamardSigns = 0x50524a03u,
+};
+
+inline void check_projection_shape(const char* where, Index m, Index d) {
+  require(m >= 1 && d >= 1, where, "need features m >= 1 and input dimension d >= 1, got m = ", m,
+          ", d = ", d);
+}
+
+// Norm of row r: √(Σ g²) over `dim` Gaussians of row r of the row-norm stream (a χ(dim)
+// draw), or √dim.
+inline double row_norm(const Philox& rng, RowNorm norm, Index r, Index dim) {
+  if (norm == RowNorm::sqrt_d) return std::sqrt(double(dim));
+  const Philox s = rng.with_stream(kStreamRowNorm);
+  double sum = 0;
+  for (Index j = 0; j < dim; ++j) {
+    const double g = s.gaussian(std::uint64_t(r), std::uint32_t(j));
+    sum += g * g;
+  }
+  return std::sqrt(sum);
+}
+
+// Projections stored as a dense ω, applied with one matrix product.
+template <typename Scalar_>
+class DenseProjection {
+ public:
+  using Scalar = Scalar_;
+  Index features() const { return omega_.rows(); }
+  Index input_dim() const { return omega_.cols(); }
+  const RowMatrix<Scalar>& matrix() const { return omega_; }
+
+  // out = x ωᵀ; x is n×d, out n×m (any row-major block, e.g. half of a feature matrix).
+  template <typename Out>
+  void apply(const Eigen::Ref<const RowMatrix<Scalar>>& x, Out&& out) const {
+    gemm_fixed_depth(out, x, omega_.transpose(), false);
+  }
+
+ protected:
+  DenseProjection() = default;
+  explicit DenseProjection(RowMatrix<Scalar> omega) : omega_(std::move(omega)) {}
+  RowMatrix<Scalar> omega_;
+};
+
+}  // namespace detail
+
+// ω with i.i.d. standard normal entries.
+template <typename Scalar>
+class GaussianProjection : public detail::DenseProjection<Scalar> {
+ public:
+  GaussianProjection(Index m, Index d, std::uint64_t seed = 0) : m_(m), d_(d) {
+    detail::check_projection_shape("GaussianProjection", m, d);
+    redraw(seed);
+  }
+
+  void redraw(std::uint64_t seed) {
+    seed_ = seed;
+    this->omega_ = gaussian_matrix<double>(Philox(seed, detail::kStreamIid), m_, d_)
+                       .template cast<Scalar>();
+  }
+  std::uint64_t seed() const { return seed_; }
+
+ private:
+  Index m_, d_;
+  std::uint64_t seed_ = 0;
+};
+
+// Block-orthogonal ω: within each block of d rows the rows are orthogonal.
+template <typename Scalar>
+class OrthogonalProjection : public detail::DenseProjection<Scalar> {
+ public:
+  OrthogonalProjection(Index m, Index d, std::uint64_t seed = 0, RowNorm norm = RowNorm::chi)
+      : m_(m), d_(d), norm_(norm) {
+    detail::check_projection_shape("OrthogonalProjection", m, d);
+    redraw(seed);
+  }
+
+  void redraw(std::uint64_t seed) {
+    seed_ = seed;
+    const Philox rng(seed);
+    RowMatrix<double> omega(m_, d_);
+    const Index blocks = (m_ + d_ - 1) / d_;
+    detail::parallel_for(blocks, [&](Index b) {
+      const Index r0 = b * d_, rows = std::min(d_, m_ - r0);
+      Eigen::MatrixXd g(d_, d_);
+      fill_gaussian(rng.with_stream(detail::kStreamOrthogonalBlock), g, r0, 0);
+      const Eigen::HouseholderQR<Eigen::MatrixXd> qr(g);
+      Eigen::MatrixXd q = qr.householderQ();
+      // Q diag(sign(diag R)) is Haar-distributed; Householder QR alone is not.
+      for (Index j = 0; j < d_; ++j)
+        if (qr.matrixQR()(j, j) < 0) q.col(j) = -q.col(j);
+      for (Index r = 0; r < rows; ++r)
+        omega.row(r0 + r) = detail::row_norm(rng, norm_, r0 + r, d_) * q.row(r);
+    });
+    this->omega_ = omega.template cast<Scalar>();
+  }
+  std::uint64_t seed() const { return seed_; }
+  RowNorm row_norm() const { return norm_; }
+
+ private:
+  Index m_, d_;
+  RowNorm norm_;
+  std::uint64_t seed_ = 0;
+};
+
+// A user-supplied ω (m×d), used as given.
+template <typename Scalar>
+class UserProjection : public detail::DenseProjection<Scalar> {
+ public:
+  template <typename Derived>
+  explicit UserProjection(const Eigen::MatrixBase<Derived>& omega)
+      : detail::DenseProjection<Scalar>(omega.template cast<Scalar>()) {
+    detail::check_projection_shape("UserProjection", omega.rows(), omega.cols());
+    detail::require_finite(this->omega_, "UserProjection", "omega");
+  }
+};
+
+// Structured ω: blocks of p = next_power_of_two(d) rows of H D₃ H D₂ H D₁, applied with the fast
+// Walsh–Hadamard transform. Row r of block b is norm_r · p^{-3/2} (H D₃ H D₂ H D₁)_r restricted
+// to the first d coordinates (the input is zero-padded), with norm_r ~ χ(p) or √p, so that
+// E‖ω_r‖² = d as for a Gaussian row.
+template <typename Scalar_>
+class HadamardProjection {
+ public:
+  using Scalar = Scalar_;
+  HadamardProjection(Index m, Index d, std::uint64_t seed = 0, RowNorm norm = RowNorm::chi)
+      : m_(m), d_(d), p_(next_power_of_two(d)), norm_(norm) {
+    detail::check_projection_shape("HadamardProjection", m, d);
+    redraw(seed);
+  }
+
+  Index features() const { return m_; }
+  Index input_dim() const { return d_; }
+  std::uint64_t seed() const { return seed_; }
+  RowNorm row_norm() const { return norm_; }
+
+  void redraw(std::uint64_t seed) {
+    seed_ = seed;
+    const Index blocks = (m_ + p_ - 1) / p_;
+    const Philox signs(seed, detail::kStreamHadamardSigns);
+    signs_.resize(blocks * 3, p_);
+    for (Index b = 0; b < blocks; ++b)
+      for (Index t = 0; t < 3; ++t)
+        for (Index j = 0; j < p_; ++j)
+          signs_(3 * b + t, j) = Scalar(signs.rademacher(std::uint64_t(b), std::uint32_t(t * p_ + j)));
+    const double unit = std::pow(double(p_), -1.5);
+    out_scale_.resize(m_);
+    const Philox rng(seed);
+    for (Index r = 0; r < m_; ++r) out_scale_(r) = Scalar(unit * detail::row_norm(rng, norm_, r, p_));
+  }
+
+  // out = x ωᵀ in O(n m log p): rows are processed in tiles held column-major, so that each
+  // butterfly of the transform is a contiguous vector operation over the tile's rows.
+  template <typename Out>
+  void apply(const Eigen::Ref<const RowMatrix<Scalar>>& x, Out&& out_) const {
+    auto& out = out_;
+    detail::require(x.cols() == d_ && out.rows() == x.rows() && out.cols() == m_,
+                    "HadamardProjection::apply", "x is ", detail::shape_of(x), " and out ",
+                    detail::shape_of(out), ", expected n x ", d_, " and n x ", m_);
+    using Tile = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor>;
+    const Index n = x.rows(), tiles = (n + kTile - 1) / kTile, blocks = signs_.rows() / 3;
+    detail::parallel_for(tiles, [&](Index t) {
+      const Index i0 = t * kTile, rows = std::min(kTile, n - i0);
+      Tile padded = Tile::Zero(rows, p_), work(rows, p_);
+      padded.leftCols(d_) = x.middleRows(i0, rows);
+      for (Index b = 0; b < blocks; ++b) {
+        work = padded;
+        for (Index s = 0; s < 3; ++s) {
+          work = work * signs_.row(3 * b + s).asDiagonal();
+          fwht_columns(work);
+        }
+        const Index c0 = b * p_, cols = std::min(p_, m_ - c0);
+        out.block(i0, c0, rows, cols).noalias() =
+            work.leftCols(cols) * out_scale_.segment(c0, cols).asDiagonal();
+      }
+    });
+  }
+
+  RowMatrix<Scalar> matrix() const {
+    RowMatrix<Scalar> omega_t(d_, m_);
+    apply(RowMatrix<Scalar>::Identity(d_, d_), omega_t);
+    return omega_t.transpose();
+  }
+
+ private:
+  static constexpr Index kTile = 256;
+
+  // Unnormalised Walsh–Hadamard transform along the columns of every row of a column-major
+  // tile: each butterfly combines two contiguous columns.
+  template <typename Tile>
+  static void fwht_columns(Tile& w) {
+    const Index rows = w.rows(), p = w.cols();
+    for (Index h = 1; h < p; h <<= 1) {
+      for (Index i = 0; i < p; i += 2 * h) {
+        for (Index j = i; j < i + h; ++j) {
+          Scalar* lo = w.col(j).data();
+          Scalar* hi = w.col(j + h).data();
+          for (Index r = 0; r < rows; ++r) {
+            const Scalar a = lo[r], c = hi[r];
+            lo[r] = a + c;
+            hi[r] = a - c;
+          }
+        }
+      }
+    }
+  }
+
+  Index m_, d_, p_;
+  RowNorm norm_;
+  std::uint64_t seed_ = 0;
+  RowMatrix<Scalar> signs_;  // 3 rows per block: D₁, D₂, D₃
+  Vector<Scalar> out_scale_;  // m: norm_r · p^{-3/2}
+};
+
+}  // namespace randattn

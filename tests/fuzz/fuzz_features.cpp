@@ -1,0 +1,116 @@
+// Random-feature and hybrid attention driven by fuzzed shapes, feature counts, projections,
+// options and values (NaN, Inf, denormals, huge norms included). Every call either throws
+// std::invalid_argument or returns finite output of the right shape; nonnegative maps give
+// convex combinations of the value rows (or, after total underflow, documented zero rows).
+#include <fuzzer/FuzzedDataProvider.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+
+#include <randattn/randattn.hpp>
+
+namespace {
+
+using randattn::Index;
+using randattn::RowMatrix;
+
+#define FUZZ_REQUIRE(cond)                                                                 \
+  do {                                                                                     \
+    if (!(cond)) {                                                                         \
+      std::fprintf(stderr, "fuzz_features: %s does not hold (line %d)\n", #cond, __LINE__); \
+      std::abort();                                                                        \
+    }                                                                                      \
+  } while (0)
+
+template <typename Scalar>
+RowMatrix<Scalar> consume_matrix(FuzzedDataProvider& in, Index rows, Index cols, int mode) {
+  RowMatrix<Scalar> m(rows, cols);
+  for (Index i = 0; i < m.size(); ++i) {
+    m.data()[i] = mode == 0   ? in.ConsumeFloatingPointInRange<Scalar>(Scalar(-2), Scalar(2))
+                  : mode == 1 ? in.ConsumeFloatingPointInRange<Scalar>(Scalar(-8), Scalar(8))
+                              : in.ConsumeFloatingPoint<Scalar>();
+  }
+  return m;
+}
+
+template <typename Scalar>
+void require_convex_or_zero(const RowMatrix<Scalar>& out, const RowMatrix<Scalar>& v) {
+  if (v.size() == 0) return;
+  const double slack = 1e-3 * std::max(1.0, double(v.cwiseAbs().maxCoeff()));
+  for (Index i = 0; i < out.rows(); ++i) {
+    if ((out.row(i).array() == 0).all()) continue;
+    for (Index c = 0; c < v.cols(); ++c)
+      FUZZ_REQUIRE(out(i, c) >= v.col(c).minCoeff() - slack && out(i, c) <= v.col(c).maxCoeff() + slack);
+  }
+}
+
+template <typename Map, typename Scalar = typename Map::Scalar>
+void attend(FuzzedDataProvider& in, const Map& map, const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k,
+            const RowMatrix<Scalar>& v) {
+  randattn::RandomFeatureOptions opt;
+  opt.causal = in.ConsumeBool();
+  if (in.ConsumeBool()) opt.scale = in.ConsumeFloatingPoint<double>();
+  if (in.ConsumeBool()) opt.denominator_epsilon = in.ConsumeFloatingPointInRange<double>(-1e-3, 1e-3);
+  opt.chunk_size = in.ConsumeIntegralInRange<Index>(-1, 40);
+  const RowMatrix<Scalar> out = randattn::random_feature_attention(map, q, k, v, opt);
+  FUZZ_REQUIRE(out.rows() == q.rows() && out.cols() == v.cols() && out.allFinite());
+  if (Map::nonnegative && !opt.denominator_epsilon) require_convex_or_zero(out, v);
+}
+
+template <typename Scalar>
+void run(FuzzedDataProvider& in) {
+  const int map_kind = in.ConsumeIntegralInRange(0, 5);
+  const int projection_kind = in.ConsumeIntegralInRange(0, 2);
+  const int mode = in.ConsumeIntegralInRange(0, 2);
+  const Index n = in.ConsumeIntegralInRange(0, 24), d = in.ConsumeIntegralInRange(0, 9);
+  const Index dv = in.ConsumeIntegralInRange(0, 4), m = in.ConsumeIntegralInRange(0, 12);
+  const std::uint64_t seed = in.ConsumeIntegral<std::uint32_t>();
+  const RowMatrix<Scalar> q = consume_matrix<Scalar>(in, n, d, mode);
+  const RowMatrix<Scalar> k = consume_matrix<Scalar>(in, n, d, mode);
+  const RowMatrix<Scalar> v = consume_matrix<Scalar>(in, n, dv, mode);
+  try {
+    auto with_projection = [&](auto make_map) {
+      switch (projection_kind) {
+        case 0: return attend(in, make_map(randattn::GaussianProjection<Scalar>(m, d, seed)), q, k, v);
+        case 1: return attend(in, make_map(randattn::OrthogonalProjection<Scalar>(m, d, seed)), q, k, v);
+        default: return attend(in, make_map(randattn::HadamardProjection<Scalar>(m, d, seed)), q, k, v);
+      }
+    };
+    switch (map_kind) {
+      case 0: with_projection([](auto p) { return randattn::PositiveFeatures(std::move(p)); }); break;
+      case 1: with_projection([](auto p) { return randattn::HyperbolicFeatures(std::move(p)); }); break;
+      case 2: with_projection([](auto p) { return randattn::TrigFeatures(std::move(p)); }); break;
+      case 3: attend(in, randattn::angular_hybrid<Scalar>(m, in.ConsumeIntegralInRange<Index>(0, 4), d, seed), q, k, v); break;
+      case 4:
+        attend(in, randattn::gaussian_hybrid<Scalar>(m, in.ConsumeIntegralInRange<Index>(0, 4), d,
+                                                     in.ConsumeFloatingPoint<double>(), seed), q, k, v);
+        break;
+      default: {  // streaming decoder of a positive map
+        randattn::RandomFeatureDecoder decoder(
+            randattn::PositiveFeatures(randattn::OrthogonalProjection<Scalar>(m, d, seed)), dv);
+        for (Index t = 0; t < n; ++t) {
+          decoder.append(k.row(t), v.row(t));
+          FUZZ_REQUIRE(decoder.query(q.row(t)).allFinite());
+        }
+        break;
+      }
+    }
+  } catch (const std::invalid_argument&) {
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  FuzzedDataProvider in(data, size);
+  if (in.ConsumeBool()) {
+    run<float>(in);
+  } else {
+    run<double>(in);
+  }
+  return 0;
+}

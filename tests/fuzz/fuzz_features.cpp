@@ -9,7 +9,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <sstream>
 #include <stdexcept>
+#include <string>
 
 #include <randattn/randattn.hpp>
 
@@ -18,10 +20,12 @@ namespace {
 using randattn::Index;
 using randattn::RowMatrix;
 
+std::string context;  // what the current input exercises, printed when a check fails
+
 #define FUZZ_REQUIRE(cond)                                                                 \
   do {                                                                                     \
     if (!(cond)) {                                                                         \
-      std::fprintf(stderr, "fuzz_features: %s does not hold (line %d)\n", #cond, __LINE__); \
+      std::fprintf(stderr, "fuzz_features: %s does not hold (line %d) in %s\n", #cond, __LINE__, context.c_str()); \
       std::abort();                                                                        \
     }                                                                                      \
   } while (0)
@@ -56,6 +60,13 @@ void attend(FuzzedDataProvider& in, const Map& map, const RowMatrix<Scalar>& q, 
   if (in.ConsumeBool()) opt.scale = in.ConsumeFloatingPoint<double>();
   if (in.ConsumeBool()) opt.denominator_epsilon = in.ConsumeFloatingPointInRange<double>(-1e-3, 1e-3);
   opt.chunk_size = in.ConsumeIntegralInRange<Index>(-1, 40);
+  {
+    std::ostringstream c;
+    c << "causal " << opt.causal << " scale " << (opt.scale ? *opt.scale : -1.0) << " eps "
+      << (opt.denominator_epsilon ? *opt.denominator_epsilon : -1.0) << " chunk " << opt.chunk_size
+      << "\nq\n" << q << "\nk\n" << k << "\nv\n" << v;
+    context += c.str();
+  }
   const RowMatrix<Scalar> out = randattn::random_feature_attention(map, q, k, v, opt);
   FUZZ_REQUIRE(out.rows() == q.rows() && out.cols() == v.cols() && out.allFinite());
   if (Map::nonnegative && !opt.denominator_epsilon) require_convex_or_zero(out, v);
@@ -69,6 +80,9 @@ void run(FuzzedDataProvider& in) {
   const Index n = in.ConsumeIntegralInRange(0, 24), d = in.ConsumeIntegralInRange(0, 9);
   const Index dv = in.ConsumeIntegralInRange(0, 4), m = in.ConsumeIntegralInRange(0, 12);
   const std::uint64_t seed = in.ConsumeIntegral<std::uint32_t>();
+  context = "map " + std::to_string(map_kind) + " projection " + std::to_string(projection_kind) +
+            " m " + std::to_string(m) + " seed " + std::to_string(seed) + " " +
+            (sizeof(Scalar) == 4 ? "float " : "double ");
   const RowMatrix<Scalar> q = consume_matrix<Scalar>(in, n, d, mode);
   const RowMatrix<Scalar> k = consume_matrix<Scalar>(in, n, d, mode);
   const RowMatrix<Scalar> v = consume_matrix<Scalar>(in, n, dv, mode);

@@ -71,7 +71,9 @@ FeatureAttentionSettings<typename Map::Scalar> feature_attention_settings(
   lin.causal = opt.causal;
   lin.chunk_size = opt.chunk_size;
   lin.denominator_epsilon = eps;
-  lin.check_finite = false;  // the features of finite inputs are finite
+  // Inputs are checked before mapping; the core's check of its small result then catches
+  // features that overflowed (e.g. an extreme bandwidth or scale) at almost no cost.
+  lin.check_finite = opt.check_finite;
   return {static_cast<Scalar>(std::sqrt(scale)), lin};
 }
 
@@ -113,7 +115,10 @@ SoftmaxAccumulator<typename Map::Scalar> feature_attention_slice(
     const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
     const FeatureAttentionSettings<typename Map::Scalar>& s, bool check_finite) {
   using Scalar = typename Map::Scalar;
-  const auto [qf, kf] = map_slice(where, map, q, k, v, s, check_finite);
+  // Named members, not a structured binding: lambdas may not capture those in C++17.
+  const auto mapped = map_slice(where, map, q, k, v, s, check_finite);
+  const auto& qf = mapped.first;
+  const auto& kf = mapped.second;
   if (q.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
   return linear_attention_accumulate<Scalar>(qf.values, qf.log_scale, kf.values, kf.log_scale, v,
                                              map.signs(), s.linear);
@@ -199,7 +204,10 @@ RowMatrix<typename Map::Scalar> random_feature_attention_clipped(
   const char* where = "random_feature_attention_clipped";
   const auto s = detail::feature_attention_settings(where, map, opt);
   const RowMatrix<Scalar> ve = detail::append_ones<Scalar>(v);
-  const auto [qf, kf] = detail::map_slice(where, map, q, k, v, s, opt.check_finite);
+  // Named members, not a structured binding: lambdas may not capture those in C++17.
+  const auto mapped = detail::map_slice(where, map, q, k, v, s, opt.check_finite);
+  const auto& qf = mapped.first;
+  const auto& kf = mapped.second;
   const Index n_q = qf.rows(), n_k = kf.rows(), block = 128;
   SoftmaxAccumulator<Scalar> acc(n_q, v.cols());
   Vector<Scalar> sigma = map.signs();

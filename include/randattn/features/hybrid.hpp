@@ -84,8 +84,8 @@ class GaussianWeight
 
   GaussianWeight(Projection projection, double bandwidth)
       : Base(std::move(projection)), bandwidth_(static_cast<Scalar>(bandwidth)) {
-    detail::require(bandwidth > 0 && std::isfinite(bandwidth), "GaussianWeight",
-                    "bandwidth must be positive and finite, got ", bandwidth);
+    detail::require(bandwidth > 0 && std::isfinite(bandwidth_), "GaussianWeight",
+                    "bandwidth must be positive and finite in the scalar type, got ", bandwidth);
   }
   Scalar bandwidth() const { return bandwidth_; }
 

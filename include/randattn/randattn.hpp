@@ -10,3 +10,7 @@
 #include "linalg/hadamard.hpp"
 #include "random/philox.hpp"
 #include "random/fill.hpp"
+#include "lsh/rotation.hpp"
+#include "lsh/cross_polytope.hpp"
+#include "lsh/target_blocks.hpp"
+#include "lsh/lsh_attention.hpp"

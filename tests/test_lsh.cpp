@@ -240,9 +240,11 @@ TEMPLATE_TEST_CASE("Cross-polytope hash: ranges, scaling, zero vector, seeds, bl
 
 TEST_CASE("Collision rate of two unit vectors falls as their angle grows", "[lsh]") {
   // Rounds use independent rotations, so over N rounds the number of collisions of a fixed pair
-  // is Binomial(N, p(theta)). For consecutive angles the estimated rates differ by more than
-  // 4 standard errors of the difference, sqrt(p1(1-p1)/N + p2(1-p2)/N) (<= 0.0183 for N = 3000),
-  // while the true cross-polytope gaps for h = 4 coordinates exceed 0.1.
+  // is Binomial(N, p(theta)). Consecutive angles must differ in estimated rate by more than 4
+  // standard errors of the difference, sqrt(p1(1-p1)/N + p2(1-p2)/N) <= sqrt(0.5/N) = 0.013 for
+  // N = 3000, i.e. by 0.052 at most; the smallest gap of the rates (about 0.79, 0.45, 0.2, 0.07,
+  // 0.01 at 15..135 degrees for h = 4 coordinates) is about 0.06 and there the rates are small,
+  // so the required margin is 4 * 0.005.
   const Index d = 16, buckets = 8, rounds = 3000;
   const std::vector<double> degrees = {0, 15, 45, 75, 105, 135, 180};
   for (RotationKind kind : {RotationKind::dense, RotationKind::hadamard}) {

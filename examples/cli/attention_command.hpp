@@ -32,7 +32,9 @@ class AttentionCommand {
     cmd_ = app.add_subcommand("attention", "Compute attention of Q, K, V given as .npy files");
     cmd_->add_option("--method", method_, "Attention method (" + names + ")")->capture_default_str();
     cmd_->add_option("--q", q_path_, "Queries .npy: (n_q, d) or (batch, heads, n_q, d)")->required();
-    cmd_->add_option("--k", k_path_, "Keys .npy: (n_k, d) or (batch, heads, n_k, d)")->required();
+    k_opt_ = cmd_->add_option("--k", k_path_,
+                              "Keys .npy: (n_k, d) or (batch, heads, n_k, d); methods that share queries and keys "
+                              "(lsh) use the queries when omitted");
     cmd_->add_option("--v", v_path_, "Values .npy: (n_k, dv) or (batch, heads, n_k, dv)")->required();
     cmd_->add_option("--out", out_path_, "Output .npy: (n_q, dv) or (batch, heads, n_q, dv), dtype of the inputs")
         ->required();
@@ -58,8 +60,13 @@ class AttentionCommand {
 #endif
     }
 
+    settings_.shared_qk = k_opt_->count() == 0;
+    settings_.report = report_;
+    if (settings_.shared_qk && !method.keys_optional())
+      throw CliError(std::string("--k is required for --method ") + method.name());
     const randattn::io::NpyArray q = load("--q", q_path_);
-    const randattn::io::NpyArray k = load("--k", k_path_);
+    const randattn::io::NpyArray k_file = settings_.shared_qk ? randattn::io::NpyArray() : load("--k", k_path_);
+    const randattn::io::NpyArray& k = settings_.shared_qk ? q : k_file;
     const randattn::io::NpyArray v = load("--v", v_path_);
     const randattn::BatchShape shape = check_shapes(q, k, v);
     const double scale = settings_.scale ? *settings_.scale : method.default_scale(shape.d);
@@ -205,6 +212,7 @@ class AttentionCommand {
 
   std::vector<std::unique_ptr<AttentionMethod>> methods_;
   CLI::App* cmd_ = nullptr;
+  CLI::Option* k_opt_ = nullptr;
   CLI::Option* scale_opt_ = nullptr;
   CLI::Option* threads_opt_ = nullptr;
   std::string method_ = "exact";

@@ -121,13 +121,8 @@ class TargetBlockKernel {
       // Self and causal masks as one comparison per key: j masked iff j > limit, or j == i.
       const std::int32_t limit = p_.causal ? i : std::numeric_limits<std::int32_t>::max();
       const std::int32_t self = p_.exclude_self ? i : -1;
-      Scalar m = kNegInf;
-      for (Index u = 0; u < bc; ++u) {
-        const std::int32_t j = cols[u];
-        const Scalar x = (j > limit || j == self) ? kNegInf : srow[u];
-        srow[u] = x;
-        m = std::max(m, x);
-      }
+      for (Index u = 0; u < bc; ++u) srow[u] = (cols[u] > limit || cols[u] == self) ? kNegInf : srow[u];
+      const Scalar m = s.row(t).maxCoeff();
       row_max_[t] = m;
       // A row with no valid key in this tile contributes nothing (log-scale -inf); shifting by 0
       // keeps its exponentials at exactly 0 instead of NaN.

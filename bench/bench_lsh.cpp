@@ -24,6 +24,19 @@ std::map<Index, double>& exact_seconds() {
   return seconds;
 }
 
+// Runs the benchmark loop over `call` and returns the mean wall time of one call.
+template <typename Call>
+double timed_loop(benchmark::State& state, Call&& call) {
+  double total = 0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto out = call();
+    benchmark::DoNotOptimize(out.data());
+    total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  return total / double(state.iterations());
+}
+
 randattn::RotationKind rotation(std::int64_t arg) {
   return arg == 0 ? randattn::RotationKind::dense : randattn::RotationKind::hadamard;
 }
@@ -47,14 +60,7 @@ void TiledExact(benchmark::State& state) {
   const RowMatrix<float> keys = q.rowwise().normalized();
   randattn::ExactOptions opt;
   opt.scale = 1.0;
-  double total = 0;
-  for (auto _ : state) {
-    const auto t0 = std::chrono::steady_clock::now();
-    RowMatrix<float> out = randattn::exact_attention(q, keys, v, opt);
-    benchmark::DoNotOptimize(out.data());
-    total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
-  exact_seconds()[n] = total / double(state.iterations());
+  exact_seconds()[n] = timed_loop(state, [&] { return randattn::exact_attention(q, keys, v, opt); });
   bench::report_gflops(state, 2.0 * double(n) * double(n) * double(kD + kDv));
 }
 
@@ -65,15 +71,9 @@ void run_lsh(benchmark::State& state, Index n, Index rounds, randattn::RotationK
   randattn::LshOptions opt;
   opt.chunk = kChunk;
   opt.exact_buckets = exact_buckets;
-  double total = 0;
-  for (auto _ : state) {
-    const auto t0 = std::chrono::steady_clock::now();
-    RowMatrix<float> out = randattn::lsh_attention(q, v, hash, opt);
-    benchmark::DoNotOptimize(out.data());
-    total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
+  const double seconds = timed_loop(state, [&] { return randattn::lsh_attention(q, v, hash, opt); });
   const auto exact = exact_seconds().find(n);
-  if (exact != exact_seconds().end()) state.counters["speedup"] = exact->second / (total / double(state.iterations()));
+  if (exact != exact_seconds().end()) state.counters["speedup"] = exact->second / seconds;
 }
 
 void Lsh(benchmark::State& state) {

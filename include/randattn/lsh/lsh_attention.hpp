@@ -43,7 +43,6 @@
 
 #include <Eigen/Core>
 
-#include "../core/linear_attention.hpp"
 #include "../core/softmax_accumulator.hpp"
 #include "../core/types.hpp"
 #include "../detail/parallel.hpp"
@@ -129,7 +128,7 @@ class LshSlice {
     if (q.rows() == 0) return;
     queries_ = scale * q;
     keys_ = shared_ ? unit_rows<Scalar>(q) : RowMatrix<Scalar>(*k);
-    values_ = append_ones<Scalar>(v);
+    values_ = v;
     query_codes_ = hash.hash(q, false);
     if (!shared_) key_codes_ = hash.hash(*k, false);
     problem_.queries = &queries_;
@@ -171,7 +170,7 @@ class LshSlice {
       // Chunks write disjoint rows; each round completes before the next merges.
       parallel_for(tasks, [&](Index task) {
         TargetBlockKernel<Scalar> kernel(problem_);
-        std::vector<std::int32_t> cols(static_cast<std::size_t>(2 * c));
+        std::vector<std::int32_t> cols(static_cast<std::size_t>(2 * std::min(c, n)));
         for (Index g = task * per_task; g < std::min(chunks, (task + 1) * per_task); ++g) {
           const Index r0 = g * c, nr = std::min(c, n - r0);
           if (chunks == 1) {
@@ -234,9 +233,11 @@ class LshSlice {
       if (acc_.log_scale()(i) == -std::numeric_limits<Scalar>::infinity()) empty.push_back(static_cast<std::int32_t>(i));
     if (empty.empty()) return;
     if (shared_) {
+      RowMatrix<Scalar> self(1, values_.cols() + 1);
+      self(0, values_.cols()) = 1;
       for (std::int32_t i : empty) {
-        const Scalar logit = queries_.row(i).dot(keys_.row(i));
-        acc_.merge_rows(i, values_.row(i), Vector<Scalar>::Constant(1, logit));
+        self.leftCols(values_.cols()) = values_.row(i);
+        acc_.merge_rows(i, self, Vector<Scalar>::Constant(1, queries_.row(i).dot(keys_.row(i))));
       }
       return;
     }

@@ -51,7 +51,7 @@ template <typename Scalar>
 struct TargetProblem {
   const RowMatrix<Scalar>* queries = nullptr;  // n_q x d, already multiplied by the scale
   const RowMatrix<Scalar>* keys = nullptr;     // n_k x d
-  const RowMatrix<Scalar>* values = nullptr;   // n_k x (dv + 1): [v | 1]
+  const RowMatrix<Scalar>* values = nullptr;   // n_k x dv
   bool exclude_self = false;                   // shared QK: key i is masked for query i
   bool causal = false;                         // key j is masked for query i when j > i
   const RoundSignatures* dedupe = nullptr;     // null: every occurrence counts (no correction)
@@ -70,7 +70,7 @@ class TargetBlockKernel {
         k_(kTargetColTile, problem.keys->cols()),
         v_(kTargetColTile, problem.values->cols()),
         s_(kTargetRowTile, kTargetColTile),
-        nd_(kTargetRowTile, problem.values->cols()),
+        nd_(kTargetRowTile, problem.values->cols() + 1),
         row_max_(kTargetRowTile),
         count_(kTargetColTile),
         key_sig_(problem.dedupe ? problem.dedupe->rounds : 0, kTargetColTile) {
@@ -128,8 +128,11 @@ class TargetBlockKernel {
       // keeps its exponentials at exactly 0 instead of NaN.
       s.row(t).array() = (s.row(t).array() - (m == kNegInf ? Scalar(0) : m)).exp();
     }
+    // [num | den] = [P V | P 1]; the row sums keep the product at dv columns.
     auto nd = nd_.topRows(br);
-    gemm_fixed_depth(nd, s, v_.topRows(bc), false);
+    auto num = nd.leftCols(v_.cols());
+    gemm_fixed_depth(num, s, v_.topRows(bc), false);
+    nd.col(v_.cols()) = s.rowwise().sum();
     for (Index t = 0; t < br; ++t) acc.merge_rows(rows[t], nd.row(t), row_max_.segment(t, 1));
   }
 

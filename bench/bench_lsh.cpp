@@ -5,8 +5,11 @@
 //  - TiledExact/n: tiled exact softmax attention over the same (q, normalised keys, v), d = dv = 64;
 //    its time per call is kept for the ratios below.
 //  - Lsh/n/r/rotation: shared-QK sort-and-chunk attention (hashing included), c = 64,
-//    b = 2 ceil(n / c); counter speedup = TiledExact(n) time / this time.
-//  - LshExactBuckets/n/r: the exact-bucket mode on the same inputs, same counter.
+//    b = 2 ceil(n / c); counters speedup = TiledExact(n) wall time / this wall time and
+//    speedup_cpu, the same ratio of CPU times (steadier when the machine is shared).
+//  - LshExactBuckets/n/r: the exact-bucket mode on the same inputs, same counters.
+
+#include <time.h>
 
 #include <chrono>
 #include <map>
@@ -19,22 +22,36 @@ using bench::Index;
 using bench::RowMatrix;
 constexpr Index kD = 64, kDv = 64, kChunk = 64;
 
-std::map<Index, double>& exact_seconds() {
-  static std::map<Index, double> seconds;
-  return seconds;
+// Mean wall and CPU seconds of one call. The runs are single-threaded, so on a shared machine
+// the CPU time is the steadier measure; both ratios are reported.
+struct Seconds {
+  double wall = 0, cpu = 0;
+};
+
+double cpu_now() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
 }
 
-// Runs the benchmark loop over `call` and returns the mean wall time of one call.
 template <typename Call>
-double timed_loop(benchmark::State& state, Call&& call) {
-  double total = 0;
+Seconds timed_loop(benchmark::State& state, Call&& call) {
+  Seconds total;
   for (auto _ : state) {
     const auto t0 = std::chrono::steady_clock::now();
+    const double c0 = cpu_now();
     auto out = call();
     benchmark::DoNotOptimize(out.data());
-    total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    total.cpu += cpu_now() - c0;
+    total.wall += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
-  return total / double(state.iterations());
+  const double iterations = double(state.iterations());
+  return {total.wall / iterations, total.cpu / iterations};
+}
+
+std::map<Index, Seconds>& exact_seconds() {
+  static std::map<Index, Seconds> seconds;
+  return seconds;
 }
 
 randattn::RotationKind rotation(std::int64_t arg) {
@@ -71,9 +88,12 @@ void run_lsh(benchmark::State& state, Index n, Index rounds, randattn::RotationK
   randattn::LshOptions opt;
   opt.chunk = kChunk;
   opt.exact_buckets = exact_buckets;
-  const double seconds = timed_loop(state, [&] { return randattn::lsh_attention(q, v, hash, opt); });
+  const Seconds seconds = timed_loop(state, [&] { return randattn::lsh_attention(q, v, hash, opt); });
   const auto exact = exact_seconds().find(n);
-  if (exact != exact_seconds().end()) state.counters["speedup"] = exact->second / seconds;
+  if (exact != exact_seconds().end()) {
+    state.counters["speedup"] = exact->second.wall / seconds.wall;
+    state.counters["speedup_cpu"] = exact->second.cpu / seconds.cpu;
+  }
 }
 
 void Lsh(benchmark::State& state) {

@@ -1,6 +1,7 @@
 // Contract tests of randattn-cli: results, the --report line, and the error contract (one line on
 // stderr starting with "randattn-cli: error: ", exit code 2, no output file written).
 #include <randattn/io/npy.hpp>
+#include <randattn/randattn.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -449,3 +450,142 @@ TEST_CASE("cli: randattn-cli not built, contract tests skipped", "[cli]") {
 }
 
 #endif
+
+// --- method lsh ------------------------------------------------------------------------------
+
+namespace {
+
+// Output of the library's LSH attention on the same data, slice by slice.
+template <typename T>
+std::vector<T> lsh_reference(const std::vector<T>& q, const std::vector<T>* k, const std::vector<T>& v,
+                             const randattn::BatchShape& shape, const randattn::CrossPolytopeHash<T>& hash,
+                             const randattn::LshOptions& opt) {
+  std::vector<T> out(static_cast<std::size_t>(shape.slices() * shape.n_q * shape.dv));
+  if (k)
+    randattn::lsh_attention_batched(q.data(), k->data(), v.data(), out.data(), shape, hash, opt);
+  else
+    randattn::lsh_attention_batched(q.data(), v.data(), out.data(), shape, hash, opt);
+  return out;
+}
+
+std::string json_field(const std::string& line, const std::string& key) {
+  const std::size_t at = line.find("\"" + key + "\":");
+  if (at == std::string::npos) return "";
+  const std::size_t begin = at + key.size() + 3;
+  return line.substr(begin, line.find_first_of(",}", begin) - begin);
+}
+
+}  // namespace
+
+TEST_CASE("cli: lsh with shared QK, a user rotation file and the --report fields", "[cli][lsh]") {
+  Workspace ws;
+  save<float>(ws, "q.npy", {40, 6}, 11);
+  save<float>(ws, "v.npy", {40, 3}, 12);
+  const auto q = data<float>(240, 11), v = data<float>(120, 12);
+  randattn::BatchShape shape;
+  shape.n_q = shape.n_k = 40;
+  shape.d = 6;
+  shape.dv = 3;
+  const std::string io = " --q " + quote(ws.path("q.npy")) + " --v " + quote(ws.path("v.npy")) + " --out " +
+                         quote(ws.path("o.npy"));
+
+  SECTION("drawn rotation, defaults: b = 2 ceil(n / 64), r = 4, seed 0, scale 1") {
+    const Result r = ws.run("attention --method lsh --threads 1 --report" + io);
+    INFO("stderr: " << r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(json_field(r.out, "scale") == "1");
+    CHECK(json_field(r.out, "buckets") == "2");
+    CHECK(json_field(r.out, "rounds") == "4");
+    CHECK(json_field(r.out, "rotation") == "\"dense\"");
+    CHECK(json_field(r.out, "dedupe") == "true");
+    const auto expected = lsh_reference<float>(
+        q, nullptr, v, shape, randattn::CrossPolytopeHash<float>(randattn::RotationKind::dense, 6, 2, 4, 0), {});
+    const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));
+    CHECK(o.shape == std::vector<std::int64_t>{40, 3});
+    for (std::size_t i = 0; i < expected.size(); ++i) CHECK(o.values<float>()[i] == Approx(expected[i]).margin(1e-5));
+  }
+  SECTION("--rotations R.npy of shape (d, r, b/2) is used as is") {
+    save<double>(ws, "R.npy", {6, 3, 4}, 13);
+    const Result r = ws.run("attention --method lsh --chunk 8 --causal --no-dedupe --report --rotations " +
+                            quote(ws.path("R.npy")) + io);
+    INFO("stderr: " << r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(json_field(r.out, "buckets") == "8");
+    CHECK(json_field(r.out, "rounds") == "3");
+    CHECK(json_field(r.out, "rotation") == "\"file\"");
+    const auto rd = data<double>(72, 13);
+    randattn::RowMatrix<float> rm(6, 12);
+    std::copy(rd.begin(), rd.end(), rm.data());
+    randattn::LshOptions opt;
+    opt.chunk = 8;
+    opt.causal = true;
+    opt.dedupe = false;
+    const auto expected = lsh_reference<float>(q, nullptr, v, shape, randattn::CrossPolytopeHash<float>(rm, 3), opt);
+    const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));
+    for (std::size_t i = 0; i < expected.size(); ++i) CHECK(o.values<float>()[i] == Approx(expected[i]).margin(1e-5));
+  }
+  SECTION("--compare with a single chunk reports exact agreement") {
+    const Result r = ws.run("attention --method lsh --chunk 64 --buckets 4 --rounds 2 --report --compare" + io);
+    INFO("stderr: " << r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(std::stod(json_field(r.out, "rel_error")) < 1e-5);
+    CHECK(std::stod(json_field(r.out, "speedup")) > 0);
+  }
+}
+
+TEST_CASE("cli: lsh with separate keys needs exact buckets, batched float64", "[cli][lsh]") {
+  Workspace ws;
+  save<double>(ws, "q.npy", {2, 2, 30, 5}, 21);
+  save<double>(ws, "k.npy", {2, 2, 30, 5}, 22);
+  save<double>(ws, "v.npy", {2, 2, 30, 4}, 23);
+  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
+                         quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+  const Result r = ws.run("attention --method lsh --exact-buckets --causal --rotation hadamard --buckets 6 --rounds 3 "
+                          "--seed 9 --scale 0.5 --report --compare" + io);
+  INFO("stderr: " << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(json_field(r.out, "exact_buckets") == "true");
+  CHECK(json_field(r.out, "rotation") == "\"hadamard\"");
+  CHECK(!json_field(r.out, "rel_error").empty());
+  randattn::BatchShape shape;
+  shape.batch = shape.heads = 2;
+  shape.n_q = shape.n_k = 30;
+  shape.d = 5;
+  shape.dv = 4;
+  randattn::LshOptions opt;
+  opt.exact_buckets = true;
+  opt.causal = true;
+  opt.scale = 0.5;
+  const auto k = data<double>(600, 22);
+  const auto expected = lsh_reference<double>(
+      data<double>(600, 21), &k, data<double>(480, 23), shape,
+      randattn::CrossPolytopeHash<double>(randattn::RotationKind::hadamard, 5, 6, 3, 9), opt);
+  const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));
+  CHECK(o.shape == std::vector<std::int64_t>{2, 2, 30, 4});
+  for (std::size_t i = 0; i < expected.size(); ++i) CHECK(o.values<double>()[i] == Approx(expected[i]).margin(1e-12));
+}
+
+TEST_CASE("cli: lsh errors are one stderr line, exit code 2 and no output", "[cli][lsh]") {
+  Workspace ws;
+  save<float>(ws, "q.npy", {20, 4}, 1);
+  save<float>(ws, "v.npy", {20, 3}, 3);
+  save<float>(ws, "R.npy", {4, 2, 3}, 5);
+  save<float>(ws, "R2d.npy", {4, 6}, 5);
+  save<float>(ws, "R_d5.npy", {5, 2, 3}, 5);
+  const std::string q = " --q " + quote(ws.path("q.npy")), v = " --v " + quote(ws.path("v.npy"));
+  const std::string out = " --out " + quote(ws.path("o.npy"));
+  const std::string lsh = "attention --method lsh" + q + v + out;
+  require_error(ws, "attention" + q + v + out, "--k is required for --method exact");
+  require_error(ws, "attention --chunk 8" + q + " --k " + quote(ws.path("q.npy")) + v + out, "belongs to --method lsh");
+  require_error(ws, lsh + " --k " + quote(ws.path("q.npy")), "--exact-buckets");
+  require_error(ws, lsh + " --buckets 7", "buckets must be even");
+  require_error(ws, lsh + " --rounds 0", "rounds");
+  require_error(ws, lsh + " --chunk 0", "--chunk");
+  require_error(ws, lsh + " --rotation gaussian");
+  require_error(ws, lsh + " --rotations " + quote(ws.path("R2d.npy")), "(d, r, b/2)");
+  require_error(ws, lsh + " --rotations " + quote(ws.path("R_d5.npy")), "d = 4");
+  require_error(ws, lsh + " --rotations " + quote(ws.path("R.npy")) + " --rounds 3", "--rounds 3");
+  require_error(ws, lsh + " --rotations " + quote(ws.path("R.npy")) + " --buckets 4", "--buckets 4");
+  require_error(ws, lsh + " --rotations " + quote(ws.path("R.npy")) + " --rotation dense", "exclude");
+  require_error(ws, lsh + " --rotations " + quote(ws.path("missing.npy")), "--rotations");
+}

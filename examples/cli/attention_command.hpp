@@ -32,7 +32,9 @@ class AttentionCommand {
     cmd_ = app.add_subcommand("attention", "Compute attention of Q, K, V given as .npy files");
     cmd_->add_option("--method", method_, "Attention method (" + names + ")")->capture_default_str();
     cmd_->add_option("--q", q_path_, "Queries .npy: (n_q, d) or (batch, heads, n_q, d)")->required();
-    cmd_->add_option("--k", k_path_, "Keys .npy: (n_k, d) or (batch, heads, n_k, d)")->required();
+    k_opt_ = cmd_->add_option("--k", k_path_,
+                              "Keys .npy: (n_k, d) or (batch, heads, n_k, d); methods that share queries and keys "
+                              "(lsh) use the queries when omitted");
     cmd_->add_option("--v", v_path_, "Values .npy: (n_k, dv) or (batch, heads, n_k, dv)")->required();
     cmd_->add_option("--out", out_path_, "Output .npy: (n_q, dv) or (batch, heads, n_q, dv), dtype of the inputs")
         ->required();
@@ -40,6 +42,7 @@ class AttentionCommand {
     scale_opt_ = cmd_->add_option("--scale", scale_, "Logit scale (default 1/sqrt(d))");
     threads_opt_ = cmd_->add_option("--threads", threads_, "Number of OpenMP threads");
     cmd_->add_flag("--report", report_, "Print one JSON line describing the run to stdout");
+    cmd_->add_option("--seed", settings_.seed, "Seed of the method's random draws (default 0)");
     cmd_->add_flag("--compare", compare_,
                    "Also compute exact attention and add \"rel_error\" (relative Frobenius error) to the "
                    "--report line (implies --report)");
@@ -61,8 +64,14 @@ class AttentionCommand {
 #endif
     }
 
+    settings_.shared_qk = k_opt_->count() == 0;
+    settings_.report = report_ || compare_;
+    settings_.compare = compare_;
+    if (settings_.shared_qk && !method.keys_optional())
+      throw CliError(std::string("--k is required for --method ") + method.name());
     const randattn::io::NpyArray q = load("--q", q_path_);
-    const randattn::io::NpyArray k = load("--k", k_path_);
+    const randattn::io::NpyArray k_file = settings_.shared_qk ? randattn::io::NpyArray() : load("--k", k_path_);
+    const randattn::io::NpyArray& k = settings_.shared_qk ? q : k_file;
     const randattn::io::NpyArray v = load("--v", v_path_);
     const randattn::BatchShape shape = check_shapes(q, k, v);
     const double scale = settings_.scale ? *settings_.scale : method.default_scale(shape.d);
@@ -90,7 +99,7 @@ class AttentionCommand {
           .add("scale", scale)
           .add("threads", effective_threads());
       method.report(json);
-      if (compare_) json.add("rel_error", rel_error);
+      if (compare_ && !method.own_comparison()) json.add("rel_error", rel_error);
       json.add("seconds", seconds);
       std::cout << json.str() << std::endl;
     }
@@ -199,7 +208,7 @@ class AttentionCommand {
     method.run(q.values<Scalar>().data(), k.values<Scalar>().data(), v.values<Scalar>().data(), out.data(), shape,
                settings_);
     const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
-    if (compare_) rel_error = compare_with_exact(q, k, v, out, shape, scale);
+    if (compare_ && !method.own_comparison()) rel_error = compare_with_exact(q, k, v, out, shape, scale);
 
     try {
       randattn::io::write_npy(out_path_, out.data(), out_shape);
@@ -230,6 +239,7 @@ class AttentionCommand {
 
   std::vector<std::unique_ptr<AttentionMethod>> methods_;
   CLI::App* cmd_ = nullptr;
+  CLI::Option* k_opt_ = nullptr;
   CLI::Option* scale_opt_ = nullptr;
   CLI::Option* threads_opt_ = nullptr;
   std::string method_ = "exact";

@@ -2,7 +2,7 @@
 // Random-feature attention methods of randattn-cli: favor (positive features), favor-hyp
 // (hyperbolic positive features), trig, hybrid (angular hybrid of hyperbolic and trig) and
 // hybrid-gaussian (Gaussian-kernel hybrid of trig and positive). They share one group of flags
-// (--features, --projection, --seed, --omega, --lambda-features, --bandwidth), each registered
+// (--features, --projection, --omega, --lambda-features, --bandwidth; --seed is common), each registered
 // once and owned by the methods that use it.
 
 #include <randattn/io/npy.hpp>
@@ -45,8 +45,6 @@ class FeatureFlags {
       opt = cmd.add_option("--projection", projection,
                            tag + "iid, orthogonal (default; Haar blocks, chi row norms) or hadamard")
                 ->check(CLI::IsMember({"iid", "orthogonal", "hadamard"}));
-    } else if (name == "seed") {
-      opt = cmd.add_option("--seed", seed, tag + "seed of the random projection (default 0)");
     } else if (name == "lambda-features") {
       opt = cmd.add_option("--lambda-features", lambda_features,
                            tag + "hybrids: random features n_lambda of the weight estimator (default 16)")
@@ -145,6 +143,7 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
     randattn::RandomFeatureOptions opt;
     opt.causal = settings.causal;
     opt.scale = settings.scale;
+    flags_->seed = settings.seed;
     flags_->with_projection<Scalar>(shape.d, [&](auto projection) {
       const auto map = Family::template make<Scalar>(std::move(projection), *flags_, shape.d);
       feature_dim_ = map.feature_dim();
@@ -160,7 +159,7 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
 // One map on the given projection.
 template <template <typename, typename> class Map>
 struct SingleMap {
-  static constexpr const char* flags[] = {"features", "projection", "seed", "omega"};
+  static constexpr const char* flags[] = {"features", "projection", "omega"};
   template <typename Scalar, typename Projection>
   static Map<Scalar, Projection> make(Projection projection, const FeatureFlags&, std::int64_t) {
     return Map<Scalar, Projection>(std::move(projection));
@@ -193,7 +192,7 @@ struct HybridFamily {
   static constexpr const char* name = "hybrid";
   static constexpr const char* summary =
       "angular hybrid lambda*hyperbolic + (1-lambda)*trig, lambda = angle/pi (guarded denominator)";
-  static constexpr const char* flags[] = {"features", "projection", "seed", "lambda-features"};
+  static constexpr const char* flags[] = {"features", "projection", "lambda-features"};
   template <typename Scalar, typename Projection>
   static randattn::HybridFeatures<Scalar> make(Projection, const FeatureFlags& f, std::int64_t d) {
     return randattn::angular_hybrid<Scalar, DrawnProjection<Scalar, Projection>>(f.features, f.lambda_features, d, f.seed);
@@ -205,7 +204,7 @@ struct HybridGaussianFamily {
   static constexpr const char* name = "hybrid-gaussian";
   static constexpr const char* summary =
       "Gaussian hybrid lambda*trig + (1-lambda)*positive, lambda = exp(-s^2|x-y|^2/2) (guarded denominator)";
-  static constexpr const char* flags[] = {"features", "projection", "seed", "lambda-features", "bandwidth"};
+  static constexpr const char* flags[] = {"features", "projection", "lambda-features", "bandwidth"};
   template <typename Scalar, typename Projection>
   static randattn::HybridFeatures<Scalar> make(Projection, const FeatureFlags& f, std::int64_t d) {
     return randattn::gaussian_hybrid<Scalar, DrawnProjection<Scalar, Projection>>(f.features, f.lambda_features, d, f.bandwidth, f.seed);

@@ -13,14 +13,19 @@
 //   2. append it in make_methods() below.
 // Inputs are contiguous row-major (batch, heads, n, d) buffers; the output is (batch, heads, n_q, dv).
 
+#include <randattn/io/npy.hpp>
 #include <randattn/randattn.hpp>
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "common.hpp"
@@ -31,6 +36,10 @@ namespace randattn_cli {
 struct CommonSettings {
   bool causal = false;
   std::optional<double> scale;  // unset: the method's default_scale()
+  bool shared_qk = false;       // --k omitted: k is q (only for methods with keys_optional())
+  bool report = false;          // --report or --compare given
+  bool compare = false;         // --compare given
+  std::uint64_t seed = 0;       // --seed: the method's randomness (ignored by exact)
 };
 
 class AttentionMethod {
@@ -46,8 +55,15 @@ class AttentionMethod {
   // Logit scale used when --scale is not given (d = query/key feature dimension).
   virtual double default_scale(std::int64_t d) const { return 1.0 / std::sqrt(static_cast<double>(d)); }
 
+  // True when the method adds its own "rel_error" for --compare (e.g. against a reference
+  // other than plain exact attention); otherwise the command compares with exact attention.
+  virtual bool own_comparison() const { return false; }
+
   // Adds method-specific fields to the --report line.
   virtual void report(JsonObject& /*json*/) const {}
+
+  // True when the method may run without --k (queries and keys shared, e.g. Reformer's LSH).
+  virtual bool keys_optional() const { return false; }
 
   virtual void run(const float* q, const float* k, const float* v, float* out,
                    const randattn::BatchShape& shape, const CommonSettings& settings) const = 0;
@@ -114,11 +130,154 @@ class ExactMethod final : public TypedMethod<ExactMethod> {
 
 // favor, favor-hyp, trig, hybrid, hybrid-gaussian (feature_methods.hpp).
 inline void add_feature_methods(std::vector<std::unique_ptr<AttentionMethod>>& methods);
+// LSH attention (Reformer): cross-polytope buckets, sort-and-chunk or exact buckets, r rounds.
+// Without --k the keys are the queries (shared QK: keys normalised, self rule); with --k,
+// --exact-buckets is required. Every (batch, head) slice uses the same rotations.
+class LshMethod final : public TypedMethod<LshMethod> {
+ public:
+  const char* name() const override { return "lsh"; }
+  const char* summary() const override { return "LSH attention (Reformer, cross-polytope buckets)"; }
+  bool keys_optional() const override { return true; }
+  // Shared QK compares with exact shared-QK attention (normalised keys, self rule).
+  bool own_comparison() const override { return true; }
+  double default_scale(std::int64_t /*d*/) const override { return 1.0; }
+
+  void add_options(CLI::App& cmd) override {
+    buckets_opt_ = add_method_option(cmd, "--buckets", buckets_, "Number of buckets b, even (default 2*ceil(n/chunk))");
+    add_method_option(cmd, "--chunk", chunk_, "Chunk length c of sort-and-chunk (default 64)");
+    rounds_opt_ = add_method_option(cmd, "--rounds", rounds_, "Hash rounds r (default 4)");
+    add_method_option(cmd, "--rotations", rotations_path_,
+                      "Dense rotations .npy of shape (d, r, b/2), used as is");
+    rotation_opt_ = add_method_option(cmd, "--rotation", rotation_, "Random rotation: dense or hadamard (default dense)")
+                        ->check(CLI::IsMember({"dense", "hadamard"}));
+    add_method_flag(cmd, "--no-dedupe", no_dedupe_, "Count a key once per round that sees it (trax/HF), not once");
+    add_method_flag(cmd, "--exact-buckets", exact_buckets_, "Attend to whole buckets instead of sorted chunks");
+  }
+
+  template <typename Scalar>
+  void compute(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out, const randattn::BatchShape& shape,
+               const CommonSettings& settings) const {
+    if (!settings.shared_qk && !exact_buckets_)
+      throw CliError("--k needs --exact-buckets (sort-and-chunk attention shares queries and keys; omit --k)");
+    if (chunk_ < 1) throw CliError("--chunk must be at least 1, got " + std::to_string(chunk_));
+    const randattn::CrossPolytopeHash<Scalar> hash = make_hash<Scalar>(shape, settings.seed);
+    randattn::LshOptions opt;
+    opt.chunk = chunk_;
+    opt.exact_buckets = exact_buckets_;
+    opt.causal = settings.causal;
+    opt.scale = settings.scale;
+    opt.dedupe = !no_dedupe_;
+    used_buckets_ = hash.buckets();
+    used_rounds_ = hash.rounds();
+
+    const auto start = std::chrono::steady_clock::now();
+    if (settings.shared_qk)
+      randattn::lsh_attention_batched(q, v, out, shape, hash, opt);
+    else
+      randattn::lsh_attention_batched(q, k, v, out, shape, hash, opt);
+    lsh_seconds_ = seconds_since(start);
+    compare_ = settings.compare;
+    seed_ = settings.seed;
+    if (compare_) compare_with_exact(q, k, v, out, shape, opt, settings.shared_qk);
+  }
+
+  void report(JsonObject& json) const override {
+    json.add("buckets", used_buckets_)
+        .add("chunk", chunk_)
+        .add("rounds", used_rounds_)
+        .add("rotation", rotations_path_.empty() ? rotation_ : std::string("file"))
+        .add("dedupe", !no_dedupe_)
+        .add("exact_buckets", exact_buckets_)
+        .add("seed", static_cast<std::int64_t>(seed_));
+    if (compare_) {
+      json.add("lsh_seconds", lsh_seconds_)
+          .add("exact_seconds", exact_seconds_)
+          .add("speedup", exact_seconds_ / lsh_seconds_)
+          .add("rel_error", rel_error_);
+    }
+  }
+
+ private:
+  static double seconds_since(std::chrono::steady_clock::time_point start) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+
+  template <typename Scalar>
+  randattn::CrossPolytopeHash<Scalar> make_hash(const randattn::BatchShape& shape, std::uint64_t seed) const {
+    if (rotations_path_.empty()) {
+      const std::int64_t buckets = buckets_opt_->count() ? buckets_ : randattn::reformer_buckets(shape.n_k, chunk_);
+      const auto kind = rotation_ == "hadamard" ? randattn::RotationKind::hadamard : randattn::RotationKind::dense;
+      return randattn::CrossPolytopeHash<Scalar>(kind, shape.d, buckets, rounds_, seed);
+    }
+    if (rotation_opt_->count()) throw CliError("--rotation and --rotations exclude each other");
+    randattn::io::NpyArray r;
+    try {
+      r = randattn::io::read_npy(rotations_path_);
+    } catch (const std::exception& e) {
+      throw CliError(std::string("--rotations: ") + e.what());
+    }
+    if (r.ndim() != 3 || r.shape[0] != shape.d || r.shape[1] < 1 || r.shape[2] < 1)
+      throw CliError("--rotations: expected shape (d, r, b/2) with d = " + std::to_string(shape.d) + ", got " +
+                     shape_str(r.shape));
+    if (rounds_opt_->count() && rounds_ != r.shape[1])
+      throw CliError("--rounds " + std::to_string(rounds_) + " disagrees with --rotations of shape " + shape_str(r.shape));
+    if (buckets_opt_->count() && buckets_ != 2 * r.shape[2])
+      throw CliError("--buckets " + std::to_string(buckets_) + " disagrees with --rotations of shape " +
+                     shape_str(r.shape));
+    randattn::RowMatrix<Scalar> m(r.shape[0], r.shape[1] * r.shape[2]);
+    std::visit([&](const auto& data) { std::copy(data.begin(), data.end(), m.data()); }, r.data);
+    return randattn::CrossPolytopeHash<Scalar>(std::move(m), r.shape[1]);
+  }
+
+  template <typename Scalar>
+  void compare_with_exact(const Scalar* q, const Scalar* k, const Scalar* v, const Scalar* out,
+                          const randattn::BatchShape& shape, const randattn::LshOptions& opt, bool shared_qk) const {
+    std::vector<Scalar> exact(static_cast<std::size_t>(shape.slices() * shape.n_q * shape.dv));
+    const auto start = std::chrono::steady_clock::now();
+    if (shared_qk) {
+      using CMap = Eigen::Map<const randattn::RowMatrix<Scalar>>;
+      for (randattn::Index s = 0; s < shape.slices(); ++s) {
+        Eigen::Map<randattn::RowMatrix<Scalar>>(exact.data() + s * shape.n_q * shape.dv, shape.n_q, shape.dv) =
+            randattn::shared_qk_attention(CMap(q + s * shape.n_q * shape.d, shape.n_q, shape.d),
+                                          CMap(v + s * shape.n_k * shape.dv, shape.n_k, shape.dv), opt);
+      }
+    } else {
+      randattn::ExactOptions eopt;
+      eopt.causal = opt.causal;
+      eopt.scale = opt.scale ? *opt.scale : 1.0;
+      randattn::exact_attention_batched(q, k, v, exact.data(), shape, eopt);
+    }
+    exact_seconds_ = seconds_since(start);
+    double diff = 0, norm = 0;
+    for (std::size_t i = 0; i < exact.size(); ++i) {
+      diff += (double(out[i]) - double(exact[i])) * (double(out[i]) - double(exact[i]));
+      norm += double(exact[i]) * double(exact[i]);
+    }
+    rel_error_ = norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+  }
+
+  std::int64_t buckets_ = 0;
+  std::int64_t chunk_ = 64;
+  std::int64_t rounds_ = 4;
+  std::string rotations_path_;
+  std::string rotation_ = "dense";
+  bool no_dedupe_ = false;
+  bool exact_buckets_ = false;
+  mutable std::uint64_t seed_ = 0;
+  mutable bool compare_ = false;
+  CLI::Option* buckets_opt_ = nullptr;
+  CLI::Option* rounds_opt_ = nullptr;
+  CLI::Option* rotation_opt_ = nullptr;
+  // Filled by compute() for report().
+  mutable std::int64_t used_buckets_ = 0, used_rounds_ = 0;
+  mutable double lsh_seconds_ = 0, exact_seconds_ = 0, rel_error_ = 0;
+};
 
 inline std::vector<std::unique_ptr<AttentionMethod>> make_methods() {
   std::vector<std::unique_ptr<AttentionMethod>> methods;
   methods.push_back(std::make_unique<ExactMethod>());
   add_feature_methods(methods);
+  methods.push_back(std::make_unique<LshMethod>());
   return methods;
 }
 

@@ -14,3 +14,7 @@
 #include "features/feature_maps.hpp"
 #include "attention/random_feature_attention.hpp"
 #include "features/hybrid.hpp"
+#include "lsh/rotation.hpp"
+#include "lsh/cross_polytope.hpp"
+#include "lsh/target_blocks.hpp"
+#include "lsh/lsh_attention.hpp"

@@ -1,0 +1,142 @@
+// LSH attention benchmarks, single thread, float; all ratios come from one run of this binary.
+//
+//  - Hash/rotation/n/d/b: cross-polytope hashing of n vectors, r = 4 rounds; items/s = vectors/s.
+//    rotation 0 = dense Gaussian (one GEMM per block), 1 = fast Hadamard (three transforms).
+//  - TiledExact/n: tiled exact softmax attention over the same (q, normalised keys, v), d = dv = 64;
+//    its time per call is kept for the ratios below.
+//  - Lsh/n/r/rotation: shared-QK sort-and-chunk attention (hashing included), c = 64,
+//    b = 2 ceil(n / c); counters speedup = TiledExact(n) wall time / this wall time and
+//    speedup_cpu, the same ratio of CPU times (steadier when the machine is shared).
+//  - LshExactBuckets/n/r: the exact-bucket mode on the same inputs, same counters.
+
+#include <time.h>
+
+#include <chrono>
+#include <map>
+
+#include "bench_common.hpp"
+
+namespace {
+
+using bench::Index;
+using bench::RowMatrix;
+constexpr Index kD = 64, kDv = 64, kChunk = 64;
+
+// Mean wall and CPU seconds of one call. The runs are single-threaded, so on a shared machine
+// the CPU time is the steadier measure; both ratios are reported.
+struct Seconds {
+  double wall = 0, cpu = 0;
+};
+
+double cpu_now() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
+template <typename Call>
+Seconds timed_loop(benchmark::State& state, Call&& call) {
+  Seconds total;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const double c0 = cpu_now();
+    auto out = call();
+    benchmark::DoNotOptimize(out.data());
+    total.cpu += cpu_now() - c0;
+    total.wall += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  const double iterations = double(state.iterations());
+  return {total.wall / iterations, total.cpu / iterations};
+}
+
+std::map<Index, Seconds>& exact_seconds() {
+  static std::map<Index, Seconds> seconds;
+  return seconds;
+}
+
+randattn::RotationKind rotation(std::int64_t arg) {
+  return arg == 0 ? randattn::RotationKind::dense : randattn::RotationKind::hadamard;
+}
+
+void Hash(benchmark::State& state) {
+  bench::set_threads(1);
+  const Index n = state.range(1), d = state.range(2), b = state.range(3);
+  const RowMatrix<float> x = bench::gaussian<float>(1, n, d);
+  const randattn::CrossPolytopeHash<float> hash(rotation(state.range(0)), d, b, 4, 7);
+  for (auto _ : state) {
+    randattn::HashCodes codes = hash.hash(x);
+    benchmark::DoNotOptimize(codes.data());
+  }
+  state.SetItemsProcessed(state.iterations() * n);
+}
+
+void TiledExact(benchmark::State& state) {
+  bench::set_threads(1);
+  const Index n = state.range(0);
+  const RowMatrix<float> q = bench::gaussian<float>(1, n, kD), v = bench::gaussian<float>(3, n, kDv);
+  const RowMatrix<float> keys = q.rowwise().normalized();
+  randattn::ExactOptions opt;
+  opt.scale = 1.0;
+  exact_seconds()[n] = timed_loop(state, [&] { return randattn::exact_attention(q, keys, v, opt); });
+  bench::report_gflops(state, 2.0 * double(n) * double(n) * double(kD + kDv));
+}
+
+void run_lsh(benchmark::State& state, Index n, Index rounds, randattn::RotationKind kind, bool exact_buckets) {
+  bench::set_threads(1);
+  const RowMatrix<float> q = bench::gaussian<float>(1, n, kD), v = bench::gaussian<float>(3, n, kDv);
+  const randattn::CrossPolytopeHash<float> hash(kind, kD, randattn::reformer_buckets(n, kChunk), rounds, 7);
+  randattn::LshOptions opt;
+  opt.chunk = kChunk;
+  opt.exact_buckets = exact_buckets;
+  const Seconds seconds = timed_loop(state, [&] { return randattn::lsh_attention(q, v, hash, opt); });
+  const auto exact = exact_seconds().find(n);
+  if (exact != exact_seconds().end()) {
+    state.counters["speedup"] = exact->second.wall / seconds.wall;
+    state.counters["speedup_cpu"] = exact->second.cpu / seconds.cpu;
+  }
+}
+
+void Lsh(benchmark::State& state) {
+  run_lsh(state, state.range(0), state.range(1), rotation(state.range(2)), false);
+}
+
+void LshExactBuckets(benchmark::State& state) {
+  run_lsh(state, state.range(0), state.range(1), randattn::RotationKind::dense, true);
+}
+
+void register_all() {
+  for (Index d : {64, 256, 1024})
+    for (int kind : {0, 1})
+      benchmark::RegisterBenchmark("Hash", Hash)
+          ->ArgNames({"rotation", "n", "d", "b"})
+          ->Args({kind, 16384, d, 512})
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+  for (Index n : {4096, 16384, 65536}) {
+    benchmark::RegisterBenchmark("TiledExact", TiledExact)
+        ->ArgNames({"n"})
+        ->Arg(n)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+    for (Index r : {1, 2, 4, 8})
+      benchmark::RegisterBenchmark("Lsh", Lsh)
+          ->ArgNames({"n", "r", "rotation"})
+          ->Args({n, r, 0})
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    benchmark::RegisterBenchmark("Lsh", Lsh)
+        ->ArgNames({"n", "r", "rotation"})
+        ->Args({n, 4, 1})
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark("LshExactBuckets", LshExactBuckets)
+        ->ArgNames({"n", "r"})
+        ->Args({n, 4})
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+  }
+}
+
+const bool registered = (register_all(), true);
+
+}  // namespace

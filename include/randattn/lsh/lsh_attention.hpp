@@ -1,0 +1,393 @@
+#pragma once
+// LSH attention (Reformer): softmax attention restricted, for each query, to the keys that
+// share a cross-polytope hash bucket with it in one of r rounds.
+//
+// Shared QK (lsh_attention(qk, v, ...)): the keys are the normalised queries k_j = q_j / |q_j|
+// (a zero row gives k_j = 0: logit 0 with every query, never NaN) and the logits are
+// scale * q_i . k_j, scale 1 by default. Per round the tokens are stably sorted by
+// (bucket, position) and the sorted order is cut into chunks of length c (the last one shorter
+// when c does not divide n, as if padded with masked tokens sorting last); every chunk attends
+// to itself and to the previous chunk, cyclically (with a single chunk, to itself only).
+// With exact_buckets = true a token attends to its whole bucket instead.
+//
+// Separate keys (lsh_attention(q, k, v, ...), exact_buckets = true required): queries and keys
+// are hashed with the same rotations and every query attends to all keys of its bucket, keys as
+// given, logits scale * q_i . k_j.
+//
+// Target set and weights. P_i is the union over rounds of the round targets of i, with
+//  - self rule (shared QK): i itself is masked unless P_i holds no other valid target, in which
+//    case the output is v_i (e.g. position 0 under causal masking);
+//  - causal: only keys j <= i are valid;
+//  - dedupe = true (default, the paper's exact union): o_i = softmax over P_i, each key once:
+//    a pair seen in N_ij rounds has its logit lowered by log N_ij; dedupe = false: every
+//    occurrence counts (the trax/HF behaviour, a softmax over the multiset);
+//  - separate keys, fallback: a query with no valid key in any of its buckets attends to all its
+//    valid keys (j <= i under causal), exactly; documented, never NaN, O(n_k) per such query.
+// Each chunk or bucket tile and each round contributes a partial [num | den] merged through the
+// SoftmaxAccumulator (online softmax), rounds in order, so nothing of size n x n exists and the
+// result does not depend on the thread count. Memory O(n (d + dv + r)) per slice.
+//
+// Causality caveat (sort-and-chunk): masking keeps every target j <= i, but where the chunk
+// boundaries fall depends on the buckets of all tokens, later ones included; changing a later
+// token's hash can move earlier tokens between chunks. Exact-bucket mode has no such coupling:
+// its output i depends on tokens 0..i only, bit for bit.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "../core/softmax_accumulator.hpp"
+#include "../core/types.hpp"
+#include "../detail/parallel.hpp"
+#include "../detail/validation.hpp"
+#include "cross_polytope.hpp"
+#include "target_blocks.hpp"
+
+namespace randattn {
+
+struct LshOptions {
+  Index chunk = 64;             // sort-and-chunk length c >= 1 (unused with exact_buckets)
+  bool exact_buckets = false;   // attend to whole buckets instead of sorted chunks
+  bool causal = false;          // query i sees keys j <= i only (requires n_q == n_k)
+  std::optional<double> scale;  // logits are scale * q . k; default 1 (Reformer convention)
+  bool dedupe = true;           // exact-union correction; false = multiset (trax/HF)
+  bool check_finite = true;     // throw std::invalid_argument on NaN/Inf input
+};
+
+// Reformer's bucket count for chunk length c: 2 ceil(n / c) (expected bucket size c / 2).
+inline Index reformer_buckets(Index n, Index chunk) {
+  detail::require(n >= 0 && chunk >= 1, "reformer_buckets", "need n >= 0 and chunk >= 1, got n = ", n,
+                  ", chunk = ", chunk);
+  return std::max<Index>(2, 2 * ((n + chunk - 1) / chunk));
+}
+
+namespace detail {
+
+constexpr Index kChunkTokensPerTask = 1024;  // sorted tokens handled by one parallel task
+
+template <typename Scalar>
+RowMatrix<Scalar> unit_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x) {
+  RowMatrix<Scalar> u(x.rows(), x.cols());
+  for (Index i = 0; i < x.rows(); ++i) {
+    // Dividing by the largest entry first keeps the norm finite for any finite row.
+    const Scalar m = x.row(i).cwiseAbs().maxCoeff();
+    if (m == Scalar(0)) {
+      u.row(i).setZero();
+    } else {
+      u.row(i) = x.row(i) / m;
+      u.row(i) /= u.row(i).norm();
+    }
+  }
+  return u;
+}
+
+template <typename Scalar>
+Scalar check_lsh_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                        const Eigen::Ref<const RowMatrix<Scalar>>* k, const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                        const CrossPolytopeHash<Scalar>& hash, const LshOptions& opt) {
+  const Index n_k = k ? k->rows() : q.rows();
+  require(opt.chunk >= 1, where, "chunk must be >= 1, got ", opt.chunk);
+  require(!opt.scale || std::isfinite(*opt.scale), where, "scale must be finite, got ", opt.scale ? *opt.scale : 0.0);
+  require(q.rows() == 0 || q.cols() == hash.dim(), where, "q is ", shape_of(q),
+          " but the hash was built for dimension ", hash.dim());
+  require(v.rows() == n_k, where, "v (", shape_of(v), ") must have one row per key (", n_k, ")");
+  require(q.rows() <= Index(std::numeric_limits<std::int32_t>::max()) &&
+              n_k <= Index(std::numeric_limits<std::int32_t>::max()),
+          where, "at most 2^31 - 1 tokens per sequence");
+  if (k) {
+    require(k->cols() == q.cols() || k->rows() == 0, where, "q (", shape_of(q), ") and k (", shape_of(*k),
+            ") must have the same number of columns d");
+    require(opt.exact_buckets, where,
+            "sort-and-chunk attention shares queries and keys; set exact_buckets = true for separate keys");
+    require(!opt.causal || q.rows() == k->rows(), where, "causal attention needs as many queries (", q.rows(),
+            ") as keys (", k->rows(), ")");
+    require(q.rows() == 0 || k->rows() > 0, where, "attention over zero keys is undefined (q ", shape_of(q),
+            ", k ", shape_of(*k), ")");
+    require_finite(*k, where, "k", opt.check_finite);
+  }
+  require_finite(q, where, "q", opt.check_finite);
+  require_finite(v, where, "v", opt.check_finite);
+  return static_cast<Scalar>(opt.scale ? *opt.scale : 1.0);
+}
+
+// One (batch, head) slice. k == nullptr: shared QK.
+template <typename Scalar>
+class LshSlice {
+ public:
+  LshSlice(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>* k,
+           const Eigen::Ref<const RowMatrix<Scalar>>& v, const CrossPolytopeHash<Scalar>& hash,
+           const LshOptions& opt, Scalar scale)
+      : hash_(hash), opt_(opt), shared_(k == nullptr), acc_(q.rows(), v.cols()) {
+    if (q.rows() == 0) return;
+    queries_ = scale * q;
+    keys_ = shared_ ? unit_rows<Scalar>(q) : RowMatrix<Scalar>(*k);
+    values_ = v;
+    query_codes_ = hash.hash(q, false);
+    if (!shared_) key_codes_ = hash.hash(*k, false);
+    problem_.queries = &queries_;
+    problem_.keys = &keys_;
+    problem_.values = &values_;
+    problem_.exclude_self = shared_;
+    problem_.causal = opt.causal;
+    if (opt.exact_buckets)
+      bucket_rounds();
+    else
+      chunk_rounds();
+    rows_without_targets();
+  }
+
+  SoftmaxAccumulator<Scalar>& accumulator() { return acc_; }
+
+ private:
+  const HashCodes& key_codes() const { return shared_ ? query_codes_ : key_codes_; }
+
+  // Sort-and-chunk (shared QK). Signature of a token in a round: its chunk index.
+  void chunk_rounds() {
+    const Index n = queries_.rows(), r = hash_.rounds(), c = opt_.chunk;
+    const Index chunks = (n + c - 1) / c;
+    std::vector<std::int32_t> perm(static_cast<std::size_t>(n * r));
+    HashCodes chunk_of(n, r);
+    std::vector<Index> start;
+    for (Index rho = 0; rho < r; ++rho) {
+      std::int32_t* pr = perm.data() + rho * n;
+      sort_by_bucket(query_codes_.data() + rho, r, n, hash_.buckets(), pr, start);
+      for (Index s = 0; s < n; ++s) chunk_of(pr[s], rho) = static_cast<std::int32_t>(s / c);
+    }
+    RoundSignatures sig{chunk_of.data(), chunk_of.data(), r, chunks > 1, static_cast<std::int32_t>(1 - chunks)};
+    problem_.dedupe = opt_.dedupe ? &sig : nullptr;
+
+    const Index per_task = std::max<Index>(1, kChunkTokensPerTask / c);
+    const Index tasks = (chunks + per_task - 1) / per_task;
+    for (Index rho = 0; rho < r; ++rho) {
+      const std::int32_t* pr = perm.data() + rho * n;
+      // Chunks write disjoint rows; each round completes before the next merges.
+      parallel_for(tasks, [&](Index task) {
+        TargetBlockKernel<Scalar> kernel(problem_);
+        std::vector<std::int32_t> cols(static_cast<std::size_t>(2 * std::min(c, n)));
+        for (Index g = task * per_task; g < std::min(chunks, (task + 1) * per_task); ++g) {
+          const Index r0 = g * c, nr = std::min(c, n - r0);
+          if (chunks == 1) {
+            kernel.attend(pr + r0, nr, pr + r0, nr, acc_);
+            continue;
+          }
+          const Index p0 = ((g + chunks - 1) % chunks) * c, np = std::min(c, n - p0);
+          std::copy(pr + r0, pr + r0 + nr, cols.begin());
+          std::copy(pr + p0, pr + p0 + np, cols.begin() + nr);
+          kernel.attend(pr + r0, nr, cols.data(), nr + np, acc_);
+        }
+      });
+    }
+    problem_.dedupe = nullptr;
+  }
+
+  // Exact buckets. Signature of a token in a round: its bucket.
+  void bucket_rounds() {
+    const Index n_q = queries_.rows(), n_k = keys_.rows(), r = hash_.rounds(), b = hash_.buckets();
+    RoundSignatures sig{query_codes_.data(), key_codes().data(), r, false, 0};
+    problem_.dedupe = opt_.dedupe ? &sig : nullptr;
+    std::vector<std::int32_t> qperm(static_cast<std::size_t>(n_q)), kperm(static_cast<std::size_t>(n_k));
+    std::vector<Index> qstart, kstart;
+    struct Task {
+      Index q0, nq, k0, nk;
+    };
+    std::vector<Task> tasks;
+    for (Index rho = 0; rho < r; ++rho) {
+      sort_by_bucket(query_codes_.data() + rho, r, n_q, b, qperm.data(), qstart);
+      if (shared_) {
+        kperm = qperm;
+        kstart = qstart;
+      } else {
+        sort_by_bucket(key_codes_.data() + rho, r, n_k, b, kperm.data(), kstart);
+      }
+      // A bucket's queries are cut into row tiles; each task writes its own rows.
+      tasks.clear();
+      for (Index c = 0; c < b; ++c) {
+        const Index nk = kstart[c + 1] - kstart[c];
+        if (nk == 0) continue;
+        for (Index q0 = qstart[c]; q0 < qstart[c + 1]; q0 += kTargetRowTile)
+          tasks.push_back({q0, std::min(kTargetRowTile, qstart[c + 1] - q0), kstart[c], nk});
+      }
+      const Index per_task = std::max<Index>(1, kChunkTokensPerTask / kTargetRowTile);
+      parallel_for((Index(tasks.size()) + per_task - 1) / per_task, [&](Index group) {
+        TargetBlockKernel<Scalar> kernel(problem_);
+        const Index end = std::min(Index(tasks.size()), (group + 1) * per_task);
+        for (Index t = group * per_task; t < end; ++t)
+          kernel.attend(qperm.data() + tasks[t].q0, tasks[t].nq, kperm.data() + tasks[t].k0, tasks[t].nk, acc_);
+      });
+    }
+    problem_.dedupe = nullptr;
+  }
+
+  // Rows whose target set is empty after all rounds: shared QK attends to itself (self rule),
+  // separate keys fall back to all valid keys.
+  void rows_without_targets() {
+    std::vector<std::int32_t> empty;
+    for (Index i = 0; i < acc_.rows(); ++i)
+      if (acc_.log_scale()(i) == -std::numeric_limits<Scalar>::infinity()) empty.push_back(static_cast<std::int32_t>(i));
+    if (empty.empty()) return;
+    if (shared_) {
+      RowMatrix<Scalar> self(1, values_.cols() + 1);
+      self(0, values_.cols()) = 1;
+      for (std::int32_t i : empty) {
+        self.leftCols(values_.cols()) = values_.row(i);
+        acc_.merge_rows(i, self, Vector<Scalar>::Constant(1, queries_.row(i).dot(keys_.row(i))));
+      }
+      return;
+    }
+    std::vector<std::int32_t> all(static_cast<std::size_t>(keys_.rows()));
+    std::iota(all.begin(), all.end(), 0);
+    const Index tiles = (Index(empty.size()) + kTargetRowTile - 1) / kTargetRowTile;
+    parallel_for(tiles, [&](Index t) {
+      TargetBlockKernel<Scalar> kernel(problem_);
+      const Index r0 = t * kTargetRowTile;
+      kernel.attend(empty.data() + r0, std::min(kTargetRowTile, Index(empty.size()) - r0), all.data(),
+                    Index(all.size()), acc_);
+    });
+  }
+
+  const CrossPolytopeHash<Scalar>& hash_;
+  const LshOptions& opt_;
+  bool shared_;
+  SoftmaxAccumulator<Scalar> acc_;
+  RowMatrix<Scalar> queries_, keys_, values_;
+  HashCodes query_codes_, key_codes_;
+  TargetProblem<Scalar> problem_;
+};
+
+template <typename Scalar>
+SoftmaxAccumulator<Scalar> lsh_accumulate(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                                          const Eigen::Ref<const RowMatrix<Scalar>>* k,
+                                          const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                                          const CrossPolytopeHash<Scalar>& hash, const LshOptions& opt) {
+  const Scalar scale = check_lsh_inputs<Scalar>("lsh_attention", q, k, v, hash, opt);
+  LshSlice<Scalar> slice(q, k, v, hash, opt, scale);
+  return std::move(slice.accumulator());
+}
+
+}  // namespace detail
+
+// Shared-QK LSH attention as an accumulator (for merging with other partial results):
+// qk n x d, v n x dv.
+template <typename Scalar>
+SoftmaxAccumulator<Scalar> lsh_attention_accumulate(const Eigen::Ref<const RowMatrix<Scalar>>& qk,
+                                                    const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                                                    const CrossPolytopeHash<Scalar>& hash,
+                                                    const LshOptions& opt = {}) {
+  return detail::lsh_accumulate<Scalar>(qk, nullptr, v, hash, opt);
+}
+
+// Separate-key LSH attention (exact buckets) as an accumulator: q n_q x d, k n_k x d, v n_k x dv.
+template <typename Scalar>
+SoftmaxAccumulator<Scalar> lsh_attention_accumulate(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                                                    const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                                                    const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                                                    const CrossPolytopeHash<Scalar>& hash,
+                                                    const LshOptions& opt = {}) {
+  return detail::lsh_accumulate<Scalar>(q, &k, v, hash, opt);
+}
+
+// Shared-QK LSH attention (Reformer): qk n x d, v n x dv -> n x dv.
+template <typename DQ, typename DV>
+RowMatrix<typename DQ::Scalar> lsh_attention(const Eigen::MatrixBase<DQ>& qk, const Eigen::MatrixBase<DV>& v,
+                                             const CrossPolytopeHash<typename DQ::Scalar>& hash,
+                                             const LshOptions& opt = {}) {
+  using Scalar = typename DQ::Scalar;
+  static_assert(std::is_same<Scalar, typename DV::Scalar>::value, "qk and v must share the scalar type");
+  // Every row holds its largest term exp(0), so den >= 1.
+  return lsh_attention_accumulate<Scalar>(qk, v, hash, opt).finalize();
+}
+
+// Separate-key LSH attention (exact buckets): q n_q x d, k n_k x d, v n_k x dv -> n_q x dv.
+template <typename DQ, typename DK, typename DV>
+RowMatrix<typename DQ::Scalar> lsh_attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                             const Eigen::MatrixBase<DV>& v,
+                                             const CrossPolytopeHash<typename DQ::Scalar>& hash,
+                                             const LshOptions& opt = {}) {
+  using Scalar = typename DQ::Scalar;
+  static_assert(std::is_same<Scalar, typename DK::Scalar>::value && std::is_same<Scalar, typename DV::Scalar>::value,
+                "q, k and v must share the scalar type");
+  return lsh_attention_accumulate<Scalar>(q, k, v, hash, opt).finalize();
+}
+
+// Exact shared-QK attention with the same keys, scale, self rule and causal mask: the limit of
+// lsh_attention with a single chunk (c >= n), computed in tiles (O(n) memory, O(n^2) time).
+// Only opt.scale, opt.causal and opt.check_finite are used.
+template <typename DQ, typename DV>
+RowMatrix<typename DQ::Scalar> shared_qk_attention(const Eigen::MatrixBase<DQ>& qk, const Eigen::MatrixBase<DV>& v,
+                                                   const LshOptions& opt = {}) {
+  using Scalar = typename DQ::Scalar;
+  const RowMatrix<Scalar> q = qk;
+  const CrossPolytopeHash<Scalar> one_bucket(RowMatrix<Scalar>::Zero(std::max<Index>(q.cols(), 1), 1), 1);
+  LshOptions single = opt;
+  single.exact_buckets = true;  // every token hashes to bucket 0: one bucket holds the sequence
+  single.dedupe = false;
+  return lsh_attention(q, v, one_bucket, single);
+}
+
+namespace detail {
+
+template <typename Scalar>
+void lsh_batched(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out, const BatchShape& shape,
+                 const CrossPolytopeHash<Scalar>& hash, const LshOptions& opt) {
+  const char* where = "lsh_attention_batched";
+  require(shape.batch >= 0 && shape.heads >= 0 && shape.n_q >= 0 && shape.n_k >= 0 && shape.d >= 0 && shape.dv >= 0,
+          where, "negative dimension in shape (batch ", shape.batch, ", heads ", shape.heads, ", n_q ", shape.n_q,
+          ", n_k ", shape.n_k, ", d ", shape.d, ", dv ", shape.dv, ")");
+  require(k || shape.n_k == shape.n_q, where, "shared QK needs n_k == n_q, got ", shape.n_k, " and ", shape.n_q);
+  require(shape.slices() == 0 || shape.n_q == 0 || (q && v && out), where, "null data pointer");
+  using CMap = Eigen::Map<const RowMatrix<Scalar>>;
+  // Validate every slice before computing any, so a failure leaves `out` untouched.
+  const auto view = [&](const Scalar* base, Index s, Index rows, Index cols) {
+    return CMap(base + s * rows * cols, rows, cols);
+  };
+  for (Index s = 0; s < shape.slices(); ++s) {
+    const CMap qs = view(q, s, shape.n_q, shape.d), vs = view(v, s, shape.n_k, shape.dv);
+    if (k) {
+      const Eigen::Ref<const RowMatrix<Scalar>> ks = view(k, s, shape.n_k, shape.d);
+      check_lsh_inputs<Scalar>(where, qs, &ks, vs, hash, opt);
+    } else {
+      check_lsh_inputs<Scalar>(where, qs, nullptr, vs, hash, opt);
+    }
+  }
+  const Scalar scale = static_cast<Scalar>(opt.scale ? *opt.scale : 1.0);
+  parallel_for(shape.slices(), [&](Index s) {
+    const Eigen::Ref<const RowMatrix<Scalar>> qs = view(q, s, shape.n_q, shape.d), vs = view(v, s, shape.n_k, shape.dv);
+    Eigen::Map<RowMatrix<Scalar>> o(out + s * shape.n_q * shape.dv, shape.n_q, shape.dv);
+    if (k) {
+      const Eigen::Ref<const RowMatrix<Scalar>> ks = view(k, s, shape.n_k, shape.d);
+      LshSlice<Scalar>(qs, &ks, vs, hash, opt, scale).accumulator().finalize_into(o);
+    } else {
+      LshSlice<Scalar>(qs, nullptr, vs, hash, opt, scale).accumulator().finalize_into(o);
+    }
+  });
+}
+
+}  // namespace detail
+
+// Batched multi-head shared-QK LSH attention over contiguous row-major buffers:
+// qk (batch, heads, n, d), v (batch, heads, n, dv) -> out (batch, heads, n, dv); shape.n_k = shape.n_q.
+// Every slice uses the same rotations. Slices run in parallel, each on one thread.
+template <typename Scalar>
+void lsh_attention_batched(const Scalar* qk, const Scalar* v, Scalar* out, const BatchShape& shape,
+                           const CrossPolytopeHash<Scalar>& hash, const LshOptions& opt = {}) {
+  detail::lsh_batched<Scalar>(qk, nullptr, v, out, shape, hash, opt);
+}
+
+// Batched separate-key LSH attention (exact buckets): q (batch, heads, n_q, d),
+// k (batch, heads, n_k, d), v (batch, heads, n_k, dv) -> out (batch, heads, n_q, dv).
+template <typename Scalar>
+void lsh_attention_batched(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out, const BatchShape& shape,
+                           const CrossPolytopeHash<Scalar>& hash, const LshOptions& opt = {}) {
+  detail::require(k != nullptr || shape.slices() == 0 || shape.n_q == 0, "lsh_attention_batched",
+                  "null key pointer (use the overload without k for shared QK)");
+  detail::lsh_batched<Scalar>(q, k, v, out, shape, hash, opt);
+}
+
+}  // namespace randattn

@@ -1,0 +1,570 @@
+// LSH attention: rotations, cross-polytope hashing, sort-and-chunk and exact-bucket attention,
+// checked against brute-force references that rebuild every token's target set from the same
+// hash codes (std::stable_sort, std::map counts, double precision softmax).
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <numeric>
+#include <stdexcept>
+#include <vector>
+
+#include "support.hpp"
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+using randattn::CrossPolytopeHash;
+using randattn::HashCodes;
+using randattn::Index;
+using randattn::LshOptions;
+using randattn::RotationKind;
+using randattn::RowMatrix;
+using testing::rel_error;
+
+namespace {
+
+using Targets = std::vector<std::map<Index, int>>;  // token -> (key -> number of rounds)
+
+// Reformer chunks: per round, stable sort by bucket (ties by position), chunks of c, each chunk
+// sees itself and the previous chunk (cyclically; a lone chunk sees itself once).
+Targets chunk_targets(const HashCodes& codes, Index c) {
+  const Index n = codes.rows(), chunks = (n + c - 1) / c;
+  Targets t(static_cast<std::size_t>(n));
+  for (Index rho = 0; rho < codes.cols(); ++rho) {
+    std::vector<Index> order(static_cast<std::size_t>(n));
+    std::iota(order.begin(), order.end(), Index(0));
+    std::stable_sort(order.begin(), order.end(), [&](Index a, Index b) { return codes(a, rho) < codes(b, rho); });
+    const auto members = [&](Index g) {
+      return std::vector<Index>(order.begin() + g * c, order.begin() + std::min(n, (g + 1) * c));
+    };
+    for (Index g = 0; g < chunks; ++g) {
+      std::vector<Index> seen = members(g);
+      if (chunks > 1) {
+        const std::vector<Index> prev = members((g + chunks - 1) % chunks);
+        seen.insert(seen.end(), prev.begin(), prev.end());
+      }
+      for (Index i : members(g))
+        for (Index j : seen) ++t[static_cast<std::size_t>(i)][j];
+    }
+  }
+  return t;
+}
+
+// Exact buckets: query i sees key j in round rho when their codes agree.
+Targets bucket_targets(const HashCodes& qc, const HashCodes& kc) {
+  Targets t(static_cast<std::size_t>(qc.rows()));
+  for (Index rho = 0; rho < qc.cols(); ++rho)
+    for (Index i = 0; i < qc.rows(); ++i)
+      for (Index j = 0; j < kc.rows(); ++j)
+        if (qc(i, rho) == kc(j, rho)) ++t[static_cast<std::size_t>(i)][j];
+  return t;
+}
+
+Eigen::MatrixXd unit_rows(const Eigen::MatrixXd& x) {
+  Eigen::MatrixXd u = x;
+  for (Index i = 0; i < x.rows(); ++i)
+    if (x.row(i).norm() > 0) u.row(i) /= x.row(i).norm();
+  return u;
+}
+
+// softmax over the target sets, in double. Shared QK (k empty): keys are the normalised queries
+// and token i sees itself only when it has no other valid target. Separate keys: a query without
+// valid targets attends to all valid keys. dedupe: each target once; otherwise weighted by count.
+template <typename Scalar>
+Eigen::MatrixXd reference(const RowMatrix<Scalar>& q_, const RowMatrix<Scalar>* k_, const RowMatrix<Scalar>& v_,
+                          const Targets& targets, double scale, bool causal, bool dedupe) {
+  const Eigen::MatrixXd q = q_.template cast<double>(), v = v_.template cast<double>();
+  const Eigen::MatrixXd keys = k_ ? Eigen::MatrixXd(k_->template cast<double>()) : unit_rows(q);
+  Eigen::MatrixXd out = Eigen::MatrixXd::Zero(q.rows(), v.cols());
+  for (Index i = 0; i < q.rows(); ++i) {
+    std::map<Index, int> valid;
+    for (const auto& [j, count] : targets[static_cast<std::size_t>(i)])
+      if (!(causal && j > i) && !(!k_ && j == i)) valid[j] = dedupe ? 1 : count;
+    if (valid.empty()) {
+      if (!k_) {
+        out.row(i) = v.row(i);
+        continue;
+      }
+      for (Index j = 0; j < keys.rows(); ++j)
+        if (!(causal && j > i)) valid[j] = 1;
+    }
+    double m = -INFINITY;
+    for (const auto& [j, w] : valid) m = std::max(m, scale * q.row(i).dot(keys.row(j)));
+    double den = 0;
+    for (const auto& [j, w] : valid) {
+      const double e = w * std::exp(scale * q.row(i).dot(keys.row(j)) - m);
+      den += e;
+      out.row(i) += e * v.row(j);
+    }
+    out.row(i) /= den;
+  }
+  return out;
+}
+
+// Tokens around a few directions, so that buckets are populated unevenly and attention is peaked.
+template <typename Scalar>
+RowMatrix<Scalar> clustered(std::uint64_t seed, Index n, Index d, Index clusters, double spread) {
+  const RowMatrix<Scalar> centres = testing::gaussian<Scalar>(seed, clusters, d, 2.0);
+  RowMatrix<Scalar> x = testing::gaussian<Scalar>(seed + 1, n, d, spread);
+  for (Index i = 0; i < n; ++i) x.row(i) += centres.row((i * 5 + i / 7) % clusters);
+  return x;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Rotations and hashing
+// ---------------------------------------------------------------------------------------------
+
+TEMPLATE_TEST_CASE("Hadamard rotation equals H D3 H D2 H D1 / p^{3/2} and preserves norms", "[lsh]", float, double) {
+  using Scalar = TestType;
+  struct Case {
+    Index d, buckets;
+  };
+  for (const Case c : {Case{50, 16}, Case{64, 512}, Case{3, 2}, Case{1, 8}, Case{16, 16}}) {
+    INFO("d " << c.d << " buckets " << c.buckets);
+    const randattn::HadamardRotation<Scalar> rot(c.d, c.buckets, 2, 11);
+    const Index p = rot.padded_dim();
+    CHECK(p == randattn::next_power_of_two(std::max(c.d, c.buckets / 2)));
+    // Explicit Sylvester matrix H_p: H(a, b) = (-1)^popcount(a & b).
+    Eigen::MatrixXd h(p, p);
+    for (Index a = 0; a < p; ++a)
+      for (Index b = 0; b < p; ++b) h(a, b) = (__builtin_popcountll(std::uint64_t(a & b)) % 2) ? -1.0 : 1.0;
+    const RowMatrix<Scalar> x = testing::gaussian<Scalar>(3, 37, c.d, 3.0);
+    for (Index round = 0; round < 2; ++round) {
+      const Eigen::MatrixXd diag = rot.diagonals().template cast<double>();
+      const Eigen::MatrixXd m = h * diag.row(3 * round + 2).asDiagonal() * h * diag.row(3 * round + 1).asDiagonal() *
+                                h * diag.row(3 * round).asDiagonal() / std::pow(double(p), 1.5);
+      Eigen::MatrixXd xp = Eigen::MatrixXd::Zero(x.rows(), p);
+      xp.leftCols(c.d) = x.template cast<double>();
+      const Eigen::MatrixXd expected = xp * m.transpose();
+      const RowMatrix<Scalar> y = rot.rotate(x, round);
+      CHECK(rel_error(y, expected) < testing::tolerance<Scalar>());
+      // Norm preservation, row by row.
+      for (Index i = 0; i < x.rows(); ++i) {
+        const double nx = x.row(i).template cast<double>().norm();
+        CHECK(std::abs(y.row(i).template cast<double>().norm() - nx) <= testing::tolerance<Scalar>() * nx);
+      }
+      // The projection used by the hash (first h coordinates, folded transform) agrees.
+      RowMatrix<Scalar> work;
+      const RowMatrix<Scalar> proj = rot.project_round(x, round, work).transpose();
+      CHECK(rel_error(proj, expected.leftCols(c.buckets / 2)) < testing::tolerance<Scalar>());
+    }
+    CHECK_THROWS_AS(rot.rotate(x, 2), std::invalid_argument);
+  }
+}
+
+TEMPLATE_TEST_CASE("Cross-polytope codes are argmax([xR; -xR])", "[lsh]", float, double) {
+  using Scalar = TestType;
+  const Index n = 500, d = 24, buckets = 10, rounds = 3;
+  const RowMatrix<Scalar> x = testing::gaussian<Scalar>(5, n, d);
+  for (RotationKind kind : {RotationKind::dense, RotationKind::hadamard}) {
+    const CrossPolytopeHash<Scalar> hash(kind, d, buckets, rounds, 99);
+    CHECK(hash.kind() == kind);
+    CHECK(hash.buckets() == buckets);
+    CHECK(hash.rounds() == rounds);
+    const HashCodes codes = hash.hash(x);
+    REQUIRE(codes.rows() == n);
+    REQUIRE(codes.cols() == rounds);
+    Index checked = 0;
+    for (Index rho = 0; rho < rounds; ++rho) {
+      // Reference projections in double.
+      Eigen::MatrixXd y;
+      if (kind == RotationKind::dense) {
+        y = x.template cast<double>() * hash.dense_rotation()->matrix().template cast<double>().middleCols(
+                                            rho * buckets / 2, buckets / 2);
+      } else {
+        y = hash.hadamard_rotation()->rotate(x, rho).template cast<double>().leftCols(buckets / 2);
+      }
+      for (Index i = 0; i < n; ++i) {
+        Eigen::VectorXd both(buckets);
+        both << y.row(i).transpose(), -y.row(i).transpose();
+        Eigen::Index arg;
+        const double top = both.maxCoeff(&arg);
+        both(arg) = -INFINITY;
+        // Skip near ties, where rounding of the projection may decide.
+        if (top - both.maxCoeff() < 1e-4 * top) continue;
+        ++checked;
+        CHECK(codes(i, rho) == arg);
+      }
+    }
+    CHECK(checked > 0.95 * n * rounds);
+  }
+}
+
+TEMPLATE_TEST_CASE("Cross-polytope hash: ranges, scaling, zero vector, seeds, blocks", "[lsh]", float, double) {
+  using Scalar = TestType;
+  const Index n = 300, d = 20, buckets = 12, rounds = 4;
+  RowMatrix<Scalar> x = testing::gaussian<Scalar>(8, n, d);
+  x.row(7).setZero();
+  for (RotationKind kind : {RotationKind::dense, RotationKind::hadamard}) {
+    INFO("kind " << int(kind));
+    const CrossPolytopeHash<Scalar> hash(kind, d, buckets, rounds, 5);
+    const HashCodes codes = hash.hash(x);
+    CHECK(codes.minCoeff() >= 0);
+    CHECK(codes.maxCoeff() < buckets);
+    CHECK((codes.row(7).array() == 0).all());  // zero vector: first entry of the tie
+    // Positive scaling by a power of two is exact, so the codes are identical; negation flips the half.
+    CHECK(hash.hash(RowMatrix<Scalar>(Scalar(4) * x)) == codes);
+    const HashCodes neg = hash.hash(RowMatrix<Scalar>(-x));
+    for (Index i = 0; i < n; ++i)
+      if (i != 7)
+        for (Index rho = 0; rho < rounds; ++rho) CHECK(neg(i, rho) == (codes(i, rho) + buckets / 2) % buckets);
+    // Same seed, same codes; another seed, other codes; any sub-block hashes alike.
+    CHECK(CrossPolytopeHash<Scalar>(kind, d, buckets, rounds, 5).hash(x) == codes);
+    CHECK(CrossPolytopeHash<Scalar>(kind, d, buckets, rounds, 6).hash(x) != codes);
+    CHECK(hash.hash(x.middleRows(70, 101)) == codes.middleRows(70, 101));
+    // Every bucket is used.
+    std::vector<int> used(buckets, 0);
+    for (Index i = 0; i < codes.size(); ++i) used[codes.data()[i]] = 1;
+    CHECK(std::accumulate(used.begin(), used.end(), 0) == buckets);
+    // Errors.
+    CHECK_THROWS_AS(hash.hash(testing::gaussian<Scalar>(1, 3, d + 1)), std::invalid_argument);
+    RowMatrix<Scalar> bad = x;
+    bad(3, 4) = std::numeric_limits<Scalar>::quiet_NaN();
+    CHECK_THROWS_AS(hash.hash(bad), std::invalid_argument);
+  }
+  // A user-supplied R is used as given.
+  const CrossPolytopeHash<Scalar> drawn(RotationKind::dense, d, buckets, rounds, 5);
+  const CrossPolytopeHash<Scalar> given(drawn.dense_rotation()->matrix(), rounds);
+  CHECK(given.hash(x) == drawn.hash(x));
+  CHECK(given.hadamard_rotation() == nullptr);
+  CHECK_THROWS_AS(CrossPolytopeHash<Scalar>(RowMatrix<Scalar>::Ones(d, 7), 2), std::invalid_argument);
+  CHECK_THROWS_AS(CrossPolytopeHash<Scalar>(RotationKind::dense, d, 7, 2, 0), std::invalid_argument);
+  CHECK_THROWS_AS(CrossPolytopeHash<Scalar>(RotationKind::hadamard, d, 8, 0, 0), std::invalid_argument);
+  CHECK_THROWS_AS(CrossPolytopeHash<Scalar>(RotationKind::hadamard, 0, 8, 1, 0), std::invalid_argument);
+}
+
+TEST_CASE("Collision rate of two unit vectors falls as their angle grows", "[lsh]") {
+  // Rounds use independent rotations, so over N rounds the number of collisions of a fixed pair
+  // is Binomial(N, p(theta)). Consecutive angles must differ in estimated rate by more than 4
+  // standard errors of the difference, sqrt(p1(1-p1)/N + p2(1-p2)/N) <= sqrt(0.5/N) = 0.013 for
+  // N = 3000, i.e. by 0.052 at most; the smallest gap of the rates (about 0.79, 0.45, 0.2, 0.07,
+  // 0.01 at 15..135 degrees for h = 4 coordinates) is about 0.06 and there the rates are small,
+  // so the required margin is 4 * 0.005.
+  const Index d = 16, buckets = 8, rounds = 3000;
+  const std::vector<double> degrees = {0, 15, 45, 75, 105, 135, 180};
+  for (RotationKind kind : {RotationKind::dense, RotationKind::hadamard}) {
+    const CrossPolytopeHash<double> hash(kind, d, buckets, rounds, 2024);
+    RowMatrix<double> x = RowMatrix<double>::Zero(Index(degrees.size()) + 1, d);
+    // A generic base direction u and a unit vector w orthogonal to it.
+    const RowMatrix<double> g = testing::gaussian<double>(77, 2, d);
+    const Eigen::RowVectorXd u = g.row(0).normalized();
+    const Eigen::RowVectorXd w = (g.row(1) - g.row(1).dot(u) * u).normalized();
+    x.row(0) = u;
+    for (std::size_t a = 0; a < degrees.size(); ++a) {
+      const double t = degrees[a] * M_PI / 180.0;
+      x.row(Index(a) + 1) = std::cos(t) * u + std::sin(t) * w;
+    }
+    const HashCodes codes = hash.hash(x);
+    std::vector<double> rate;
+    for (std::size_t a = 0; a < degrees.size(); ++a)
+      rate.push_back((codes.row(0).array() == codes.row(Index(a) + 1).array()).template cast<double>().mean());
+    INFO("kind " << int(kind) << " rates " << rate[0] << " " << rate[1] << " " << rate[2] << " " << rate[3] << " "
+                 << rate[4] << " " << rate[5] << " " << rate[6]);
+    CHECK(rate.front() == 1.0);  // same vector
+    CHECK(rate.back() == 0.0);   // antipodal: the sign flips the half
+    for (std::size_t a = 0; a + 2 < degrees.size(); ++a) {
+      const double se = std::sqrt(rate[a] * (1 - rate[a]) / rounds + rate[a + 1] * (1 - rate[a + 1]) / rounds);
+      CHECK(rate[a] - rate[a + 1] > 4 * se);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention against brute force
+// ---------------------------------------------------------------------------------------------
+
+TEMPLATE_TEST_CASE("Single chunk (c >= n) equals exact shared-QK attention with the self rule", "[lsh]", float,
+                   double) {
+  using Scalar = TestType;
+  const Index n = 150, d = 16, dv = 5;
+  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(21, n, d), v = testing::gaussian<Scalar>(22, n, dv);
+  Targets all(static_cast<std::size_t>(n));
+  for (Index i = 0; i < n; ++i)
+    for (Index j = 0; j < n; ++j) all[static_cast<std::size_t>(i)][j] = 1;
+  for (bool causal : {false, true}) {
+    for (double scale : {1.0, 0.7}) {
+      const Eigen::MatrixXd expected = reference<Scalar>(q, nullptr, v, all, scale, causal, true);
+      LshOptions opt;
+      opt.causal = causal;
+      opt.scale = scale;
+      for (Index chunk : {n, n + 1, Index(1) << 40}) {
+        for (Index rounds : {1, 3}) {
+          for (bool dedupe : {true, false}) {
+            INFO("causal " << causal << " scale " << scale << " chunk " << chunk << " rounds " << rounds << " dedupe "
+                           << dedupe);
+            opt.chunk = chunk;
+            opt.dedupe = dedupe;
+            const CrossPolytopeHash<Scalar> hash(RotationKind::dense, d, 8, rounds, 3);
+            CHECK(rel_error(randattn::lsh_attention(q, v, hash, opt), expected) < testing::tolerance<Scalar>());
+          }
+        }
+      }
+      CHECK(rel_error(randattn::shared_qk_attention(q, v, opt), expected) < testing::tolerance<Scalar>());
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("Sort-and-chunk equals softmax over the union (multiset) of targets from the same hashes", "[lsh]",
+                   float, double) {
+  using Scalar = TestType;
+  const Index d = 12, dv = 6;
+  struct Case {
+    Index n, chunk, buckets;
+  };
+  // n a multiple of c with several chunks, two chunks (each the other's predecessor), and n not a
+  // multiple of c (a short last chunk).
+  for (const Case c : {Case{96, 16, 8}, Case{64, 32, 4}, Case{100, 16, 6}}) {
+    const RowMatrix<Scalar> q = clustered<Scalar>(31 + c.n, c.n, d, 5, 0.6);
+    const RowMatrix<Scalar> v = testing::gaussian<Scalar>(33, c.n, dv);
+    for (Index rounds = 1; rounds <= 4; ++rounds) {
+      for (RotationKind kind : {RotationKind::dense, RotationKind::hadamard}) {
+        const CrossPolytopeHash<Scalar> hash(kind, d, c.buckets, rounds, 1000 + rounds);
+        const Targets targets = chunk_targets(hash.hash(q), c.chunk);
+        for (bool causal : {false, true}) {
+          for (bool dedupe : {true, false}) {
+            INFO("n " << c.n << " chunk " << c.chunk << " rounds " << rounds << " kind " << int(kind) << " causal "
+                      << causal << " dedupe " << dedupe);
+            LshOptions opt;
+            opt.chunk = c.chunk;
+            opt.causal = causal;
+            opt.dedupe = dedupe;
+            opt.scale = 0.8;
+            const Eigen::MatrixXd expected = reference<Scalar>(q, nullptr, v, targets, 0.8, causal, dedupe);
+            CHECK(rel_error(randattn::lsh_attention(q, v, hash, opt), expected) < testing::tolerance<Scalar>());
+          }
+        }
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("The correction matters: union and multiset differ once rounds overlap", "[lsh]", float, double) {
+  using Scalar = TestType;
+  const Index n = 96, d = 12;
+  const RowMatrix<Scalar> q = clustered<Scalar>(41, n, d, 4, 0.5), v = testing::gaussian<Scalar>(42, n, 4);
+  const CrossPolytopeHash<Scalar> hash(RotationKind::dense, d, 8, 4, 7);
+  LshOptions with, without;
+  with.chunk = without.chunk = 16;
+  without.dedupe = false;
+  CHECK(rel_error(randattn::lsh_attention(q, v, hash, with), randattn::lsh_attention(q, v, hash, without)) > 1e-3);
+}
+
+TEMPLATE_TEST_CASE("Exact buckets equal softmax over the union of bucket mates, with the fallback", "[lsh]", float,
+                   double) {
+  using Scalar = TestType;
+  const Index n_q = 90, n_k = 90, d = 10, dv = 4;
+  const RowMatrix<Scalar> q = clustered<Scalar>(51, n_q, d, 6, 0.7);
+  RowMatrix<Scalar> k = clustered<Scalar>(53, n_k, d, 6, 0.7);
+  // Keys crowded around one direction leave most query buckets without keys: the fallback runs.
+  RowMatrix<Scalar> crowded = testing::gaussian<Scalar>(55, n_k, d, 0.05);
+  crowded.col(0).array() += Scalar(1);
+  const RowMatrix<Scalar> v = testing::gaussian<Scalar>(57, n_k, dv);
+  for (Index rounds = 1; rounds <= 4; ++rounds) {
+    const CrossPolytopeHash<Scalar> hash(RotationKind::hadamard, d, 16, rounds, 300 + rounds);
+    const HashCodes qc = hash.hash(q);
+    for (const RowMatrix<Scalar>* keys : {&k, &crowded}) {
+      const Targets targets = bucket_targets(qc, hash.hash(*keys));
+      for (bool causal : {false, true}) {
+        for (bool dedupe : {true, false}) {
+          INFO("rounds " << rounds << " crowded " << (keys == &crowded) << " causal " << causal << " dedupe "
+                         << dedupe);
+          LshOptions opt;
+          opt.exact_buckets = true;
+          opt.causal = causal;
+          opt.dedupe = dedupe;
+          opt.scale = 0.5;
+          const RowMatrix<Scalar> out = randattn::lsh_attention(q, *keys, v, hash, opt);
+          CHECK(out.allFinite());
+          CHECK(rel_error(out, reference<Scalar>(q, keys, v, targets, 0.5, causal, dedupe)) <
+                testing::tolerance<Scalar>());
+        }
+      }
+    }
+    // Shared QK with exact buckets: normalised keys, self rule.
+    const Targets shared = bucket_targets(qc, qc);
+    const RowMatrix<Scalar> vq = testing::gaussian<Scalar>(59, n_q, dv);
+    for (bool causal : {false, true}) {
+      LshOptions opt;
+      opt.exact_buckets = true;
+      opt.causal = causal;
+      CHECK(rel_error(randattn::lsh_attention(q, vq, hash, opt), reference<Scalar>(q, nullptr, vq, shared, 1.0, causal, true)) <
+            testing::tolerance<Scalar>());
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("Large buckets and chunks are tiled and still exact", "[lsh]", float, double) {
+  using Scalar = TestType;
+  // Few buckets and c > tile: buckets of hundreds of tokens and chunk pairs of 600 keys.
+  const Index n = 700, d = 8, dv = 3;
+  const RowMatrix<Scalar> q = clustered<Scalar>(61, n, d, 3, 0.4), v = testing::gaussian<Scalar>(62, n, dv);
+  const CrossPolytopeHash<Scalar> hash(RotationKind::dense, d, 4, 2, 8);
+  const HashCodes codes = hash.hash(q);
+  for (bool causal : {false, true}) {
+    LshOptions opt;
+    opt.causal = causal;
+    opt.chunk = 300;
+    CHECK(rel_error(randattn::lsh_attention(q, v, hash, opt),
+                    reference<Scalar>(q, nullptr, v, chunk_targets(codes, 300), 1.0, causal, true)) <
+          testing::tolerance<Scalar>());
+    opt.exact_buckets = true;
+    CHECK(rel_error(randattn::lsh_attention(q, v, hash, opt),
+                    reference<Scalar>(q, nullptr, v, bucket_targets(codes, codes), 1.0, causal, true)) <
+          testing::tolerance<Scalar>());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Causality, batching, threads, edge cases
+// ---------------------------------------------------------------------------------------------
+
+TEMPLATE_TEST_CASE("Causal: changing the last token leaves earlier outputs bit-identical", "[lsh]", float, double) {
+  using Scalar = TestType;
+  const Index n = 200, d = 16, dv = 8;
+  const RowMatrix<Scalar> q = clustered<Scalar>(71, n, d, 5, 0.5), k = clustered<Scalar>(72, n, d, 5, 0.5);
+  const RowMatrix<Scalar> v = testing::gaussian<Scalar>(73, n, dv);
+  const CrossPolytopeHash<Scalar> hash(RotationKind::dense, d, 8, 3, 12);
+  LshOptions opt;
+  opt.causal = true;
+  opt.chunk = 16;
+
+  // Exact buckets: any change of token n-1 (query, key, value).
+  RowMatrix<Scalar> q2 = q, k2 = k, v2 = v;
+  q2.row(n - 1) = testing::gaussian<Scalar>(74, 1, d, 3.0);
+  k2.row(n - 1) = testing::gaussian<Scalar>(75, 1, d, 3.0);
+  v2.row(n - 1) = testing::gaussian<Scalar>(76, 1, dv, 3.0);
+  REQUIRE(hash.hash(q2).row(n - 1) != hash.hash(q).row(n - 1));
+  opt.exact_buckets = true;
+  RowMatrix<Scalar> a = randattn::lsh_attention(q, k, v, hash, opt), b = randattn::lsh_attention(q2, k2, v2, hash, opt);
+  CHECK(testing::rows_bit_identical(a, b, n - 1));
+  CHECK(!testing::rows_bit_identical(a, b, n));
+  a = randattn::lsh_attention(q, v, hash, opt);
+  b = randattn::lsh_attention(q2, v2, hash, opt);
+  CHECK(testing::rows_bit_identical(a, b, n - 1));
+
+  // Sort-and-chunk: any change of token n-1 that keeps its buckets. A change of its buckets
+  // moves the chunk boundaries behind it in the sorted order, so by the definition itself (the
+  // brute-force target sets) earlier tokens see other past keys; see lsh_attention.hpp.
+  const auto past_targets = [&](const RowMatrix<Scalar>& x) {
+    Targets t = chunk_targets(hash.hash(x), opt.chunk);
+    for (Index i = 0; i < n; ++i)
+      for (auto it = t[std::size_t(i)].begin(); it != t[std::size_t(i)].end();)
+        it = it->first > i ? t[std::size_t(i)].erase(it) : std::next(it);
+    return t;
+  };
+  const Targets before = past_targets(q), after = past_targets(q2);
+  CHECK(!std::equal(before.begin(), before.end() - 1, after.begin()));
+  opt.exact_buckets = false;
+  RowMatrix<Scalar> q3 = q;
+  q3.row(n - 1) *= Scalar(2.5);
+  REQUIRE(hash.hash(q3) == hash.hash(q));
+  a = randattn::lsh_attention(q, v, hash, opt);
+  b = randattn::lsh_attention(q3, v2, hash, opt);
+  CHECK(testing::rows_bit_identical(a, b, n - 1));
+  CHECK(!testing::rows_bit_identical(a, b, n));
+}
+
+TEMPLATE_TEST_CASE("Batched multi-head LSH attention equals per-slice calls, for any thread count", "[lsh]", float,
+                   double) {
+  using Scalar = TestType;
+  const randattn::BatchShape shape{2, 3, 130, 130, 16, 7};  // batch, heads, n_q, n_k, d, dv
+  const Index s = shape.slices();
+  const RowMatrix<Scalar> q = clustered<Scalar>(81, s * shape.n_q, shape.d, 7, 0.6);
+  const RowMatrix<Scalar> k = clustered<Scalar>(82, s * shape.n_k, shape.d, 7, 0.6);
+  const RowMatrix<Scalar> v = testing::gaussian<Scalar>(83, s * shape.n_k, shape.dv);
+  const CrossPolytopeHash<Scalar> hash(RotationKind::hadamard, shape.d, 16, 3, 4);
+  for (bool exact_buckets : {false, true}) {
+    for (bool causal : {false, true}) {
+      INFO("exact_buckets " << exact_buckets << " causal " << causal);
+      LshOptions opt;
+      opt.chunk = 16;
+      opt.exact_buckets = exact_buckets;
+      opt.causal = causal;
+      RowMatrix<Scalar> out(s * shape.n_q, shape.dv), out_k(s * shape.n_q, shape.dv);
+      randattn::lsh_attention_batched<Scalar>(q.data(), v.data(), out.data(), shape, hash, opt);
+      if (exact_buckets)
+        randattn::lsh_attention_batched<Scalar>(q.data(), k.data(), v.data(), out_k.data(), shape, hash, opt);
+      for (Index i = 0; i < s; ++i) {
+        const auto rows = [&](const RowMatrix<Scalar>& m) { return RowMatrix<Scalar>(m.middleRows(i * shape.n_q, shape.n_q)); };
+        CHECK(testing::rows_bit_identical(rows(out), randattn::lsh_attention(rows(q), rows(v), hash, opt), shape.n_q));
+        if (exact_buckets)
+          CHECK(testing::rows_bit_identical(rows(out_k), randattn::lsh_attention(rows(q), rows(k), rows(v), hash, opt),
+                                            shape.n_q));
+      }
+#if defined(_OPENMP)
+      // Chunks and buckets of one long slice run in parallel; the result must not change.
+      const RowMatrix<Scalar> long_q = clustered<Scalar>(84, 3000, shape.d, 9, 0.6);
+      const RowMatrix<Scalar> long_v = testing::gaussian<Scalar>(85, 3000, shape.dv);
+      const int threads = omp_get_max_threads();
+      omp_set_num_threads(1);
+      const RowMatrix<Scalar> one = randattn::lsh_attention(long_q, long_v, hash, opt);
+      omp_set_num_threads(2);
+      const RowMatrix<Scalar> two = randattn::lsh_attention(long_q, long_v, hash, opt);
+      omp_set_num_threads(threads);
+      CHECK(testing::rows_bit_identical(one, two, one.rows()));
+#endif
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("LSH attention edge cases and argument checks", "[lsh]", float, double) {
+  using Scalar = TestType;
+  const Index d = 6;
+  const CrossPolytopeHash<Scalar> hash(RotationKind::dense, d, 4, 2, 1);
+  LshOptions opt;
+  // n = 0: empty; n = 1: the token attends to itself.
+  CHECK(randattn::lsh_attention(RowMatrix<Scalar>(0, d), RowMatrix<Scalar>(0, 3), hash, opt).rows() == 0);
+  const RowMatrix<Scalar> q1 = testing::gaussian<Scalar>(1, 1, d), v1 = testing::gaussian<Scalar>(2, 1, 3);
+  CHECK(rel_error(randattn::lsh_attention(q1, v1, hash, opt), v1) == 0.0);
+  // d = 1.
+  const CrossPolytopeHash<Scalar> hash1(RotationKind::hadamard, 1, 2, 2, 1);
+  const RowMatrix<Scalar> qd = testing::gaussian<Scalar>(3, 40, 1), vd = testing::gaussian<Scalar>(4, 40, 2);
+  opt.chunk = 8;
+  CHECK(rel_error(randattn::lsh_attention(qd, vd, hash1, opt),
+                  reference<Scalar>(qd, nullptr, vd, chunk_targets(hash1.hash(qd), 8), 1.0, false, true)) <
+        testing::tolerance<Scalar>());
+  // Zero rows and huge rows: the normalised key stays finite, the output too.
+  RowMatrix<Scalar> q = testing::gaussian<Scalar>(5, 50, d);
+  q.row(3).setZero();
+  q.row(4) *= Scalar(1e30);
+  q.row(5).setZero();
+  const RowMatrix<Scalar> v = testing::gaussian<Scalar>(6, 50, 3);
+  opt.scale = 1e-30;
+  CHECK(randattn::lsh_attention(q, v, hash, opt).allFinite());
+  opt.scale.reset();
+  // Errors name the problem.
+  const RowMatrix<Scalar> k = testing::gaussian<Scalar>(7, 50, d);
+  CHECK_THROWS_AS(randattn::lsh_attention(q, k, v, hash, opt), std::invalid_argument);  // needs exact_buckets
+  opt.exact_buckets = true;
+  CHECK_NOTHROW(randattn::lsh_attention(q, k, v, hash, opt));
+  CHECK_THROWS_AS(randattn::lsh_attention(q, RowMatrix<Scalar>(0, d), RowMatrix<Scalar>(0, 3), hash, opt),
+                  std::invalid_argument);
+  opt.causal = true;
+  CHECK_THROWS_AS(randattn::lsh_attention(q, RowMatrix<Scalar>(k.topRows(49)), RowMatrix<Scalar>(v.topRows(49)), hash, opt),
+                  std::invalid_argument);
+  opt = LshOptions();
+  CHECK_THROWS_AS(randattn::lsh_attention(testing::gaussian<Scalar>(1, 5, d + 1), testing::gaussian<Scalar>(1, 5, 2), hash, opt),
+                  std::invalid_argument);
+  CHECK_THROWS_AS(randattn::lsh_attention(q, RowMatrix<Scalar>(v.topRows(10)), hash, opt), std::invalid_argument);
+  opt.chunk = 0;
+  CHECK_THROWS_AS(randattn::lsh_attention(q, v, hash, opt), std::invalid_argument);
+  opt.chunk = 8;
+  RowMatrix<Scalar> bad = q;
+  bad(1, 1) = std::numeric_limits<Scalar>::infinity();
+  try {
+    randattn::lsh_attention(bad, v, hash, opt);
+    FAIL("no exception");
+  } catch (const std::invalid_argument& e) {
+    CHECK(std::string(e.what()).find("non-finite") != std::string::npos);
+  }
+  opt.scale = std::numeric_limits<double>::quiet_NaN();
+  CHECK_THROWS_AS(randattn::lsh_attention(q, v, hash, opt), std::invalid_argument);
+  CHECK(randattn::reformer_buckets(16384, 64) == 512);
+  CHECK(randattn::reformer_buckets(100, 64) == 4);
+  CHECK(randattn::reformer_buckets(1, 64) == 2);
+}

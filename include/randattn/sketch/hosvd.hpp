@@ -10,8 +10,8 @@
 //   (N_j + N_j^T) / 2. Cost O(nnz) to sketch plus sum_c nnz_1(c) nnz_2(c) over unfolding columns.
 // Factors are d_j x r_j with orthonormal columns, in decreasing order of eigenvalue, each signed so
 // that its largest-magnitude entry is positive. Modes are numbered from 0.
-// Errors (std::invalid_argument): ranks.size() != order, a rank outside [1, d_j], and every
-// error of sparsify() (budget, all-zero tensor, non-finite entry).
+// Errors (std::invalid_argument): ranks.size() != order, a rank outside [1, d_j], an all-zero
+// tensor, a non-finite entry, and (sketched) every error of sparsify().
 
 #include <array>
 #include <cmath>
@@ -77,6 +77,9 @@ auto exact_hosvd(const T& tensor, const std::vector<Index>& ranks) {
   Vector<Scalar> storage;
   const Scalar* data = detail::row_major_data(a, storage);
   detail::require_finite(data, a.size(), where, "the tensor");
+  const Eigen::Map<const Vector<Scalar>> entries(data, a.size());
+  detail::require((entries.array() != Scalar(0)).any(), where, "the tensor of shape ", detail::dims_str(a.dims()),
+                  " is all zero: its subspaces are undefined");
   Hosvd<Scalar> out;
   detail::hosvd_factors(out, ranks, [&](Index j) { return detail::dense_mode_gram(data, a.dims(), j); });
   return out;

@@ -88,22 +88,26 @@ Eigen::SparseMatrix<Scalar, Options, Index> unfold(const SparseTensor<Scalar>& s
                   " is out of range for a tensor of order ", s.order());
   const detail::ModeSplit split(s.dims(), mode);
   constexpr bool row_major = (Options & Eigen::RowMajorBit) != 0;
-  auto outer_of = [&](Index flat) { return row_major ? split.row(flat) : split.col(flat); };
-  auto inner_of = [&](Index flat) { return row_major ? split.col(flat) : split.row(flat); };
+  const Index nnz = s.nnz();
+  std::vector<Index> outer(std::size_t(nnz), 0), inner(std::size_t(nnz), 0);
+  for (Index e = 0; e < nnz; ++e) {
+    Index row = 0, col = 0;
+    split.locate(s.indices()[std::size_t(e)], row, col);
+    outer[std::size_t(e)] = row_major ? row : col;
+    inner[std::size_t(e)] = row_major ? col : row;
+  }
 
   Eigen::SparseMatrix<Scalar, Options, Index> m(split.dim, split.cols());
-  const Index nnz = s.nnz();
   m.resizeNonZeros(nnz);
   Index* starts = m.outerIndexPtr();
   const Index outer_size = m.outerSize();
   std::fill(starts, starts + outer_size + 1, Index(0));
-  for (Index flat : s.indices()) ++starts[outer_of(flat) + 1];
+  for (Index o : outer) ++starts[o + 1];
   for (Index o = 0; o < outer_size; ++o) starts[o + 1] += starts[o];
   std::vector<Index> next(starts, starts + outer_size);
   for (Index e = 0; e < nnz; ++e) {
-    const Index flat = s.indices()[std::size_t(e)];
-    const Index slot = next[std::size_t(outer_of(flat))]++;
-    m.innerIndexPtr()[slot] = inner_of(flat);
+    const Index slot = next[std::size_t(outer[std::size_t(e)])]++;
+    m.innerIndexPtr()[slot] = inner[std::size_t(e)];
     m.valuePtr()[slot] = s.values()[std::size_t(e)];
   }
   return m;

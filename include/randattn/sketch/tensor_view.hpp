@@ -162,10 +162,36 @@ struct ModeSplit {
   ModeSplit(const std::vector<Index>& dims, Index mode) : dim(dims[std::size_t(mode)]) {
     for (Index j = 0; j < mode; ++j) outer *= dims[std::size_t(j)];
     for (std::size_t j = std::size_t(mode) + 1; j < dims.size(); ++j) inner *= dims[j];
+    inv_inner_ = 1.0 / double(std::max<Index>(inner, 1));
+    inv_dim_ = 1.0 / double(std::max<Index>(dim, 1));
   }
   Index cols() const { return outer * inner; }
   Index row(Index flat) const { return (flat / inner) % dim; }
   Index col(Index flat) const { return flat / (dim * inner) * inner + flat % inner; }
+
+  // row() and col() at once, for the hot loops of the unfoldings.
+  void locate(Index flat, Index& row_index, Index& col_index) const {
+    const Index q = divide(flat, inner, inv_inner_), r = flat - q * inner;
+    const Index o = divide(q, dim, inv_dim_);
+    row_index = q - o * dim;
+    col_index = o * inner + r;
+  }
+
+ private:
+  // x / d for 0 <= x, 1 <= d by a floating-point reciprocal: far cheaper than an integer
+  // division. Below 2^52 the rounded quotient is off by at most one, which is corrected.
+  static Index divide(Index x, Index d, double inv) {
+    if (x >= (Index(1) << 52)) return x / d;
+    Index q = Index(double(x) * inv);
+    if (q * d > x) {
+      --q;
+    } else if ((q + 1) * d <= x) {
+      ++q;
+    }
+    return q;
+  }
+
+  double inv_inner_ = 1, inv_dim_ = 1;
 };
 
 }  // namespace detail

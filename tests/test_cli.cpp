@@ -345,10 +345,18 @@ std::vector<double> favor_reference(const std::vector<double>& q, const std::vec
   return out;
 }
 
-double json_number(const std::string& line, const std::string& key) {
+// The text of top-level field `key` of a one-line JSON report ("" when absent), and as a number
+// (NaN when absent).
+std::string json_field(const std::string& line, const std::string& key) {
   const std::size_t at = line.find("\"" + key + "\":");
-  if (at == std::string::npos) return NAN;
-  return std::strtod(line.c_str() + at + key.size() + 3, nullptr);
+  if (at == std::string::npos) return "";
+  const std::size_t begin = at + key.size() + 3;
+  return line.substr(begin, line.find_first_of(",}", begin) - begin);
+}
+
+double json_number(const std::string& line, const std::string& key) {
+  const std::string text = json_field(line, key);
+  return text.empty() ? NAN : std::strtod(text.c_str(), nullptr);
 }
 
 }  // namespace
@@ -468,13 +476,6 @@ std::vector<T> lsh_reference(const std::vector<T>& q, const std::vector<T>* k, c
   return out;
 }
 
-std::string json_field(const std::string& line, const std::string& key) {
-  const std::size_t at = line.find("\"" + key + "\":");
-  if (at == std::string::npos) return "";
-  const std::size_t begin = at + key.size() + 3;
-  return line.substr(begin, line.find_first_of(",}", begin) - begin);
-}
-
 }  // namespace
 
 TEST_CASE("cli: lsh with shared QK, a user rotation file and the --report fields", "[cli][lsh]") {
@@ -588,4 +589,116 @@ TEST_CASE("cli: lsh errors are one stderr line, exit code 2 and no output", "[cl
   require_error(ws, lsh + " --rotations " + quote(ws.path("R.npy")) + " --buckets 4", "--buckets 4");
   require_error(ws, lsh + " --rotations " + quote(ws.path("R.npy")) + " --rotation dense", "exclude");
   require_error(ws, lsh + " --rotations " + quote(ws.path("missing.npy")), "--rotations");
+}
+
+// --- sparsify and hosvd ---------------------------------------------------------------------
+
+TEST_CASE("cli: sparsify an order-3 float32 tensor with --report", "[cli][sketch]") {
+  Workspace ws;
+  save<float>(ws, "a.npy", {6, 7, 8}, 11);
+  const std::string base = "sparsify --in " + quote(ws.path("a.npy")) + " --budget 60 --seed 5 --out ";
+  const Result r = ws.run(base + quote(ws.path("ahat.npy")) + " --report");
+  INFO("stderr: " << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.err.empty());
+  const NpyArray a = randattn::io::read_npy(ws.path("a.npy")), h = randattn::io::read_npy(ws.path("ahat.npy"));
+  CHECK(h.shape == std::vector<std::int64_t>{6, 7, 8});
+  REQUIRE(h.is_float32());
+  // The output is the library's sketch for the same seed, densified.
+  randattn::SparsifyOptions opt;
+  opt.budget = 60;
+  opt.seed = 5;
+  const auto sk = randattn::sparsify(randattn::tensor_view(a.values<float>().data(), {6, 7, 8}), opt);
+  const randattn::Vector<float> dense = randattn::densify(sk);
+  CHECK(std::equal(h.values<float>().begin(), h.values<float>().end(), dense.data()));
+
+  REQUIRE(std::count(r.out.begin(), r.out.end(), '\n') == 1);
+  CHECK(r.out.rfind(R"({"scheme":"spa","dtype":"float32","shape":[6,7,8],)", 0) == 0);
+  CHECK(json_number(r.out, "nnz") == double(sk.nnz()));
+  CHECK(json_number(r.out, "expected_nnz") == Approx(sk.stats.expected_nnz));
+  const auto err = randattn::sketch_error(randattn::tensor_view(a.values<float>().data(), {6, 7, 8}), sk);
+  CHECK(json_number(r.out, "rel_fro_error") == Approx(err.relative_frobenius));
+  CHECK(json_number(r.out, "rel_spectral_error") == Approx(err.relative_spectral));
+  CHECK(r.out.find(R"("spectral_exact":false)") != std::string::npos);
+
+  // Same seed, same bytes; the budget of every entry returns the input itself.
+  REQUIRE(ws.run(base + quote(ws.path("again.npy"))).exit_code == 0);
+  CHECK(slurp(ws.path("again.npy")) == slurp(ws.path("ahat.npy")));
+  REQUIRE(ws.run("sparsify --in " + quote(ws.path("a.npy")) + " --budget 336 --out " + quote(ws.path("all.npy")))
+              .exit_code == 0);
+  CHECK(randattn::io::read_npy(ws.path("all.npy")).values<float>() == a.values<float>());
+}
+
+TEST_CASE("cli: sparsify a float64 matrix with each scheme", "[cli][sketch]") {
+  Workspace ws;
+  save<double>(ws, "m.npy", {20, 30}, 12);
+  for (const char* scheme : {"spa", "ndt", "l2", "uniform"}) {
+    const Result r = ws.run(std::string("sparsify --in ") + quote(ws.path("m.npy")) + " --budget 100 --scheme " +
+                            scheme + " --out " + quote(ws.path("mhat.npy")) + " --report");
+    INFO(scheme << " stderr: " << r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(randattn::io::read_npy(ws.path("mhat.npy")).is_float64());
+    CHECK(r.out.find(std::string("\"scheme\":\"") + scheme + "\"") != std::string::npos);
+    CHECK(r.out.find(R"("spectral_exact":true)") != std::string::npos);  // order 2: the exact matrix norm
+  }
+}
+
+TEST_CASE("cli: hosvd writes orthonormal factors, exact or sketched", "[cli][sketch]") {
+  Workspace ws;
+  save<double>(ws, "a.npy", {5, 6, 7}, 13);
+  const NpyArray a = randattn::io::read_npy(ws.path("a.npy"));
+  const auto view = randattn::tensor_view(a.values<double>().data(), {5, 6, 7});
+  const Result exact = ws.run("hosvd --in " + quote(ws.path("a.npy")) + " --ranks 2,3,4 --out-prefix " +
+                              quote(ws.path("U")) + " --report");
+  INFO("stderr: " << exact.err);
+  REQUIRE(exact.exit_code == 0);
+  CHECK(exact.out.rfind(R"({"method":"exact","dtype":"float64","shape":[5,6,7],"ranks":[2,3,4],"seconds":)", 0) == 0);
+  const auto reference = randattn::exact_hosvd(view, {2, 3, 4});
+  for (int j = 0; j < 3; ++j) {
+    const NpyArray u = randattn::io::read_npy(ws.path("U" + std::to_string(j) + ".npy"));
+    REQUIRE(u.shape == std::vector<std::int64_t>{a.shape[std::size_t(j)], 2 + j});
+    const auto m = randattn::io::as_matrix<double>(u);
+    CHECK((m.transpose() * m - Eigen::MatrixXd::Identity(2 + j, 2 + j)).norm() < 1e-12);
+    CHECK(randattn::sin_theta_distance(m, reference.factors[std::size_t(j)]) < 1e-10);
+  }
+  const Result sketched = ws.run("hosvd --in " + quote(ws.path("a.npy")) + " --ranks 1,1,1 --budget 1000 --seed 2" +
+                                 " --out-prefix " + quote(ws.path("S")) + " --report");
+  REQUIRE(sketched.exit_code == 0);
+  CHECK(sketched.out.find(R"("method":"sketched")") != std::string::npos);
+  CHECK(sketched.out.find(R"("nnz":[210,210])") != std::string::npos);  // budget >= D: every entry
+  CHECK(ws.files() == std::vector<std::string>{"S0.npy", "S1.npy", "S2.npy", "U0.npy", "U1.npy", "U2.npy", "a.npy"});
+}
+
+TEST_CASE("cli: sparsify and hosvd failures are one stderr line, exit code 2 and no output", "[cli][sketch]") {
+  Workspace ws;
+  save<float>(ws, "a.npy", {4, 5, 6}, 14);
+  save<float>(ws, "v.npy", {7}, 15);
+  randattn::io::write_npy(ws.path("zeros.npy"), std::vector<float>(24, 0.0f), {2, 3, 4});
+  std::vector<float> bad = data<float>(120, 14);
+  bad[(1 * 5 + 2) * 6 + 3] = NAN;
+  randattn::io::write_npy(ws.path("nan.npy"), bad, {4, 5, 6});
+  const std::string in = " --in " + quote(ws.path("a.npy"));
+  const std::string out = " --out " + quote(ws.path("o.npy"));
+  const std::string prefix = " --out-prefix " + quote(ws.path("P"));
+  auto with = [&](const std::string& file) { return " --in " + quote(ws.path(file)); };
+
+  require_error(ws, "sparsify" + in + " --budget 0" + out, "budget must be a positive");
+  require_error(ws, "sparsify" + in + " --budget -2" + out, "budget");
+  require_error(ws, "sparsify" + with("zeros.npy") + " --budget 5" + out, "all zero");
+  require_error(ws, "sparsify" + with("nan.npy") + " --budget 5" + out, "non-finite entry at (1, 2, 3)");
+  require_error(ws, "sparsify" + with("v.npy") + " --budget 5" + out, "order k >= 2, got shape (7,)");
+  require_error(ws, "sparsify" + with("missing.npy") + " --budget 5" + out, "no such file");
+  require_error(ws, "sparsify" + in + " --budget 5 --scheme foo" + out, "unknown sparsification scheme 'foo'");
+  require_error(ws, "sparsify" + in + out);  // --budget missing
+  require_error(ws, "sparsify" + in + " --budget 5 --out " + quote(ws.path("no_dir/o.npy")), "--out");
+
+  require_error(ws, "hosvd" + in + " --ranks 2,6,2" + prefix, "rank 6 of mode 1 must be in [1, d_1] = [1, 5]");
+  require_error(ws, "hosvd" + in + " --ranks 0,1,1" + prefix, "rank 0 of mode 0");
+  require_error(ws, "hosvd" + in + " --ranks 2,2" + prefix, "2 ranks given for a tensor of order 3");
+  require_error(ws, "hosvd" + in + " --ranks 2,2,2 --budget 0" + prefix, "budget");
+  require_error(ws, "hosvd" + in + " --ranks 2,2,2 --seed 4" + prefix, "--seed requires --budget");
+  require_error(ws, "hosvd" + with("nan.npy") + " --ranks 1,1,1" + prefix, "non-finite");
+  require_error(ws, "hosvd" + with("zeros.npy") + " --ranks 1,1,1 --budget 5" + prefix, "all zero");
+  require_error(ws, "hosvd" + with("v.npy") + " --ranks 1" + prefix, "order k >= 2");
+  require_error(ws, "hosvd" + in + " --ranks 1,1,1 --out-prefix " + quote(ws.path("no_dir/P")), "--out-prefix");
 }

@@ -132,15 +132,7 @@ class AttentionCommand {
 #endif
   }
 
-  static randattn::io::NpyArray load(const char* flag, const std::string& path) {
-    try {
-      return randattn::io::read_npy(path);
-    } catch (const std::bad_alloc&) {
-      throw CliError(std::string(flag) + ": " + path + ": out of memory while reading");
-    } catch (const std::exception& e) {
-      throw CliError(std::string(flag) + ": " + e.what());
-    }
-  }
+  static randattn::io::NpyArray load(const char* flag, const std::string& path) { return read_input(flag, path); }
 
   static randattn::BatchShape check_shapes(const randattn::io::NpyArray& q, const randattn::io::NpyArray& k,
                                            const randattn::io::NpyArray& v) {

@@ -1,10 +1,15 @@
 #pragma once
-// Shared helpers of randattn-cli: the error type, shape formatting and a tiny JSON writer.
+// Shared helpers of randattn-cli: the error type, input loading, shape formatting and a tiny JSON
+// writer.
+
+#include <randattn/io/npy.hpp>
 
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -18,6 +23,17 @@ class CliError : public std::runtime_error {
 };
 
 using Shape = std::vector<std::int64_t>;
+
+// Reads the .npy file given with `flag`; any failure becomes a CliError naming the flag.
+inline randattn::io::NpyArray read_input(const char* flag, const std::string& path) {
+  try {
+    return randattn::io::read_npy(path);
+  } catch (const std::bad_alloc&) {
+    throw CliError(std::string(flag) + ": " + path + ": out of memory while reading");
+  } catch (const std::exception& e) {
+    throw CliError(std::string(flag) + ": " + e.what());
+  }
+}
 
 // "(2, 3)" — Python tuple notation, as NumPy users read shapes.
 inline std::string shape_str(const Shape& s) {

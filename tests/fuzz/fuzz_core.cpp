@@ -2,8 +2,6 @@
 // denormals, huge and tiny magnitudes included). Every call either throws
 // std::invalid_argument or returns a result of the right shape with finite entries; softmax
 // outputs are convex combinations of the value rows.
-#include <fuzzer/FuzzedDataProvider.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -13,53 +11,17 @@
 
 #include <randattn/randattn.hpp>
 
+#include "fuzz_helpers.hpp"
+
 namespace {
 
 using randattn::Index;
 using randattn::RowMatrix;
 using randattn::Vector;
 
-#define FUZZ_REQUIRE(cond)                                                      \
-  do {                                                                          \
-    if (!(cond)) {                                                              \
-      std::fprintf(stderr, "fuzz_core: %s does not hold (line %d)\n", #cond, __LINE__); \
-      std::abort();                                                             \
-    }                                                                           \
-  } while (0)
-
-template <typename Scalar>
-Scalar consume_value(FuzzedDataProvider& in, int mode) {
-  switch (mode) {
-    case 0:
-      return in.ConsumeFloatingPointInRange<Scalar>(Scalar(-3), Scalar(3));
-    case 1:
-      return in.ConsumeFloatingPointInRange<Scalar>(Scalar(-30), Scalar(30));
-    default:
-      return in.ConsumeFloatingPoint<Scalar>();  // anything, non-finite included
-  }
-}
-
-template <typename Scalar>
-RowMatrix<Scalar> consume_matrix(FuzzedDataProvider& in, Index rows, Index cols, int mode) {
-  RowMatrix<Scalar> m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = consume_value<Scalar>(in, mode);
-  return m;
-}
-
-// Output rows of softmax-weighted averages lie in the per-column range of v (up to rounding).
-// Linear attention on nonnegative features may also return a zero row: the documented result
-// when every weight of the row is zero (or underflows to zero).
-template <typename Scalar>
-void require_convex(const RowMatrix<Scalar>& out, const RowMatrix<Scalar>& v, bool zero_rows_allowed) {
-  if (v.size() == 0) return;
-  const double slack = 1e-3 * std::max(1.0, double(v.cwiseAbs().maxCoeff()));
-  for (Index i = 0; i < out.rows(); ++i) {
-    if (zero_rows_allowed && (out.row(i).array() == 0).all()) continue;
-    for (Index c = 0; c < v.cols(); ++c) {
-      FUZZ_REQUIRE(out(i, c) >= v.col(c).minCoeff() - slack && out(i, c) <= v.col(c).maxCoeff() + slack);
-    }
-  }
-}
+using fuzzing::consume_matrix;
+using fuzzing::consume_value;
+using fuzzing::require_convex;
 
 template <typename Scalar>
 void run(FuzzedDataProvider& in) {

@@ -2,8 +2,6 @@
 // options and values (NaN, Inf, denormals, huge norms included). Every call either throws
 // std::invalid_argument or returns finite output of the right shape; nonnegative maps give
 // convex combinations of the value rows (or, after total underflow, documented zero rows).
-#include <fuzzer/FuzzedDataProvider.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -15,42 +13,14 @@
 
 #include <randattn/randattn.hpp>
 
+#include "fuzz_helpers.hpp"
+
 namespace {
 
 using randattn::Index;
 using randattn::RowMatrix;
 
-std::string context;  // what the current input exercises, printed when a check fails
-
-#define FUZZ_REQUIRE(cond)                                                                 \
-  do {                                                                                     \
-    if (!(cond)) {                                                                         \
-      std::fprintf(stderr, "fuzz_features: %s does not hold (line %d) in %s\n", #cond, __LINE__, context.c_str()); \
-      std::abort();                                                                        \
-    }                                                                                      \
-  } while (0)
-
-template <typename Scalar>
-RowMatrix<Scalar> consume_matrix(FuzzedDataProvider& in, Index rows, Index cols, int mode) {
-  RowMatrix<Scalar> m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) {
-    m.data()[i] = mode == 0   ? in.ConsumeFloatingPointInRange<Scalar>(Scalar(-2), Scalar(2))
-                  : mode == 1 ? in.ConsumeFloatingPointInRange<Scalar>(Scalar(-8), Scalar(8))
-                              : in.ConsumeFloatingPoint<Scalar>();
-  }
-  return m;
-}
-
-template <typename Scalar>
-void require_convex_or_zero(const RowMatrix<Scalar>& out, const RowMatrix<Scalar>& v) {
-  if (v.size() == 0) return;
-  const double slack = 1e-3 * std::max(1.0, double(v.cwiseAbs().maxCoeff()));
-  for (Index i = 0; i < out.rows(); ++i) {
-    if ((out.row(i).array() == 0).all()) continue;
-    for (Index c = 0; c < v.cols(); ++c)
-      FUZZ_REQUIRE(out(i, c) >= v.col(c).minCoeff() - slack && out(i, c) <= v.col(c).maxCoeff() + slack);
-  }
-}
+using fuzzing::consume_matrix;
 
 template <typename Map, typename Scalar = typename Map::Scalar>
 void attend(FuzzedDataProvider& in, const Map& map, const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k,
@@ -65,11 +35,11 @@ void attend(FuzzedDataProvider& in, const Map& map, const RowMatrix<Scalar>& q, 
     c << "causal " << opt.causal << " scale " << (opt.scale ? *opt.scale : -1.0) << " eps "
       << (opt.denominator_epsilon ? *opt.denominator_epsilon : -1.0) << " chunk " << opt.chunk_size
       << "\nq\n" << q << "\nk\n" << k << "\nv\n" << v;
-    context += c.str();
+    fuzzing::context += c.str();
   }
   const RowMatrix<Scalar> out = randattn::random_feature_attention(map, q, k, v, opt);
   FUZZ_REQUIRE(out.rows() == q.rows() && out.cols() == v.cols() && out.allFinite());
-  if (Map::nonnegative && !opt.denominator_epsilon) require_convex_or_zero(out, v);
+  if (Map::nonnegative && !opt.denominator_epsilon) fuzzing::require_convex(out, v, /*zero_rows_allowed=*/true);
 }
 
 template <typename Scalar>
@@ -80,7 +50,7 @@ void run(FuzzedDataProvider& in) {
   const Index n = in.ConsumeIntegralInRange(0, 24), d = in.ConsumeIntegralInRange(0, 9);
   const Index dv = in.ConsumeIntegralInRange(0, 4), m = in.ConsumeIntegralInRange(0, 12);
   const std::uint64_t seed = in.ConsumeIntegral<std::uint32_t>();
-  context = "map " + std::to_string(map_kind) + " projection " + std::to_string(projection_kind) +
+  fuzzing::context = "map " + std::to_string(map_kind) + " projection " + std::to_string(projection_kind) +
             " m " + std::to_string(m) + " seed " + std::to_string(seed) + " " +
             (sizeof(Scalar) == 4 ? "float " : "double ");
   const RowMatrix<Scalar> q = consume_matrix<Scalar>(in, n, d, mode);

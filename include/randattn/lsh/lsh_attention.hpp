@@ -268,7 +268,12 @@ SoftmaxAccumulator<Scalar> lsh_accumulate(const Eigen::Ref<const RowMatrix<Scala
                                           const CrossPolytopeHash<Scalar>& hash, const LshOptions& opt) {
   const Scalar scale = check_lsh_inputs<Scalar>("lsh_attention", q, k, v, hash, opt);
   LshSlice<Scalar> slice(q, k, v, hash, opt, scale);
-  return std::move(slice.accumulator());
+  SoftmaxAccumulator<Scalar> acc = std::move(slice.accumulator());
+  // Inputs were checked above, so a non-finite result (or a row whose logits all overflowed
+  // to -inf) means overflow: report it rather than return NaN or an empty row.
+  check_result_finite("lsh_attention", acc.numden(), opt.check_finite, [] {});
+  check_result_finite("lsh_attention", acc.log_scale(), opt.check_finite, [] {});
+  return acc;
 }
 
 }  // namespace detail

@@ -57,7 +57,7 @@ constexpr Index kSparseRowBlock = 64;
 // [num | den] rows from row_entries(i, f), which calls f(column, weight) for row i's entries;
 // rows in parallel blocks, each row summed by one thread in storage order.
 template <typename Scalar, typename DV, typename RowEntries>
-SoftmaxAccumulator<Scalar> sparse_numden(Index rows, const Eigen::MatrixBase<DV>& v,
+SoftmaxAccumulator<Scalar> sparse_numden(const char* where, Index rows, const Eigen::MatrixBase<DV>& v,
                                          Vector<Scalar> log_scale, RowEntries&& row_entries) {
   const Index dv = v.cols();
   RowMatrix<Scalar> nd = RowMatrix<Scalar>::Zero(rows, dv + 1);
@@ -69,6 +69,8 @@ SoftmaxAccumulator<Scalar> sparse_numden(Index rows, const Eigen::MatrixBase<DV>
       });
     }
   });
+  // A non-finite value row or an overflowing product shows in the small result.
+  check_result_finite(where, nd, true, [&] { require_finite(v, where, "v"); });
   if (log_scale.size() == 0) log_scale = Vector<Scalar>::Zero(rows);
   return SoftmaxAccumulator<Scalar>(std::move(nd), std::move(log_scale));
 }
@@ -96,7 +98,7 @@ SoftmaxAccumulator<Scalar> sparse_score_accumulate(const SparseTensor<Scalar>& w
   const Index rows = w.dim(0), cols = w.dim(1);
   detail::check_sparse_scores<Scalar>(where, rows, cols, w.values(), v.rows(), log_scale.size());
   const auto& idx = w.indices();
-  return detail::sparse_numden<Scalar>(rows, v, std::move(log_scale), [&](Index i, auto&& f) {
+  return detail::sparse_numden<Scalar>(where, rows, v, std::move(log_scale), [&](Index i, auto&& f) {
     // Indices are sorted flat row-major, so row i is one contiguous range.
     auto e = std::lower_bound(idx.begin(), idx.end(), i * cols);
     for (; e != idx.end() && *e < (i + 1) * cols; ++e)
@@ -114,7 +116,7 @@ SoftmaxAccumulator<Scalar> sparse_score_accumulate(const Eigen::SparseMatrix<Sca
   for (Index i = 0; i < w.outerSize(); ++i)
     for (typename Matrix::InnerIterator it(w, i); it; ++it) values.push_back(it.value());
   detail::check_sparse_scores<Scalar>(where, w.rows(), w.cols(), values, v.rows(), log_scale.size());
-  return detail::sparse_numden<Scalar>(w.rows(), v, std::move(log_scale), [&](Index i, auto&& f) {
+  return detail::sparse_numden<Scalar>(where, w.rows(), v, std::move(log_scale), [&](Index i, auto&& f) {
     for (typename Matrix::InnerIterator it(w, i); it; ++it) f(Index(it.col()), it.value());
   });
 }

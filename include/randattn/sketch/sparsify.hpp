@@ -258,8 +258,13 @@ class Sampler {
         for (Index t = 0; t < tile; ++t) keep[t] = u[t] < p[t];
         for (Index t = 0; t < tile; ++t) {
           if (keep[t]) {
+            const Scalar value = static_cast<Scalar>(a[t] / p[t]);
+            // a / p can leave the scalar type's range when |a| is near its largest value.
+            require(std::abs(value) <= std::numeric_limits<Scalar>::max(), "sparsify",
+                    "the kept entry ", a[t], " / p = ", a[t] / p[t],
+                    " overflows the scalar type; rescale the tensor");
             out.indices.push_back(omega0 + t);
-            out.values.push_back(static_cast<Scalar>(a[t] / p[t]));
+            out.values.push_back(value);
           }
         }
       }

@@ -444,7 +444,8 @@ TEST_CASE("cli: hybrid and hybrid-gaussian", "[cli][hybrid]") {
   REQUIRE(r.exit_code == 0);
   CHECK(json_number(r.out, "feature_dim") == 2 * 4 * (32 + 16) + 16);  // 2 n_lambda (2m + m) + m
   CHECK(json_number(r.out, "bandwidth") == 0.5);
-  for (double x : randattn::io::read_npy(ws.path("o.npy")).values<double>()) CHECK(std::isfinite(x));
+  const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));  // keep the array alive while iterating
+  for (double x : o.values<double>()) CHECK(std::isfinite(x));
   save<double>(ws, "w.npy", {4, d}, 34);
   require_error(ws, "attention --method hybrid --omega " + quote(ws.path("w.npy")) + io, "--omega");
   require_error(ws, "attention --method favor --bandwidth 2" + io, "--bandwidth");

@@ -504,7 +504,7 @@ TEMPLATE_TEST_CASE("attention: no NaN or Inf for norms up to 20", "[features]", 
 }
 
 TEMPLATE_TEST_CASE("attention: batched, decoder and thread count agree with the single call",
-                   "[features]", float, double) {
+                   "[features][threads]", float, double) {
   const Index batch = 2, heads = 3, n = 150, d = 8, dv = 5, m = 32;
   const Index slices = batch * heads;
   const RowMatrix<TestType> q = testing::gaussian<TestType>(51, slices * n, d),

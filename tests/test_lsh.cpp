@@ -469,7 +469,7 @@ TEMPLATE_TEST_CASE("Causal: changing the last token leaves earlier outputs bit-i
   CHECK(!testing::rows_bit_identical(a, b, n));
 }
 
-TEMPLATE_TEST_CASE("Batched multi-head LSH attention equals per-slice calls, for any thread count", "[lsh]", float,
+TEMPLATE_TEST_CASE("Batched multi-head LSH attention equals per-slice calls, for any thread count", "[lsh][threads]", float,
                    double) {
   using Scalar = TestType;
   const randattn::BatchShape shape{2, 3, 130, 130, 16, 7};  // batch, heads, n_q, n_k, d, dv

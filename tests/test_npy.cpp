@@ -126,7 +126,8 @@ TEMPLATE_TEST_CASE("npy round trip preserves shape, dtype and bits", "[npy]", fl
     CHECK(a.size() == n);
     const std::vector<TestType>& back = a.values<TestType>();
     REQUIRE(back.size() == n);
-    CHECK(std::memcmp(back.data(), values.data(), n * sizeof(TestType)) == 0);
+    // memcmp must not see the null data() of an empty vector.
+    CHECK((n == 0 || std::memcmp(back.data(), values.data(), n * sizeof(TestType)) == 0));
     CHECK(dir.entries() == std::vector<std::string>{"a.npy"});  // no temporary left behind
   }
 }

@@ -259,7 +259,7 @@ TEMPLATE_TEST_CASE("sketch: E[nnz] <= 2n and the realised nnz lies in a Chernoff
 }
 
 TEMPLATE_TEST_CASE("sketch: the same seed gives the identical sketch in memory, streamed, on 1 or 2 threads",
-                   "[sketch]", float, double) {
+                   "[sketch][threads]", float, double) {
   using S = TestType;
   // 120000 entries: several chunks of 32768, so the parallel path splits the work.
   const auto t = mixed_tensor<S>({40, 50, 60}, 41, 20);

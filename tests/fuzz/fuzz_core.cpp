@@ -107,12 +107,4 @@ void run(FuzzedDataProvider& in) {
 
 }  // namespace
 
-extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  FuzzedDataProvider in(data, size);
-  if (in.ConsumeBool()) {
-    run<float>(in);
-  } else {
-    run<double>(in);
-  }
-  return 0;
-}
+RANDATTN_FUZZ_FLOAT_AND_DOUBLE(run)

@@ -4,6 +4,7 @@
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -59,3 +60,15 @@ void require_convex(const randattn::RowMatrix<Scalar>& out, const randattn::RowM
 }
 
 }  // namespace fuzzing
+
+// Defines the libFuzzer entry point: the first decoded bool picks float or double for run<Scalar>.
+#define RANDATTN_FUZZ_FLOAT_AND_DOUBLE(run)                                         \
+  extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) { \
+    FuzzedDataProvider in(data, size);                                              \
+    if (in.ConsumeBool()) {                                                         \
+      run<float>(in);                                                               \
+    } else {                                                                        \
+      run<double>(in);                                                              \
+    }                                                                               \
+    return 0;                                                                       \
+  }

@@ -27,5 +27,6 @@ UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 
 randattn_log "ThreadSanitizer: multi-threaded tests"
 sanitized_build "$RANDATTN_ROOT/build-tsan" thread randattn_tests
-TSAN_OPTIONS=halt_on_error=1 OMP_TOOL_LIBRARIES="$archer" OMP_NUM_THREADS=2 \
+TSAN_OPTIONS="halt_on_error=1 suppressions=$RANDATTN_ROOT/tests/tsan.supp" \
+OMP_TOOL_LIBRARIES="$archer" OMP_NUM_THREADS=2 \
     "$RANDATTN_ROOT/build-tsan/tests/randattn_tests" "[threads]"

@@ -13,6 +13,9 @@ namespace {
 
 using bench::Index;
 using bench::RowMatrix;
+using randattn::Philox;
+using randattn::gaussian_matrix;
+using randattn::uniform_matrix;
 constexpr Index kD = 64, kDv = 64, kM = 256;
 
 double exact_flops(Index n, bool causal) {
@@ -23,8 +26,9 @@ double linear_flops(Index n) { return 4.0 * double(n) * double(kM) * double(kDv)
 void EigenGemmExactShapes(benchmark::State& state) {
   const Index n = state.range(0);
   bench::set_threads(int(state.range(1)));
-  const RowMatrix<float> q = bench::gaussian<float>(1, n, kD), k = bench::gaussian<float>(2, n, kD),
-                         v = bench::gaussian<float>(3, n, kDv);
+  const RowMatrix<float> q = gaussian_matrix<float>(Philox(1), n, kD),
+                         k = gaussian_matrix<float>(Philox(2), n, kD),
+                         v = gaussian_matrix<float>(Philox(3), n, kDv);
   RowMatrix<float> s(n, n), out(n, kDv);
   for (auto _ : state) {
     s.noalias() = q * k.transpose();
@@ -38,8 +42,9 @@ void EigenGemmExactShapes(benchmark::State& state) {
 void NaiveExact(benchmark::State& state) {
   const Index n = state.range(0);
   bench::set_threads(int(state.range(1)));
-  const RowMatrix<float> q = bench::gaussian<float>(1, n, kD), k = bench::gaussian<float>(2, n, kD),
-                         v = bench::gaussian<float>(3, n, kDv);
+  const RowMatrix<float> q = gaussian_matrix<float>(Philox(1), n, kD),
+                         k = gaussian_matrix<float>(Philox(2), n, kD),
+                         v = gaussian_matrix<float>(Philox(3), n, kDv);
   for (auto _ : state) {
     RowMatrix<float> out = randattn::naive_attention(q, k, v);
     benchmark::DoNotOptimize(out.data());
@@ -51,8 +56,9 @@ void TiledExact(benchmark::State& state) {
   const Index n = state.range(0);
   const bool causal = state.range(2) != 0;
   bench::set_threads(int(state.range(1)));
-  const RowMatrix<float> q = bench::gaussian<float>(1, n, kD), k = bench::gaussian<float>(2, n, kD),
-                         v = bench::gaussian<float>(3, n, kDv);
+  const RowMatrix<float> q = gaussian_matrix<float>(Philox(1), n, kD),
+                         k = gaussian_matrix<float>(Philox(2), n, kD),
+                         v = gaussian_matrix<float>(Philox(3), n, kDv);
   randattn::ExactOptions opt;
   opt.causal = causal;
   for (auto _ : state) {
@@ -65,9 +71,9 @@ void TiledExact(benchmark::State& state) {
 void EigenGemmLinearShapes(benchmark::State& state) {
   const Index n = state.range(0);
   bench::set_threads(int(state.range(1)));
-  const RowMatrix<float> qf = bench::uniform<float>(1, n, kM, 0.1, 1.0),
-                         kf = bench::uniform<float>(2, n, kM, 0.1, 1.0),
-                         v = bench::gaussian<float>(3, n, kDv);
+  const RowMatrix<float> qf = uniform_matrix<float>(Philox(1), n, kM, 0.1, 1.0),
+                         kf = uniform_matrix<float>(Philox(2), n, kM, 0.1, 1.0),
+                         v = gaussian_matrix<float>(Philox(3), n, kDv);
   RowMatrix<float> kv(kM, kDv), out(n, kDv);
   for (auto _ : state) {
     kv.noalias() = kf.transpose() * v;
@@ -82,10 +88,10 @@ void Linear(benchmark::State& state) {
   const Index n = state.range(0);
   const bool causal = state.range(2) != 0;
   bench::set_threads(int(state.range(1)));
-  const RowMatrix<float> qf = bench::uniform<float>(1, n, kM, 0.1, 1.0),
-                         kf = bench::uniform<float>(2, n, kM, 0.1, 1.0),
-                         v = bench::gaussian<float>(3, n, kDv);
-  const randattn::Vector<float> kl = bench::uniform<float>(4, n, 1, -2.0, 2.0).col(0);
+  const RowMatrix<float> qf = uniform_matrix<float>(Philox(1), n, kM, 0.1, 1.0),
+                         kf = uniform_matrix<float>(Philox(2), n, kM, 0.1, 1.0),
+                         v = gaussian_matrix<float>(Philox(3), n, kDv);
+  const randattn::Vector<float> kl = uniform_matrix<float>(Philox(4), n, 1, -2.0, 2.0).col(0);
   const randattn::Vector<float> none;
   randattn::LinearOptions opt;
   opt.causal = causal;

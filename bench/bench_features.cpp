@@ -17,6 +17,8 @@ namespace {
 
 using bench::Index;
 using bench::RowMatrix;
+using randattn::Philox;
+using randattn::gaussian_matrix;
 using randattn::GaussianProjection;
 using randattn::HadamardProjection;
 using randattn::OrthogonalProjection;
@@ -26,16 +28,16 @@ constexpr Index kD = 64, kDv = 64, kM = 256;
 struct Inputs {
   RowMatrix<float> q, k, v;
   explicit Inputs(Index n)
-      : q(bench::gaussian<float>(1, n, kD, 0.5)),
-        k(bench::gaussian<float>(2, n, kD, 0.5)),
-        v(bench::gaussian<float>(3, n, kDv)) {}
+      : q(gaussian_matrix<float>(Philox(1), n, kD, 0.5)),
+        k(gaussian_matrix<float>(Philox(2), n, kD, 0.5)),
+        v(gaussian_matrix<float>(Philox(3), n, kDv)) {}
 };
 
 void ProjectionGemm(benchmark::State& state) {
   const Index n = state.range(0);
   bench::set_threads(1);
   const Inputs in(n);
-  const RowMatrix<float> omega = bench::gaussian<float>(4, kM, kD);
+  const RowMatrix<float> omega = gaussian_matrix<float>(Philox(4), kM, kD);
   RowMatrix<float> u(n, kM);
   for (auto _ : state) {
     u.noalias() = in.q * omega.transpose();

@@ -13,12 +13,15 @@ namespace {
 
 using bench::Index;
 using bench::RowMatrix;
+using randattn::Philox;
+using randattn::gaussian_matrix;
 using randattn::OrthogonalProjection;
 constexpr Index kN = 4096, kD = 64, kDv = 64;
 
 struct Inputs {
-  RowMatrix<float> q = bench::gaussian<float>(1, kN, kD, 0.5), k = bench::gaussian<float>(2, kN, kD, 0.5),
-                   v = bench::gaussian<float>(3, kN, kDv);
+  RowMatrix<float> q = gaussian_matrix<float>(Philox(1), kN, kD, 0.5),
+                   k = gaussian_matrix<float>(Philox(2), kN, kD, 0.5),
+                   v = gaussian_matrix<float>(Philox(3), kN, kDv);
   RowMatrix<float> exact = randattn::exact_attention(q, k, v);
 };
 

@@ -20,6 +20,8 @@ namespace {
 
 using bench::Index;
 using bench::RowMatrix;
+using randattn::Philox;
+using randattn::gaussian_matrix;
 constexpr Index kD = 64, kDv = 64, kChunk = 64;
 
 // Mean wall and CPU seconds of one call. The runs are single-threaded, so on a shared machine
@@ -61,7 +63,7 @@ randattn::RotationKind rotation(std::int64_t arg) {
 void Hash(benchmark::State& state) {
   bench::set_threads(1);
   const Index n = state.range(1), d = state.range(2), b = state.range(3);
-  const RowMatrix<float> x = bench::gaussian<float>(1, n, d);
+  const RowMatrix<float> x = gaussian_matrix<float>(Philox(1), n, d);
   const randattn::CrossPolytopeHash<float> hash(rotation(state.range(0)), d, b, 4, 7);
   for (auto _ : state) {
     randattn::HashCodes codes = hash.hash(x);
@@ -73,7 +75,8 @@ void Hash(benchmark::State& state) {
 void TiledExact(benchmark::State& state) {
   bench::set_threads(1);
   const Index n = state.range(0);
-  const RowMatrix<float> q = bench::gaussian<float>(1, n, kD), v = bench::gaussian<float>(3, n, kDv);
+  const RowMatrix<float> q = gaussian_matrix<float>(Philox(1), n, kD),
+                         v = gaussian_matrix<float>(Philox(3), n, kDv);
   const RowMatrix<float> keys = q.rowwise().normalized();
   randattn::ExactOptions opt;
   opt.scale = 1.0;
@@ -83,7 +86,8 @@ void TiledExact(benchmark::State& state) {
 
 void run_lsh(benchmark::State& state, Index n, Index rounds, randattn::RotationKind kind, bool exact_buckets) {
   bench::set_threads(1);
-  const RowMatrix<float> q = bench::gaussian<float>(1, n, kD), v = bench::gaussian<float>(3, n, kDv);
+  const RowMatrix<float> q = gaussian_matrix<float>(Philox(1), n, kD),
+                         v = gaussian_matrix<float>(Philox(3), n, kDv);
   const randattn::CrossPolytopeHash<float> hash(kind, kD, randattn::reformer_buckets(n, kChunk), rounds, 7);
   randattn::LshOptions opt;
   opt.chunk = kChunk;

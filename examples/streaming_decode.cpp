@@ -35,7 +35,7 @@ int main() {
   auto last = start;
   for (Index t = 0; t < n; ++t) {
     decoder.append(k.row(t), v.row(t));
-    streamed.row(t) = decoder.query(q.row(t));
+    decoder.query_into(q.row(t), streamed.row(t));  // no allocation per token
     if ((t + 1) % 512 == 0) {
       const auto now = std::chrono::steady_clock::now();
       std::cout << std::setw(8) << t + 1 << "    " << std::fixed << std::setprecision(2)

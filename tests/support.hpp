@@ -2,6 +2,7 @@
 // Shared helpers for the test suite: reproducible inputs (never Eigen's std::rand-based
 // Random()) and error measures.
 
+#include <algorithm>
 #include <cstring>
 
 #include <Eigen/Core>
@@ -16,15 +17,32 @@ using randattn::Vector;
 
 template <typename Scalar>
 RowMatrix<Scalar> gaussian(std::uint64_t seed, Index rows, Index cols, double sd = 1.0) {
-  RowMatrix<Scalar> m = randattn::gaussian_matrix<Scalar>(randattn::Philox(seed), rows, cols);
-  return (m.array() * static_cast<Scalar>(sd)).matrix();
+  return randattn::gaussian_matrix<Scalar>(randattn::Philox(seed), rows, cols, sd);
 }
 
 template <typename Scalar>
 RowMatrix<Scalar> uniform(std::uint64_t seed, Index rows, Index cols, double lo, double hi) {
-  RowMatrix<Scalar> m(rows, cols);
-  randattn::fill_uniform(randattn::Philox(seed), m);
-  return (m.array().template cast<double>() * (hi - lo) + lo).matrix().template cast<Scalar>();
+  return randattn::uniform_matrix<Scalar>(randattn::Philox(seed), rows, cols, lo, hi);
+}
+
+// Rows with Gaussian directions and the given norms.
+template <typename Scalar>
+RowMatrix<Scalar> rows_with_norms(std::uint64_t seed, const Eigen::VectorXd& norms, Index d) {
+  RowMatrix<double> x = gaussian<double>(seed, norms.size(), d);
+  for (Index i = 0; i < x.rows(); ++i) x.row(i) *= norms(i) / x.row(i).norm();
+  return x.template cast<Scalar>();
+}
+
+// True when every column of `out` lies within the range of the same column of v (and 0): what
+// a convex combination of v's rows, or a zero row, satisfies.
+template <typename Scalar>
+bool within_value_ranges(const RowMatrix<Scalar>& out, const RowMatrix<Scalar>& v) {
+  for (Index c = 0; c < v.cols(); ++c) {
+    if (out.col(c).maxCoeff() > std::max(v.col(c).maxCoeff(), Scalar(0)) ||
+        out.col(c).minCoeff() < std::min(v.col(c).minCoeff(), Scalar(0)))
+      return false;
+  }
+  return true;
 }
 
 template <typename A, typename B>

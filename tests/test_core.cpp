@@ -216,13 +216,19 @@ TEMPLATE_TEST_CASE("Streaming decoder equals causal linear attention", "[core][l
     RowMatrix<Scalar> streamed(n, dv);
     for (Index t = 0; t < n; ++t) {
       state.append(p.kf.row(t), p.v.row(t), scaled ? p.k_log(t) : Scalar(0));
-      streamed.row(t) = state.query(p.qf.row(t), scaled ? p.q_log(t) : Scalar(0));
+      const Scalar q_log = scaled ? p.q_log(t) : Scalar(0);
+      state.query_into(p.qf.row(t), q_log, streamed.row(t));
+      REQUIRE(RowMatrix<Scalar>(streamed.row(t)) == RowMatrix<Scalar>(state.query(p.qf.row(t), q_log)));
     }
     CHECK(state.length() == n);
     CHECK(rel_error(streamed, causal) < testing::tolerance<Scalar>());
   }
   randattn::LinearDecoderState<Scalar> state(m, dv);
   CHECK_THROWS_AS(state.query(Vector<Scalar>::Ones(m)), std::invalid_argument);
+  state.append(Vector<Scalar>::Ones(m), Vector<Scalar>::Ones(dv));
+  RowMatrix<Scalar> short_out(1, dv - 1);
+  CHECK_THROWS_WITH(state.query_into(Vector<Scalar>::Ones(m), Scalar(0), short_out),
+                    Catch::Contains("out has 3 entries, expected 4"));
   CHECK_THROWS_AS(state.append(Vector<Scalar>::Ones(m + 1), Vector<Scalar>::Ones(dv)),
                   std::invalid_argument);
   CHECK_THROWS_AS(randattn::LinearDecoderState<Scalar>(0, dv), std::invalid_argument);

@@ -236,8 +236,8 @@ RowMatrix<typename Map::Scalar> random_feature_attention_clipped(
 }
 
 // Causal attention one token at a time (decoding): append(k_t, v_t), then query(q_t) returns
-// the output of position t. O(M · dv) per token, no allocation per token for maps on dense
-// projections. Computes what random_feature_attention computes with causal = true, up to
+// the output of position t. O(M · dv) per token; append and query_into allocate nothing for
+// maps on dense projections. Computes what random_feature_attention computes with causal = true, up to
 // rounding.
 template <typename Map>
 class RandomFeatureDecoder {
@@ -268,6 +268,13 @@ class RandomFeatureDecoder {
   RowVector query(const Eigen::MatrixBase<DQ>& q) {
     map_row(q, "q", FeatureSide::query);
     return state_.query(features_, log_scale_(0));
+  }
+
+  // As query, written into a caller-provided row (1 x value_dim).
+  template <typename DQ, typename DO>
+  void query_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DO>& out) {
+    map_row(q, "q", FeatureSide::query);
+    state_.query_into(features_, log_scale_(0), out);
   }
 
  private:

@@ -115,12 +115,19 @@ struct KeySummaries {
   auto block(Index t) const { return blocks.middleRows(t * m, m); }
 };
 
-// Key rows [j0, j0 + len) with signs and the weights exp(k_log - g) applied, written to out.
-template <typename Scalar, typename Out>
-void weighted_keys(Out&& out, const Eigen::Ref<const RowMatrix<Scalar>>& kf,
-                   const Eigen::Ref<const Vector<Scalar>>& k_log,
-                   const Eigen::Ref<const Vector<Scalar>>& signs, Index j0, Index len, Scalar g) {
+// Calls use(keys) with key rows [j0, j0 + len) carrying the signs and the weights
+// exp(k_log - g); the rows are used in place when there is nothing to apply.
+template <typename Scalar, typename Use>
+void with_weighted_keys(const Eigen::Ref<const RowMatrix<Scalar>>& kf,
+                        const Eigen::Ref<const Vector<Scalar>>& k_log,
+                        const Eigen::Ref<const Vector<Scalar>>& signs, Index j0, Index len,
+                        Scalar g, Use&& use) {
   const auto keys = kf.middleRows(j0, len);
+  if (k_log.size() == 0 && signs.size() == 0) {
+    use(keys);
+    return;
+  }
+  RowMatrix<Scalar> out(len, kf.cols());
   if (k_log.size() > 0) {
     const Vector<Scalar> w = (k_log.segment(j0, len).array() - g).exp().matrix();
     if (signs.size() > 0) {
@@ -128,11 +135,10 @@ void weighted_keys(Out&& out, const Eigen::Ref<const RowMatrix<Scalar>>& kf,
     } else {
       out.noalias() = w.asDiagonal() * keys;
     }
-  } else if (signs.size() > 0) {
-    out.noalias() = keys * signs.asDiagonal();
   } else {
-    out = keys;
+    out.noalias() = keys * signs.asDiagonal();
   }
+  use(out);
 }
 
 template <typename Scalar>
@@ -146,14 +152,9 @@ KeySummaries<Scalar> summarise_keys(const Eigen::Ref<const RowMatrix<Scalar>>& k
     const Index j0 = t * chunk, len = std::min(chunk, n_k - j0);
     const Scalar g = k_log.size() > 0 ? k_log.segment(j0, len).maxCoeff() : Scalar(0);
     sums.log_scale(t) = g;
-    if (k_log.size() == 0 && signs.size() == 0) {  // nothing to apply: no copy needed
-      gemm_fixed_depth(sums.block(t), kf.middleRows(j0, len).transpose(), ve.middleRows(j0, len),
-                       false);
-      return;
-    }
-    RowMatrix<Scalar> keys(len, m);
-    weighted_keys<Scalar>(keys, kf, k_log, signs, j0, len, g);
-    gemm_fixed_depth(sums.block(t), keys.transpose(), ve.middleRows(j0, len), false);
+    with_weighted_keys<Scalar>(kf, k_log, signs, j0, len, g, [&](const auto& keys) {
+      gemm_fixed_depth(sums.block(t), keys.transpose(), ve.middleRows(j0, len), false);
+    });
   });
   return sums;
 }
@@ -211,10 +212,12 @@ SoftmaxAccumulator<Scalar> linear_causal(const Eigen::Ref<const RowMatrix<Scalar
   parallel_for(prefix.log_scale.size(), [&](Index t) {
     const Index i0 = t * chunk, len = std::min(chunk, n - i0);
     const auto queries = qf.middleRows(i0, len);
-    RowMatrix<Scalar> keys(len, m), weights(len, len), nd(len, w);
+    RowMatrix<Scalar> weights(len, len), nd(len, w);
     Vector<Scalar> log_rows(len);
-    weighted_keys<Scalar>(keys, kf, Vector<Scalar>(), signs, i0, len, Scalar(0));
-    gemm_fixed_depth(weights, queries, keys.transpose(), false);
+    with_weighted_keys<Scalar>(kf, Vector<Scalar>(), signs, i0, len, Scalar(0),
+                               [&](const auto& keys) {
+                                 gemm_fixed_depth(weights, queries, keys.transpose(), false);
+                               });
     // Causal mask, and for scaled keys the weight exp(s_j - M_i) with M_i = max_{j<=i} s_j:
     // row i never sees a log-scale of a later key.
     Scalar prefix_max = kNegInf;

@@ -27,7 +27,8 @@ class LinearDecoderState {
                      double denominator_epsilon = LinearOptions{}.denominator_epsilon)
       : signs_(std::move(signs)),
         state_(RowMatrix<Scalar>::Zero(feature_dim, value_dim + 1)),
-        scaled_key_(feature_dim),
+        key_(feature_dim),
+        value_(RowVector::Ones(value_dim + 1)),
         epsilon_(static_cast<Scalar>(denominator_epsilon)) {
     const char* where = "LinearDecoderState";
     detail::require(feature_dim >= 1 && value_dim >= 0, where, "feature_dim must be >= 1 and ",
@@ -56,15 +57,12 @@ class LinearDecoderState {
                     ", expected ", feature_dim(), " and ", value_dim());
     detail::require(std::isfinite(k_log_scale) && k_features.allFinite() && v.allFinite(), where,
                     "non-finite key feature, value or log-scale");
-    if (k_log_scale > log_scale_) {
-      if (length_ > 0) state_ *= std::exp(log_scale_ - k_log_scale);
-      log_scale_ = k_log_scale;
-    }
-    const Scalar weight = std::exp(k_log_scale - log_scale_);
-    scaled_key_ = weight * k_features.derived().reshaped();
-    if (signs_.size() > 0) scaled_key_.array() *= signs_.array();
-    state_.leftCols(value_dim()).noalias() += scaled_key_ * v.derived().reshaped().transpose();
-    state_.col(value_dim()) += scaled_key_;
+    key_ = k_features.derived().reshaped();
+    if (signs_.size() > 0) key_.array() *= signs_.array();
+    value_.head(value_dim()) = v.derived().reshaped().transpose();
+    // The rank-1 update key^T [v | 1] joins the state by the online-softmax merge rule; the
+    // coefficient-wise product needs no temporary.
+    detail::merge_scaled(state_, log_scale_, key_.lazyProduct(value_), k_log_scale);
     ++length_;
   }
 
@@ -73,12 +71,7 @@ class LinearDecoderState {
   template <typename DQ>
   RowVector query_unnormalised(const Eigen::MatrixBase<DQ>& q_features, Scalar q_log_scale,
                                Scalar& log_scale_out) const {
-    const char* where = "LinearDecoderState::query";
-    detail::require(q_features.size() == feature_dim(), where, "q_features has ",
-                    q_features.size(), " entries, expected ", feature_dim());
-    detail::require(length_ > 0, where, "no token has been appended yet");
-    detail::require(std::isfinite(q_log_scale) && q_features.allFinite(), where,
-                    "non-finite query feature or log-scale");
+    check_query(q_features, q_log_scale);
     log_scale_out = q_log_scale + log_scale_;
     return q_features.derived().reshaped().transpose() * state_;
   }
@@ -86,14 +79,31 @@ class LinearDecoderState {
   // Normalised output for one query, with the same denominator guard as linear_attention.
   template <typename DQ>
   RowVector query(const Eigen::MatrixBase<DQ>& q_features, Scalar q_log_scale = 0) const {
-    Scalar unused;
-    const RowVector nd = query_unnormalised(q_features, q_log_scale, unused);
-    const Scalar den =
-        SoftmaxAccumulator<Scalar>::guarded_denominator(nd(value_dim()), epsilon_);
-    if (den == Scalar(0)) return RowVector::Zero(value_dim());
-    RowVector out = nd.head(value_dim()) / den;
-    detail::check_result_finite("LinearDecoderState::query", out, true, [] {});
+    RowVector out(value_dim());
+    query_into(q_features, q_log_scale, out);
     return out;
+  }
+
+  // As query, written into a caller-provided row (1 x value_dim()): no allocation.
+  template <typename DQ, typename DO>
+  void query_into(const Eigen::MatrixBase<DQ>& q_features, Scalar q_log_scale,
+                  const Eigen::MatrixBase<DO>& out_) const {
+    const char* where = "LinearDecoderState::query";
+    auto& out = const_cast<Eigen::MatrixBase<DO>&>(out_);
+    check_query(q_features, q_log_scale);
+    detail::require(out.size() == value_dim(), where, "out has ", out.size(), " entries, expected ",
+                    value_dim());
+    const auto qt = q_features.derived().reshaped().transpose();
+    const Scalar den = SoftmaxAccumulator<Scalar>::guarded_denominator(
+        qt.dot(state_.col(value_dim()).transpose()), epsilon_);
+    if (den == Scalar(0)) {
+      out.setZero();
+      return;
+    }
+    // Coefficient-based: reads q_features in place, so no temporary is made.
+    out.noalias() = qt.lazyProduct(state_.leftCols(value_dim()));
+    out /= den;
+    detail::check_result_finite(where, out, true, [] {});
   }
 
   void reset() {
@@ -103,9 +113,20 @@ class LinearDecoderState {
   }
 
  private:
+  template <typename DQ>
+  void check_query(const Eigen::MatrixBase<DQ>& q_features, Scalar q_log_scale) const {
+    const char* where = "LinearDecoderState::query";
+    detail::require(q_features.size() == feature_dim(), where, "q_features has ",
+                    q_features.size(), " entries, expected ", feature_dim());
+    detail::require(length_ > 0, where, "no token has been appended yet");
+    detail::require(std::isfinite(q_log_scale) && q_features.allFinite(), where,
+                    "non-finite query feature or log-scale");
+  }
+
   Vector<Scalar> signs_;
   RowMatrix<Scalar> state_;  // M x (dv + 1), relative to exp(log_scale_)
-  Vector<Scalar> scaled_key_;
+  Vector<Scalar> key_;     // M, signs applied
+  RowVector value_;        // [v | 1]
   Scalar epsilon_;
   Scalar log_scale_ = -std::numeric_limits<Scalar>::infinity();
   Index length_ = 0;

@@ -3,6 +3,7 @@
 // (row0 + r, col0 + c). A sub-block filled on its own equals the same block cut from a
 // larger fill, row- and column-major storage agree, and the thread count does not matter.
 
+#include <cmath>
 #include <cstdint>
 
 #include <Eigen/Core>
@@ -61,12 +62,26 @@ void fill_rademacher(const Philox& rng, const Eigen::MatrixBase<Derived>& out, I
                        [&](std::uint64_t i, std::uint32_t j) { return rng.rademacher(i, j); });
 }
 
+// rows x cols entries N(0, sd^2): standard normal draws, rounded to Scalar, times sd.
 template <typename Scalar>
-RowMatrix<Scalar> gaussian_matrix(const Philox& rng, Index rows, Index cols) {
+RowMatrix<Scalar> gaussian_matrix(const Philox& rng, Index rows, Index cols, double sd = 1.0) {
   detail::require(rows >= 0 && cols >= 0, "gaussian_matrix", "negative shape ", rows, "x", cols);
   RowMatrix<Scalar> m(rows, cols);
   fill_gaussian(rng, m);
+  if (sd != 1.0) m *= static_cast<Scalar>(sd);
   return m;
+}
+
+// rows x cols entries uniform on [lo, hi): uniform draws on [0, 1) mapped in double.
+template <typename Scalar>
+RowMatrix<Scalar> uniform_matrix(const Philox& rng, Index rows, Index cols, double lo = 0.0,
+                                 double hi = 1.0) {
+  detail::require(rows >= 0 && cols >= 0, "uniform_matrix", "negative shape ", rows, "x", cols);
+  detail::require(lo <= hi && std::isfinite(lo) && std::isfinite(hi), "uniform_matrix",
+                  "need finite lo <= hi, got [", lo, ", ", hi, ")");
+  RowMatrix<Scalar> m(rows, cols);
+  fill_uniform(rng, m);
+  return (m.array().template cast<double>() * (hi - lo) + lo).matrix().template cast<Scalar>();
 }
 
 }  // namespace randattn

@@ -1,0 +1,171 @@
+// The rules of docs/robustness.md that cut across the families: large norms in the hybrid maps
+// and LSH, objects shared between threads or reused across calls, and unit-size inputs of the
+// sketching entry points. Rules owned by one family are tested next to it.
+#include <catch2/catch.hpp>
+
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "support.hpp"
+
+using randattn::CrossPolytopeHash;
+using randattn::Index;
+using randattn::LshOptions;
+using randattn::OrthogonalProjection;
+using randattn::PositiveFeatures;
+using randattn::RandomFeatureOptions;
+using randattn::RotationKind;
+using randattn::RowMatrix;
+using randattn::SparsifyOptions;
+using randattn::Vector;
+
+namespace {
+
+// Norms spread over [0, 20], with 20 itself on row 0.
+Eigen::VectorXd norms_up_to_20(std::uint64_t seed, Index n) {
+  Eigen::VectorXd norms = testing::uniform<double>(seed, n, 1, 0.0, 20.0).col(0);
+  norms(0) = 20.0;
+  return norms;
+}
+
+// Runs f once on this thread and three times concurrently on others; every run must give the
+// reference result bit for bit. Under ThreadSanitizer this also proves the shared objects are
+// only read.
+template <typename F>
+void check_concurrent_calls(F f) {
+  const auto reference = f();
+  std::vector<decltype(f())> results(3);
+  std::vector<std::thread> threads;
+  for (std::size_t t = 0; t < results.size(); ++t) threads.emplace_back([&, t] { results[t] = f(); });
+  for (std::thread& t : threads) t.join();
+  for (const auto& r : results) CHECK(r == reference);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("robustness: hybrid maps and LSH stay finite for norms up to 20", "[robustness][edge]", float,
+                   double) {
+  using Scalar = TestType;
+  const Index n = 160, d = 16, dv = 3;
+  const RowMatrix<Scalar> q = testing::rows_with_norms<Scalar>(1, norms_up_to_20(2, n), d),
+                          k = testing::rows_with_norms<Scalar>(3, norms_up_to_20(4, n), d),
+                          v = testing::gaussian<Scalar>(5, n, dv);
+  const auto angular = randattn::angular_hybrid<Scalar>(16, 3, d, 6);
+  const auto gaussian = randattn::gaussian_hybrid<Scalar>(16, 3, d, 1.0, 7);
+  for (bool causal : {false, true}) {
+    INFO("causal " << causal);
+    RandomFeatureOptions opt;
+    opt.causal = causal;
+    CHECK(randattn::random_feature_attention(angular, q, k, v, opt).allFinite());
+    CHECK(randattn::random_feature_attention(gaussian, q, k, v, opt).allFinite());
+    // Clipped estimates are nonnegative weights: convex combinations of v (or zero rows).
+    for (const RowMatrix<Scalar>& o : {randattn::random_feature_attention_clipped(angular, q, k, v, opt),
+                                       randattn::random_feature_attention_clipped(gaussian, q, k, v, opt)}) {
+      REQUIRE(o.allFinite());
+      CHECK(testing::within_value_ranges(o, v));
+    }
+    // LSH weights are a softmax over each row's targets: always convex combinations of v, here
+    // with logits up to 20 * 20 (scale 1) for separate keys.
+    for (RotationKind kind : {RotationKind::dense, RotationKind::hadamard}) {
+      const CrossPolytopeHash<Scalar> hash(kind, d, 8, 2, 8);
+      LshOptions lsh;
+      lsh.causal = causal;
+      lsh.chunk = 16;
+      const RowMatrix<Scalar> shared = randattn::lsh_attention(q, v, hash, lsh);
+      REQUIRE(shared.allFinite());
+      CHECK(testing::within_value_ranges(shared, v));
+      lsh.exact_buckets = true;
+      lsh.scale = 1.0;
+      const RowMatrix<Scalar> separate = randattn::lsh_attention(q, k, v, hash, lsh);
+      REQUIRE(separate.allFinite());
+      CHECK(testing::within_value_ranges(separate, v));
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("robustness: objects shared between threads give identical results", "[robustness][threads]",
+                   float, double) {
+  using Scalar = TestType;
+  const Index n = 300, d = 16, dv = 4;
+  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(11, n, d, 0.4), k = testing::gaussian<Scalar>(12, n, d, 0.4),
+                          v = testing::gaussian<Scalar>(13, n, dv);
+  RandomFeatureOptions causal;
+  causal.causal = true;
+  const PositiveFeatures<Scalar> favor(OrthogonalProjection<Scalar>(64, d, 14));
+  const auto hybrid = randattn::angular_hybrid<Scalar>(8, 2, d, 15);
+  check_concurrent_calls([&] { return randattn::random_feature_attention(favor, q, k, v, causal); });
+  check_concurrent_calls([&] { return randattn::random_feature_attention(hybrid, q, k, v); });
+  check_concurrent_calls([&] { return randattn::exact_attention(q, k, v); });
+
+  for (RotationKind kind : {RotationKind::dense, RotationKind::hadamard}) {
+    const CrossPolytopeHash<Scalar> hash(kind, d, 16, 3, 16);
+    LshOptions opt;
+    opt.chunk = 32;
+    check_concurrent_calls([&] { return hash.hash(q); });
+    check_concurrent_calls([&] { return randattn::lsh_attention(q, v, hash, opt); });
+  }
+
+  // Sparsification: the same options object and tensor from several threads.
+  const RowMatrix<Scalar> a = testing::gaussian<Scalar>(17, 40, 60);
+  const auto tensor = randattn::tensor_view(a.data(), {40, 60});
+  SparsifyOptions sopt;
+  sopt.budget = 300;
+  sopt.seed = 18;
+  const auto sketch = [&] {
+    const auto s = randattn::sparsify(tensor, sopt);
+    return std::make_tuple(s.dims(), s.indices(), s.values());
+  };
+  check_concurrent_calls(sketch);
+  check_concurrent_calls([&] { return randattn::sketched_hosvd(tensor, {3, 3}, sopt).factors; });
+}
+
+TEMPLATE_TEST_CASE("robustness: reuse across calls, decoder reset and redraw", "[robustness][edge]", float, double) {
+  using Scalar = TestType;
+  const Index n = 64, d = 8, dv = 3;
+  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(21, n, d, 0.5), k = testing::gaussian<Scalar>(22, n, d, 0.5),
+                          v = testing::gaussian<Scalar>(23, n, dv);
+  PositiveFeatures<Scalar> map(OrthogonalProjection<Scalar>(32, d, 24));
+  const RowMatrix<Scalar> first = randattn::random_feature_attention(map, q, k, v);
+  CHECK(randattn::random_feature_attention(map, q, k, v) == first);
+  // redraw(seed) is a pure function of the seed: back to the first seed, back to the first result.
+  map.redraw(25);
+  CHECK_FALSE(randattn::random_feature_attention(map, q, k, v) == first);
+  map.redraw(24);
+  CHECK(randattn::random_feature_attention(map, q, k, v) == first);
+
+  randattn::RandomFeatureDecoder<PositiveFeatures<Scalar>> decoder(map, dv);
+  RowMatrix<Scalar> run1(n, dv), run2(n, dv);
+  for (RowMatrix<Scalar>* run : {&run1, &run2}) {
+    decoder.reset();
+    for (Index t = 0; t < n; ++t) {
+      decoder.append(k.row(t), v.row(t));
+      decoder.query_into(q.row(t), run->row(t));
+    }
+  }
+  CHECK(run1 == run2);
+  CHECK(decoder.length() == n);
+}
+
+TEMPLATE_TEST_CASE("robustness: unit-size inputs of the sketching entry points", "[robustness][edge]", float,
+                   double) {
+  using Scalar = TestType;
+  // A 1 x 1 tensor: its single entry is the whole norm, so it is kept exactly.
+  const Vector<Scalar> one = Vector<Scalar>::Constant(1, Scalar(-2.5));
+  SparsifyOptions opt;
+  opt.budget = 1;
+  const auto s = randattn::sparsify(randattn::tensor_view(one.data(), {1, 1}), opt);
+  REQUIRE(s.nnz() == 1);
+  CHECK(s.values()[0] == Scalar(-2.5));
+  // Modes of size 1 in a larger tensor: rank-1 HOSVD factors are unit vectors.
+  const RowMatrix<Scalar> a = testing::gaussian<Scalar>(31, 1, 24);
+  const auto h = randattn::exact_hosvd(randattn::tensor_view(a.data(), {1, 4, 6}), {1, 1, 1});
+  REQUIRE(h.factors.size() == 3);
+  CHECK(std::abs(std::abs(double(h.factors[0](0, 0))) - 1.0) < testing::tolerance<Scalar>());
+  // Sparse-score attention: no query gives an empty result; one token attends to itself.
+  randattn::SparseScoreOptions so;
+  so.budget = 4;
+  const RowMatrix<Scalar> x = testing::gaussian<Scalar>(32, 1, 5), vx = testing::gaussian<Scalar>(33, 1, 2);
+  CHECK(randattn::sparse_score_attention(RowMatrix<Scalar>(0, 5), x, vx, so).rows() == 0);
+  CHECK(testing::rel_error(randattn::sparse_score_attention(x, x, vx, so), vx) < testing::tolerance<Scalar>());
+}

@@ -3,6 +3,7 @@
 // Random()) and error measures.
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include <Eigen/Core>
@@ -44,6 +45,18 @@ bool within_value_ranges(const RowMatrix<Scalar>& out, const RowMatrix<Scalar>& 
   }
   return true;
 }
+
+// Running mean and variance (Welford) of a sample.
+struct Moments {
+  double count = 0, mean = 0, m2 = 0;
+  void add(double x) {
+    count += 1;
+    const double delta = x - mean;
+    mean += delta / count;
+    m2 += delta * (x - mean);
+  }
+  double standard_error() const { return std::sqrt(m2 / (count - 1) / count); }
+};
 
 template <typename A, typename B>
 double rel_error(const Eigen::MatrixBase<A>& approx, const Eigen::MatrixBase<B>& exact) {

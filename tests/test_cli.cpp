@@ -249,12 +249,20 @@ TEST_CASE("cli: every failure is one stderr line, exit code 2 and no output", "[
   }
   {
     std::ofstream(ws.path("garbage.npy")) << "this is not an npy file";
-    std::ofstream f(ws.path("int.npy"), std::ios::binary);
-    std::string header = "{'descr': '<i4', 'fortran_order': False, 'shape': (5, 4), }";
-    header.append(128 - 10 - header.size() - 1, ' ');
-    header += '\n';
-    f << std::string("\x93NUMPY\x01\x00", 8) << static_cast<char>(header.size()) << '\0' << header
-      << std::string(80, '\0');
+    // A version 1.0 file written by hand: header dictionary padded to 128 bytes, then payload.
+    auto raw_npy = [&](const std::string& name, const std::string& dict, std::size_t payload_bytes) {
+      std::ofstream f(ws.path(name), std::ios::binary);
+      std::string header = dict;
+      header.append(128 - 10 - header.size() - 1, ' ');
+      header += '\n';
+      f << std::string("\x93NUMPY\x01\x00", 8) << static_cast<char>(header.size()) << '\0' << header
+        << std::string(payload_bytes, '\0');
+    };
+    raw_npy("int.npy", "{'descr': '<i4', 'fortran_order': False, 'shape': (5, 4), }", 80);
+    raw_npy("big_endian.npy", "{'descr': '>f4', 'fortran_order': False, 'shape': (5, 4), }", 80);
+    raw_npy("fortran.npy", "{'descr': '<f4', 'fortran_order': True, 'shape': (5, 4), }", 80);
+    raw_npy("truncated.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (5, 4), }", 79);
+    std::ofstream(ws.path("short_header.npy"), std::ios::binary) << std::string("\x93NUMPY\x01\x00\x76\x00{'de", 14);
   }
   const std::string q = " --q " + quote(ws.path("q.npy"));
   const std::string k = " --k " + quote(ws.path("k.npy"));
@@ -266,6 +274,10 @@ TEST_CASE("cli: every failure is one stderr line, exit code 2 and no output", "[
     require_error(ws, "attention" + with("q", "missing.npy") + k + v + out, "missing.npy: no such file");
     require_error(ws, "attention" + with("q", "garbage.npy") + k + v + out, "bad magic");
     require_error(ws, "attention" + q + with("k", "int.npy") + v + out, "unsupported dtype '<i4'");
+    require_error(ws, "attention" + q + with("k", "big_endian.npy") + v + out, "unsupported dtype '>f4'");
+    require_error(ws, "attention" + with("q", "fortran.npy") + k + v + out, "fortran_order=True is not supported");
+    require_error(ws, "attention" + with("q", "truncated.npy") + k + v + out, "truncated");
+    require_error(ws, "attention" + with("q", "short_header.npy") + k + v + out, "truncated");
     require_error(ws, "attention" + q + k + with("v", "logs") + out, "is a directory");
   }
   SECTION("wrong number of dimensions") {

@@ -23,6 +23,7 @@ using randattn::RowNorm;
 using randattn::TrigFeatures;
 using randattn::UserProjection;
 using randattn::Vector;
+using testing::Moments;
 using testing::rel_error;
 
 namespace {
@@ -68,18 +69,6 @@ double closed_form_mse(MapKind kind, const Pair& p, double m) {
   }
   return 0;
 }
-
-// Running mean and variance (Welford) of a sample.
-struct Moments {
-  double count = 0, mean = 0, m2 = 0;
-  void add(double x) {
-    count += 1;
-    const double delta = x - mean;
-    mean += delta / count;
-    m2 += delta * (x - mean);
-  }
-  double standard_error() const { return std::sqrt(m2 / (count - 1) / count); }
-};
 
 // Over `draws` independent ω (seeds 1..draws), the estimates of every pair: their mean and
 // their squared error against exp(xᵀy).

@@ -19,6 +19,7 @@ using randattn::RowMatrix;
 using randattn::ScaledFeatures;
 using randattn::TrigFeatures;
 using randattn::Vector;
+using testing::Moments;
 using testing::rel_error;
 
 namespace {
@@ -57,17 +58,6 @@ double term_by_term(const HybridFeatures<Scalar>& h, const RowMatrix<Scalar>& x,
   }
   return est - lambda_sum * base.back();
 }
-
-struct Moments {
-  double count = 0, mean = 0, m2 = 0;
-  void add(double x) {
-    count += 1;
-    const double delta = x - mean;
-    mean += delta / count;
-    m2 += delta * (x - mean);
-  }
-  double standard_error() const { return std::sqrt(m2 / (count - 1) / count); }
-};
 
 // Unit vectors at angle theta (first two coordinates) as rows 0 and 1.
 template <typename Scalar>

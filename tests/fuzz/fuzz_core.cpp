@@ -79,8 +79,14 @@ void run(FuzzedDataProvider& in) {
         randattn::LinearDecoderState<Scalar> state(d, dv);
         for (Index t = 0; t < std::min(n_q, n_k); ++t) {
           state.append(k.row(t).cwiseAbs(), v.row(t), consume_value<Scalar>(in, mode));
-          const auto out = state.query(q.row(t).cwiseAbs(), consume_value<Scalar>(in, mode));
-          FUZZ_REQUIRE(out.size() == dv && out.allFinite());
+          const Scalar q_log = consume_value<Scalar>(in, mode);
+          RowMatrix<Scalar> out(1, dv);
+          if (t % 2 == 0) {
+            out = state.query(q.row(t).cwiseAbs(), q_log);
+          } else {
+            state.query_into(q.row(t).cwiseAbs(), q_log, out);
+          }
+          FUZZ_REQUIRE(out.allFinite());
         }
         break;
       }

@@ -102,6 +102,18 @@ auto linear_input_scan(const char* where, const Eigen::Ref<const RowMatrix<Scala
   };
 }
 
+// The operands of one call as both paths read them; ve = [v | 1].
+template <typename Scalar>
+struct LinearOperands {
+  Eigen::Ref<const RowMatrix<Scalar>> qf;
+  Eigen::Ref<const Vector<Scalar>> q_log;
+  Eigen::Ref<const RowMatrix<Scalar>> kf;
+  Eigen::Ref<const Vector<Scalar>> k_log;
+  const RowMatrix<Scalar>& ve;
+  Eigen::Ref<const Vector<Scalar>> signs;
+  Index chunk;
+};
+
 // Per-chunk key summaries T_t = K'_t^T [V_t | 1] (signs applied), each relative to
 // exp(log_scale(t)) with log_scale(t) the largest key log-scale of chunk t. They depend on
 // chunk t's keys alone and are computed in parallel.
@@ -142,61 +154,47 @@ void with_weighted_keys(const Eigen::Ref<const RowMatrix<Scalar>>& kf,
 }
 
 template <typename Scalar>
-KeySummaries<Scalar> summarise_keys(const Eigen::Ref<const RowMatrix<Scalar>>& kf,
-                                    const Eigen::Ref<const Vector<Scalar>>& k_log,
-                                    const RowMatrix<Scalar>& ve,
-                                    const Eigen::Ref<const Vector<Scalar>>& signs, Index chunk) {
-  const Index n_k = kf.rows(), m = kf.cols(), chunks = (n_k + chunk - 1) / chunk;
-  KeySummaries<Scalar> sums{RowMatrix<Scalar>(chunks * m, ve.cols()), Vector<Scalar>(chunks), m};
+KeySummaries<Scalar> summarise_keys(const LinearOperands<Scalar>& in) {
+  const Index n_k = in.kf.rows(), m = in.kf.cols(), chunk = in.chunk;
+  const Index chunks = (n_k + chunk - 1) / chunk;
+  KeySummaries<Scalar> sums{RowMatrix<Scalar>(chunks * m, in.ve.cols()), Vector<Scalar>(chunks), m};
   parallel_for(chunks, [&](Index t) {
     const Index j0 = t * chunk, len = std::min(chunk, n_k - j0);
-    const Scalar g = k_log.size() > 0 ? k_log.segment(j0, len).maxCoeff() : Scalar(0);
+    const Scalar g = in.k_log.size() > 0 ? in.k_log.segment(j0, len).maxCoeff() : Scalar(0);
     sums.log_scale(t) = g;
-    with_weighted_keys<Scalar>(kf, k_log, signs, j0, len, g, [&](const auto& keys) {
-      gemm_fixed_depth(sums.block(t), keys.transpose(), ve.middleRows(j0, len), false);
+    with_weighted_keys<Scalar>(in.kf, in.k_log, in.signs, j0, len, g, [&](const auto& keys) {
+      gemm_fixed_depth(sums.block(t), keys.transpose(), in.ve.middleRows(j0, len), false);
     });
   });
   return sums;
 }
 
 template <typename Scalar>
-SoftmaxAccumulator<Scalar> linear_bidirectional(const Eigen::Ref<const RowMatrix<Scalar>>& qf,
-                                                const Eigen::Ref<const Vector<Scalar>>& q_log,
-                                                const Eigen::Ref<const RowMatrix<Scalar>>& kf,
-                                                const Eigen::Ref<const Vector<Scalar>>& k_log,
-                                                const RowMatrix<Scalar>& ve,
-                                                const Eigen::Ref<const Vector<Scalar>>& signs,
-                                                Index chunk) {
-  const KeySummaries<Scalar> sums = summarise_keys<Scalar>(kf, k_log, ve, signs, chunk);
+SoftmaxAccumulator<Scalar> linear_bidirectional(const LinearOperands<Scalar>& in) {
+  const KeySummaries<Scalar> sums = summarise_keys(in);
   // Summing the chunks in a fixed order keeps the result independent of the thread count.
   RowMatrix<Scalar> state = sums.block(0);
   Scalar c = sums.log_scale(0);
   for (Index t = 1; t < sums.log_scale.size(); ++t)
     merge_scaled(state, c, sums.block(t), sums.log_scale(t));
-  const Index n_q = qf.rows();
-  RowMatrix<Scalar> nd(n_q, ve.cols());
-  parallel_for((n_q + chunk - 1) / chunk, [&](Index b) {
-    const Index i0 = b * chunk, len = std::min(chunk, n_q - i0);
-    gemm_fixed_depth(nd.middleRows(i0, len), qf.middleRows(i0, len), state, false);
+  const Index n_q = in.qf.rows();
+  RowMatrix<Scalar> nd(n_q, in.ve.cols());
+  parallel_for((n_q + in.chunk - 1) / in.chunk, [&](Index b) {
+    const Index i0 = b * in.chunk, len = std::min(in.chunk, n_q - i0);
+    gemm_fixed_depth(nd.middleRows(i0, len), in.qf.middleRows(i0, len), state, false);
   });
   Vector<Scalar> log_scale = Vector<Scalar>::Constant(n_q, c);
-  if (q_log.size() > 0) log_scale += q_log;
+  if (in.q_log.size() > 0) log_scale += in.q_log;
   return SoftmaxAccumulator<Scalar>(std::move(nd), std::move(log_scale));
 }
 
 template <typename Scalar>
-SoftmaxAccumulator<Scalar> linear_causal(const Eigen::Ref<const RowMatrix<Scalar>>& qf,
-                                         const Eigen::Ref<const Vector<Scalar>>& q_log,
-                                         const Eigen::Ref<const RowMatrix<Scalar>>& kf,
-                                         const Eigen::Ref<const Vector<Scalar>>& k_log,
-                                         const RowMatrix<Scalar>& ve,
-                                         const Eigen::Ref<const Vector<Scalar>>& signs,
-                                         Index chunk) {
+SoftmaxAccumulator<Scalar> linear_causal(const LinearOperands<Scalar>& in) {
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
-  const Index n = qf.rows(), m = kf.cols(), w = ve.cols();
+  const Index n = in.qf.rows(), m = in.kf.cols(), w = in.ve.cols();
   // Exclusive prefix over the chunk summaries: afterwards block t is the state of all keys
   // before chunk t (log-scale -inf for t = 0). Sequential and in a fixed order.
-  KeySummaries<Scalar> prefix = summarise_keys<Scalar>(kf, k_log, ve, signs, chunk);
+  KeySummaries<Scalar> prefix = summarise_keys(in);
   {
     RowMatrix<Scalar> running = RowMatrix<Scalar>::Zero(m, w), incoming(m, w);
     Scalar c = kNegInf;
@@ -210,11 +208,11 @@ SoftmaxAccumulator<Scalar> linear_causal(const Eigen::Ref<const RowMatrix<Scalar
   }
   SoftmaxAccumulator<Scalar> acc(n, w - 1);
   parallel_for(prefix.log_scale.size(), [&](Index t) {
-    const Index i0 = t * chunk, len = std::min(chunk, n - i0);
-    const auto queries = qf.middleRows(i0, len);
+    const Index i0 = t * in.chunk, len = std::min(in.chunk, n - i0);
+    const auto queries = in.qf.middleRows(i0, len);
     RowMatrix<Scalar> weights(len, len), nd(len, w);
     Vector<Scalar> log_rows(len);
-    with_weighted_keys<Scalar>(kf, Vector<Scalar>(), signs, i0, len, Scalar(0),
+    with_weighted_keys<Scalar>(in.kf, Vector<Scalar>(), in.signs, i0, len, Scalar(0),
                                [&](const auto& keys) {
                                  gemm_fixed_depth(weights, queries, keys.transpose(), false);
                                });
@@ -222,23 +220,23 @@ SoftmaxAccumulator<Scalar> linear_causal(const Eigen::Ref<const RowMatrix<Scalar
     // row i never sees a log-scale of a later key.
     Scalar prefix_max = kNegInf;
     for (Index i = 0; i < len; ++i) {
-      if (k_log.size() > 0) {
-        prefix_max = std::max(prefix_max, k_log(i0 + i));
+      if (in.k_log.size() > 0) {
+        prefix_max = std::max(prefix_max, in.k_log(i0 + i));
         weights.row(i).head(i + 1).array() *=
-            (k_log.segment(i0, i + 1).array() - prefix_max).exp().transpose();
+            (in.k_log.segment(i0, i + 1).array() - prefix_max).exp().transpose();
         log_rows(i) = prefix_max;
       } else {
         log_rows(i) = 0;
       }
       weights.row(i).tail(len - i - 1).setZero();
     }
-    if (q_log.size() > 0) log_rows += q_log.segment(i0, len);
-    gemm_fixed_depth(nd, weights, ve.middleRows(i0, len), false);
+    if (in.q_log.size() > 0) log_rows += in.q_log.segment(i0, len);
+    gemm_fixed_depth(nd, weights, in.ve.middleRows(i0, len), false);
     acc.merge_rows(i0, nd, log_rows);
     if (prefix.log_scale(t) != kNegInf) {
       gemm_fixed_depth(nd, queries, prefix.block(t), false);
       log_rows.setConstant(prefix.log_scale(t));
-      if (q_log.size() > 0) log_rows += q_log.segment(i0, len);
+      if (in.q_log.size() > 0) log_rows += in.q_log.segment(i0, len);
       acc.merge_rows(i0, nd, log_rows);
     }
   });
@@ -265,11 +263,10 @@ SoftmaxAccumulator<Scalar> linear_attention_accumulate(
                                            : detail::kDefaultKeyPanel;
   if (q_features.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
   const RowMatrix<Scalar> ve = detail::append_ones<Scalar>(v);
+  const detail::LinearOperands<Scalar> in{q_features, q_log_scale, k_features, k_log_scale, ve,
+                                         signs, chunk};
   SoftmaxAccumulator<Scalar> acc =
-      opt.causal ? detail::linear_causal<Scalar>(q_features, q_log_scale, k_features, k_log_scale,
-                                                 ve, signs, chunk)
-                 : detail::linear_bidirectional<Scalar>(q_features, q_log_scale, k_features,
-                                                        k_log_scale, ve, signs, chunk);
+      opt.causal ? detail::linear_causal<Scalar>(in) : detail::linear_bidirectional<Scalar>(in);
   detail::check_result_finite(where, acc.numden(), opt.check_finite,
                               detail::linear_input_scan<Scalar>(where, q_features, k_features, v));
   return acc;

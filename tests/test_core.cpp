@@ -135,6 +135,28 @@ TEMPLATE_TEST_CASE("Denominator guard", "[core][accumulator]", float, double) {
   CHECK(raw(1, 0) == 0);
   CHECK(raw(3, 0) == 0);
   CHECK_THROWS_AS(acc.finalize(-1), std::invalid_argument);
+
+  // One key whose weight underflows: in the subnormal range the quotient num/den loses its
+  // relative precision (it left the values' range in float), so the row is returned as zeros;
+  // just above the smallest normal number the one key gets weight 1 as it should.
+  const Scalar tiny = std::numeric_limits<Scalar>::min();
+  const RowMatrix<Scalar> kf = (RowMatrix<Scalar>(1, 2) << 1, 0).finished();
+  const RowMatrix<Scalar> v = RowMatrix<Scalar>::Constant(1, 1, Scalar(24.5874));
+  LinearOptions opt;
+  opt.denominator_epsilon = 0;
+  for (const Scalar q0 : {tiny / 3, tiny * 3}) {
+    const RowMatrix<Scalar> qf = (RowMatrix<Scalar>(1, 2) << q0, 0).finished();
+    const RowMatrix<Scalar> o = randattn::linear_attention(qf, kf, v, opt);
+    randattn::LinearDecoderState<Scalar> state(2, 1, Vector<Scalar>(), 0.0);
+    state.append(kf.row(0), v.row(0));
+    if (q0 < tiny) {
+      CHECK(o(0, 0) == 0);
+      CHECK(state.query(qf.row(0))(0) == 0);
+    } else {
+      CHECK(rel_error(o, v) < testing::tolerance<Scalar>());
+      CHECK(std::abs(state.query(qf.row(0))(0) / v(0, 0) - 1) < testing::tolerance<Scalar>());
+    }
+  }
 }
 
 TEMPLATE_TEST_CASE("Linear core equals the explicit masked product", "[core][linear]", float, double) {

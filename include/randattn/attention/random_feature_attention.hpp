@@ -11,8 +11,8 @@
 //
 // Denominator guard. Nonnegative maps (positive, hyperbolic) give positive denominators and
 // use denominator_epsilon = 0 by default: no bias at all; a row is returned as zeros only if
-// its denominator underflows to exactly 0 (possible only at extreme norms, e.g. scale·‖q‖²
-// in the hundreds in float). Signed maps (trig, hybrid) can produce denominators near zero or
+// its denominator underflows to 0 or into the subnormal range (possible only at extreme norms,
+// e.g. scale·‖q‖² in the hundreds in float). Signed maps (trig, hybrid) can produce denominators near zero or
 // negative and use 1e-6 by default: den ← den + 2ε·[|den| ≤ ε] (den relative to the row's
 // log-scale), so every output is finite; an explicit 0 is rejected for them.
 

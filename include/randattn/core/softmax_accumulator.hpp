@@ -95,7 +95,8 @@ class SoftmaxAccumulator {
   // o_i = num_i / den'_i with the denominator guard den' = den + 2*eps*[|den| <= eps]
   // (the rule of the Performer reference code). With eps > 0 every |den'| >= eps, so signed
   // or trigonometric estimates whose denominator is near zero give large but finite output.
-  // A row whose guarded denominator is exactly zero (eps = 0 and no weight) outputs zeros.
+  // A row whose guarded denominator is zero or subnormal (eps = 0 and no weight, or weights that
+  // underflowed) outputs zeros.
   RowMatrix<Scalar> finalize(Scalar epsilon = 0) const {
     RowMatrix<Scalar> out(rows(), value_dim_);
     finalize_into(out, epsilon);
@@ -120,8 +121,12 @@ class SoftmaxAccumulator {
     }
   }
 
+  // The guarded denominator, or 0 when it is 0 or subnormal: a sum of weights that underflowed
+  // into the subnormal range has lost its relative precision, and dividing by it would leave
+  // the hull of the values.
   static Scalar guarded_denominator(Scalar den, Scalar epsilon) {
-    return std::abs(den) <= epsilon ? den + 2 * epsilon : den;
+    const Scalar guarded = std::abs(den) <= epsilon ? den + 2 * epsilon : den;
+    return std::abs(guarded) < std::numeric_limits<Scalar>::min() ? Scalar(0) : guarded;
   }
 
  private:

@@ -12,9 +12,10 @@
 // Denominator guard. Nonnegative maps (positive, hyperbolic) give positive denominators and
 // use denominator_epsilon = 0 by default: no bias at all; a row is returned as zeros only if
 // its denominator underflows to 0 or into the subnormal range (possible only at extreme norms,
-// e.g. scale·‖q‖² in the hundreds in float). Signed maps (trig, hybrid) can produce denominators near zero or
-// negative and use 1e-6 by default: den ← den + 2ε·[|den| ≤ ε] (den relative to the row's
-// log-scale), so every output is finite; an explicit 0 is rejected for them.
+// e.g. scale·‖q‖² in the hundreds in float). Signed maps (trig, hybrid) can produce
+// denominators near zero or negative and use 1e-6 by default: den ← den + 2ε·[|den| ≤ ε] (den
+// relative to the row's log-scale), so every output is finite; an explicit 0 is rejected for
+// them.
 
 #include <cmath>
 #include <optional>
@@ -237,8 +238,8 @@ RowMatrix<typename Map::Scalar> random_feature_attention_clipped(
 
 // Causal attention one token at a time (decoding): append(k_t, v_t), then query(q_t) returns
 // the output of position t. O(M · dv) per token; append and query_into allocate nothing for
-// maps on dense projections. Computes what random_feature_attention computes with causal = true, up to
-// rounding.
+// maps on dense projections. Computes what random_feature_attention computes with
+// causal = true, up to rounding.
 template <typename Map>
 class RandomFeatureDecoder {
  public:

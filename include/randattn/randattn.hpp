@@ -10,6 +10,7 @@
 #include "linalg/hadamard.hpp"
 #include "random/philox.hpp"
 #include "random/fill.hpp"
+#include "random/streams.hpp"
 #include "features/projection.hpp"
 #include "features/feature_maps.hpp"
 #include "attention/random_feature_attention.hpp"

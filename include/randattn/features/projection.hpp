@@ -32,6 +32,7 @@
 #include "../linalg/hadamard.hpp"
 #include "../random/fill.hpp"
 #include "../random/philox.hpp"
+#include "../random/streams.hpp"
 
 namespace randattn {
 
@@ -43,14 +44,6 @@ enum class RowNorm {
 
 namespace detail {
 
-// Philox streams of the projections: distinct purposes never share random numbers.
-enum ProjectionStream : std::uint32_t {
-  kStreamIid = 0x50524a00u,
-  kStreamOrthogonalBlock = 0x50524a01u,
-  kStreamRowNorm = 0x50524a02u,
-  kStreamHadamardSigns = 0x50524a03u,
-};
-
 inline void check_projection_shape(const char* where, Index m, Index d) {
   require(m >= 1 && d >= 1, where, "need features m >= 1 and input dimension d >= 1, got m = ", m,
           ", d = ", d);
@@ -60,7 +53,7 @@ inline void check_projection_shape(const char* where, Index m, Index d) {
 // draw), or √dim.
 inline double row_norm(const Philox& rng, RowNorm norm, Index r, Index dim) {
   if (norm == RowNorm::sqrt_d) return std::sqrt(double(dim));
-  const Philox s = rng.with_stream(kStreamRowNorm);
+  const Philox s = rng.with_stream(streams::projection_row_norm);
   double sum = 0;
   for (Index j = 0; j < dim; ++j) {
     const double g = s.gaussian(std::uint64_t(r), std::uint32_t(j));
@@ -103,7 +96,7 @@ class GaussianProjection : public detail::DenseProjection<Scalar> {
 
   void redraw(std::uint64_t seed) {
     seed_ = seed;
-    this->omega_ = gaussian_matrix<double>(Philox(seed, detail::kStreamIid), m_, d_)
+    this->omega_ = gaussian_matrix<double>(Philox(seed, streams::projection_iid), m_, d_)
                        .template cast<Scalar>();
   }
   std::uint64_t seed() const { return seed_; }
@@ -131,7 +124,7 @@ class OrthogonalProjection : public detail::DenseProjection<Scalar> {
     detail::parallel_for(blocks, [&](Index b) {
       const Index r0 = b * d_, rows = std::min(d_, m_ - r0);
       Eigen::MatrixXd g(d_, d_);
-      fill_gaussian(rng.with_stream(detail::kStreamOrthogonalBlock), g, r0, 0);
+      fill_gaussian(rng.with_stream(streams::projection_orthogonal), g, r0, 0);
       const Eigen::HouseholderQR<Eigen::MatrixXd> qr(g);
       Eigen::MatrixXd q = qr.householderQ();
       // Q diag(sign(diag R)) is Haar-distributed; Householder QR alone is not.
@@ -185,7 +178,7 @@ class HadamardProjection {
   void redraw(std::uint64_t seed) {
     seed_ = seed;
     const Index blocks = (m_ + p_ - 1) / p_;
-    const Philox signs(seed, detail::kStreamHadamardSigns);
+    const Philox signs(seed, streams::projection_hadamard);
     signs_.resize(blocks * 3, p_);
     for (Index b = 0; b < blocks; ++b)
       for (Index t = 0; t < 3; ++t)

@@ -27,14 +27,11 @@
 #include "../linalg/hadamard.hpp"
 #include "../random/fill.hpp"
 #include "../random/philox.hpp"
+#include "../random/streams.hpp"
 
 namespace randattn {
 
 namespace detail {
-
-// Philox streams of the two rotations (distinct from every other use of a seed).
-constexpr std::uint32_t kDenseRotationStream = 0x4C534801u;     // "LSH" 1
-constexpr std::uint32_t kHadamardRotationStream = 0x4C534802u;  // "LSH" 2
 
 inline void check_rotation_shape(const char* where, Index dim, Index buckets, Index rounds) {
   require(dim >= 1, where, "dim must be >= 1, got ", dim);
@@ -133,7 +130,7 @@ class DenseRotation {
     detail::check_rotation_shape("DenseRotation", dim, buckets, rounds);
     rounds_ = rounds;
     half_ = buckets / 2;
-    r_ = gaussian_matrix<Scalar>(Philox(seed, detail::kDenseRotationStream), dim, rounds * half_);
+    r_ = gaussian_matrix<Scalar>(Philox(seed, streams::lsh_dense_rotation), dim, rounds * half_);
     rt_ = r_.transpose();
   }
 
@@ -186,7 +183,7 @@ class HadamardRotation {
     detail::check_rotation_shape("HadamardRotation", dim, buckets, rounds);
     padded_ = next_power_of_two(std::max(dim, half_));
     signs_.resize(3 * rounds, padded_);
-    fill_rademacher(Philox(seed, detail::kHadamardRotationStream), signs_);
+    fill_rademacher(Philox(seed, streams::lsh_hadamard_rotation), signs_);
     scale_ = static_cast<Scalar>(std::pow(double(padded_), -1.5));
   }
 

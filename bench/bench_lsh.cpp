@@ -92,7 +92,7 @@ void run_lsh(benchmark::State& state, Index n, Index rounds, randattn::RotationK
   randattn::LshOptions opt;
   opt.chunk = kChunk;
   opt.exact_buckets = exact_buckets;
-  const Seconds seconds = timed_loop(state, [&] { return randattn::lsh_attention(q, v, hash, opt); });
+  const Seconds seconds = timed_loop(state, [&] { return randattn::lsh_attention(hash, q, v, opt); });
   const auto exact = exact_seconds().find(n);
   if (exact != exact_seconds().end()) {
     state.counters["speedup"] = exact->second.wall / seconds.wall;

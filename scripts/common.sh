@@ -3,13 +3,15 @@
 # Provides:
 #   RANDATTN_ROOT            repository root (absolute)
 #   RANDATTN_BUILD_DIR       build directory (default: $RANDATTN_ROOT/build)
-#   randattn_require_packages   check the Debian build dependencies, install them if root
-#   randattn_configure_and_build [cmake args...]
+#   RANDATTN_PACKAGES        Debian packages the caller needs (the headers' own dependencies and
+#                            the build tools; scripts append what else they use)
+#   randattn_require_packages   check the Debian packages, install the missing ones if root
+#   randattn_configure_and_build [cmake args...]   configure and build every enabled target
 
 RANDATTN_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RANDATTN_BUILD_DIR="${RANDATTN_BUILD_DIR:-$RANDATTN_ROOT/build}"
 
-RANDATTN_PACKAGES=(libeigen3-dev librandom123-dev catch2 libbenchmark-dev libcli11-dev cmake g++ make)
+RANDATTN_PACKAGES=(libeigen3-dev librandom123-dev libcli11-dev cmake g++ make)
 
 randattn_log() {
     printf 'randattn: %s\n' "$*" >&2

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Builds randattn and runs the quickstart example on its built-in data.
+# Builds only the quickstart example (no tests, benchmarks or other examples) and runs it on its
+# built-in data.
 set -euo pipefail
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/common.sh"
 
 randattn_require_packages
-randattn_configure_and_build
+cmake -S "$RANDATTN_ROOT" -B "$RANDATTN_BUILD_DIR" -DCMAKE_BUILD_TYPE=Release \
+    -DRANDATTN_BUILD_TESTS=OFF -DRANDATTN_BUILD_BENCHMARKS=OFF -DRANDATTN_BUILD_EXAMPLES=ON
+cmake --build "$RANDATTN_BUILD_DIR" -j"$(nproc)" --target quickstart
 "$RANDATTN_BUILD_DIR/examples/quickstart"

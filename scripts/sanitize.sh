@@ -6,7 +6,7 @@
 set -euo pipefail
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/common.sh"
 
-RANDATTN_PACKAGES+=(clang libclang-rt-14-dev libomp-14-dev)
+RANDATTN_PACKAGES+=(catch2 clang libclang-rt-14-dev libomp-14-dev)
 randattn_require_packages
 
 archer=/usr/lib/llvm-14/lib/libarcher.so

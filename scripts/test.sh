@@ -3,6 +3,7 @@
 set -euo pipefail
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/common.sh"
 
+RANDATTN_PACKAGES+=(catch2 libbenchmark-dev)
 randattn_require_packages
-randattn_configure_and_build
+randattn_configure_and_build -DRANDATTN_BUILD_TESTS=ON -DRANDATTN_BUILD_BENCHMARKS=ON -DRANDATTN_BUILD_EXAMPLES=ON
 ctest --test-dir "$RANDATTN_BUILD_DIR" --output-on-failure "$@"

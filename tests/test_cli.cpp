@@ -324,7 +324,7 @@ TEST_CASE("cli: every failure is one stderr line, exit code 2 and no output", "[
 
 namespace {
 
-// The positive-feature formula of SPEC §3 with the rows of W as ω, then attention, in double.
+// The positive-feature formula of Performer (Lemma 1) with the rows of W as ω, then attention, in double.
 std::vector<double> favor_reference(const std::vector<double>& q, const std::vector<double>& k,
                                     const std::vector<double>& v, const std::vector<double>& w, std::int64_t n,
                                     std::int64_t d, std::int64_t dv, std::int64_t m, double scale) {
@@ -373,7 +373,7 @@ double json_number(const std::string& line, const std::string& key) {
 
 }  // namespace
 
-TEST_CASE("cli: favor with --omega evaluates the SPEC formulas with W", "[cli][features]") {
+TEST_CASE("cli: favor with --omega evaluates the Performer formulas with W", "[cli][features]") {
   Workspace ws;
   const std::int64_t n = 6, d = 4, dv = 3, m = 5;
   save<double>(ws, "q.npy", {n, d}, 11);
@@ -483,9 +483,9 @@ std::vector<T> lsh_reference(const std::vector<T>& q, const std::vector<T>* k, c
                              const randattn::LshOptions& opt) {
   std::vector<T> out(static_cast<std::size_t>(shape.slices() * shape.n_q * shape.dv));
   if (k)
-    randattn::lsh_attention_batched(q.data(), k->data(), v.data(), out.data(), shape, hash, opt);
+    randattn::lsh_attention_batched(hash, q.data(), k->data(), v.data(), out.data(), shape, opt);
   else
-    randattn::lsh_attention_batched(q.data(), v.data(), out.data(), shape, hash, opt);
+    randattn::lsh_attention_batched(hash, q.data(), v.data(), out.data(), shape, opt);
   return out;
 }
 

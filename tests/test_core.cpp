@@ -174,7 +174,7 @@ TEMPLATE_TEST_CASE("Linear core equals the explicit masked product", "[core][lin
                         << chunk);
           LinearOptions opt;
           opt.causal = causal;
-          opt.chunk_size = chunk;
+          opt.block_size = chunk;
           const RowMatrix<Scalar> out =
               randattn::linear_attention_accumulate<Scalar>(p.qf, p.q_log, p.kf, p.k_log, p.v,
                                                             p.signs, opt)
@@ -209,7 +209,7 @@ TEMPLATE_TEST_CASE("Causal linear core never looks at future keys", "[core][line
       auto p = make_problem<Scalar>(31, n, m, dv, scaled ? 6.0 : 0.0, true);
       LinearOptions opt;
       opt.causal = true;
-      opt.chunk_size = chunk;
+      opt.block_size = chunk;
       const RowMatrix<Scalar> before = randattn::linear_attention_accumulate<Scalar>(
           p.qf, p.q_log, p.kf, p.k_log, p.v, p.signs, opt).finalize(Scalar(1e-6));
       // The last key becomes dominant: far larger features and (when scaled) a log-scale that
@@ -231,7 +231,7 @@ TEMPLATE_TEST_CASE("Streaming decoder equals causal linear attention", "[core][l
     const auto p = make_problem<Scalar>(55, n, m, dv, scaled ? 5.0 : 0.0, true);
     LinearOptions opt;
     opt.causal = true;
-    opt.chunk_size = 16;
+    opt.block_size = 16;
     const RowMatrix<Scalar> causal = randattn::linear_attention_accumulate<Scalar>(
         p.qf, p.q_log, p.kf, p.k_log, p.v, p.signs, opt).finalize(Scalar(opt.denominator_epsilon));
     randattn::LinearDecoderState<Scalar> state(m, dv, p.signs);
@@ -275,7 +275,7 @@ TEST_CASE("Linear core validates its arguments", "[core][linear][validation]") {
   causal.causal = true;
   CHECK_THROWS_AS(call(q, k, v, none, none, none, causal), std::invalid_argument);
   LinearOptions bad_chunk;
-  bad_chunk.chunk_size = -1;
+  bad_chunk.block_size = -1;
   CHECK_THROWS_AS(call(q, k, v, none, none, none, bad_chunk), std::invalid_argument);
   CHECK_THROWS_AS(call(q, M(0, 3), M(0, 2), none, none, none), std::invalid_argument);
   M nan_k = k;
@@ -324,7 +324,7 @@ TEMPLATE_TEST_CASE("Batched linear attention equals per-slice calls for any thre
   for (bool causal : {false, true}) {
     LinearOptions opt;
     opt.causal = causal;
-    opt.chunk_size = 16;
+    opt.block_size = 16;
     RowMatrix<Scalar> out(s * shape.n_q, shape.dv);
     randattn::linear_attention_batched<Scalar>(qf.data(), nullptr, kf.data(), kl.data(), v.data(),
                                                nullptr, out.data(), shape, opt);

@@ -53,7 +53,7 @@ double kernel_estimate(const randattn::ScaledFeatures<Scalar>& f, Index a, Index
          f.values.row(a).template cast<double>().dot(f.values.row(b).template cast<double>());
 }
 
-// Closed-form MSE of one kernel estimate with m i.i.d. projection rows (SPEC §3).
+// Closed-form MSE of one kernel estimate with m i.i.d. projection rows (Performer, Lemma 2).
 enum class MapKind { trig, positive, hyperbolic };
 
 double closed_form_mse(MapKind kind, const Pair& p, double m) {
@@ -126,7 +126,7 @@ void check_unbiased(Map map, MapKind kind, const std::vector<Pair>& pairs, int d
 const std::vector<Pair> kPairs = {{0.5, 0.5, 0.0},      {0.5, 0.5, kPi / 2}, {0.8, 0.6, kPi / 3},
                                   {0.8, 0.8, 2 * kPi / 3}, {1.0, 0.7, kPi},     {0.3, 1.0, kPi / 4}};
 
-// The SPEC §3 formulas evaluated directly (no stabiliser) in long double for a given ω,
+// The Performer feature formulas evaluated directly (no stabiliser) in long double for a given ω,
 // then attention D⁻¹ A V with A_ij = φ(q_i)ᵀφ(k_j) (masked when causal).
 template <typename Scalar>
 RowMatrix<double> direct_attention(MapKind kind, const RowMatrix<Scalar>& omega,
@@ -387,7 +387,7 @@ TEMPLATE_TEST_CASE("features: dimensions, sides and the data normaliser", "[feat
 // Random-feature attention
 // ---------------------------------------------------------------------------------------------
 
-TEMPLATE_TEST_CASE("attention: a user omega gives exactly the formulas of SPEC §3", "[features]",
+TEMPLATE_TEST_CASE("attention: a user omega gives exactly the Performer formulas", "[features]",
                    float, double) {
   const Index n = 9, d = 5, m = 6, dv = 3;
   const RowMatrix<TestType> omega = testing::gaussian<TestType>(21, m, d);

@@ -300,7 +300,7 @@ TEMPLATE_TEST_CASE("Single chunk (c >= n) equals exact shared-QK attention with 
             opt.chunk = chunk;
             opt.dedupe = dedupe;
             const CrossPolytopeHash<Scalar> hash(RotationKind::dense, d, 8, rounds, 3);
-            CHECK(rel_error(randattn::lsh_attention(q, v, hash, opt), expected) < testing::tolerance<Scalar>());
+            CHECK(rel_error(randattn::lsh_attention(hash, q, v, opt), expected) < testing::tolerance<Scalar>());
           }
         }
       }
@@ -335,7 +335,7 @@ TEMPLATE_TEST_CASE("Sort-and-chunk equals softmax over the union (multiset) of t
             opt.dedupe = dedupe;
             opt.scale = 0.8;
             const Eigen::MatrixXd expected = reference<Scalar>(q, nullptr, v, targets, 0.8, causal, dedupe);
-            CHECK(rel_error(randattn::lsh_attention(q, v, hash, opt), expected) < testing::tolerance<Scalar>());
+            CHECK(rel_error(randattn::lsh_attention(hash, q, v, opt), expected) < testing::tolerance<Scalar>());
           }
         }
       }
@@ -351,7 +351,7 @@ TEMPLATE_TEST_CASE("The correction matters: union and multiset differ once round
   LshOptions with, without;
   with.chunk = without.chunk = 16;
   without.dedupe = false;
-  CHECK(rel_error(randattn::lsh_attention(q, v, hash, with), randattn::lsh_attention(q, v, hash, without)) > 1e-3);
+  CHECK(rel_error(randattn::lsh_attention(hash, q, v, with), randattn::lsh_attention(hash, q, v, without)) > 1e-3);
 }
 
 TEMPLATE_TEST_CASE("Exact buckets equal softmax over the union of bucket mates, with the fallback", "[lsh]", float,
@@ -378,7 +378,7 @@ TEMPLATE_TEST_CASE("Exact buckets equal softmax over the union of bucket mates, 
           opt.causal = causal;
           opt.dedupe = dedupe;
           opt.scale = 0.5;
-          const RowMatrix<Scalar> out = randattn::lsh_attention(q, *keys, v, hash, opt);
+          const RowMatrix<Scalar> out = randattn::lsh_attention(hash, q, *keys, v, opt);
           CHECK(out.allFinite());
           CHECK(rel_error(out, reference<Scalar>(q, keys, v, targets, 0.5, causal, dedupe)) <
                 testing::tolerance<Scalar>());
@@ -392,7 +392,7 @@ TEMPLATE_TEST_CASE("Exact buckets equal softmax over the union of bucket mates, 
       LshOptions opt;
       opt.exact_buckets = true;
       opt.causal = causal;
-      CHECK(rel_error(randattn::lsh_attention(q, vq, hash, opt), reference<Scalar>(q, nullptr, vq, shared, 1.0, causal, true)) <
+      CHECK(rel_error(randattn::lsh_attention(hash, q, vq, opt), reference<Scalar>(q, nullptr, vq, shared, 1.0, causal, true)) <
             testing::tolerance<Scalar>());
     }
   }
@@ -409,11 +409,11 @@ TEMPLATE_TEST_CASE("Large buckets and chunks are tiled and still exact", "[lsh]"
     LshOptions opt;
     opt.causal = causal;
     opt.chunk = 300;
-    CHECK(rel_error(randattn::lsh_attention(q, v, hash, opt),
+    CHECK(rel_error(randattn::lsh_attention(hash, q, v, opt),
                     reference<Scalar>(q, nullptr, v, chunk_targets(codes, 300), 1.0, causal, true)) <
           testing::tolerance<Scalar>());
     opt.exact_buckets = true;
-    CHECK(rel_error(randattn::lsh_attention(q, v, hash, opt),
+    CHECK(rel_error(randattn::lsh_attention(hash, q, v, opt),
                     reference<Scalar>(q, nullptr, v, bucket_targets(codes, codes), 1.0, causal, true)) <
           testing::tolerance<Scalar>());
   }
@@ -440,11 +440,11 @@ TEMPLATE_TEST_CASE("Causal: changing the last token leaves earlier outputs bit-i
   v2.row(n - 1) = testing::gaussian<Scalar>(76, 1, dv, 3.0);
   REQUIRE(hash.hash(q2).row(n - 1) != hash.hash(q).row(n - 1));
   opt.exact_buckets = true;
-  RowMatrix<Scalar> a = randattn::lsh_attention(q, k, v, hash, opt), b = randattn::lsh_attention(q2, k2, v2, hash, opt);
+  RowMatrix<Scalar> a = randattn::lsh_attention(hash, q, k, v, opt), b = randattn::lsh_attention(hash, q2, k2, v2, opt);
   CHECK(testing::rows_bit_identical(a, b, n - 1));
   CHECK(!testing::rows_bit_identical(a, b, n));
-  a = randattn::lsh_attention(q, v, hash, opt);
-  b = randattn::lsh_attention(q2, v2, hash, opt);
+  a = randattn::lsh_attention(hash, q, v, opt);
+  b = randattn::lsh_attention(hash, q2, v2, opt);
   CHECK(testing::rows_bit_identical(a, b, n - 1));
 
   // Sort-and-chunk: any change of token n-1 that keeps its buckets. A change of its buckets
@@ -463,8 +463,8 @@ TEMPLATE_TEST_CASE("Causal: changing the last token leaves earlier outputs bit-i
   RowMatrix<Scalar> q3 = q;
   q3.row(n - 1) *= Scalar(2.5);
   REQUIRE(hash.hash(q3) == hash.hash(q));
-  a = randattn::lsh_attention(q, v, hash, opt);
-  b = randattn::lsh_attention(q3, v2, hash, opt);
+  a = randattn::lsh_attention(hash, q, v, opt);
+  b = randattn::lsh_attention(hash, q3, v2, opt);
   CHECK(testing::rows_bit_identical(a, b, n - 1));
   CHECK(!testing::rows_bit_identical(a, b, n));
 }
@@ -486,14 +486,14 @@ TEMPLATE_TEST_CASE("Batched multi-head LSH attention equals per-slice calls, for
       opt.exact_buckets = exact_buckets;
       opt.causal = causal;
       RowMatrix<Scalar> out(s * shape.n_q, shape.dv), out_k(s * shape.n_q, shape.dv);
-      randattn::lsh_attention_batched<Scalar>(q.data(), v.data(), out.data(), shape, hash, opt);
+      randattn::lsh_attention_batched<Scalar>(hash, q.data(), v.data(), out.data(), shape, opt);
       if (exact_buckets)
-        randattn::lsh_attention_batched<Scalar>(q.data(), k.data(), v.data(), out_k.data(), shape, hash, opt);
+        randattn::lsh_attention_batched<Scalar>(hash, q.data(), k.data(), v.data(), out_k.data(), shape, opt);
       for (Index i = 0; i < s; ++i) {
         const auto rows = [&](const RowMatrix<Scalar>& m) { return RowMatrix<Scalar>(m.middleRows(i * shape.n_q, shape.n_q)); };
-        CHECK(testing::rows_bit_identical(rows(out), randattn::lsh_attention(rows(q), rows(v), hash, opt), shape.n_q));
+        CHECK(testing::rows_bit_identical(rows(out), randattn::lsh_attention(hash, rows(q), rows(v), opt), shape.n_q));
         if (exact_buckets)
-          CHECK(testing::rows_bit_identical(rows(out_k), randattn::lsh_attention(rows(q), rows(k), rows(v), hash, opt),
+          CHECK(testing::rows_bit_identical(rows(out_k), randattn::lsh_attention(hash, rows(q), rows(k), rows(v), opt),
                                             shape.n_q));
       }
 #if defined(_OPENMP)
@@ -502,9 +502,9 @@ TEMPLATE_TEST_CASE("Batched multi-head LSH attention equals per-slice calls, for
       const RowMatrix<Scalar> long_v = testing::gaussian<Scalar>(85, 3000, shape.dv);
       const int threads = omp_get_max_threads();
       omp_set_num_threads(1);
-      const RowMatrix<Scalar> one = randattn::lsh_attention(long_q, long_v, hash, opt);
+      const RowMatrix<Scalar> one = randattn::lsh_attention(hash, long_q, long_v, opt);
       omp_set_num_threads(2);
-      const RowMatrix<Scalar> two = randattn::lsh_attention(long_q, long_v, hash, opt);
+      const RowMatrix<Scalar> two = randattn::lsh_attention(hash, long_q, long_v, opt);
       omp_set_num_threads(threads);
       CHECK(testing::rows_bit_identical(one, two, one.rows()));
 #endif
@@ -518,14 +518,14 @@ TEMPLATE_TEST_CASE("LSH attention edge cases and argument checks", "[lsh]", floa
   const CrossPolytopeHash<Scalar> hash(RotationKind::dense, d, 4, 2, 1);
   LshOptions opt;
   // n = 0: empty; n = 1: the token attends to itself.
-  CHECK(randattn::lsh_attention(RowMatrix<Scalar>(0, d), RowMatrix<Scalar>(0, 3), hash, opt).rows() == 0);
+  CHECK(randattn::lsh_attention(hash, RowMatrix<Scalar>(0, d), RowMatrix<Scalar>(0, 3), opt).rows() == 0);
   const RowMatrix<Scalar> q1 = testing::gaussian<Scalar>(1, 1, d), v1 = testing::gaussian<Scalar>(2, 1, 3);
-  CHECK(rel_error(randattn::lsh_attention(q1, v1, hash, opt), v1) == 0.0);
+  CHECK(rel_error(randattn::lsh_attention(hash, q1, v1, opt), v1) == 0.0);
   // d = 1.
   const CrossPolytopeHash<Scalar> hash1(RotationKind::hadamard, 1, 2, 2, 1);
   const RowMatrix<Scalar> qd = testing::gaussian<Scalar>(3, 40, 1), vd = testing::gaussian<Scalar>(4, 40, 2);
   opt.chunk = 8;
-  CHECK(rel_error(randattn::lsh_attention(qd, vd, hash1, opt),
+  CHECK(rel_error(randattn::lsh_attention(hash1, qd, vd, opt),
                   reference<Scalar>(qd, nullptr, vd, chunk_targets(hash1.hash(qd), 8), 1.0, false, true)) <
         testing::tolerance<Scalar>());
   // Zero rows and huge rows: the normalised key stays finite, the output too.
@@ -535,35 +535,35 @@ TEMPLATE_TEST_CASE("LSH attention edge cases and argument checks", "[lsh]", floa
   q.row(5).setZero();
   const RowMatrix<Scalar> v = testing::gaussian<Scalar>(6, 50, 3);
   opt.scale = 1e-30;
-  CHECK(randattn::lsh_attention(q, v, hash, opt).allFinite());
+  CHECK(randattn::lsh_attention(hash, q, v, opt).allFinite());
   opt.scale.reset();
   // Errors name the problem.
   const RowMatrix<Scalar> k = testing::gaussian<Scalar>(7, 50, d);
-  CHECK_THROWS_AS(randattn::lsh_attention(q, k, v, hash, opt), std::invalid_argument);  // needs exact_buckets
+  CHECK_THROWS_AS(randattn::lsh_attention(hash, q, k, v, opt), std::invalid_argument);  // needs exact_buckets
   opt.exact_buckets = true;
-  CHECK_NOTHROW(randattn::lsh_attention(q, k, v, hash, opt));
-  CHECK_THROWS_AS(randattn::lsh_attention(q, RowMatrix<Scalar>(0, d), RowMatrix<Scalar>(0, 3), hash, opt),
+  CHECK_NOTHROW(randattn::lsh_attention(hash, q, k, v, opt));
+  CHECK_THROWS_AS(randattn::lsh_attention(hash, q, RowMatrix<Scalar>(0, d), RowMatrix<Scalar>(0, 3), opt),
                   std::invalid_argument);
   opt.causal = true;
-  CHECK_THROWS_AS(randattn::lsh_attention(q, RowMatrix<Scalar>(k.topRows(49)), RowMatrix<Scalar>(v.topRows(49)), hash, opt),
+  CHECK_THROWS_AS(randattn::lsh_attention(hash, q, RowMatrix<Scalar>(k.topRows(49)), RowMatrix<Scalar>(v.topRows(49)), opt),
                   std::invalid_argument);
   opt = LshOptions();
-  CHECK_THROWS_AS(randattn::lsh_attention(testing::gaussian<Scalar>(1, 5, d + 1), testing::gaussian<Scalar>(1, 5, 2), hash, opt),
+  CHECK_THROWS_AS(randattn::lsh_attention(hash, testing::gaussian<Scalar>(1, 5, d + 1), testing::gaussian<Scalar>(1, 5, 2), opt),
                   std::invalid_argument);
-  CHECK_THROWS_AS(randattn::lsh_attention(q, RowMatrix<Scalar>(v.topRows(10)), hash, opt), std::invalid_argument);
+  CHECK_THROWS_AS(randattn::lsh_attention(hash, q, RowMatrix<Scalar>(v.topRows(10)), opt), std::invalid_argument);
   opt.chunk = 0;
-  CHECK_THROWS_AS(randattn::lsh_attention(q, v, hash, opt), std::invalid_argument);
+  CHECK_THROWS_AS(randattn::lsh_attention(hash, q, v, opt), std::invalid_argument);
   opt.chunk = 8;
   RowMatrix<Scalar> bad = q;
   bad(1, 1) = std::numeric_limits<Scalar>::infinity();
   try {
-    randattn::lsh_attention(bad, v, hash, opt);
+    randattn::lsh_attention(hash, bad, v, opt);
     FAIL("no exception");
   } catch (const std::invalid_argument& e) {
     CHECK(std::string(e.what()).find("non-finite") != std::string::npos);
   }
   opt.scale = std::numeric_limits<double>::quiet_NaN();
-  CHECK_THROWS_AS(randattn::lsh_attention(q, v, hash, opt), std::invalid_argument);
+  CHECK_THROWS_AS(randattn::lsh_attention(hash, q, v, opt), std::invalid_argument);
   CHECK(randattn::reformer_buckets(16384, 64) == 512);
   CHECK(randattn::reformer_buckets(100, 64) == 4);
   CHECK(randattn::reformer_buckets(1, 64) == 2);

@@ -72,12 +72,12 @@ TEMPLATE_TEST_CASE("robustness: hybrid maps and LSH stay finite for norms up to 
       LshOptions lsh;
       lsh.causal = causal;
       lsh.chunk = 16;
-      const RowMatrix<Scalar> shared = randattn::lsh_attention(q, v, hash, lsh);
+      const RowMatrix<Scalar> shared = randattn::lsh_attention(hash, q, v, lsh);
       REQUIRE(shared.allFinite());
       CHECK(testing::within_value_ranges(shared, v));
       lsh.exact_buckets = true;
       lsh.scale = 1.0;
-      const RowMatrix<Scalar> separate = randattn::lsh_attention(q, k, v, hash, lsh);
+      const RowMatrix<Scalar> separate = randattn::lsh_attention(hash, q, k, v, lsh);
       REQUIRE(separate.allFinite());
       CHECK(testing::within_value_ranges(separate, v));
     }
@@ -103,7 +103,7 @@ TEMPLATE_TEST_CASE("robustness: objects shared between threads give identical re
     LshOptions opt;
     opt.chunk = 32;
     check_concurrent_calls([&] { return hash.hash(q); });
-    check_concurrent_calls([&] { return randattn::lsh_attention(q, v, hash, opt); });
+    check_concurrent_calls([&] { return randattn::lsh_attention(hash, q, v, opt); });
   }
 
   // Sparsification: the same options object and tensor from several threads.

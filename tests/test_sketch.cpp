@@ -567,7 +567,7 @@ TEMPLATE_TEST_CASE("sketch: sparse-score attention through the softmax accumulat
   ve << v, RowMatrix<S>::Ones(45, 1);
   CHECK(testing::rel_error(res.accumulator.numden(), RowMatrix<S>(dense * ve)) < 10 * testing::tolerance<S>());
   // Block size does not change the sketch beyond the rounding of the score products.
-  opt.block_rows = 5;
+  opt.block_size = 5;
   const auto res5 = randattn::sparse_score_attention_accumulate<S>(q, k, v, opt);
   CHECK(res5.weights.nnz() == w.nnz());
 

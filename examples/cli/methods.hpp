@@ -172,9 +172,9 @@ class LshMethod final : public TypedMethod<LshMethod> {
 
     const auto start = std::chrono::steady_clock::now();
     if (settings.shared_qk)
-      randattn::lsh_attention_batched(q, v, out, shape, hash, opt);
+      randattn::lsh_attention_batched(hash, q, v, out, shape, opt);
     else
-      randattn::lsh_attention_batched(q, k, v, out, shape, hash, opt);
+      randattn::lsh_attention_batched(hash, q, k, v, out, shape, opt);
     lsh_seconds_ = seconds_since(start);
     compare_ = settings.compare;
     seed_ = settings.seed;

@@ -50,7 +50,7 @@ void run(FuzzedDataProvider& in) {
       case 1: {  // linear core on nonnegative features with log-scales: a convex combination
         randattn::LinearOptions opt;
         opt.causal = causal;
-        opt.chunk_size = in.ConsumeIntegralInRange<Index>(-1, 50);
+        opt.block_size = in.ConsumeIntegralInRange<Index>(-1, 50);
         // The additive guard (eps > 0) moves small positive denominators, so only eps = 0 keeps
         // nonnegative weights an exact convex combination.
         const bool guarded = in.ConsumeBool();
@@ -67,7 +67,7 @@ void run(FuzzedDataProvider& in) {
       case 2: {  // linear core with signed features and the denominator guard
         randattn::LinearOptions opt;
         opt.causal = causal;
-        opt.chunk_size = in.ConsumeIntegralInRange<Index>(0, 50);
+        opt.block_size = in.ConsumeIntegralInRange<Index>(0, 50);
         Vector<Scalar> signs(d);
         for (Index i = 0; i < d; ++i) signs(i) = in.ConsumeBool() ? Scalar(1) : Scalar(-1);
         const randattn::ScaledFeatures<Scalar> qf{q, Vector<Scalar>()}, kf{k, Vector<Scalar>()};

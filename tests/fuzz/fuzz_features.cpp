@@ -29,11 +29,11 @@ void attend(FuzzedDataProvider& in, const Map& map, const RowMatrix<Scalar>& q, 
   opt.causal = in.ConsumeBool();
   if (in.ConsumeBool()) opt.scale = in.ConsumeFloatingPoint<double>();
   if (in.ConsumeBool()) opt.denominator_epsilon = in.ConsumeFloatingPointInRange<double>(-1e-3, 1e-3);
-  opt.chunk_size = in.ConsumeIntegralInRange<Index>(-1, 40);
+  opt.block_size = in.ConsumeIntegralInRange<Index>(-1, 40);
   {
     std::ostringstream c;
     c << "causal " << opt.causal << " scale " << (opt.scale ? *opt.scale : -1.0) << " eps "
-      << (opt.denominator_epsilon ? *opt.denominator_epsilon : -1.0) << " chunk " << opt.chunk_size
+      << (opt.denominator_epsilon ? *opt.denominator_epsilon : -1.0) << " block " << opt.block_size
       << "\nq\n" << q << "\nk\n" << k << "\nv\n" << v;
     fuzzing::context += c.str();
   }

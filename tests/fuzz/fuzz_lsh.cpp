@@ -37,8 +37,8 @@ void run(FuzzedDataProvider& in) {
   try {
     const randattn::CrossPolytopeHash<Scalar> hash(
         hadamard ? randattn::RotationKind::hadamard : randattn::RotationKind::dense, d, buckets, rounds, seed);
-    const RowMatrix<Scalar> out = separate_keys ? randattn::lsh_attention(q, k, v, hash, opt)
-                                                : randattn::lsh_attention(q, v, hash, opt);
+    const RowMatrix<Scalar> out = separate_keys ? randattn::lsh_attention(hash, q, k, v, opt)
+                                                : randattn::lsh_attention(hash, q, v, opt);
     FUZZ_REQUIRE(out.rows() == n && out.cols() == dv && out.allFinite());
     fuzzing::require_convex(out, v);
   } catch (const std::invalid_argument&) {

@@ -19,6 +19,7 @@
 
 #include <cmath>
 #include <optional>
+#include <tuple>
 #include <utility>
 #include <type_traits>
 
@@ -26,21 +27,22 @@
 
 #include "../core/linear_attention.hpp"
 #include "../core/linear_decoder.hpp"
+#include "../core/options.hpp"
+#include "../core/score_tile.hpp"
 #include "../core/scaled_features.hpp"
 #include "../core/softmax_accumulator.hpp"
 #include "../core/types.hpp"
+#include "../detail/batch.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
 #include "../features/feature_maps.hpp"
 
 namespace randattn {
 
-struct RandomFeatureOptions {
-  bool causal = false;                        // query i sees keys j <= i (needs n_q == n_k)
-  std::optional<double> scale;                // logits scale · q.k, > 0; default 1/sqrt(d)
+// causal, scale (> 0, default 1/sqrt(d)) and check_finite: see core/options.hpp.
+struct RandomFeatureOptions : AttentionOptions {
   std::optional<double> denominator_epsilon;  // default 0 (nonnegative maps) or 1e-6 (signed)
-  Index chunk_size = 0;                       // causal chunk length; 0 = automatic
-  bool check_finite = true;                   // throw std::invalid_argument on NaN/Inf input
+  Index block_size = 0;                       // causal chunk length; 0 = automatic
 };
 
 namespace detail {
@@ -56,8 +58,8 @@ template <typename Map>
 FeatureAttentionSettings<typename Map::Scalar> feature_attention_settings(
     const char* where, const Map& map, const RandomFeatureOptions& opt) {
   using Scalar = typename Map::Scalar;
-  const double scale = opt.scale ? *opt.scale : 1.0 / std::sqrt(double(map.input_dim()));
-  require(scale > 0 && std::isfinite(scale), where,
+  const double scale = resolve_scale<double>(where, opt, inverse_sqrt_dim(map.input_dim()));
+  require(scale > 0, where,
           "scale must be positive and finite (the data normaliser is scale^(1/2)), got ", scale);
   const double eps = opt.denominator_epsilon ? *opt.denominator_epsilon
                      : Map::nonnegative      ? 0.0
@@ -67,10 +69,10 @@ FeatureAttentionSettings<typename Map::Scalar> feature_attention_settings(
   require(Map::nonnegative || eps > 0, where,
           "this feature map is not positive: denominator_epsilon must be > 0 so that ",
           "denominators near zero are guarded");
-  require(opt.chunk_size >= 0, where, "chunk_size must be >= 0, got ", opt.chunk_size);
+  require(opt.block_size >= 0, where, "block_size must be >= 0, got ", opt.block_size);
   LinearOptions lin;
   lin.causal = opt.causal;
-  lin.chunk_size = opt.chunk_size;
+  lin.block_size = opt.block_size;
   lin.denominator_epsilon = eps;
   // Inputs are checked before mapping; the core's check of its small result then catches
   // features that overflowed (e.g. an extreme bandwidth or scale) at almost no cost.
@@ -78,14 +80,13 @@ FeatureAttentionSettings<typename Map::Scalar> feature_attention_settings(
   return {static_cast<Scalar>(std::sqrt(scale)), lin};
 }
 
-// Validates one (q, k, v) slice and maps q and k to features.
+// Validates one (q, k, v) slice: shapes, and finiteness when check_finite.
 template <typename Map>
-std::pair<ScaledFeatures<typename Map::Scalar>, ScaledFeatures<typename Map::Scalar>>
-map_slice(const char* where, const Map& map, const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
-          const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
-          const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
-          const FeatureAttentionSettings<typename Map::Scalar>& s, bool check_finite) {
-  using Scalar = typename Map::Scalar;
+void check_feature_slice(const char* where, const Map& map,
+                         const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
+                         const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
+                         const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
+                         const FeatureAttentionSettings<typename Map::Scalar>& s, bool check_finite) {
   require(q.cols() == map.input_dim() && k.cols() == map.input_dim(), where, "q (", shape_of(q),
           ") and k (", shape_of(k), ") must have the feature map's input dimension ",
           map.input_dim());
@@ -98,6 +99,17 @@ map_slice(const char* where, const Map& map, const Eigen::Ref<const RowMatrix<ty
   require_finite(q, where, "q", check_finite);
   require_finite(k, where, "k", check_finite);
   require_finite(v, where, "v", check_finite);
+}
+
+// Validates one (q, k, v) slice and maps q and k to features.
+template <typename Map>
+std::pair<ScaledFeatures<typename Map::Scalar>, ScaledFeatures<typename Map::Scalar>>
+map_slice(const char* where, const Map& map, const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
+          const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
+          const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
+          const FeatureAttentionSettings<typename Map::Scalar>& s, bool check_finite) {
+  using Scalar = typename Map::Scalar;
+  check_feature_slice(where, map, q, k, v, s, check_finite);
   const Index dim = map.feature_dim();
   ScaledFeatures<Scalar> qf{RowMatrix<Scalar>(q.rows(), dim), Vector<Scalar>(q.rows())};
   ScaledFeatures<Scalar> kf{RowMatrix<Scalar>(k.rows(), dim), Vector<Scalar>(k.rows())};
@@ -168,24 +180,27 @@ void random_feature_attention_batched(const Map& map, const typename Map::Scalar
                                       const BatchShape& shape, const RandomFeatureOptions& opt = {}) {
   using Scalar = typename Map::Scalar;
   const char* where = "random_feature_attention_batched";
-  detail::require(shape.batch >= 0 && shape.heads >= 0 && shape.n_q >= 0 && shape.n_k >= 0 &&
-                      shape.dv >= 0 && shape.d == map.input_dim(),
-                  where, "shape (batch ", shape.batch, ", heads ", shape.heads, ", n_q ",
-                  shape.n_q, ", n_k ", shape.n_k, ", d ", shape.d, ", dv ", shape.dv,
-                  ") must be non-negative with d equal to the map's input dimension ",
-                  map.input_dim());
-  detail::require(shape.slices() == 0 || shape.n_q == 0 || (q && k && v && out), where,
-                  "null data pointer");
+  detail::require(shape.d == map.input_dim(), where, "shape.d = ", shape.d,
+                  " must equal the map's input dimension ", map.input_dim());
   const auto s = detail::feature_attention_settings(where, map, opt);
-  using CMap = Eigen::Map<const RowMatrix<Scalar>>;
-  detail::parallel_for(shape.slices(), [&](Index i) {
-    const CMap qs(q + i * shape.n_q * shape.d, shape.n_q, shape.d);
-    const CMap ks(k + i * shape.n_k * shape.d, shape.n_k, shape.d);
-    const CMap vs(v + i * shape.n_k * shape.dv, shape.n_k, shape.dv);
-    Eigen::Map<RowMatrix<Scalar>> o(out + i * shape.n_q * shape.dv, shape.n_q, shape.dv);
-    detail::feature_attention_slice(where, map, qs, ks, vs, s, opt.check_finite)
-        .finalize_into(o, static_cast<Scalar>(s.linear.denominator_epsilon));
-  });
+  using detail::slice_of;
+  const auto slice = [&](Index i) {
+    return std::make_tuple(slice_of(q, i, shape.n_q, shape.d), slice_of(k, i, shape.n_k, shape.d),
+                           slice_of(v, i, shape.n_k, shape.dv));
+  };
+  detail::for_each_slice(
+      where, shape, q && k && v && out,
+      [&](Index i) {
+        const auto [qs, ks, vs] = slice(i);
+        detail::check_feature_slice(where, map, qs, ks, vs, s, opt.check_finite);
+      },
+      [&](Index i) {
+        const auto [qs, ks, vs] = slice(i);
+        auto o = slice_of(out, i, shape.n_q, shape.dv);
+        // Inputs were scanned by the validation pass.
+        detail::feature_attention_slice(where, map, qs, ks, vs, s, false)
+            .finalize_into(o, static_cast<Scalar>(s.linear.denominator_epsilon));
+      });
 }
 
 // Attention with every kernel estimate clipped at zero: weights max(0, φ(q_i)ᵀ diag(σ) φ(k_j))
@@ -204,33 +219,33 @@ RowMatrix<typename Map::Scalar> random_feature_attention_clipped(
                 "the feature map, q, k and v must share the scalar type");
   const char* where = "random_feature_attention_clipped";
   const auto s = detail::feature_attention_settings(where, map, opt);
-  const RowMatrix<Scalar> ve = detail::append_ones<Scalar>(v);
   // Named members, not a structured binding: lambdas may not capture those in C++17.
   const auto mapped = detail::map_slice(where, map, q, k, v, s, opt.check_finite);
   const auto& qf = mapped.first;
   const auto& kf = mapped.second;
-  const Index n_q = qf.rows(), n_k = kf.rows(), block = 128;
+  const Index n_q = qf.rows(), n_k = kf.rows();
+  const Index block = opt.block_size > 0 ? opt.block_size : detail::kDefaultTileSize;
   SoftmaxAccumulator<Scalar> acc(n_q, v.cols());
   Vector<Scalar> sigma = map.signs();
   if (sigma.size() == 0) sigma = Vector<Scalar>::Ones(map.feature_dim());
+  detail::TileMask<> mask;
+  mask.causal = opt.causal;
   detail::parallel_for((n_q + block - 1) / block, [&](Index b) {
     const Index i0 = b * block, bq = std::min(block, n_q - i0);
     const RowMatrix<Scalar> signed_q = qf.values.middleRows(i0, bq) * sigma.asDiagonal();
-    RowMatrix<Scalar> w(bq, block), nd(bq, ve.cols());
+    const auto rows = detail::TileIndex::range(i0, bq);
+    detail::ScoreTile<Scalar> tile(bq, block, v.cols());
+    Vector<Scalar> key_weight(block);
     const Index k_end = opt.causal ? i0 + bq : n_k;
     for (Index j0 = 0; j0 < k_end; j0 += block) {
       const Index bk = std::min(block, k_end - j0);
+      // Key weights relative to the block's largest key log-scale g; rows carry q_log + g.
       const Scalar g = kf.log_scale.segment(j0, bk).maxCoeff();
-      auto wb = w.leftCols(bk);
-      detail::gemm_fixed_depth(wb, signed_q, kf.values.middleRows(j0, bk).transpose(), false);
-      const Vector<Scalar> key_weight = (kf.log_scale.segment(j0, bk).array() - g).exp().matrix();
-      wb = wb.cwiseMax(Scalar(0)) * key_weight.asDiagonal();
-      for (Index r = 0; opt.causal && r < bq; ++r) {
-        const Index first_masked = std::max<Index>(0, i0 + r + 1 - j0);
-        if (first_masked < bk) wb.row(r).tail(bk - first_masked).setZero();
-      }
-      nd.noalias() = wb * ve.middleRows(j0, bk);
-      acc.merge_rows(i0, nd, (qf.log_scale.segment(i0, bq).array() + g).matrix());
+      key_weight.head(bk) = (kf.log_scale.segment(j0, bk).array() - g).exp().matrix();
+      tile.logits(signed_q, kf.values.middleRows(j0, bk));
+      tile.mask(rows, detail::TileIndex::range(j0, bk), mask);
+      tile.clip(key_weight.head(bk), (qf.log_scale.segment(i0, bq).array() + g).matrix());
+      tile.merge_into(acc, rows, v.middleRows(j0, bk));
     }
   });
   return acc.finalize(static_cast<Scalar>(s.linear.denominator_epsilon));

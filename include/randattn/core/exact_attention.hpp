@@ -12,25 +12,23 @@
 
 #include <Eigen/Core>
 
+#include "../detail/batch.hpp"
 #include "../detail/gemm.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
-#include "linear_attention.hpp"
+#include "options.hpp"
+#include "score_tile.hpp"
 #include "softmax_accumulator.hpp"
 #include "types.hpp"
 
 namespace randattn {
 
-struct ExactOptions {
-  bool causal = false;          // query i sees keys j <= i (requires n_q == n_k)
-  std::optional<double> scale;  // logits are scale * q.k; default 1/sqrt(d)
-  bool check_finite = true;     // throw std::invalid_argument on NaN/Inf input
-  Index block_size = 0;         // query and key block length; 0 = automatic (128)
+// causal, scale (default 1/sqrt(d)) and check_finite: see core/options.hpp.
+struct ExactOptions : AttentionOptions {
+  Index block_size = 0;  // query and key block length; 0 = automatic (128)
 };
 
 namespace detail {
-
-constexpr Index kDefaultExactBlock = 128;
 
 template <typename Scalar>
 Scalar check_exact_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& q,
@@ -49,12 +47,7 @@ Scalar check_exact_inputs(const char* where, const Eigen::Ref<const RowMatrix<Sc
             ", k ", shape_of(k), ")");
     require(q.cols() > 0, where, "d must be >= 1 (q ", shape_of(q), ")");
   }
-  require(!opt.scale || std::isfinite(*opt.scale), where, "scale must be finite, got ",
-          opt.scale ? *opt.scale : 0.0);
-  const double scale = opt.scale ? *opt.scale : 1.0 / std::sqrt(double(std::max<Index>(q.cols(), 1)));
-  require(std::isfinite(static_cast<Scalar>(scale)), where, "scale ", scale,
-          " is not representable in the input's floating-point type");
-  return static_cast<Scalar>(scale);
+  return resolve_scale<Scalar>(where, opt, inverse_sqrt_dim(q.cols()));
 }
 
 // Names the first non-finite entry of q, k or v (see check_result_finite).
@@ -78,31 +71,21 @@ SoftmaxAccumulator<Scalar> exact_tiled(const Eigen::Ref<const RowMatrix<Scalar>>
   SoftmaxAccumulator<Scalar> acc(n_q, dv);
   if (n_q == 0) return acc;
   const RowMatrix<Scalar> qs = scale * q;
-  const RowMatrix<Scalar> ve = append_ones<Scalar>(v);
   const Index q_blocks = (n_q + block - 1) / block;
+  TileMask<> mask;
+  mask.causal = causal;
   // Query blocks are independent and each runs on one thread: results do not depend on the
   // thread count.
   parallel_for(q_blocks, [&](Index qb) {
     const Index i0 = qb * block, bq = std::min(block, n_q - i0);
-    RowMatrix<Scalar> scores(bq, block), numden(bq, dv + 1);
-    Vector<Scalar> row_max(bq);
+    ScoreTile<Scalar> tile(bq, block, dv);
+    const TileIndex rows = TileIndex::range(i0, bq);
+    // Causal: key blocks wholly after the query block are skipped.
     const Index k_end = causal ? i0 + bq : n_k;
     for (Index j0 = 0; j0 < k_end; j0 += block) {
       const Index bk = std::min(block, k_end - j0);
-      auto s = scores.leftCols(bk);
-      gemm_fixed_depth(s, qs.middleRows(i0, bq), k.middleRows(j0, bk).transpose(), false);
-      if (causal && j0 + bk > i0) {
-        // Diagonal block: key j0 + c is masked for query i0 + r when j0 + c > i0 + r.
-        for (Index r = 0; r < bq; ++r) {
-          const Index first_masked = std::max<Index>(0, i0 + r + 1 - j0);
-          if (first_masked < bk)
-            s.row(r).tail(bk - first_masked).setConstant(-std::numeric_limits<Scalar>::infinity());
-        }
-      }
-      row_max = s.rowwise().maxCoeff();
-      s = (s.colwise() - row_max).array().exp().matrix();
-      numden.noalias() = s * ve.middleRows(j0, bk);
-      acc.merge_rows(i0, numden, row_max);
+      tile.attend(qs.middleRows(i0, bq), k.middleRows(j0, bk), v.middleRows(j0, bk), rows,
+                  TileIndex::range(j0, bk), mask, acc);
     }
   });
   return acc;
@@ -117,7 +100,7 @@ SoftmaxAccumulator<Scalar> exact_attention_accumulate(const Eigen::Ref<const Row
                                                       const Eigen::Ref<const RowMatrix<Scalar>>& v,
                                                       const ExactOptions& opt = {}) {
   const Scalar scale = detail::check_exact_inputs<Scalar>("exact_attention", q, k, v, opt);
-  const Index block = opt.block_size > 0 ? opt.block_size : detail::kDefaultExactBlock;
+  const Index block = opt.block_size > 0 ? opt.block_size : detail::kDefaultTileSize;
   SoftmaxAccumulator<Scalar> acc = detail::exact_tiled<Scalar>(q, k, v, scale, opt.causal, block);
   const auto scan = detail::exact_input_scan<Scalar>("exact_attention", q, k, v);
   detail::check_result_finite("exact_attention", acc.numden(), opt.check_finite, scan);
@@ -174,21 +157,22 @@ template <typename Scalar>
 void exact_attention_batched(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out,
                              const BatchShape& shape, const ExactOptions& opt = {}) {
   const char* where = "exact_attention_batched";
-  detail::require(shape.batch >= 0 && shape.heads >= 0 && shape.n_q >= 0 && shape.n_k >= 0 &&
-                      shape.d >= 0 && shape.dv >= 0,
-                  where, "negative dimension in shape (batch ", shape.batch, ", heads ",
-                  shape.heads, ", n_q ", shape.n_q, ", n_k ", shape.n_k, ", d ", shape.d, ", dv ",
-                  shape.dv, ")");
-  detail::require(shape.slices() == 0 || shape.n_q == 0 || (q && k && v && out), where,
-                  "null data pointer");
-  using CMap = Eigen::Map<const RowMatrix<Scalar>>;
-  detail::parallel_for(shape.slices(), [&](Index s) {
-    const CMap qs(q + s * shape.n_q * shape.d, shape.n_q, shape.d);
-    const CMap ks(k + s * shape.n_k * shape.d, shape.n_k, shape.d);
-    const CMap vs(v + s * shape.n_k * shape.dv, shape.n_k, shape.dv);
-    Eigen::Map<RowMatrix<Scalar>> o(out + s * shape.n_q * shape.dv, shape.n_q, shape.dv);
-    exact_attention_accumulate<Scalar>(qs, ks, vs, opt).finalize_into(o);
-  });
+  using detail::slice_of;
+  detail::for_each_slice(
+      where, shape, q && k && v && out,
+      [&](Index s) {
+        const auto qs = slice_of(q, s, shape.n_q, shape.d), ks = slice_of(k, s, shape.n_k, shape.d);
+        const auto vs = slice_of(v, s, shape.n_k, shape.dv);
+        detail::check_exact_inputs<Scalar>(where, qs, ks, vs, opt);
+        if (opt.check_finite) detail::exact_input_scan<Scalar>(where, qs, ks, vs)();
+      },
+      [&](Index s) {
+        auto o = slice_of(out, s, shape.n_q, shape.dv);
+        exact_attention_accumulate<Scalar>(slice_of(q, s, shape.n_q, shape.d),
+                                           slice_of(k, s, shape.n_k, shape.d),
+                                           slice_of(v, s, shape.n_k, shape.dv), opt)
+            .finalize_into(o);
+      });
 }
 
 }  // namespace randattn

@@ -14,20 +14,21 @@
 
 #include <Eigen/Core>
 
+#include "../detail/batch.hpp"
 #include "../detail/gemm.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
+#include "options.hpp"
 #include "scaled_features.hpp"
 #include "softmax_accumulator.hpp"
 #include "types.hpp"
 
 namespace randattn {
 
-struct LinearOptions {
-  bool causal = false;              // query i sees keys j <= i (requires n_q == n_k)
-  Index chunk_size = 0;             // rows per chunk (causal) or key panel; 0 = automatic
+// causal and check_finite: see core/options.hpp.
+struct LinearOptions : CoreOptions {
+  Index block_size = 0;               // rows per chunk (causal) or key panel; 0 = automatic
   double denominator_epsilon = 1e-6;  // finalize guard, see SoftmaxAccumulator::finalize
-  bool check_finite = true;         // throw std::invalid_argument on NaN/Inf input
 };
 
 namespace detail {
@@ -68,7 +69,7 @@ void check_linear_inputs(const char* where, const Eigen::Ref<const RowMatrix<Sca
   }
   require(!opt.causal || qf.rows() == kf.rows(), where, "causal attention needs as many queries (",
           qf.rows(), ") as keys (", kf.rows(), ")");
-  require(opt.chunk_size >= 0, where, "chunk_size must be >= 0, got ", opt.chunk_size);
+  require(opt.block_size >= 0, where, "block_size must be >= 0, got ", opt.block_size);
   require(opt.denominator_epsilon >= 0 && std::isfinite(opt.denominator_epsilon), where,
           "denominator_epsilon must be finite and >= 0, got ", opt.denominator_epsilon);
   if (qf.rows() > 0) {
@@ -258,7 +259,7 @@ SoftmaxAccumulator<Scalar> linear_attention_accumulate(
   const char* where = "linear_attention";
   detail::check_linear_inputs<Scalar>(where, q_features, q_log_scale, k_features, k_log_scale, v,
                                       signs, opt);
-  const Index chunk = opt.chunk_size > 0 ? opt.chunk_size
+  const Index chunk = opt.block_size > 0 ? opt.block_size
                       : opt.causal         ? detail::kDefaultCausalChunk
                                            : detail::kDefaultKeyPanel;
   if (q_features.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
@@ -315,28 +316,32 @@ void linear_attention_batched(const Scalar* q_features, const Scalar* q_log_scal
                               const Scalar* signs, Scalar* out, const BatchShape& shape,
                               const LinearOptions& opt = {}) {
   const char* where = "linear_attention_batched";
-  detail::require(shape.batch >= 0 && shape.heads >= 0 && shape.n_q >= 0 && shape.n_k >= 0 &&
-                      shape.d >= 0 && shape.dv >= 0,
-                  where, "negative dimension in shape (batch ", shape.batch, ", heads ",
-                  shape.heads, ", n_q ", shape.n_q, ", n_k ", shape.n_k, ", M ", shape.d, ", dv ",
-                  shape.dv, ")");
-  detail::require(shape.slices() == 0 || shape.n_q == 0 ||
-                      (q_features && k_features && v && out),
-                  where, "null data pointer");
-  using CMap = Eigen::Map<const RowMatrix<Scalar>>;
+  using detail::slice_of;
   using VMap = Eigen::Map<const Vector<Scalar>>;
   const VMap sign_map(signs, signs ? shape.d : 0);
-  detail::parallel_for(shape.slices(), [&](Index s) {
-    const CMap qf(q_features + s * shape.n_q * shape.d, shape.n_q, shape.d);
-    const CMap kf(k_features + s * shape.n_k * shape.d, shape.n_k, shape.d);
-    const CMap vs(v + s * shape.n_k * shape.dv, shape.n_k, shape.dv);
-    const VMap ql(q_log_scale ? q_log_scale + s * shape.n_q : nullptr, q_log_scale ? shape.n_q : 0);
-    const VMap kl(k_log_scale ? k_log_scale + s * shape.n_k : nullptr, k_log_scale ? shape.n_k : 0);
-    Eigen::Map<RowMatrix<Scalar>> o(out + s * shape.n_q * shape.dv, shape.n_q, shape.dv);
-    linear_attention_accumulate<Scalar>(qf, ql, kf, kl, vs, sign_map, opt)
-        .finalize_into(o, static_cast<Scalar>(opt.denominator_epsilon));
-    detail::check_result_finite(where, o, opt.check_finite, [] {});
-  });
+  const auto log_scales = [&](const Scalar* base, Index s, Index n) {
+    return VMap(base ? base + s * n : nullptr, base ? n : 0);
+  };
+  detail::for_each_slice(
+      where, shape, q_features && k_features && v && out,
+      [&](Index s) {
+        const auto qf = slice_of(q_features, s, shape.n_q, shape.d);
+        const auto kf = slice_of(k_features, s, shape.n_k, shape.d);
+        const auto vs = slice_of(v, s, shape.n_k, shape.dv);
+        detail::check_linear_inputs<Scalar>(where, qf, log_scales(q_log_scale, s, shape.n_q), kf,
+                                            log_scales(k_log_scale, s, shape.n_k), vs, sign_map,
+                                            opt);
+        if (opt.check_finite) detail::linear_input_scan<Scalar>(where, qf, kf, vs)();
+      },
+      [&](Index s) {
+        auto o = slice_of(out, s, shape.n_q, shape.dv);
+        linear_attention_accumulate<Scalar>(
+            slice_of(q_features, s, shape.n_q, shape.d), log_scales(q_log_scale, s, shape.n_q),
+            slice_of(k_features, s, shape.n_k, shape.d), log_scales(k_log_scale, s, shape.n_k),
+            slice_of(v, s, shape.n_k, shape.dv), sign_map, opt)
+            .finalize_into(o, static_cast<Scalar>(opt.denominator_epsilon));
+        detail::check_result_finite(where, o, opt.check_finite, [] {});
+      });
 }
 
 }  // namespace randattn

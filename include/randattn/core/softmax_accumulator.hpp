@@ -5,6 +5,7 @@
 // shards) merge exactly like online softmax.
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <utility>
 
@@ -82,6 +83,22 @@ class SoftmaxAccumulator {
                     " with ", log_scale.size(), " log-scales at row ", row0,
                     " does not fit an accumulator of ", rows(), "x", value_dim_ + 1);
     for (Index r = 0; r < nd.rows(); ++r) merge_row(row0 + r, nd.row(r), Scalar(log_scale(r)));
+  }
+
+  // Merges row t of a partial [num | den] block into row rows[t], for gathered rows (hash
+  // buckets, filters). Rows are independent: disjoint row sets may be merged from different threads.
+  template <typename DerivedND, typename DerivedC>
+  void merge_gathered(const std::int32_t* rows, const Eigen::MatrixBase<DerivedND>& nd,
+                      const Eigen::MatrixBase<DerivedC>& log_scale) {
+    detail::require(nd.cols() == value_dim_ + 1 && log_scale.size() == nd.rows(),
+                    "SoftmaxAccumulator::merge_gathered", "block ", nd.rows(), "x", nd.cols(),
+                    " with ", log_scale.size(), " log-scales does not fit an accumulator of ",
+                    this->rows(), "x", value_dim_ + 1);
+    for (Index t = 0; t < nd.rows(); ++t) {
+      detail::require(rows[t] >= 0 && rows[t] < this->rows(), "SoftmaxAccumulator::merge_gathered",
+                      "row ", rows[t], " is outside [0, ", this->rows(), ")");
+      merge_row(rows[t], nd.row(t), Scalar(log_scale(t)));
+    }
   }
 
   // Merges another accumulator over the same rows.

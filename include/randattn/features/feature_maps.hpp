@@ -1,5 +1,5 @@
 #pragma once
-// Random-feature maps of the softmax kernel SM(x, y) = exp(xᵀy) (SPEC §3):
+// Random-feature maps of the softmax kernel SM(x, y) = exp(xᵀy) (Choromanski et al., "Rethinking Attention with Performers", ICLR 2021):
 //
 //   trig        (2m): φ(x) = e^{‖x‖²/2}/√m  · [sin(ω_iᵀx)]_i ⊕ [cos(ω_iᵀx)]_i
 //   positive     (m): φ(x) = e^{−‖x‖²/2}/√m · [exp(ω_iᵀx)]_i                  (FAVOR+)
@@ -136,7 +136,7 @@ class PositiveFeatures
 };
 
 // Hyperbolic positive features (2m of them): exp(±ω_iᵀx), half the positive map's variance
-// per projection row (SPEC §3). Nonnegative.
+// per projection row (Performer, Lemma 1). Nonnegative.
 template <typename Scalar, typename Projection = OrthogonalProjection<Scalar>>
 class HyperbolicFeatures
     : public detail::ProjectedFeatureMap<HyperbolicFeatures<Scalar, Projection>, Scalar,

@@ -1,5 +1,5 @@
 #pragma once
-// Hybrid random features (SPEC §4): with base estimators SM̂_1..SM̂_{p+1} (feature maps φ_k)
+// Hybrid random features (Choromanski et al., "Hybrid Random Features", ICLR 2022): with base estimators SM̂_1..SM̂_{p+1} (feature maps φ_k)
 // and weight estimators λ̂_k(x, y) = ξ_k(x)ᵀ diag(σ_k) ξ_k(y), independent of the bases,
 //
 //   SM̂(x, y) = Σ_{k≤p} λ̂_k SM̂_k + (1 − Σ_k λ̂_k) SM̂_{p+1}
@@ -304,7 +304,7 @@ class HybridFeatures {
   Vector<Scalar> signs_;
 };
 
-// The angular hybrid λ̂·SM̂_hyp + (1 − λ̂)·SM̂_trig (SPEC §4): m projections per base, n_lambda
+// The angular hybrid λ̂·SM̂_hyp + (1 − λ̂)·SM̂_trig (Hybrid Random Features, the angular case): m projections per base, n_lambda
 // sign features; 2·(n_lambda + 1)·2m + 2m features.
 template <typename Scalar, typename Projection = OrthogonalProjection<Scalar>>
 HybridFeatures<Scalar> angular_hybrid(Index m, Index n_lambda, Index d, std::uint64_t seed = 0) {

@@ -1,5 +1,6 @@
 #pragma once
-// Reading and writing NumPy .npy files.
+// Reading and writing NumPy .npy files: an opt-in header, not included by <randattn/randattn.hpp>
+// (the command line and the tests use it; include it yourself to exchange arrays with NumPy).
 //
 // Supported: little-endian float32 ('<f4') and float64 ('<f8') arrays in C order with any number of
 // dimensions. '=' (native) and '|' (not applicable) byte-order characters are accepted on little-endian

@@ -2,7 +2,7 @@
 // LSH attention (Reformer): softmax attention restricted, for each query, to the keys that
 // share a cross-polytope hash bucket with it in one of r rounds.
 //
-// Shared QK (lsh_attention(qk, v, ...)): the keys are the normalised queries k_j = q_j / |q_j|
+// Shared QK (lsh_attention(hash, qk, v, ...)): the keys are the normalised queries k_j = q_j / |q_j|
 // (a zero row gives k_j = 0: logit 0 with every query, never NaN) and the logits are
 // scale * q_i . k_j, scale 1 by default. Per round the tokens are stably sorted by
 // (bucket, position) and the sorted order is cut into chunks of length c (the last one shorter
@@ -10,7 +10,7 @@
 // to itself and to the previous chunk, cyclically (with a single chunk, to itself only).
 // With exact_buckets = true a token attends to its whole bucket instead.
 //
-// Separate keys (lsh_attention(q, k, v, ...), exact_buckets = true required): queries and keys
+// Separate keys (lsh_attention(hash, q, k, v, ...), exact_buckets = true required): queries and keys
 // are hashed with the same rotations and every query attends to all keys of its bucket, keys as
 // given, logits scale * q_i . k_j.
 //
@@ -43,8 +43,10 @@
 
 #include <Eigen/Core>
 
+#include "../core/options.hpp"
 #include "../core/softmax_accumulator.hpp"
 #include "../core/types.hpp"
+#include "../detail/batch.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
 #include "cross_polytope.hpp"
@@ -52,13 +54,14 @@
 
 namespace randattn {
 
-struct LshOptions {
-  Index chunk = 64;             // sort-and-chunk length c >= 1 (unused with exact_buckets)
-  bool exact_buckets = false;   // attend to whole buckets instead of sorted chunks
-  bool causal = false;          // query i sees keys j <= i only (requires n_q == n_k)
-  std::optional<double> scale;  // logits are scale * q . k; default 1 (Reformer convention)
-  bool dedupe = true;           // exact-union correction; false = multiset (trax/HF)
-  bool check_finite = true;     // throw std::invalid_argument on NaN/Inf input
+// causal, scale and check_finite: see core/options.hpp. The scale defaults to 1 (Reformer): keys
+// are unit vectors, so a logit scale · q·k̂ = scale · ‖q‖ cos θ carries the query norm once;
+// pass 1/sqrt(d) to match implementations that also divide by sqrt(d) (Hugging Face).
+// `chunk` is not a block size: it sets which keys a query sees, and so the result.
+struct LshOptions : AttentionOptions {
+  Index chunk = 64;            // sort-and-chunk length c >= 1 (unused with exact_buckets)
+  bool exact_buckets = false;  // attend to whole buckets instead of sorted chunks
+  bool dedupe = true;          // exact-union correction; false = multiset (trax/HF)
 };
 
 // Reformer's bucket count for chunk length c: 2 ceil(n / c) (expected bucket size c / 2).
@@ -94,7 +97,7 @@ Scalar check_lsh_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scal
                         const CrossPolytopeHash<Scalar>& hash, const LshOptions& opt) {
   const Index n_k = k ? k->rows() : q.rows();
   require(opt.chunk >= 1, where, "chunk must be >= 1, got ", opt.chunk);
-  require(!opt.scale || std::isfinite(*opt.scale), where, "scale must be finite, got ", opt.scale ? *opt.scale : 0.0);
+  const Scalar scale = resolve_scale<Scalar>(where, opt, 1.0);
   require(q.rows() == 0 || q.cols() == hash.dim(), where, "q is ", shape_of(q),
           " but the hash was built for dimension ", hash.dim());
   require(v.rows() == n_k, where, "v (", shape_of(v), ") must have one row per key (", n_k, ")");
@@ -114,7 +117,7 @@ Scalar check_lsh_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scal
   }
   require_finite(q, where, "q", opt.check_finite);
   require_finite(v, where, "v", opt.check_finite);
-  return static_cast<Scalar>(opt.scale ? *opt.scale : 1.0);
+  return scale;
 }
 
 // One (batch, head) slice. k == nullptr: shared QK.
@@ -281,44 +284,43 @@ SoftmaxAccumulator<Scalar> lsh_accumulate(const Eigen::Ref<const RowMatrix<Scala
 // Shared-QK LSH attention as an accumulator (for merging with other partial results):
 // qk n x d, v n x dv.
 template <typename Scalar>
-SoftmaxAccumulator<Scalar> lsh_attention_accumulate(const Eigen::Ref<const RowMatrix<Scalar>>& qk,
+SoftmaxAccumulator<Scalar> lsh_attention_accumulate(const CrossPolytopeHash<Scalar>& hash,
+                                                    const Eigen::Ref<const RowMatrix<Scalar>>& qk,
                                                     const Eigen::Ref<const RowMatrix<Scalar>>& v,
-                                                    const CrossPolytopeHash<Scalar>& hash,
                                                     const LshOptions& opt = {}) {
   return detail::lsh_accumulate<Scalar>(qk, nullptr, v, hash, opt);
 }
 
 // Separate-key LSH attention (exact buckets) as an accumulator: q n_q x d, k n_k x d, v n_k x dv.
 template <typename Scalar>
-SoftmaxAccumulator<Scalar> lsh_attention_accumulate(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+SoftmaxAccumulator<Scalar> lsh_attention_accumulate(const CrossPolytopeHash<Scalar>& hash,
+                                                    const Eigen::Ref<const RowMatrix<Scalar>>& q,
                                                     const Eigen::Ref<const RowMatrix<Scalar>>& k,
                                                     const Eigen::Ref<const RowMatrix<Scalar>>& v,
-                                                    const CrossPolytopeHash<Scalar>& hash,
                                                     const LshOptions& opt = {}) {
   return detail::lsh_accumulate<Scalar>(q, &k, v, hash, opt);
 }
 
 // Shared-QK LSH attention (Reformer): qk n x d, v n x dv -> n x dv.
 template <typename DQ, typename DV>
-RowMatrix<typename DQ::Scalar> lsh_attention(const Eigen::MatrixBase<DQ>& qk, const Eigen::MatrixBase<DV>& v,
-                                             const CrossPolytopeHash<typename DQ::Scalar>& hash,
+RowMatrix<typename DQ::Scalar> lsh_attention(const CrossPolytopeHash<typename DQ::Scalar>& hash,
+                                             const Eigen::MatrixBase<DQ>& qk, const Eigen::MatrixBase<DV>& v,
                                              const LshOptions& opt = {}) {
   using Scalar = typename DQ::Scalar;
   static_assert(std::is_same<Scalar, typename DV::Scalar>::value, "qk and v must share the scalar type");
   // Every row holds its largest term exp(0), so den >= 1.
-  return lsh_attention_accumulate<Scalar>(qk, v, hash, opt).finalize();
+  return lsh_attention_accumulate<Scalar>(hash, qk, v, opt).finalize();
 }
 
 // Separate-key LSH attention (exact buckets): q n_q x d, k n_k x d, v n_k x dv -> n_q x dv.
 template <typename DQ, typename DK, typename DV>
-RowMatrix<typename DQ::Scalar> lsh_attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                                             const Eigen::MatrixBase<DV>& v,
-                                             const CrossPolytopeHash<typename DQ::Scalar>& hash,
-                                             const LshOptions& opt = {}) {
+RowMatrix<typename DQ::Scalar> lsh_attention(const CrossPolytopeHash<typename DQ::Scalar>& hash,
+                                             const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                             const Eigen::MatrixBase<DV>& v, const LshOptions& opt = {}) {
   using Scalar = typename DQ::Scalar;
   static_assert(std::is_same<Scalar, typename DK::Scalar>::value && std::is_same<Scalar, typename DV::Scalar>::value,
                 "q, k and v must share the scalar type");
-  return lsh_attention_accumulate<Scalar>(q, k, v, hash, opt).finalize();
+  return lsh_attention_accumulate<Scalar>(hash, q, k, v, opt).finalize();
 }
 
 // Exact shared-QK attention with the same keys, scale, self rule and causal mask: the limit of
@@ -333,45 +335,38 @@ RowMatrix<typename DQ::Scalar> shared_qk_attention(const Eigen::MatrixBase<DQ>& 
   LshOptions single = opt;
   single.exact_buckets = true;  // every token hashes to bucket 0: one bucket holds the sequence
   single.dedupe = false;
-  return lsh_attention(q, v, one_bucket, single);
+  return lsh_attention(one_bucket, q, v, single);
 }
 
 namespace detail {
 
 template <typename Scalar>
-void lsh_batched(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out, const BatchShape& shape,
-                 const CrossPolytopeHash<Scalar>& hash, const LshOptions& opt) {
+void lsh_batched(const CrossPolytopeHash<Scalar>& hash, const Scalar* q, const Scalar* k, const Scalar* v,
+                 Scalar* out, const BatchShape& shape, const LshOptions& opt) {
   const char* where = "lsh_attention_batched";
-  require(shape.batch >= 0 && shape.heads >= 0 && shape.n_q >= 0 && shape.n_k >= 0 && shape.d >= 0 && shape.dv >= 0,
-          where, "negative dimension in shape (batch ", shape.batch, ", heads ", shape.heads, ", n_q ", shape.n_q,
-          ", n_k ", shape.n_k, ", d ", shape.d, ", dv ", shape.dv, ")");
   require(k || shape.n_k == shape.n_q, where, "shared QK needs n_k == n_q, got ", shape.n_k, " and ", shape.n_q);
-  require(shape.slices() == 0 || shape.n_q == 0 || (q && v && out), where, "null data pointer");
-  using CMap = Eigen::Map<const RowMatrix<Scalar>>;
-  // Validate every slice before computing any, so a failure leaves `out` untouched.
-  const auto view = [&](const Scalar* base, Index s, Index rows, Index cols) {
-    return CMap(base + s * rows * cols, rows, cols);
+  // One slice's inputs; k == nullptr: shared QK.
+  struct Slice {
+    Eigen::Ref<const RowMatrix<Scalar>> q, k, v;
+    bool shared;
+    const Eigen::Ref<const RowMatrix<Scalar>>* keys() const { return shared ? nullptr : &k; }
   };
-  for (Index s = 0; s < shape.slices(); ++s) {
-    const CMap qs = view(q, s, shape.n_q, shape.d), vs = view(v, s, shape.n_k, shape.dv);
-    if (k) {
-      const Eigen::Ref<const RowMatrix<Scalar>> ks = view(k, s, shape.n_k, shape.d);
-      check_lsh_inputs<Scalar>(where, qs, &ks, vs, hash, opt);
-    } else {
-      check_lsh_inputs<Scalar>(where, qs, nullptr, vs, hash, opt);
-    }
-  }
-  const Scalar scale = static_cast<Scalar>(opt.scale ? *opt.scale : 1.0);
-  parallel_for(shape.slices(), [&](Index s) {
-    const Eigen::Ref<const RowMatrix<Scalar>> qs = view(q, s, shape.n_q, shape.d), vs = view(v, s, shape.n_k, shape.dv);
-    Eigen::Map<RowMatrix<Scalar>> o(out + s * shape.n_q * shape.dv, shape.n_q, shape.dv);
-    if (k) {
-      const Eigen::Ref<const RowMatrix<Scalar>> ks = view(k, s, shape.n_k, shape.d);
-      LshSlice<Scalar>(qs, &ks, vs, hash, opt, scale).accumulator().finalize_into(o);
-    } else {
-      LshSlice<Scalar>(qs, nullptr, vs, hash, opt, scale).accumulator().finalize_into(o);
-    }
-  });
+  const auto slice = [&](Index s) {
+    return Slice{slice_of(q, s, shape.n_q, shape.d), slice_of(k ? k : q, s, shape.n_k, shape.d),
+                 slice_of(v, s, shape.n_k, shape.dv), k == nullptr};
+  };
+  const Scalar scale = resolve_scale<Scalar>(where, opt, 1.0);
+  for_each_slice(
+      where, shape, q && v && out,
+      [&](Index s) {
+        const Slice in = slice(s);
+        check_lsh_inputs<Scalar>(where, in.q, in.keys(), in.v, hash, opt);
+      },
+      [&](Index s) {
+        const Slice in = slice(s);
+        auto o = slice_of(out, s, shape.n_q, shape.dv);
+        LshSlice<Scalar>(in.q, in.keys(), in.v, hash, opt, scale).accumulator().finalize_into(o);
+      });
 }
 
 }  // namespace detail
@@ -380,19 +375,19 @@ void lsh_batched(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out,
 // qk (batch, heads, n, d), v (batch, heads, n, dv) -> out (batch, heads, n, dv); shape.n_k = shape.n_q.
 // Every slice uses the same rotations. Slices run in parallel, each on one thread.
 template <typename Scalar>
-void lsh_attention_batched(const Scalar* qk, const Scalar* v, Scalar* out, const BatchShape& shape,
-                           const CrossPolytopeHash<Scalar>& hash, const LshOptions& opt = {}) {
-  detail::lsh_batched<Scalar>(qk, nullptr, v, out, shape, hash, opt);
+void lsh_attention_batched(const CrossPolytopeHash<Scalar>& hash, const Scalar* qk, const Scalar* v, Scalar* out,
+                           const BatchShape& shape, const LshOptions& opt = {}) {
+  detail::lsh_batched<Scalar>(hash, qk, nullptr, v, out, shape, opt);
 }
 
 // Batched separate-key LSH attention (exact buckets): q (batch, heads, n_q, d),
 // k (batch, heads, n_k, d), v (batch, heads, n_k, dv) -> out (batch, heads, n_q, dv).
 template <typename Scalar>
-void lsh_attention_batched(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out, const BatchShape& shape,
-                           const CrossPolytopeHash<Scalar>& hash, const LshOptions& opt = {}) {
+void lsh_attention_batched(const CrossPolytopeHash<Scalar>& hash, const Scalar* q, const Scalar* k, const Scalar* v,
+                           Scalar* out, const BatchShape& shape, const LshOptions& opt = {}) {
   detail::require(k != nullptr || shape.slices() == 0 || shape.n_q == 0, "lsh_attention_batched",
                   "null key pointer (use the overload without k for shared QK)");
-  detail::lsh_batched<Scalar>(q, k, v, out, shape, hash, opt);
+  detail::lsh_batched<Scalar>(hash, q, k, v, out, shape, opt);
 }
 
 }  // namespace randattn

@@ -1,6 +1,6 @@
 #pragma once
 // Higher-order SVD subspaces: exact, and sketched from two independent sparsifications
-// (Algorithm 2, SPEC §6), with the sin-Theta distance between subspaces.
+// (Algorithm 2 of "Effective Tensor Sketching via Sparsification"), with the sin-Theta distance between subspaces.
 //
 // exact_hosvd: U_j = top r_j eigenvectors of M_j M_j^T (the top left singular vectors of the
 //   mode-j unfolding M_j). O(D * sum_j d_j) flops; the Gram products run over panels of fixed

@@ -1,13 +1,13 @@
 #pragma once
-// Sparse-score attention through the shared core (SPEC §2, §6): for a sparse nonnegative score
+// Sparse-score attention through the shared core (the accumulator of core/softmax_accumulator.hpp): for a sparse nonnegative score
 // matrix W_hat (n_q x n_k) the accumulator holds [num | den] = W_hat [V | 1].
 //
 // sparse_score_accumulate: the core step for any such W_hat (a SparseTensor of order 2 or a
 //   row-major Eigen::SparseMatrix), with optional per-row log-scales.
 // sparse_score_attention(_accumulate): W_ij = exp(scale q_i.k_j - c_i), c_i = max_j of the
 //   row's logits, sparsified by Algorithm 1 with a StreamingSparsifier fed with blocks of
-//   block_rows score rows (two passes, each recomputing the block's logits): memory
-//   O(block_rows * n_k + nnz), never the full score matrix. E[W_hat] = W, so [num | den] is
+//   block_size score rows (two passes, each recomputing the block's logits): memory
+//   O(block_size * n_k + nnz), never the full score matrix. E[W_hat] = W, so [num | den] is
 //   unbiased for softmax attention's numerator and denominator (the ratio is not).
 //   With budget >= n_q * n_k every entry is kept and the result is exact attention up to rounding.
 // A row of W_hat with no stored entry has den = 0 and finalizes to a zero row; the accumulator
@@ -24,6 +24,7 @@
 #include <Eigen/SparseCore>
 
 #include "../core/exact_attention.hpp"
+#include "../core/score_tile.hpp"
 #include "../core/softmax_accumulator.hpp"
 #include "../core/types.hpp"
 #include "../detail/gemm.hpp"
@@ -34,14 +35,12 @@
 
 namespace randattn {
 
-struct SparseScoreOptions {
-  double budget = 0;            // Algorithm 1's n for the n_q x n_k weight matrix
+// causal, scale (default 1/sqrt(d)) and check_finite: see core/options.hpp.
+struct SparseScoreOptions : AttentionOptions {
+  double budget = 0;  // Algorithm 1's n for the n_q x n_k weight matrix
   std::uint64_t seed = 0;
   std::uint32_t stream = 0;
-  bool causal = false;          // query i sees keys j <= i (requires n_q == n_k)
-  std::optional<double> scale;  // logits are scale * q.k; default 1/sqrt(d)
-  Index block_rows = 64;        // score rows computed at a time
-  bool check_finite = true;     // throw std::invalid_argument on NaN/Inf in q, k, v
+  Index block_size = 0;  // score rows computed at a time; 0 = automatic (64)
 };
 
 template <typename Scalar>
@@ -129,12 +128,12 @@ SparseScoreAttention<Scalar> sparse_score_attention_accumulate(const Eigen::Ref<
                                                                const SparseScoreOptions& opt) {
   const char* where = "sparse_score_attention";
   ExactOptions exact;
-  exact.causal = opt.causal;
-  exact.scale = opt.scale;
-  exact.check_finite = opt.check_finite;
+  static_cast<AttentionOptions&>(exact) = opt;
   const Scalar scale = detail::check_exact_inputs<Scalar>(where, q, k, v, exact);
-  detail::require(opt.block_rows >= 1, where, "block_rows must be >= 1, got ", opt.block_rows);
-  const Index n_q = q.rows(), n_k = k.rows(), rows = std::min(opt.block_rows, std::max<Index>(n_q, 1));
+  detail::require(opt.block_size >= 0, where, "block_size must be >= 0, got ", opt.block_size);
+  const Index n_q = q.rows(), n_k = k.rows();
+  const Index rows = std::min(opt.block_size > 0 ? opt.block_size : detail::kSparseRowBlock,
+                              std::max<Index>(n_q, 1));
 
   SparsifyOptions sp;
   sp.budget = opt.budget;
@@ -142,18 +141,18 @@ SparseScoreAttention<Scalar> sparse_score_attention_accumulate(const Eigen::Ref<
   sp.stream = opt.stream;
   StreamingSparsifier<Scalar> sparsifier({n_q, n_k}, sp);
   const RowMatrix<Scalar> qs = scale * q;
-  RowMatrix<Scalar> block(rows, n_k);
+  // One tile spans whole score rows, so its weights are contiguous (row-major, flat index order).
+  detail::ScoreTile<Scalar> tile(rows, n_k, v.cols());
+  detail::TileMask<> mask;
+  mask.causal = opt.causal;
   Vector<Scalar> log_scale(n_q);
   // Rows [i0, i0 + bq) of W, recomputed identically in both passes.
   auto weights = [&](Index i0, Index bq) {
-    auto s = block.topRows(bq);
-    detail::gemm_fixed_depth(s, qs.middleRows(i0, bq), k.transpose(), false);
-    for (Index r = 0; r < bq; ++r) {
-      if (opt.causal) s.row(r).tail(n_k - (i0 + r) - 1).setConstant(-std::numeric_limits<Scalar>::infinity());
-      log_scale(i0 + r) = s.row(r).maxCoeff();
-      s.row(r) = (s.row(r).array() - log_scale(i0 + r)).exp().matrix();
-    }
-    return s.data();
+    tile.logits(qs.middleRows(i0, bq), k);
+    tile.mask(detail::TileIndex::range(i0, bq), detail::TileIndex::range(0, n_k), mask);
+    tile.exponentiate();
+    log_scale.segment(i0, bq) = tile.row_max();
+    return tile.scores().data();
   };
   for (Index i0 = 0; i0 < n_q; i0 += rows) {
     const Index bq = std::min(rows, n_q - i0);

@@ -1,5 +1,5 @@
 #pragma once
-// Entrywise tensor sparsification (SPEC §6).
+// Entrywise tensor sparsification ("Effective Tensor Sketching via Sparsification", Algorithm 1).
 //
 // Algorithm 1 (scheme spa: keep large, sample moderate entries proportionally to a^2, sample
 // small entries uniformly). For a tensor A with D entries and budget n, entry omega is kept

@@ -1,5 +1,5 @@
 #pragma once
-// Tensor spectral norm ||A|| = sup <A, u_0 o ... o u_{k-1}> over unit vectors (SPEC §6), and the
+// Tensor spectral norm ||A|| = sup <A, u_0 o ... o u_{k-1}> over unit vectors, and the
 // error of a sketch in that norm and in the Frobenius norm.
 //
 // The spectral norm of a tensor of order >= 3 is NP-hard in general, so it is bracketed:

@@ -1,0 +1,192 @@
+#pragma once
+// The score-tile step that every softmax path shares: a tile of logits S = Q_t K_tᵀ for a set of
+// query rows and key columns, its mask, the row maxima c_r and the weights exp(S − c_r), and the
+// partial [num | den] = [P V | P 1] merged into the SoftmaxAccumulator (online softmax).
+// Exact attention (contiguous blocks), LSH and filter attention (gathered rows and columns),
+// sparse-score attention (weights only) and clipped random-feature attention (clipped weights
+// instead of exponentials) are sequences of the steps below.
+//
+// Masks (TileMask), applied in this order:
+//   dedupe        the logit of pair (i, j) is lowered by log N_ij, N_ij >= 1 the number of times
+//                 the pair was scored (hash rounds, filter tables): a softmax over the union counts
+//                 every key once;
+//   causal        j > i is removed;
+//   exclude_self  j == i is removed (shared-QK LSH).
+// A removed entry has logit −inf and weight exactly 0. A tile row whose entries are all removed
+// has row maximum −inf and contributes nothing when merged (log-scale −inf).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include <Eigen/Core>
+
+#include "../detail/gemm.hpp"
+#include "softmax_accumulator.hpp"
+#include "types.hpp"
+
+namespace randattn::detail {
+
+// Rows and columns of a tile when the caller does not choose (exact and clipped attention).
+constexpr Index kDefaultTileSize = 128;
+
+// Global positions of a tile's rows or columns: a contiguous range [first, first + size), or a
+// gathered list of positions.
+struct TileIndex {
+  const std::int32_t* list = nullptr;  // null: the range
+  Index first = 0;
+  Index size = 0;
+
+  static TileIndex range(Index first, Index size) { return {nullptr, first, size}; }
+  static TileIndex gathered(const std::int32_t* list, Index size) { return {list, 0, size}; }
+  Index operator[](Index t) const { return list ? Index(list[t]) : first + t; }
+  Index max() const {
+    return list ? Index(*std::max_element(list, list + size)) : first + size - 1;
+  }
+  Index min() const {
+    return list ? Index(*std::min_element(list, list + size)) : first;
+  }
+};
+
+// Pair counts for the dedupe mask: count(i, cols, n) writes into n[u] the number of times the
+// pair (i, cols[u]) was scored, for the columns of the current tile.
+struct NoDedupe {
+  void operator()(Index, const TileIndex&, std::int32_t*) const {}
+};
+
+template <typename Count = NoDedupe>
+struct TileMask {
+  bool causal = false;
+  bool exclude_self = false;
+  const Count* dedupe = nullptr;  // null: every pair counts once
+};
+
+// One tile's buffers, sized once for tiles of at most max_rows x max_cols; every step works on
+// the top-left br x bc corner, so a kernel allocates nothing per tile.
+template <typename Scalar>
+class ScoreTile {
+ public:
+  static constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+
+  ScoreTile(Index max_rows, Index max_cols, Index value_dim)
+      : s_(max_rows, max_cols),
+        nd_(max_rows, value_dim + 1),
+        row_max_(max_rows),
+        count_(max_cols),
+        log_count_(1, Scalar(0)) {}
+
+  // S = q kᵀ for q (br x d) and k (bc x d); the logits of the rows and columns now in the tile.
+  template <typename Q, typename K>
+  void logits(const Q& q, const K& k) {
+    br_ = q.rows();
+    bc_ = k.rows();
+    gemm_fixed_depth(scores(), q, k.transpose(), false);
+  }
+
+  auto scores() { return s_.topLeftCorner(br_, bc_); }
+  auto scores() const { return s_.topLeftCorner(br_, bc_); }
+  auto row_max() const { return row_max_.head(br_); }
+
+  // Applies `mask` to the tile whose rows and columns sit at global positions rows and cols.
+  template <typename Count>
+  void mask(const TileIndex& rows, const TileIndex& cols, const TileMask<Count>& mask) {
+    if (mask.dedupe) subtract_log_counts(rows, cols, *mask.dedupe);
+    if (!mask.causal && !mask.exclude_self) return;
+    // Both masks as one comparison per key: j removed iff j > limit, or j == self.
+    constexpr Index kNone = std::numeric_limits<Index>::max();
+    for (Index t = 0; t < br_; ++t) {
+      const Index i = rows[t];
+      const Index limit = mask.causal ? i : kNone;
+      const Index self = mask.exclude_self ? i : -1;
+      Scalar* srow = &s_(t, 0);
+      if (cols.list) {
+        for (Index u = 0; u < bc_; ++u) {
+          const Index j = cols.list[u];
+          srow[u] = (j > limit || j == self) ? kNegInf : srow[u];
+        }
+      } else if (mask.causal) {
+        // Contiguous keys: the removed ones are a suffix of the row (and i itself, if asked).
+        const Index keep = std::clamp<Index>(limit - cols.first + 1, 0, bc_);
+        std::fill(srow + keep, srow + bc_, kNegInf);
+        if (self >= cols.first && self < cols.first + keep) srow[self - cols.first] = kNegInf;
+      } else if (self >= cols.first && self < cols.first + bc_) {
+        srow[self - cols.first] = kNegInf;
+      }
+    }
+  }
+
+  // Row maxima c_r of the (masked) logits, then S ← exp(S − c_r). A row with every entry
+  // removed keeps c_r = −inf and is shifted by 0, so its weights are exactly 0, never NaN.
+  void exponentiate() {
+    auto s = scores();
+    row_max_.head(br_) = s.rowwise().maxCoeff();
+    for (Index t = 0; t < br_; ++t) {
+      const Scalar c = row_max_(t);
+      s.row(t).array() = (s.row(t).array() - (c == kNegInf ? Scalar(0) : c)).exp();
+    }
+  }
+
+  // Weights instead of exponentials: S ← max(S, 0) ⊙ column_weight, with the row log-scales
+  // given (clipped kernel estimates of random-feature attention).
+  template <typename W, typename C>
+  void clip(const W& column_weight, const C& log_scale) {
+    auto s = scores();
+    s = s.cwiseMax(Scalar(0)) * column_weight.asDiagonal();
+    row_max_.head(br_) = log_scale;
+  }
+
+  // [num | den] = [P V | P 1] for the tile's weights P and value rows v (bc x dv), merged into
+  // acc at the tile's rows with the row log-scales.
+  template <typename V>
+  void merge_into(SoftmaxAccumulator<Scalar>& acc, const TileIndex& rows, const V& v) {
+    const Index dv = nd_.cols() - 1;
+    auto nd = nd_.topRows(br_);
+    gemm_fixed_depth(nd.leftCols(dv), scores(), v, false);
+    nd.col(dv) = scores().rowwise().sum();
+    if (rows.list) {
+      acc.merge_gathered(rows.list, nd, row_max_.head(br_));
+    } else {
+      acc.merge_rows(rows.first, nd, row_max_.head(br_));
+    }
+  }
+
+  // The whole softmax step: logits, mask, exponentials, merge.
+  template <typename Q, typename K, typename V, typename Count>
+  void attend(const Q& q, const K& k, const V& v, const TileIndex& rows, const TileIndex& cols,
+              const TileMask<Count>& mask, SoftmaxAccumulator<Scalar>& acc) {
+    logits(q, k);
+    this->mask(rows, cols, mask);
+    exponentiate();
+    merge_into(acc, rows, v);
+  }
+
+ private:
+  template <typename Count>
+  void subtract_log_counts(const TileIndex& rows, const TileIndex& cols, const Count& count) {
+    for (Index t = 0; t < br_; ++t) {
+      std::fill(count_.data(), count_.data() + bc_, 0);
+      count(rows[t], cols, count_.data());
+      Scalar* srow = &s_(t, 0);
+      for (Index u = 0; u < bc_; ++u) srow[u] -= log_of_count(count_[u]);
+    }
+  }
+
+  // log max(n, 1), from a table grown on demand (counts are small: rounds or tables).
+  Scalar log_of_count(std::int32_t n) {
+    if (n >= Index(log_count_.size())) {
+      const Index old = log_count_.size();
+      log_count_.conservativeResize(n + 1);
+      for (Index c = old; c <= n; ++c) log_count_[c] = std::log(static_cast<Scalar>(std::max<Index>(c, 1)));
+    }
+    return log_count_[n];
+  }
+
+  RowMatrix<Scalar> s_, nd_;
+  Vector<Scalar> row_max_;
+  Eigen::Matrix<std::int32_t, Eigen::Dynamic, 1> count_;
+  Vector<Scalar> log_count_;
+  Index br_ = 0, bc_ = 0;
+};
+
+}  // namespace randattn::detail

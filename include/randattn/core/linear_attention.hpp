@@ -170,14 +170,22 @@ KeySummaries<Scalar> summarise_keys(const LinearOperands<Scalar>& in) {
   return sums;
 }
 
+// The summary S = K'^T [V | 1] of all keys (at least one), relative to exp(c).
 template <typename Scalar>
-SoftmaxAccumulator<Scalar> linear_bidirectional(const LinearOperands<Scalar>& in) {
+RowMatrix<Scalar> key_state(const LinearOperands<Scalar>& in, Scalar& c) {
   const KeySummaries<Scalar> sums = summarise_keys(in);
   // Summing the chunks in a fixed order keeps the result independent of the thread count.
   RowMatrix<Scalar> state = sums.block(0);
-  Scalar c = sums.log_scale(0);
+  c = sums.log_scale(0);
   for (Index t = 1; t < sums.log_scale.size(); ++t)
     merge_scaled(state, c, sums.block(t), sums.log_scale(t));
+  return state;
+}
+
+// Every query against the key summary `state` (relative to exp(c)): [num | den] = Q' S.
+template <typename Scalar>
+SoftmaxAccumulator<Scalar> query_key_state(const LinearOperands<Scalar>& in, const RowMatrix<Scalar>& state,
+                                           Scalar c) {
   const Index n_q = in.qf.rows();
   RowMatrix<Scalar> nd(n_q, in.ve.cols());
   parallel_for((n_q + in.chunk - 1) / in.chunk, [&](Index b) {
@@ -187,6 +195,13 @@ SoftmaxAccumulator<Scalar> linear_bidirectional(const LinearOperands<Scalar>& in
   Vector<Scalar> log_scale = Vector<Scalar>::Constant(n_q, c);
   if (in.q_log.size() > 0) log_scale += in.q_log;
   return SoftmaxAccumulator<Scalar>(std::move(nd), std::move(log_scale));
+}
+
+template <typename Scalar>
+SoftmaxAccumulator<Scalar> linear_bidirectional(const LinearOperands<Scalar>& in) {
+  Scalar c;
+  const RowMatrix<Scalar> state = key_state(in, c);
+  return query_key_state(in, state, c);
 }
 
 template <typename Scalar>

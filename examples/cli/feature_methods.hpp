@@ -140,18 +140,39 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
   template <typename Scalar>
   void compute(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out, const randattn::BatchShape& shape,
                const CommonSettings& settings) const {
-    randattn::RandomFeatureOptions opt;
-    opt.causal = settings.causal;
-    opt.scale = settings.scale;
-    flags_->seed = settings.seed;
-    flags_->with_projection<Scalar>(shape.d, [&](auto projection) {
-      const auto map = Family::template make<Scalar>(std::move(projection), *flags_, shape.d);
-      feature_dim_ = map.feature_dim();
+    with_map<Scalar>(shape.d, settings, [&](const auto& map, const randattn::RandomFeatureOptions& opt) {
       randattn::random_feature_attention_batched(map, q, k, v, out, shape, opt);
     });
   }
 
+#ifdef RANDATTN_CLI_MPI
+  // Every rank draws the same map from the seed; only key summaries move.
+  template <typename Scalar>
+  void compute_sharded(const Shards& shards, const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out,
+                       const randattn::BatchShape& local, const CommonSettings& settings) const {
+    with_map<Scalar>(local.d, settings, [&](const auto& map, const randattn::RandomFeatureOptions& opt) {
+      for_each_local_slice(q, k, v, out, local, [&](const auto& qs, const auto& ks, const auto& vs, auto& os) {
+        os = randattn::mpi::random_feature_attention(shards.comm, map, qs, ks, vs, opt);
+      });
+    });
+  }
+#endif
+
  private:
+  // Calls fn(map, options) with the map the flags select.
+  template <typename Scalar, typename Fn>
+  void with_map(std::int64_t d, const CommonSettings& settings, Fn&& fn) const {
+    randattn::RandomFeatureOptions opt;
+    opt.causal = settings.causal;
+    opt.scale = settings.scale;
+    flags_->seed = settings.seed;
+    flags_->with_projection<Scalar>(d, [&](auto projection) {
+      const auto map = Family::template make<Scalar>(std::move(projection), *flags_, d);
+      feature_dim_ = map.feature_dim();
+      fn(map, opt);
+    });
+  }
+
   std::shared_ptr<FeatureFlags> flags_;
   mutable std::int64_t feature_dim_ = 0;
 };

@@ -35,17 +35,6 @@ namespace randattn::mpi {
 
 namespace detail {
 
-// The rank holding global row i in a contiguous partition.
-inline int owner_of(const RowPartition& part, Index i) {
-  int lo = 0, hi = part.ranks() - 1;
-  while (lo < hi) {  // the last rank whose range starts at or before i
-    const int mid = (lo + hi + 1) / 2;
-    if (part.range(mid).first <= i) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
-}
-
 // A fingerprint of the hash: its shape and the codes of the identity rows in every round.
 template <typename Scalar>
 std::uint64_t hash_fingerprint(const CrossPolytopeHash<Scalar>& hash) {
@@ -61,7 +50,7 @@ RowMatrix<Scalar> fetch_rows(Communicator& comm, const RowPartition& part, const
   const auto p = std::size_t(comm.size());
   const Index width = local_qv.cols(), first = part.range(comm.rank()).first;
   std::vector<std::vector<std::int32_t>> requests(p);
-  for (std::int32_t t : tokens) requests[std::size_t(owner_of(part, t))].push_back(t);
+  for (std::int32_t t : tokens) requests[std::size_t(part.owner(t))].push_back(t);
   const std::vector<std::vector<std::int32_t>> asked = comm.alltoallv(requests);
   std::vector<std::vector<Scalar>> replies(p);
   for (std::size_t r = 0; r < p; ++r) {
@@ -180,7 +169,7 @@ SoftmaxAccumulator<Scalar> lsh_attention_accumulate(Communicator& comm, const Cr
       const auto [first, count] = chunk_tokens(rho, g);
       for (Index u = 0; u < count; ++u) {
         const std::int32_t s = stored(first[u]);
-        const auto to = std::size_t(detail::owner_of(part, first[u]));
+        const auto to = std::size_t(part.owner(first[u]));
         ids[to].push_back(rho * n + first[u]);
         const auto nd = round_acc.numden().row(s);
         partials[to].insert(partials[to].end(), nd.data(), nd.data() + dv + 1);

@@ -50,6 +50,17 @@ class RowPartition {
     return n;
   }
 
+  // The rank holding global row i (contiguous layout only).
+  int owner(Index i) const {
+    int lo = 0, hi = ranks_ - 1;
+    while (lo < hi) {  // the last rank whose range starts at or before i
+      const int mid = (lo + hi + 1) / 2;
+      if (range(mid).first <= i) lo = mid;
+      else hi = mid - 1;
+    }
+    return lo;
+  }
+
   // The contiguous range of `rank` (contiguous layout only).
   Segment range(int rank) const {
     randattn::detail::require(layout_ == RowLayout::contiguous, "RowPartition::range",

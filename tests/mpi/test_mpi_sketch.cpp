@@ -53,10 +53,13 @@ TEMPLATE_TEST_CASE("Sharded sparsify equals sparsify bit for bit", "[mpi][sketch
 TEMPLATE_TEST_CASE("Sharded sketched HOSVD matches sketched_hosvd", "[mpi][sketch]", float, double) {
   using Scalar = TestType;
   Communicator comm;
-  const auto a = test_tensor<Scalar>();
+  // A clear spectral gap: weak noise and a budget that keeps most entries.
+  randattn::SyntheticOptions synth;
+  synth.noise = 0.05;
+  const auto a = randattn::low_rank_plus_noise<Scalar>(kDims, {3, 3, 3}, synth, 6);
   const std::vector<Index> ranks{3, 3, 3};
   randattn::SparsifyOptions opt;
-  opt.budget = 20000;
+  opt.budget = 60000;
   opt.seed = 4;
   const randattn::SketchedHosvd<Scalar> ref = randattn::sketched_hosvd(a.view(), ranks, opt);
   const auto range = randattn::mpi::sketch_range(a.data.size(), comm.rank(), comm.size());
@@ -64,9 +67,11 @@ TEMPLATE_TEST_CASE("Sharded sketched HOSVD matches sketched_hosvd", "[mpi][sketc
       randattn::mpi::sketched_hosvd(comm, kDims, a.data.data() + range.first, range.count, ranks, opt);
   REQUIRE(mine.nnz == ref.nnz);
   for (std::size_t j = 0; j < kDims.size(); ++j) {
-    // The mode products differ by the rounding of a sum over ranks (relative ~ eps sqrt(nnz));
-    // a spectral gap of order one keeps the subspace within a few eps of the reference.
+    // The mode products differ only by the order of their sums (over ranks, then columns): an
+    // error E of a few eps ||N|| (float: ~1e-7 relative). By Davis-Kahan sin-Theta <= ||E|| / gap,
+    // and with weak noise the gap after the third eigenvalue is a sizeable fraction of ||N||.
     const double s = randattn::sin_theta_distance(mine.factors[j], ref.factors[j]);
+    CAPTURE(j, s);
     REQUIRE(all_ranks(comm, s <= 1e-5));
   }
 }

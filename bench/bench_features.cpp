@@ -2,6 +2,7 @@
 // from one run. d = dv = 64, m = 256 projections, float.
 //
 //  - ProjectionGemm: the plain Eigen product X ωᵀ (n × d × m), the floor of every feature map.
+//  - FavorGemms: the four products of FAVOR+ attention as plain Eigen GEMMs, its floor.
 //  - FeatureMap/<map>/<projection>: n rows to features (projection + exp/sin/cos + log-scales);
 //    GFLOP/s counts the projection product only, so it compares directly with ProjectionGemm.
 //  - Exact, Favor (positive features), FavorHyp (hyperbolic): attention end to end at
@@ -45,6 +46,26 @@ void ProjectionGemm(benchmark::State& state) {
     benchmark::ClobberMemory();
   }
   bench::report_gflops(state, 2.0 * double(n) * kD * kM);
+}
+
+// The products FAVOR+ attention cannot avoid, as plain Eigen GEMMs: the projections Q ωᵀ and
+// K ωᵀ (n × d × m each), K'ᵀ V (m × n × dv) and Q' (K'ᵀ V) (n × m × dv). Favor's time over this
+// one's is its overhead over the GEMM floor (same n, same run).
+void FavorGemms(benchmark::State& state) {
+  const Index n = state.range(0);
+  bench::set_threads(1);
+  const Inputs in(n);
+  const RowMatrix<float> omega = gaussian_matrix<float>(Philox(4), kM, kD);
+  RowMatrix<float> qf(n, kM), kf(n, kM), kv(kM, kDv), out(n, kDv);
+  for (auto _ : state) {
+    qf.noalias() = in.q * omega.transpose();
+    kf.noalias() = in.k * omega.transpose();
+    kv.noalias() = kf.transpose() * in.v;
+    out.noalias() = qf * kv;
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  bench::report_gflops(state, 4.0 * double(n) * kD * kM + 4.0 * double(n) * kM * kDv);
 }
 
 template <typename Map>
@@ -119,6 +140,7 @@ BENCHMARK_CAPTURE(FeatureMap, hyperbolic/orthogonal, randattn::HyperbolicFeature
     ->ArgNames({"n"})->Arg(16384)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(FeatureMap, trig/orthogonal, randattn::TrigFeatures(OrthogonalProjection<float>(kM, kD, 1)))
     ->ArgNames({"n"})->Arg(16384)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(FavorGemms)->ArgNames({"n"})->Arg(16384)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(Exact)->Apply(end_to_end_args);
 BENCHMARK(Favor)->Apply(end_to_end_args);
 BENCHMARK(FavorHyp)->Apply(end_to_end_args);

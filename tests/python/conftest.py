@@ -20,8 +20,8 @@ def tolerance(dtype, terms):
 
 
 def assert_close(actual, expected, dtype, terms):
-    """|actual - expected| <= tol * max|expected| entrywise (a bound on the absolute error of
-    entries that are convex combinations of values bounded by max|expected|... or of v)."""
+    """|actual - expected| <= tol * max(1, max|expected|) entrywise: attention outputs are convex
+    combinations of the values, so their rounding error scales with the largest magnitude."""
     actual = np.asarray(actual, dtype=np.float64)
     expected = np.asarray(expected, dtype=np.float64)
     assert actual.shape == expected.shape

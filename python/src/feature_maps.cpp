@@ -257,11 +257,16 @@ class FeatureMap {
     Scalar* log_scale_data = log_scale.mutable_data();
     const std::shared_ptr<const MapPair> maps = maps_;
     run_without_gil(std::nullopt, [&] {
+      // Computed in Eigen's own (aligned) storage, then copied: vectorised loops peel a
+      // different number of leading entries on differently aligned rows, which changes the
+      // last bit of some entries, so results written straight into NumPy's buffer would depend
+      // on where NumPy put it.
       const Eigen::Map<const randattn::RowMatrix<Scalar>> xm(in.data(), n, spec_.dim);
-      Eigen::Map<randattn::RowMatrix<Scalar>> vm(values_data, n, dim);
-      Eigen::Map<randattn::Vector<Scalar>> lm(log_scale_data, n);
-      std::visit([&](const auto& m) { m.features_into(xm, static_cast<Scalar>(normaliser), vm, lm, side); },
+      randattn::ScaledFeatures<Scalar> f{randattn::RowMatrix<Scalar>(n, dim), randattn::Vector<Scalar>(n)};
+      std::visit([&](const auto& m) { m.features_into(xm, static_cast<Scalar>(normaliser), f.values, f.log_scale, side); },
                  maps->template get<Scalar>());
+      std::copy(f.values.data(), f.values.data() + f.values.size(), values_data);
+      std::copy(f.log_scale.data(), f.log_scale.data() + n, log_scale_data);
     });
     return py::make_tuple(values, log_scale);
   }

@@ -33,46 +33,49 @@ using HashCodes = Eigen::Matrix<std::int32_t, Eigen::Dynamic, Eigen::Dynamic, Ei
 
 namespace detail {
 
-constexpr Index kHashBlock = 64;  // tokens per block: the rotation work buffer stays in cache
+constexpr Index kHashTile = 64;     // vectors rotated together: the work buffer stays in cache
+constexpr Index kHashChunk = 1024;  // vectors per parallel work item, which owns one work buffer
 
-// argmax over [y; -y] for tokens t0 .. t0 + W of the h x B block `proj`, token by token into
-// codes[t * stride]. The comparisons are strict, so the first maximal entry wins, positive part
-// before negative. A strip of W tokens keeps its running maxima in registers while the loop walks
-// down the coordinates; indices are kept in Scalar (exact, h <= 2^23) so each step is one
-// compare-and-blend per lane.
-template <int W, typename Proj>
-void cross_polytope_argmax_strip(const Proj& proj, Index t0, std::int32_t* codes, Index stride) {
-  using Scalar = typename Proj::Scalar;
-  Scalar pos[W], pos_arg[W], neg[W], neg_arg[W];
+// argmax over [s y; -s y] (s > 0) for the W vectors t0 .. t0 + W of the coordinate-major block
+// y (h rows of stride ld), vector by vector into codes[t * stride]. A strip keeps its running
+// maximum and minimum in registers while the loop walks down the coordinates: -v > -min is
+// v < min, so the negative half needs no negation. The comparisons are strict, so the first
+// maximal entry wins, positive part before negative. Indices are kept in Scalar (exact,
+// h <= 2^23) so each step is one compare-and-blend per lane.
+template <int W, typename Scalar>
+void cross_polytope_argmax_strip(const Scalar* y, Index ld, Index half, Scalar scale, Index t0, std::int32_t* codes,
+                                 Index stride) {
+  Scalar hi[W], hi_arg[W], lo[W], lo_arg[W];
   for (int l = 0; l < W; ++l) {
-    pos[l] = neg[l] = -std::numeric_limits<Scalar>::infinity();
-    pos_arg[l] = neg_arg[l] = 0;
+    hi[l] = -std::numeric_limits<Scalar>::infinity();
+    lo[l] = std::numeric_limits<Scalar>::infinity();
+    hi_arg[l] = lo_arg[l] = 0;
   }
-  const Index half = proj.rows();
   for (Index k = 0; k < half; ++k) {
-    const Scalar* y = &proj.coeffRef(k, t0);
+    const Scalar* row = y + k * ld + t0;
     const auto kk = static_cast<Scalar>(k);
     for (int l = 0; l < W; ++l) {
-      const bool up = y[l] > pos[l], un = -y[l] > neg[l];
-      pos[l] = up ? y[l] : pos[l];
-      pos_arg[l] = up ? kk : pos_arg[l];
-      neg[l] = un ? -y[l] : neg[l];
-      neg_arg[l] = un ? kk : neg_arg[l];
+      const Scalar v = row[l] * scale;
+      const bool up = v > hi[l], down = v < lo[l];
+      hi[l] = up ? v : hi[l];
+      hi_arg[l] = up ? kk : hi_arg[l];
+      lo[l] = down ? v : lo[l];
+      lo_arg[l] = down ? kk : lo_arg[l];
     }
   }
   for (int l = 0; l < W; ++l)
-    codes[(t0 + l) * stride] = static_cast<std::int32_t>(pos[l] >= neg[l] ? pos_arg[l] : neg_arg[l] + Scalar(half));
+    codes[(t0 + l) * stride] = static_cast<std::int32_t>(hi[l] >= -lo[l] ? hi_arg[l] : lo_arg[l] + Scalar(half));
 }
 
-// Bucket codes of the B tokens whose projections are the columns of `proj` (h x B, rows
-// contiguous), written to codes[t * stride].
-template <typename Proj>
-void cross_polytope_argmax(const Proj& proj, std::int32_t* codes, Index stride) {
+// Bucket codes of the `count` vectors whose h = half projections, divided by `scale`, are the
+// columns of y (h rows of stride ld), written to codes[t * stride].
+template <typename Scalar>
+void cross_polytope_argmax(const Scalar* y, Index ld, Index half, Index count, Scalar scale, std::int32_t* codes,
+                           Index stride) {
   constexpr int kStrip = 16;
-  const Index cols = proj.cols();
   Index t0 = 0;
-  for (; t0 + kStrip <= cols; t0 += kStrip) cross_polytope_argmax_strip<kStrip>(proj, t0, codes, stride);
-  for (; t0 < cols; ++t0) cross_polytope_argmax_strip<1>(proj, t0, codes, stride);
+  for (; t0 + kStrip <= count; t0 += kStrip) cross_polytope_argmax_strip<kStrip>(y, ld, half, scale, t0, codes, stride);
+  for (; t0 < count; ++t0) cross_polytope_argmax_strip<1>(y, ld, half, scale, t0, codes, stride);
 }
 
 }  // namespace detail
@@ -112,22 +115,40 @@ class CrossPolytopeHash {
     detail::require_finite(x, where, "x", check_finite);
     const Index n = x.rows(), r = rounds();
     HashCodes codes(n, r);
-    const Index blocks = (n + detail::kHashBlock - 1) / detail::kHashBlock;
-    detail::parallel_for(blocks, [&](Index b) {
-      const Index i0 = b * detail::kHashBlock, rows = std::min(detail::kHashBlock, n - i0);
-      RowMatrix<Scalar> work;
-      for (Index round = 0; round < r; ++round) {
-        visit([&](const auto& rot) {
-          detail::cross_polytope_argmax(rot.project_round(x.middleRows(i0, rows), round, work),
-                                        codes.data() + i0 * r + round, r);
-        });
-      }
+    const Index chunks = (n + detail::kHashChunk - 1) / detail::kHashChunk;
+    visit([&](const auto& rot) {
+      detail::parallel_for(chunks, [&](Index c) {
+        RowMatrix<Scalar> work;
+        const Index end = std::min(n, (c + 1) * detail::kHashChunk);
+        for (Index i0 = c * detail::kHashChunk; i0 < end; i0 += detail::kHashTile) {
+          const Index count = std::min(detail::kHashTile, end - i0);
+          for (Index round = 0; round < r; ++round) hash_tile(rot, x.middleRows(i0, count), round, work, &codes(i0, round));
+        }
+      });
     });
     return codes;
   }
 
  private:
   using Rotation = std::variant<DenseRotation<Scalar>, HadamardRotation<Scalar>>;
+
+  // Codes of one round for a tile of vectors, into codes[t * rounds]. The Hadamard rotation's
+  // p^{-3/2} is applied inside the argmax, so its coordinates are read once.
+  void hash_tile(const DenseRotation<Scalar>& rot, const Eigen::Ref<const RowMatrix<Scalar>>& x_tile, Index round,
+                 RowMatrix<Scalar>& work, std::int32_t* codes) const {
+    const auto proj = rot.project_round(x_tile, round, work);
+    detail::cross_polytope_argmax(proj.data(), proj.outerStride(), proj.rows(), proj.cols(), Scalar(1), codes,
+                                  rounds());
+  }
+  void hash_tile(const HadamardRotation<Scalar>& rot, const Eigen::Ref<const RowMatrix<Scalar>>& x_tile, Index round,
+                 RowMatrix<Scalar>& work, std::int32_t* codes) const {
+    const StructuredRotation<Scalar>& s = rot.structured();
+    const Index count = x_tile.rows(), half = buckets() / 2;
+    work.resize(s.padded_dim(), detail::kHashTile);
+    s.transform_tile(x_tile.data(), x_tile.outerStride(), count, round, next_power_of_two(half), work.data(),
+                     detail::kHashTile);
+    detail::cross_polytope_argmax(work.data(), detail::kHashTile, half, count, s.scale(), codes, rounds());
+  }
 
   template <typename Fn>
   decltype(auto) visit(Fn&& fn) const {

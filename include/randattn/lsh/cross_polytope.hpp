@@ -36,35 +36,53 @@ namespace detail {
 constexpr Index kHashTile = 64;     // vectors rotated together: the work buffer stays in cache
 constexpr Index kHashChunk = 1024;  // vectors per parallel work item, which owns one work buffer
 
-// argmax over [s y; -s y] (s > 0) for the W vectors t0 .. t0 + W of the coordinate-major block
-// y (h rows of stride ld), vector by vector into codes[t * stride]. A strip keeps its running
-// maximum and minimum in registers while the loop walks down the coordinates: -v > -min is
-// v < min, so the negative half needs no negation. The comparisons are strict, so the first
-// maximal entry wins, positive part before negative. Indices are kept in Scalar (exact,
-// h <= 2^23) so each step is one compare-and-blend per lane.
-template <int W, typename Scalar>
-void cross_polytope_argmax_strip(const Scalar* y, Index ld, Index half, Scalar scale, Index t0, std::int32_t* codes,
-                                 Index stride) {
-  Scalar hi[W], hi_arg[W], lo[W], lo_arg[W];
-  for (int l = 0; l < W; ++l) {
-    hi[l] = -std::numeric_limits<Scalar>::infinity();
-    lo[l] = std::numeric_limits<Scalar>::infinity();
-    hi_arg[l] = lo_arg[l] = 0;
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+// Eigen's packet types carry alignment attributes that do not survive as template arguments.
+#pragma GCC diagnostic ignored "-Wignored-attributes"
+#endif
+
+// argmax over [s y; -s y] (s > 0) for N packets of adjacent vectors from t0 on, in the
+// coordinate-major block y (h rows of stride ld), vector by vector into codes[t * stride]. Each
+// packet keeps its running maximum and minimum, and their coordinates, in registers while the
+// loop walks down the coordinates (N independent packets hide the latency of the compares);
+// -v > -min is v < min, so the negative half needs no negation. The comparisons are strict, so
+// the first maximal entry wins, positive part before negative. Coordinates are counted in Scalar
+// (exact, h <= 2^23) so each update is a compare and two selects per packet.
+template <int N, typename Packet, typename Scalar>
+void cross_polytope_argmax_packets(const Scalar* y, Index ld, Index half, Scalar scale, Index t0,
+                                   std::int32_t* codes, Index stride) {
+  namespace ei = Eigen::internal;
+  constexpr int kP = ei::unpacket_traits<Packet>::size;
+  const Packet s = ei::pset1<Packet>(scale), one = ei::pset1<Packet>(Scalar(1));
+  Packet hi[N], lo[N], hi_arg[N], lo_arg[N];
+  for (int j = 0; j < N; ++j) {
+    hi[j] = ei::pset1<Packet>(-std::numeric_limits<Scalar>::infinity());
+    lo[j] = ei::pset1<Packet>(std::numeric_limits<Scalar>::infinity());
+    hi_arg[j] = lo_arg[j] = ei::pset1<Packet>(Scalar(0));
   }
+  Packet kk = ei::pset1<Packet>(Scalar(0));
   for (Index k = 0; k < half; ++k) {
     const Scalar* row = y + k * ld + t0;
-    const auto kk = static_cast<Scalar>(k);
-    for (int l = 0; l < W; ++l) {
-      const Scalar v = row[l] * scale;
-      const bool up = v > hi[l], down = v < lo[l];
-      hi[l] = up ? v : hi[l];
-      hi_arg[l] = up ? kk : hi_arg[l];
-      lo[l] = down ? v : lo[l];
-      lo_arg[l] = down ? kk : lo_arg[l];
+    for (int j = 0; j < N; ++j) {
+      const Packet v = ei::pmul(ei::ploadu<Packet>(row + j * kP), s);
+      const Packet up = ei::pcmp_lt(hi[j], v), down = ei::pcmp_lt(v, lo[j]);
+      hi[j] = ei::pselect(up, v, hi[j]);
+      hi_arg[j] = ei::pselect(up, kk, hi_arg[j]);
+      lo[j] = ei::pselect(down, v, lo[j]);
+      lo_arg[j] = ei::pselect(down, kk, lo_arg[j]);
     }
+    kk = ei::padd(kk, one);
   }
-  for (int l = 0; l < W; ++l)
-    codes[(t0 + l) * stride] = static_cast<std::int32_t>(hi[l] >= -lo[l] ? hi_arg[l] : lo_arg[l] + Scalar(half));
+  for (int j = 0; j < N; ++j) {
+    Scalar h[kP], l[kP], ha[kP], la[kP];
+    ei::pstoreu(h, hi[j]);
+    ei::pstoreu(l, lo[j]);
+    ei::pstoreu(ha, hi_arg[j]);
+    ei::pstoreu(la, lo_arg[j]);
+    for (int i = 0; i < kP; ++i)
+      codes[(t0 + j * kP + i) * stride] = static_cast<std::int32_t>(h[i] >= -l[i] ? ha[i] : la[i] + Scalar(half));
+  }
 }
 
 // Bucket codes of the `count` vectors whose h = half projections, divided by `scale`, are the
@@ -72,11 +90,18 @@ void cross_polytope_argmax_strip(const Scalar* y, Index ld, Index half, Scalar s
 template <typename Scalar>
 void cross_polytope_argmax(const Scalar* y, Index ld, Index half, Index count, Scalar scale, std::int32_t* codes,
                            Index stride) {
-  constexpr int kStrip = 16;
+  using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
+  constexpr int kP = Eigen::internal::unpacket_traits<Packet>::size, kStrip = 4;
   Index t0 = 0;
-  for (; t0 + kStrip <= count; t0 += kStrip) cross_polytope_argmax_strip<kStrip>(y, ld, half, scale, t0, codes, stride);
-  for (; t0 < count; ++t0) cross_polytope_argmax_strip<1>(y, ld, half, scale, t0, codes, stride);
+  for (; t0 + kStrip * kP <= count; t0 += kStrip * kP)
+    cross_polytope_argmax_packets<kStrip, Packet>(y, ld, half, scale, t0, codes, stride);
+  for (; t0 + kP <= count; t0 += kP) cross_polytope_argmax_packets<1, Packet>(y, ld, half, scale, t0, codes, stride);
+  for (; t0 < count; ++t0) cross_polytope_argmax_packets<1, Scalar>(y, ld, half, scale, t0, codes, stride);
 }
+
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
 
 }  // namespace detail
 

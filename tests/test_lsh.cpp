@@ -205,6 +205,22 @@ TEMPLATE_TEST_CASE("Fused hash argmax equals a scalar argmax over the rotation's
   }
 }
 
+TEST_CASE("Default rotation: dense while d h <= 6 p log2 p, Hadamard beyond", "[lsh]") {
+  using randattn::default_rotation;
+  CHECK(default_rotation(64, 16) == RotationKind::dense);      // 512 <= 6 * 64 * 6
+  CHECK(default_rotation(64, 64) == RotationKind::dense);      // 2048 <= 2304
+  CHECK(default_rotation(64, 128) == RotationKind::hadamard);  // 4096 > 2304
+  CHECK(default_rotation(256, 64) == RotationKind::dense);     // 8192 <= 6 * 256 * 8
+  CHECK(default_rotation(256, 512) == RotationKind::hadamard);
+  CHECK(default_rotation(1, 2) == RotationKind::dense);
+  const CrossPolytopeHash<float> by_default(64, 128, 2, 5), explicit_kind(RotationKind::hadamard, 64, 128, 2, 5);
+  CHECK(by_default.kind() == RotationKind::hadamard);
+  const RowMatrix<float> x = testing::gaussian<float>(2, 100, 64);
+  CHECK(by_default.hash(x) == explicit_kind.hash(x));
+  CHECK(CrossPolytopeHash<float>(64, 16, 2, 5).kind() == RotationKind::dense);
+  CHECK_THROWS_AS(CrossPolytopeHash<float>(0, 16, 2, 5), std::invalid_argument);
+}
+
 TEMPLATE_TEST_CASE("Cross-polytope codes are argmax([xR; -xR])", "[lsh]", float, double) {
   using Scalar = TestType;
   const Index n = 500, d = 24, buckets = 10, rounds = 3;

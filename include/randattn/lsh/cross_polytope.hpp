@@ -6,9 +6,19 @@
 // The hash is invariant to positive scaling of x, which is why Reformer's normalised keys and
 // their unnormalised queries share buckets.
 //
-// Hashing is vectorised over blocks of tokens: one product (dense) or one block transform
-// (Hadamard) per block and round, then an argmax along contiguous rows of tokens. Blocks are
-// independent, so they run in parallel and the codes do not depend on the thread count.
+// Hashing is vectorised over tiles of 64 tokens: one product (dense) or one batched transform
+// (Hadamard, SIMD across the tile's vectors) per tile and round into a coordinate-major buffer
+// that the tile reuses, then the argmax over [y; -y] along contiguous rows of tokens, fused with
+// the rotation's scale. Tiles are independent, so they run in parallel and the codes do not
+// depend on the thread count.
+//
+// Which rotation. Per vector and round the dense rotation costs d h multiply-adds (one GEMM),
+// the Hadamard rotation about 3 p log2(p) additions (three transforms of length p =
+// next_power_of_two(max(d, h))) plus a transpose. Measured on one core (bench/bench_lsh, Hash
+// rows, float, AVX-512) the dense rotation is faster while d h <= 6 p log2(p), e.g. d = 64 with
+// b <= 64 buckets, and the Hadamard one beyond: about 1.3x at d = 64, b = 128, 3-4x at d = 256
+// or 1024 with b = 512. default_rotation(d, b) applies that rule; the constructor without a
+// RotationKind uses it. The two kinds draw different random functions from the same seed.
 
 #include <algorithm>
 #include <cstdint>
@@ -22,6 +32,7 @@
 #include "../core/types.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
+#include "../linalg/hadamard.hpp"
 #include "rotation.hpp"
 
 namespace randattn {
@@ -85,7 +96,7 @@ void cross_polytope_argmax_packets(const Scalar* y, Index ld, Index half, Scalar
   }
 }
 
-// Bucket codes of the `count` vectors whose h = half projections, divided by `scale`, are the
+// Bucket codes of the `count` vectors whose h = half projections, times `scale` > 0, are the
 // columns of y (h rows of stride ld), written to codes[t * stride].
 template <typename Scalar>
 void cross_polytope_argmax(const Scalar* y, Index ld, Index half, Index count, Scalar scale, std::int32_t* codes,
@@ -105,6 +116,15 @@ void cross_polytope_argmax(const Scalar* y, Index ld, Index half, Index count, S
 
 }  // namespace detail
 
+// The faster rotation at this shape (see the header comment): dense while
+// dim * buckets / 2 <= 6 p log2(p), p = next_power_of_two(max(dim, buckets / 2)), else Hadamard.
+inline RotationKind default_rotation(Index dim, Index buckets) {
+  const Index half = std::max<Index>(buckets / 2, 1), p = next_power_of_two(std::max<Index>({dim, half, 1}));
+  Index log2p = 0;
+  while ((Index(1) << log2p) < p) ++log2p;
+  return double(dim) * double(half) <= 6.0 * double(p) * double(log2p) ? RotationKind::dense : RotationKind::hadamard;
+}
+
 template <typename Scalar_>
 class CrossPolytopeHash {
  public:
@@ -118,6 +138,10 @@ class CrossPolytopeHash {
   CrossPolytopeHash(RotationKind kind, Index dim, Index buckets, Index rounds, std::uint64_t seed)
       : rotation_(kind == RotationKind::dense ? Rotation(DenseRotation<Scalar>(dim, buckets, rounds, seed))
                                               : Rotation(HadamardRotation<Scalar>(dim, buckets, rounds, seed))) {}
+
+  // The rotation of default_rotation(dim, buckets) drawn from `seed`.
+  CrossPolytopeHash(Index dim, Index buckets, Index rounds, std::uint64_t seed)
+      : CrossPolytopeHash(default_rotation(dim, buckets), dim, buckets, rounds, seed) {}
 
   // A user-supplied dense R of shape (d, rounds, buckets / 2), given as a d x (rounds * buckets / 2)
   // row-major matrix (the C-order array).

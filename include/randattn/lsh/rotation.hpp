@@ -12,7 +12,10 @@
 //   y = H D3 H D2 H D1 [x; 0] / p^{3/2}, with independent random +-1 diagonals D1, D2, D3 per
 //   round, H the Walsh-Hadamard matrix and p = next power of two >= max(d, h) (x is padded with
 //   zeros; the h taken coordinates must exist). H / sqrt(p) is orthogonal, so y has the norm of
-//   x. O(p log p) per vector and round.
+//   x. O(p log p) per vector and round. The rounds are the blocks of one StructuredRotation
+//   (linalg/structured_rotation.hpp).
+//
+// Which one hashes faster at a given shape: see default_rotation in cross_polytope.hpp.
 
 #include <algorithm>
 #include <cmath>

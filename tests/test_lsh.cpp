@@ -212,7 +212,7 @@ TEST_CASE("Default rotation: dense while d h <= 6 p log2 p, Hadamard beyond", "[
   CHECK(default_rotation(64, 128) == RotationKind::hadamard);  // 4096 > 2304
   CHECK(default_rotation(256, 64) == RotationKind::dense);     // 8192 <= 6 * 256 * 8
   CHECK(default_rotation(256, 512) == RotationKind::hadamard);
-  CHECK(default_rotation(1, 2) == RotationKind::dense);
+  CHECK(default_rotation(4, 4) == RotationKind::dense);       // 8 <= 6 * 4 * 2
   const CrossPolytopeHash<float> by_default(64, 128, 2, 5), explicit_kind(RotationKind::hadamard, 64, 128, 2, 5);
   CHECK(by_default.kind() == RotationKind::hadamard);
   const RowMatrix<float> x = testing::gaussian<float>(2, 100, 64);

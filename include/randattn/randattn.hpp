@@ -8,6 +8,7 @@
 #include "core/linear_decoder.hpp"
 #include "core/exact_attention.hpp"
 #include "linalg/hadamard.hpp"
+#include "linalg/structured_rotation.hpp"
 #include "random/philox.hpp"
 #include "random/fill.hpp"
 #include "random/streams.hpp"

@@ -1,0 +1,232 @@
+// Optimal positive (OPRF) and symmetric dense-exponential (SDERF) random features
+// (features/oprf.hpp, features/dense_exponential.hpp) and the closed-form kernel MSE
+// (features/kernel_variance.hpp).
+#include <catch2/catch.hpp>
+
+#include <array>
+#include <cmath>
+#include <vector>
+
+#include "support.hpp"
+
+using randattn::DenseExponentialFeatures;
+using randattn::GaussianProjection;
+using randattn::HyperbolicFeatures;
+using randattn::Index;
+using randattn::OptimalPositiveFeatures;
+using randattn::OrthogonalProjection;
+using randattn::PositiveFeatures;
+using randattn::RandomFeatureOptions;
+using randattn::RowMatrix;
+using randattn::TrigFeatures;
+using testing::Moments;
+using testing::rel_error;
+
+namespace {
+
+template <typename Scalar>
+using Iid = GaussianProjection<Scalar>;
+
+// A second moment with distinct eigenvalues (2.5, 1, 0.3, 0) in a rotated basis (d = 4).
+Eigen::MatrixXd anisotropic_moment() {
+  const Eigen::MatrixXd g = testing::gaussian<double>(7, 4, 4);
+  const Eigen::MatrixXd basis = Eigen::HouseholderQR<Eigen::MatrixXd>(g).householderQ();
+  return basis * Eigen::Vector4d(2.5, 1.0, 0.3, 0.0).asDiagonal() * basis.transpose();
+}
+
+// ratio[map][pair][draw]: the estimate of exp(x_iᵀy_i) over the kernel, for every row pair
+// (x_i, y_i), over `draws` redraws (seeds 1..draws). Every map is redrawn with the same seed, so
+// maps on the same projection kind see the same ω (paired comparisons).
+template <typename Scalar, typename... Maps>
+std::vector<std::vector<std::vector<double>>> relative_estimates(const RowMatrix<Scalar>& x,
+                                                                 const RowMatrix<Scalar>& y,
+                                                                 int draws, Maps... maps) {
+  const Index pairs = x.rows();
+  std::vector<std::vector<std::vector<double>>> ratio(
+      sizeof...(Maps), std::vector<std::vector<double>>(std::size_t(pairs)));
+  const RowMatrix<double> xd = x.template cast<double>(), yd = y.template cast<double>();
+  for (int r = 1; r <= draws; ++r) {
+    std::size_t which = 0;
+    auto one = [&](auto& map) {
+      map.redraw(std::uint64_t(r));
+      const auto fx = map.features(x), fy = map.features(y);
+      for (Index p = 0; p < pairs; ++p) {
+        const double est = std::exp(double(fx.log_scale(p)) + double(fy.log_scale(p))) *
+                           fx.values.row(p).template cast<double>().dot(fy.values.row(p).template cast<double>());
+        ratio[which][std::size_t(p)].push_back(est / std::exp(xd.row(p).dot(yd.row(p))));
+      }
+      ++which;
+    };
+    (one(maps), ...);
+  }
+  return ratio;
+}
+
+// Moments of f(a[r], b[r]) over the draws r.
+template <typename F>
+Moments moments_of(const std::vector<double>& a, const std::vector<double>& b, F f) {
+  Moments s;
+  for (std::size_t r = 0; r < a.size(); ++r) s.add(f(a[r], b[r]));
+  return s;
+}
+
+double sq_error(double ratio) { return (ratio - 1) * (ratio - 1); }
+
+// Row pairs (x_i, y_i) with the given norms and angles, in the first two coordinates.
+template <typename Scalar>
+std::pair<RowMatrix<Scalar>, RowMatrix<Scalar>> row_pairs(
+    const std::vector<std::array<double, 3>>& spec, Index d) {
+  RowMatrix<double> x = RowMatrix<double>::Zero(Index(spec.size()), d), y = x;
+  for (std::size_t p = 0; p < spec.size(); ++p) {
+    x(Index(p), 0) = spec[p][0];
+    y(Index(p), 0) = spec[p][1] * std::cos(spec[p][2]);
+    y(Index(p), 1) = spec[p][1] * std::sin(spec[p][2]);
+  }
+  return {x.template cast<Scalar>(), y.template cast<Scalar>()};
+}
+
+// ‖x + y‖² from 0.25 to 3.2 (norm, norm, angle).
+const std::vector<std::array<double, 3>> kPairs = {
+    {0.5, 0.0, 0.0}, {0.5, 0.5, 0.0}, {0.8, 0.6, 1.0}, {1.0, 0.7, 3.14}, {0.9, 0.9, 0.3}};
+
+}  // namespace
+
+TEST_CASE("oprf: the optimal precision minimises the mean log second moment", "[oprf]") {
+  // t solves d t² − (d + 2ρ) t − 2ρ = 0, is 1 (FAVOR+) at ρ = 0 and minimises
+  // L(t) = d g(t) + ρ/t: smaller than at t ± 1e-3 and than FAVOR+'s L(1) = ρ.
+  for (double d : {1.0, 4.0, 64.0}) {
+    for (double rho : {0.0, 0.5, 2.0, 16.0, 100.0}) {
+      const double t = randattn::detail::optimal_precision(rho / d);
+      INFO("d = " << d << ", rho = " << rho << ", t = " << t);
+      CHECK(std::abs(d * t * t - (d + 2 * rho) * t - 2 * rho) <= 1e-12 * (d * t * t + 2 * rho));
+      auto loss = [&](double s) { return d * randattn::detail::precision_penalty(s) + rho / s; };
+      CHECK(t >= 1);
+      CHECK(loss(t) <= loss(t + 1e-3));
+      CHECK(loss(t) <= loss(t - 1e-3));
+      CHECK(loss(t) <= loss(1.0) + 1e-15);
+      if (rho == 0) CHECK(t == 1);
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("oprf: pair statistics equal their definitions", "[oprf]", float, double) {
+  const RowMatrix<TestType> q = testing::gaussian<TestType>(1, 7, 5, 0.8),
+                            k = testing::gaussian<TestType>(2, 9, 5, 1.3);
+  const double c = 0.7;
+  double rho = 0;
+  Eigen::MatrixXd m = Eigen::MatrixXd::Zero(5, 5);
+  for (Index i = 0; i < q.rows(); ++i)
+    for (Index j = 0; j < k.rows(); ++j) {
+      const Eigen::VectorXd z = c * (q.row(i) + k.row(j)).transpose().template cast<double>();
+      rho += z.squaredNorm() / double(q.rows() * k.rows());
+      m += z * z.transpose() / double(q.rows() * k.rows());
+    }
+  const Eigen::MatrixXd got = randattn::pair_sum_second_moment<TestType>(q, k, c);
+  CHECK(std::abs(randattn::pair_sum_sq_norm<TestType>(q, k, c) - rho) <= 1e-12 * rho);
+  CHECK((got - m).norm() <= 1e-12 * m.norm());
+  CHECK(std::abs(got.trace() - rho) <= 1e-12 * rho);
+  CHECK_THROWS_WITH(randattn::pair_sum_sq_norm<TestType>(q, RowMatrix<TestType>(0, 5)),
+                    Catch::Contains("pair_sum_sq_norm"));
+  CHECK_THROWS_WITH(randattn::pair_sum_second_moment<TestType>(q, k, 0.0), Catch::Contains("normaliser"));
+}
+
+TEMPLATE_TEST_CASE("oprf: parameters, FAVOR+ and OPRF as special cases, argument errors", "[oprf]",
+                   float, double) {
+  const Index d = 6, m = 20;
+  const OrthogonalProjection<TestType> proj(m, d, 3);
+  const RowMatrix<TestType> x = testing::gaussian<TestType>(4, 11, d, 0.6);
+  const double rho = 3.0;
+  const OptimalPositiveFeatures<TestType> oprf(proj, rho);
+  CHECK(oprf.feature_dim() == m);
+  CHECK(oprf.a() < 0);
+  CHECK(oprf.b() * oprf.b() == Approx(1 - 4 * oprf.a()).epsilon(1e-14));
+  // The same ω in three forms: scaled by the data normaliser c, the value × exp(log-scale) of
+  // each feature must agree (rounding of a few operations on exponents of order 1).
+  auto dense = [](const randattn::ScaledFeatures<TestType>& f) {
+    return Eigen::MatrixXd(f.log_scale.template cast<double>().array().exp().matrix().asDiagonal() *
+                           f.values.template cast<double>());
+  };
+  const double c = 0.8;
+  SECTION("rho = 0 is FAVOR+") {
+    const OptimalPositiveFeatures<TestType> zero(proj);
+    CHECK(zero.a() == 0);
+    CHECK(rel_error(dense(zero.features(x, TestType(c))),
+                    dense(PositiveFeatures<TestType>(proj).features(x, TestType(c)))) <
+          10 * testing::tolerance<TestType>());
+  }
+  SECTION("SDERF with an isotropic moment (rho/d) I is OPRF, with 0 it is FAVOR+") {
+    const DenseExponentialFeatures<TestType> iso(proj, Eigen::MatrixXd::Identity(d, d) * (rho / d));
+    CHECK(rel_error(dense(iso.features(x, TestType(c))), dense(oprf.features(x, TestType(c)))) <
+          10 * testing::tolerance<TestType>());
+    const DenseExponentialFeatures<TestType> zero(proj);
+    CHECK(rel_error(dense(zero.features(x, TestType(c))),
+                    dense(PositiveFeatures<TestType>(proj).features(x, TestType(c)))) <
+          10 * testing::tolerance<TestType>());
+  }
+  SECTION("features are positive, at most 1, with maximum 1 per row, for norms up to 20") {
+    const RowMatrix<TestType> big = testing::gaussian<TestType>(5, 9, d, 20.0 / std::sqrt(double(d)));
+    DenseExponentialFeatures<TestType> sderf(proj);
+    sderf.fit(big, big, 1.0);
+    for (const auto& f : {oprf.features(big), sderf.features(big)}) {
+      CHECK(f.values.minCoeff() >= 0);
+      CHECK((f.values.rowwise().maxCoeff().array() == TestType(1)).all());
+      CHECK(f.log_scale.allFinite());
+    }
+  }
+  SECTION("argument errors") {
+    CHECK_THROWS_WITH(OptimalPositiveFeatures<TestType>(proj, -1.0), Catch::Contains("rho"));
+    CHECK_THROWS_WITH(OptimalPositiveFeatures<TestType>(proj, std::nan("")), Catch::Contains("rho"));
+    CHECK_THROWS_WITH(DenseExponentialFeatures<TestType>(proj, Eigen::MatrixXd::Identity(3, 3)),
+                      Catch::Contains("6x6"));
+    Eigen::MatrixXd asym = Eigen::MatrixXd::Identity(d, d);
+    asym(0, 1) = 0.5;
+    CHECK_THROWS_WITH(DenseExponentialFeatures<TestType>(proj, asym), Catch::Contains("symmetric"));
+    CHECK_THROWS_WITH(DenseExponentialFeatures<TestType>(proj, -Eigen::MatrixXd::Identity(d, d)),
+                      Catch::Contains("semidefinite"));
+    OptimalPositiveFeatures<TestType> fit(proj);
+    CHECK_THROWS_WITH(fit.fit(testing::gaussian<TestType>(1, 3, d + 1), x, 1.0), Catch::Contains("columns"));
+  }
+}
+
+TEMPLATE_TEST_CASE("oprf: unbiased, closed-form MSE, never above FAVOR+", "[oprf]", float, double) {
+  // Kernel estimates over R = 20000 draws of i.i.d. ω (d = 4, m = 8). Tolerances: the sample
+  // mean of R independent relative estimates has standard error s/√R, so it must lie within 4
+  // standard errors of 1; likewise the empirical relative MSE (a mean of R independent squared
+  // errors) within 4 of its standard errors of the closed form. OPRF against FAVOR+ on the
+  // same ω: the mean of the paired differences of squared errors must not exceed 4 of its
+  // standard errors above 0. ρ is fixed at 2 (A ≈ −0.19): the pairs' ‖x + y‖² lie on both
+  // sides of it. Float rounding (1e-5 relative) is far below every standard error.
+  const Index d = 4, m = 8;
+  const int draws = 20000;
+  const auto [x, y] = row_pairs<TestType>(kPairs, d);
+  using Oprf = OptimalPositiveFeatures<TestType, Iid<TestType>>;
+  using Sderf = DenseExponentialFeatures<TestType, Iid<TestType>>;
+  const Oprf oprf(Iid<TestType>(m, d), 2.0);
+  const PositiveFeatures<TestType, Iid<TestType>> favor(Iid<TestType>(m, d));
+  const Sderf sderf(Iid<TestType>(m, d), anisotropic_moment());
+  const auto ratio = relative_estimates<TestType>(x, y, draws, oprf, favor, sderf);
+  for (std::size_t p = 0; p < kPairs.size(); ++p) {
+    const Eigen::VectorXd xp = x.row(Index(p)).transpose().template cast<double>();
+    const Eigen::VectorXd yp = y.row(Index(p)).transpose().template cast<double>();
+    const double closed[3] = {randattn::kernel_relative_mse(oprf, xp, yp),
+                              randattn::kernel_relative_mse(favor, xp, yp),
+                              randattn::kernel_relative_mse(sderf, xp, yp)};
+    for (std::size_t k = 0; k < 3; ++k) {
+      const auto& rk = ratio[k][p];
+      const Moments mean = moments_of(rk, rk, [](double a, double) { return a; });
+      const Moments mse = moments_of(rk, rk, [](double a, double) { return sq_error(a); });
+      INFO("pair " << p << ", map " << k << " (oprf, favor, sderf): mean " << mean.mean << " (se "
+                   << mean.standard_error() << "), relative mse " << mse.mean << " vs " << closed[k]
+                   << " (se " << mse.standard_error() << ")");
+      CHECK(std::abs(mean.mean - 1) <= 4 * mean.standard_error());
+      CHECK(std::abs(mse.mean - closed[k]) <= 4 * mse.standard_error());
+    }
+    CHECK(closed[0] <= closed[1]);
+    // OPRF versus FAVOR+ on the same ω, paired per draw.
+    const Moments diff = moments_of(ratio[0][p], ratio[1][p],
+                                    [](double a, double b) { return sq_error(a) - sq_error(b); });
+    INFO("pair " << p << ": mean (OPRF - FAVOR+) squared relative error " << diff.mean << " (se "
+                 << diff.standard_error() << ")");
+    CHECK(diff.mean <= 4 * diff.standard_error());
+  }
+}

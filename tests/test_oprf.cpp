@@ -318,9 +318,11 @@ TEMPLATE_TEST_CASE("oprf: attention error on Gaussian data at realistic norms", 
   // Q, K ~ s·N(0, I), V ~ N(0, I), n = 4096 keys, d = 64, m = 256, scale 1/8 (scale·‖q‖² ≈ 8s²),
   // 512 queries (each output row depends on its query and all keys only), 3 seeds; OPRF and
   // SDERF fitted on all 4096 queries and keys, FAVOR+ on the same ω. Tolerance: the seed-to-seed
-  // standard deviation of the paired difference of errors, sd/√3 its standard error; 4 of
-  // those bound "equal within noise" and the advantage at s = 0.5 must exceed 2 of them
-  // (the measured gap is 0.06 ≈ 7 standard errors in examples/error_vs_norm).
+  // standard deviation of the paired difference of errors, sd/√3 its standard error. At
+  // s = 0.35 (scale·‖q‖² ≈ 1) the fitted maps must not be worse than FAVOR+ by more than 4 of
+  // those (they are equal or slightly better: 0.109 and 0.111 against 0.120 in
+  // examples/error_vs_norm); at s = 0.5 (≈ 2) they must be better by more than 2 (measured:
+  // 0.389 and 0.390 against 0.449).
   const Index n = 4096, nq = 512, d = 64, m = 256;
   const double c = std::pow(double(d), -0.25);
   for (double s : {0.35, 0.5}) {
@@ -345,7 +347,7 @@ TEMPLATE_TEST_CASE("oprf: attention error on Gaussian data at realistic norms", 
       for (double x : diff) md.add(x);
       INFO("s = " << s << ": mean error difference to FAVOR+ " << md.mean << " (se " << md.standard_error() << ")");
       if (s < 0.4)
-        CHECK(std::abs(md.mean) <= 4 * md.standard_error());
+        CHECK(md.mean <= 4 * md.standard_error());
       else
         CHECK(md.mean < -2 * md.standard_error());
     }

@@ -312,7 +312,9 @@ struct OprfFamily : FittedMap<randattn::OptimalPositiveFeatures> {
   static void fit(Map& map, Average&& average, double c) {
     using Scalar = typename Map::Scalar;
     map.set_rho(average([&](const auto& q, const auto& k) {
-      return Eigen::Matrix<double, 1, 1>::Constant(randattn::pair_sum_sq_norm<Scalar>(q, k, c));
+      Eigen::VectorXd rho(1);
+      rho(0) = randattn::pair_sum_sq_norm<Scalar>(q, k, c);
+      return rho;
     })(0));
   }
   template <typename Map>

@@ -117,7 +117,8 @@ TEMPLATE_TEST_CASE("oprf: pair statistics equal their definitions", "[oprf]", fl
   Eigen::MatrixXd m = Eigen::MatrixXd::Zero(5, 5);
   for (Index i = 0; i < q.rows(); ++i)
     for (Index j = 0; j < k.rows(); ++j) {
-      const Eigen::VectorXd z = c * (q.row(i) + k.row(j)).transpose().template cast<double>();
+      const Eigen::VectorXd z =
+          c * (q.row(i).template cast<double>() + k.row(j).template cast<double>()).transpose();
       rho += z.squaredNorm() / double(q.rows() * k.rows());
       m += z * z.transpose() / double(q.rows() * k.rows());
     }

@@ -464,6 +464,55 @@ TEST_CASE("cli: hybrid and hybrid-gaussian", "[cli][hybrid]") {
   require_error(ws, "attention --method hybrid-gaussian --bandwidth -1" + io, "--bandwidth");
 }
 
+TEST_CASE("cli: oprf and sderf, their fit modes and the predicted kernel MSE", "[cli][oprf]") {
+  Workspace ws;
+  const std::int64_t n = 64, d = 8, dv = 4;
+  save<float>(ws, "q.npy", {2, 1, n, d}, 41);
+  save<float>(ws, "k.npy", {2, 1, n, d}, 42);
+  save<float>(ws, "v.npy", {2, 1, n, dv}, 43);
+  save<double>(ws, "c.npy", {16, d}, 44);
+  save<double>(ws, "c_bad.npy", {16, d + 1}, 45);
+  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
+                         quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+  const std::string calibration = " --fit given --calibration " + quote(ws.path("c.npy"));
+  for (const std::string method : {"oprf", "sderf"}) {
+    INFO(method);
+    for (const std::string fit : {std::string(""), std::string(" --fit given --rho 0.4"), calibration,
+                                  " --causal" + calibration}) {
+      INFO(fit);
+      const Result r = ws.run("attention --method " + method + " --features 128 --seed 2 --compare" + fit + io);
+      INFO("stderr: " << r.err);
+      REQUIRE(r.exit_code == 0);
+      CHECK(json_number(r.out, "feature_dim") == 128);
+      CHECK(r.out.find(fit.empty() ? "\"fit\":\"queries+keys\"" : "\"fit\":\"given\"") != std::string::npos);
+      // Entries in [-1, 1], d = 8, scale 1/sqrt(8): |q + k|^2 scaled is about 1, a small error.
+      CHECK(json_number(r.out, "rel_error") < 0.5);
+      CHECK(json_number(r.out, "predicted_rel_mse") > 0);
+      CHECK(json_number(r.out, "predicted_rel_mse") < 0.1);
+    }
+    const std::string base = "attention --method " + method + io;
+    require_error(ws, base + " --causal", "--fit given");
+    require_error(ws, base + " --fit given", "exactly one of --rho and --calibration");
+    require_error(ws, base + " --fit given --rho 1" + " --calibration " + quote(ws.path("c.npy")), "exactly one");
+    require_error(ws, base + " --rho 1", "need --fit given");
+    require_error(ws, base + " --fit given --rho -1", "--rho");
+    require_error(ws, base + " --fit sequence", "--fit");
+    require_error(ws, base + " --fit given --calibration " + quote(ws.path("c_bad.npy")), "--calibration");
+    require_error(ws, base + " --fit given --calibration " + quote(ws.path("missing.npy")), "--calibration");
+  }
+  require_error(ws, "attention --method favor --rho 1" + io, "--rho");
+  require_error(ws, "attention --method hybrid --fit given" + io, "--fit");
+  // favor, favor-hyp and trig report the closed form too; the hybrid has none.
+  for (const std::string method : {"favor", "favor-hyp", "trig"}) {
+    const Result r = ws.run("attention --method " + method + " --report" + io);
+    REQUIRE(r.exit_code == 0);
+    CHECK(json_number(r.out, "predicted_rel_mse") > 0);
+  }
+  const Result r = ws.run("attention --method hybrid --report" + io);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("predicted_rel_mse") == std::string::npos);
+}
+
 #else
 
 TEST_CASE("cli: randattn-cli not built, contract tests skipped", "[cli]") {

@@ -128,7 +128,7 @@ class ExactMethod final : public TypedMethod<ExactMethod> {
   }
 };
 
-// favor, favor-hyp, trig, hybrid, hybrid-gaussian (feature_methods.hpp).
+// favor, favor-hyp, trig, oprf, sderf, hybrid, hybrid-gaussian (feature_methods.hpp).
 inline void add_feature_methods(std::vector<std::unique_ptr<AttentionMethod>>& methods);
 // LSH attention (Reformer): cross-polytope buckets, sort-and-chunk or exact buckets, r rounds.
 // Without --k the keys are the queries (shared QK: keys normalised, self rule); with --k,

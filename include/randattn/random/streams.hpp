@@ -23,4 +23,7 @@ constexpr std::uint32_t projection_hadamard = 0x50524a03u;     // ±1 diagonals 
 constexpr std::uint32_t lsh_dense_rotation = 0x4C534801u;      // Gaussian (d, rounds, b/2)
 constexpr std::uint32_t lsh_hadamard_rotation = 0x4C534802u;   // ±1 diagonals per round
 
+// Pairs (q_i, k_j) sampled by mean_kernel_relative_mse (features/kernel_variance.hpp): "VAR".
+constexpr std::uint32_t kernel_variance_pairs = 0x56415201u;
+
 }  // namespace randattn::streams

@@ -74,7 +74,7 @@ class ScoreTile {
         nd_(max_rows, value_dim + 1),
         row_max_(max_rows),
         count_(max_cols),
-        log_count_(1, Scalar(0)) {}
+        log_count_(Vector<Scalar>::Zero(1)) {}
 
   // S = q kᵀ for q (br x d) and k (bc x d); the logits of the rows and columns now in the tile.
   template <typename Q, typename K>

@@ -58,7 +58,7 @@ std::set<Index> opened_in_table(const RowMatrix<Scalar>& s, Index i, double eta,
 template <typename Scalar>
 Eigen::MatrixXd reference(const LocalitySensitiveFilters<Scalar>& f, const RowMatrix<Scalar>& q,
                           const RowMatrix<Scalar>& k, const RowMatrix<Scalar>& v, double eta, Index min_probes,
-                          double scale, bool causal) {
+                          double scale, bool causal, Index* pairs = nullptr) {
   const Index L = f.tables(), m = f.filters();
   const Scores<Scalar> qs = all_scores(f, q);
   const randattn::HashCodes codes = f.assign(k);
@@ -91,6 +91,7 @@ Eigen::MatrixXd reference(const LocalitySensitiveFilters<Scalar>& f, const RowMa
       }
     }
     REQUIRE(!targets.empty());
+    if (pairs) *pairs += Index(targets.size());
     double mx = -INFINITY;
     for (Index j : targets) mx = std::max(mx, scale * q.row(i).template cast<double>().dot(k.row(j).template cast<double>()));
     double den = 0;
@@ -209,7 +210,8 @@ TEMPLATE_TEST_CASE("η = −inf opens every filter: exact attention", "[lsf]", f
               testing::tolerance<Scalar>());
         const randattn::LsfProbeStats st = randattn::lsf_probe_stats<Scalar>(f, q, k, opt);
         CHECK(st.opened == n * 9 * L);
-        CHECK(st.scored_pairs == n * n * L);
+        CHECK(st.target_pairs == (causal ? n * (n + 1) / 2 : n * n));
+        CHECK(st.logits == L * st.target_pairs);
       }
     }
   }
@@ -236,8 +238,10 @@ TEMPLATE_TEST_CASE("LSF attention equals softmax over the explicit union of open
             opt.causal = causal;
             opt.min_probes = min_probes;
             opt.scale = 0.7;
+            Index pairs = 0;
             CHECK(rel_error(randattn::lsf_attention(f, q, k, v, opt),
-                            reference<Scalar>(f, q, k, v, eta, min_probes, 0.7, causal)) < 1e-6);
+                            reference<Scalar>(f, q, k, v, eta, min_probes, 0.7, causal, &pairs)) < 1e-6);
+            CHECK(randattn::lsf_probe_stats<Scalar>(f, q, k, opt).target_pairs == pairs);
           }
         }
       }

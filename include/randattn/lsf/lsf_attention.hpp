@@ -67,10 +67,12 @@ struct LsfOptions : AttentionOptions {
 
 // What the filters selected, for reports and benchmarks.
 struct LsfProbeStats {
-  double eta = 0;               // the threshold used
-  Index opened = 0;             // Σ_i filters opened by query i (all tables)
-  Index scored_pairs = 0;       // Σ_i Σ_{opened filters} keys in the filter: the logits computed
-  Index fallback_queries = 0;   // queries that needed the fallback
+  double eta = 0;              // the threshold used
+  Index opened = 0;            // Σ_i filters opened by query i (all tables)
+  Index fallback_queries = 0;  // queries that needed the fallback
+  Index target_pairs = 0;      // Σ_i |P_i|: distinct valid (query, key) pairs scored; / (n_q n_k)
+                               // is the fraction of pairs scored
+  Index logits = 0;            // logits computed: a key found in N tables is scored N times
 };
 
 namespace detail {
@@ -287,23 +289,44 @@ class LsfSlice {
  public:
   LsfSlice(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
            const LocalitySensitiveFilters<Scalar>& filters, const LsfOptions& opt)
-      : filters_(filters), opt_(opt) {
-    stats_.eta = resolve_threshold("lsf_attention", opt, filters.filters());
+      : filters_(filters), opt_(opt), eta_(resolve_threshold("lsf_attention", opt, filters.filters())) {
     if (q.rows() == 0) return;
     keys_ = bucket_keys(filters, unit_rows<Scalar>(k));
-    probes_ = FilterProber<Scalar>(filters, keys_, k.rows(), static_cast<Scalar>(stats_.eta), opt.min_probes,
-                                   opt.causal)
+    probes_ = FilterProber<Scalar>(filters, keys_, k.rows(), static_cast<Scalar>(eta_), opt.min_probes, opt.causal)
                   .probe(unit_rows<Scalar>(q));
-    const Index m = filters.filters();
-    stats_.opened = Index(probes_.query_filters.size());
-    stats_.fallback_queries = probes_.fallback_queries;
-    for (std::int32_t g : probes_.query_filters) {
-      const Index* start = keys_.start.data() + (g / m) * (m + 1);
-      stats_.scored_pairs += start[g % m + 1] - start[g % m];
-    }
   }
 
-  const LsfProbeStats& stats() const { return stats_; }
+  LsfProbeStats stats() const {
+    LsfProbeStats st;
+    st.eta = eta_;
+    st.opened = Index(probes_.query_filters.size());
+    st.fallback_queries = probes_.fallback_queries;
+    const Index n_q = Index(probes_.query_start.size()) - 1, n_k = keys_.codes.rows();
+    const Index m = filters_.filters(), L = filters_.tables();
+    std::vector<std::uint8_t> open(static_cast<std::size_t>(L * m), 0);
+    for (Index i = 0; i < n_q; ++i) {
+      const std::int32_t* g0 = probes_.query_filters.data() + probes_.query_start[i];
+      const std::int32_t* g1 = probes_.query_filters.data() + probes_.query_start[i + 1];
+      for (const std::int32_t* g = g0; g < g1; ++g) open[*g] = 1;
+      for (const std::int32_t* g = g0; g < g1; ++g) {
+        const Index t = *g / m, f = *g % m;
+        const std::int32_t* perm = keys_.perm.data() + t * n_k;
+        const Index* start = keys_.start.data() + t * (m + 1);
+        const Index end = opt_.causal ? Index(std::upper_bound(perm + start[f], perm + start[f + 1], i) - perm)
+                                      : start[f + 1];
+        st.logits += end - start[f];
+        // A key counts for the first table in which i finds it.
+        for (Index e = start[f]; e < end; ++e) {
+          const std::int32_t* code = keys_.codes.data() + Index(perm[e]) * L;
+          Index before = 0;
+          for (Index u = 0; u < t; ++u) before += open[u * m + code[u]];
+          st.target_pairs += before == 0;
+        }
+      }
+      for (const std::int32_t* g = g0; g < g1; ++g) open[*g] = 0;
+    }
+    return st;
+  }
 
   SoftmaxAccumulator<Scalar> attend(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                                     const Eigen::Ref<const RowMatrix<Scalar>>& k,
@@ -364,9 +387,9 @@ class LsfSlice {
  private:
   const LocalitySensitiveFilters<Scalar>& filters_;
   const LsfOptions& opt_;
+  double eta_;
   FilterBuckets keys_;
   FilterProbes probes_;
-  LsfProbeStats stats_;
 };
 
 template <typename Scalar>
@@ -411,8 +434,8 @@ RowMatrix<typename DQ::Scalar> lsf_attention(const LocalitySensitiveFilters<type
 }
 
 // The filters LSF attention would open for q over k, without the attention: the threshold used,
-// filters opened, logits computed (scored_pairs / (n_q n_k) is the fraction of pairs scored)
-// and fallback queries.
+// filters opened, fallback queries, distinct pairs scored (target_pairs / (n_q n_k) is the
+// fraction of pairs scored) and logits computed.
 template <typename Scalar>
 LsfProbeStats lsf_probe_stats(const LocalitySensitiveFilters<Scalar>& filters,
                               const Eigen::Ref<const RowMatrix<Scalar>>& q,

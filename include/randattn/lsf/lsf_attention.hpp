@@ -24,7 +24,8 @@
 // (core/score_tile.hpp) with gathered global row/column positions (causal masking, dedupe).
 // Tasks own fixed blocks of queries, so each output row is merged by one thread, in the order
 // table, filter, key tile: results do not depend on the thread count.
-// Memory O(n (d + dv) + n L + probes) per slice, probes = Σ_i (filters opened by i).
+// Memory O(n (d + dv) + n L + probes) per slice, probes = Σ_i (filters opened by i), plus the
+// opened-filter bits of a task's queries (at most 4 MB per thread).
 //
 // Causal: the filters opened by query i depend on q_i and on keys 0..i only (the fallback looks at
 // valid keys), and each query is scored against the past keys of its filters as a tile of its
@@ -77,7 +78,12 @@ struct LsfProbeStats {
 
 namespace detail {
 
-constexpr Index kLsfQueryBlock = 4096;  // queries per attention task (fixed: no thread-count dependence)
+// Queries per attention task: 4096, fewer when their opened-filter bits (L m each) would pass 4 MB.
+// A function of L m alone, so results never depend on the thread count.
+inline Index query_block(Index filters_in_all_tables) {
+  const Index fit = (Index(1) << 25) / std::max<Index>(filters_in_all_tables, 1);
+  return std::clamp<Index>(fit / 64 * 64, 256, 4096);
+}
 
 // Keys bucketed by filter, one CSR per table.
 struct FilterBuckets {
@@ -262,24 +268,39 @@ class FilterProber {
 };
 
 // The dedupe count of the score tile: the number of tables in which key cols[u] lies in a filter
-// opened by query i (>= 1 for every key of a tile that scores the pair).
+// opened by query i (>= 1 for every key of a tile that scores the pair). The opened filters of the
+// task's queries are one bit each (rows lo .. lo + rows, L m bits a row), set once per task; the
+// tile's columns are a range of the table's filter-ordered keys, whose codes (in that order) are
+// rows of `codes`, so a count is L bit tests.
 struct OpenedFilterCounter {
-  const FilterProbes* probes = nullptr;
-  const HashCodes* codes = nullptr;  // n_k x L
-  Index filters = 0;
-  mutable std::vector<std::uint8_t> open;  // L m flags, all 0 between calls
+  const std::int32_t* perm = nullptr;  // the table's keys in filter order (cols.list points into it)
+  const HashCodes* codes = nullptr;    // n_k x L, rows in the order of perm
+  Index filters = 0, lo = 0, words = 0;
+  std::vector<std::uint64_t> bits;     // rows x words
+
+  void open(const FilterProbes& p, Index first, Index rows) {
+    lo = first;
+    words = (codes->cols() * filters + 63) / 64;
+    bits.assign(static_cast<std::size_t>(rows * words), 0);
+    for (Index i = first; i < first + rows; ++i)
+      for (Index e = p.query_start[i]; e < p.query_start[i + 1]; ++e) {
+        const std::uint64_t g = std::uint64_t(p.query_filters[e]);
+        bits[static_cast<std::size_t>((i - first) * words + Index(g >> 6))] |= std::uint64_t(1) << (g & 63);
+      }
+  }
 
   void operator()(Index i, const TileIndex& cols, std::int32_t* n) const {
-    const std::int32_t* g = probes->query_filters.data();
-    const Index e0 = probes->query_start[i], e1 = probes->query_start[i + 1], L = codes->cols();
-    for (Index e = e0; e < e1; ++e) open[g[e]] = 1;
-    for (Index u = 0; u < cols.size; ++u) {
-      const std::int32_t* code = codes->data() + cols[u] * L;
+    const std::uint64_t* row = bits.data() + (i - lo) * words;
+    const Index L = codes->cols();
+    const std::int32_t* code = codes->data() + (cols.list - perm) * L;
+    for (Index u = 0; u < cols.size; ++u, code += L) {
       std::int32_t c = 0;
-      for (Index t = 0; t < L; ++t) c += open[t * filters + code[t]];
+      for (Index t = 0; t < L; ++t) {
+        const std::uint64_t g = std::uint64_t(t * filters + code[t]);
+        c += std::int32_t((row[g >> 6] >> (g & 63)) & 1);
+      }
       n[u] += c;
     }
-    for (Index e = e0; e < e1; ++e) open[g[e]] = 0;
   }
 };
 
@@ -336,25 +357,30 @@ class LsfSlice {
     if (n_q == 0) return acc;
     const RowMatrix<Scalar> queries = scale * q;
     RowMatrix<Scalar> keys(n_k, k.cols()), values(n_k, v.cols());
-    const Index tasks = (n_q + kLsfQueryBlock - 1) / kLsfQueryBlock;
+    HashCodes codes(n_k, L);
+    const Index block = query_block(L * m), tasks = (n_q + block - 1) / block;
     for (Index t = 0; t < L; ++t) {
       const std::int32_t* perm = keys_.perm.data() + t * n_k;
       const Index* start = keys_.start.data() + t * (m + 1);
       for (Index s = 0; s < n_k; ++s) {
         keys.row(s) = k.row(perm[s]);
         values.row(s) = v.row(perm[s]);
+        codes.row(s) = keys_.codes.row(perm[s]);
       }
       // Each task owns the rows [b Q, (b + 1) Q): one thread merges a row, filter by filter.
       parallel_for(tasks, [&](Index b) {
-        const std::int32_t lo = static_cast<std::int32_t>(b * kLsfQueryBlock);
-        const std::int32_t hi = static_cast<std::int32_t>(std::min(n_q, (b + 1) * kLsfQueryBlock));
+        const std::int32_t lo = static_cast<std::int32_t>(b * block);
+        const std::int32_t hi = static_cast<std::int32_t>(std::min(n_q, (b + 1) * block));
         ScoreTile<Scalar> tile(kTargetRowTile, kTargetColTile, v.cols());
         RowMatrix<Scalar> q_tile(kTargetRowTile, q.cols());
-        OpenedFilterCounter counter{&probes_, &keys_.codes, m, std::vector<std::uint8_t>()};
+        OpenedFilterCounter counter;
         TileMask<OpenedFilterCounter> mask;
         mask.causal = opt_.causal;
         if (L > 1) {
-          counter.open.assign(static_cast<std::size_t>(L * m), 0);
+          counter.perm = perm;
+          counter.codes = &codes;
+          counter.filters = m;
+          counter.open(probes_, lo, hi - lo);
           mask.dedupe = &counter;
         }
         for (Index f = 0; f < m; ++f) {

@@ -2,10 +2,11 @@
 """Error against time of LSF and LSH attention on the same unit-sphere data (bench/bench_lsf.cpp),
 time as a fraction of tiled exact attention measured in the same run. Writes docs/lsf_vs_lsh.png.
 
-    /usr/bin/python3 scripts/plot_lsf_vs_lsh.py [build-dir | results.json]
+    /usr/bin/python3 scripts/plot_lsf_vs_lsh.py [build-dir | results.json ...]
 
 With a build directory it runs build/bench/bench_lsf (single thread, several minutes) and keeps
-its JSON next to the figure input; with a .json file it plots those results.
+its JSON in the build directory; with .json files (Google Benchmark --benchmark_out, e.g. one per
+n from --benchmark_filter) it plots those results.
 """
 import json
 import os
@@ -18,18 +19,20 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-source = sys.argv[1] if len(sys.argv) > 1 else os.path.join(root, "build")
-if source.endswith(".json"):
-    results = source
+sources = sys.argv[1:] or [os.path.join(root, "build")]
+if all(s.endswith(".json") for s in sources):
+    results = sources
 else:
-    bench = os.path.join(source, "bench", "bench_lsf")
+    bench = os.path.join(sources[0], "bench", "bench_lsf")
     if not os.path.exists(bench):
-        sys.exit(f"{bench} not found: cmake --build {source} --target bench_lsf")
-    results = os.path.join(source, "bench_lsf.json")
+        sys.exit(f"{bench} not found: cmake --build {sources[0]} --target bench_lsf")
+    results = [os.path.join(sources[0], "bench_lsf.json")]
     subprocess.run([bench, "--benchmark_format=console", "--benchmark_out_format=json",
-                    f"--benchmark_out={results}"], check=True)
-with open(results) as f:
-    runs = json.load(f)["benchmarks"]
+                    f"--benchmark_out={results[0]}"], check=True)
+runs = []
+for path in results:
+    with open(path) as f:
+        runs += json.load(f)["benchmarks"]
 
 
 def args(name):
@@ -47,20 +50,20 @@ for ax, n in zip(axes[0], sizes):
             continue
         family = r["name"].split("/")[0]
         if family == "Lsh":
-            key, label = ("lsh", a["c"]), f"LSH, exact buckets, c = {a['c']} (r = 1, 2, 4, 8)"
-            tag = f"r={a['r']}"
+            key, label = ("lsh", a["c"]), f"LSH, exact buckets, c = {a['c']} (points: rounds r)"
+            tag, order = f"r={a['r']}", a["r"]
         else:
             rotation = "Hadamard" if a["rotation"] == 1 else "dense"
-            key, label = ("lsf", a["rotation"], a["L"]), f"LSF, {rotation} filters, L = {a['L']} (eta = 3, 2.5, 2)"
-            tag = f"{a['eta_x100'] / 100:g}"
-        series.setdefault(key, (label, []))[1].append((1.0 / r["speedup_cpu"], r["rel_error"], tag))
+            key, label = ("lsf", a["rotation"], a["L"]), f"LSF, {rotation} filters, m = n/32, L = {a['L']} (points: eta)"
+            tag, order = f"{a['eta_x100'] / 100:g}", -a["eta_x100"]
+        series.setdefault(key, (label, []))[1].append((order, 1.0 / r["speedup_cpu"], r["rel_error"], tag))
     styles = {("lsh", 64): ("k", "o-"), ("lsh", 256): ("0.5", "o")}
     colors = ["C0", "C1", "C2", "C3", "C4"]
     for i, (key, (label, pts)) in enumerate(sorted(series.items(), key=lambda kv: str(kv[0]))):
         color, style = styles.get(key, (colors[i % len(colors)], "s--" if key[0] == "lsf" and key[1] == 1 else "^:"))
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, label=label)
-        for x, y, tag in pts:
+        ax.plot([p[1] for p in pts], [p[2] for p in pts], style, color=color, label=label)
+        for _, x, y, tag in pts:
             ax.annotate(tag, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_yscale("log")

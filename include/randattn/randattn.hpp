@@ -23,6 +23,7 @@
 #include "lsh/cross_polytope.hpp"
 #include "lsh/target_blocks.hpp"
 #include "lsh/lsh_attention.hpp"
+#include "lsf/lsf_attention.hpp"
 #include "sketch/tensor_view.hpp"
 #include "sketch/sparse_tensor.hpp"
 #include "sketch/sparsify.hpp"

@@ -138,19 +138,18 @@ class LocalitySensitiveFilters {
     if (kind_ == RotationKind::dense) {
       detail::gemm_fixed_depth(out, unit_block, a_.middleRows(t * filters_, filters_).transpose(), false);
     } else {
-      rotation_.rotate_round(unit_block, t, next_power_of_two(filters_), work);
-      out = gain_ * work.topRows(filters_).transpose();
+      out = gain_ * rotation_.project_round(unit_block, t, work).transpose();
     }
   }
 
   // Runs fn(first_row, block, scores, work) on the aligned 64-row blocks of `unit`, in parallel.
   template <typename Fn>
   void for_each_block(const RowMatrix<Scalar>& unit, Fn&& fn) const {
-    const Index n = unit.rows(), blocks = (n + detail::kHashBlock - 1) / detail::kHashBlock;
+    const Index n = unit.rows(), blocks = (n + detail::kHashTile - 1) / detail::kHashTile;
     detail::parallel_for(blocks, [&](Index b) {
       RowMatrix<Scalar> s, work;
-      const Index i0 = b * detail::kHashBlock;
-      fn(i0, unit.middleRows(i0, std::min(detail::kHashBlock, n - i0)), s, work);
+      const Index i0 = b * detail::kHashTile;
+      fn(i0, unit.middleRows(i0, std::min(detail::kHashTile, n - i0)), s, work);
     });
   }
 

@@ -167,7 +167,7 @@ class FilterProber {
 
   FilterProbes probe(const RowMatrix<Scalar>& unit_q) const {
     const Index n = unit_q.rows(), m = filters_.filters(), L = filters_.tables();
-    const Index blocks = (n + kHashBlock - 1) / kHashBlock;
+    const Index blocks = (n + kHashTile - 1) / kHashTile;
     std::vector<std::vector<std::int32_t>> opened(static_cast<std::size_t>(blocks));
     std::vector<Index> count(static_cast<std::size_t>(n));
     std::vector<char> fell_back(static_cast<std::size_t>(n), 0);
@@ -178,7 +178,7 @@ class FilterProber {
         filters_.score_block(block, t, s, work);
         scores.middleCols(t * m, m) = s;
       }
-      std::vector<std::int32_t>& out = opened[static_cast<std::size_t>(i0 / kHashBlock)];
+      std::vector<std::int32_t>& out = opened[static_cast<std::size_t>(i0 / kHashTile)];
       std::vector<std::int32_t> order;
       for (Index u = 0; u < B; ++u) {
         const std::size_t first = out.size();

@@ -29,41 +29,54 @@ const Scalar* row_major_data(const TensorView<Scalar>& a, Vector<Scalar>& storag
   return storage.data();
 }
 
-// G = M_j M_j^T for a contiguous row-major tensor, accumulated over panels of at most
-// kMaxGemmDepth unfolding columns (copied into one buffer), so the rounding depends on the
-// shape alone, never on the thread count. Only the lower triangle is accumulated; the result is
-// the full symmetric matrix.
+// G = M_j M_j^T for a contiguous row-major tensor, accumulated (lower triangle only, by Eigen's
+// symmetric rank-k update) over panels of at most kMaxGemmDepth unfolding columns read in
+// place: for the last mode M_j is the column-major d x (D / d) matrix the data already are; for
+// any other mode the columns of M_j are those of the row-major slices A[i_<j, :, i_>j], d x inner,
+// cut into panels within each slice. The panels depend on the shape alone, so the rounding never
+// depends on the thread count. The result is the full symmetric matrix.
 template <typename Scalar>
 RowMatrix<Scalar> dense_mode_gram(const Scalar* data, const std::vector<Index>& dims, Index mode) {
+  using ColMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;
   const ModeSplit split(dims, mode);
-  const Index d = split.dim, cols = split.cols();
-  Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> g = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>::Zero(d, d);
-  RowMatrix<Scalar> panel(d, std::min(cols, kMaxGemmDepth));
-  using Slice = Eigen::Map<const RowMatrix<Scalar>>;  // X_p = A[p, :, :] as d x inner
-  for (Index c0 = 0; c0 < cols; c0 += kMaxGemmDepth) {
-    const Index width = std::min(kMaxGemmDepth, cols - c0);
-    for (Index c = c0; c < c0 + width;) {
-      const Index p = c / split.inner, s = c % split.inner;
-      const Index len = std::min(split.inner - s, c0 + width - c);
-      panel.middleCols(c - c0, len) = Slice(data + p * d * split.inner, d, split.inner).middleCols(s, len);
-      c += len;
+  const Index d = split.dim;
+  ColMatrix g = ColMatrix::Zero(d, d);
+  auto update = [&](const auto& panel) { g.template selfadjointView<Eigen::Lower>().rankUpdate(panel); };
+  if (split.inner == 1) {
+    const Eigen::Map<const ColMatrix> m(data, d, split.outer);
+    for (Index c0 = 0; c0 < split.outer; c0 += kMaxGemmDepth)
+      update(m.middleCols(c0, std::min(kMaxGemmDepth, split.outer - c0)));
+  } else {
+    for (Index o = 0; o < split.outer; ++o) {
+      const Eigen::Map<const RowMatrix<Scalar>> slice(data + o * d * split.inner, d, split.inner);
+      for (Index c0 = 0; c0 < split.inner; c0 += kMaxGemmDepth)
+        update(slice.middleCols(c0, std::min(kMaxGemmDepth, split.inner - c0)));
     }
-    g.template selfadjointView<Eigen::Lower>().rankUpdate(panel.leftCols(width));
   }
   return g.template selfadjointView<Eigen::Lower>();
 }
 
-// N = M_j(s1) M_j(s2)^T, summed column by column of the unfoldings: sum_c s1[:, c] s2[:, c]^T.
+// N = M_j(s1) M_j(s2)^T = sum over unfolding columns c of s1[:, c] s2[:, c]^T: both sketches
+// grouped by column (unfold), then for every pair of entries sharing a column one multiply-add
+// into the dense d x d result, row by row of s1. Cost O(nnz + columns + sum_c nnz_1(c) nnz_2(c)).
 template <typename Scalar>
 RowMatrix<Scalar> sketch_mode_product(const SparseTensor<Scalar>& s1, const SparseTensor<Scalar>& s2,
                                       Index mode) {
   const auto m1 = unfold<Eigen::ColMajor>(s1, mode);
   const auto m2 = unfold<Eigen::ColMajor>(s2, mode);
-  RowMatrix<Scalar> n = RowMatrix<Scalar>::Zero(m1.rows(), m2.rows());
-  using It = typename Eigen::SparseMatrix<Scalar, Eigen::ColMajor, Index>::InnerIterator;
+  const Index d = m1.rows();
+  RowMatrix<Scalar> n = RowMatrix<Scalar>::Zero(d, m2.rows());
+  const Index *start1 = m1.outerIndexPtr(), *start2 = m2.outerIndexPtr();
+  const Index *row1 = m1.innerIndexPtr(), *row2 = m2.innerIndexPtr();
+  const Scalar *value1 = m1.valuePtr(), *value2 = m2.valuePtr();
+  Scalar* out = n.data();
   for (Index c = 0; c < m1.outerSize(); ++c) {
-    for (It a(m1, c); a; ++a) {
-      for (It b(m2, c); b; ++b) n(a.row(), b.row()) += a.value() * b.value();
+    const Index b0 = start2[c], b1 = start2[c + 1];
+    if (b0 == b1) continue;
+    for (Index a = start1[c]; a < start1[c + 1]; ++a) {
+      Scalar* row = out + row1[a] * n.cols();
+      const Scalar x = value1[a];
+      for (Index b = b0; b < b1; ++b) row[row2[b]] += x * value2[b];
     }
   }
   return n;

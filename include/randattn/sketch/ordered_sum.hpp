@@ -39,10 +39,16 @@ class OrderedSum {
   // omega0 a multiple of kLanes: the vectorised form of kLanes calls of add (add_square).
   void add_lanes(Index omega0, const double* x) {
     for (Index l = 0; l < kLanes; ++l) lanes_[l] += x[l];
-    if ((omega0 + kLanes) % kSketchChunk == 0) close_chunk();
+    lanes_done(omega0);
   }
   void add_square_lanes(Index omega0, const double* a) {
     for (Index l = 0; l < kLanes; ++l) lanes_[l] = square_plus(a[l], lanes_[l]);
+    lanes_done(omega0);
+  }
+  // The same written by hand (vector code that updates lane l with the term of omega0 + l, as
+  // add_lanes does), followed by lanes_done(omega0).
+  double* lanes() { return lanes_; }
+  void lanes_done(Index omega0) {
     if ((omega0 + kLanes) % kSketchChunk == 0) close_chunk();
   }
 

@@ -52,6 +52,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -284,6 +285,9 @@ class Sampler {
  private:
   // Entries o0 <= o < o1 of tile `tile`, the first at `src`.
   void sample_tile(Index tile, Index o0, Index o1, const Scalar* src, Index stride) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    if (o0 == 0 && o1 == kDrawTile && stride == 1) return sample_full_tile(tile, src);
+#endif
     const SamplingRule rule = rule_;
     const Index base = tile * kDrawTile;
     const bool full = o0 == 0 && o1 == kDrawTile;
@@ -317,6 +321,75 @@ class Sampler {
       }
     }
   }
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  // A whole contiguous tile in one sweep of sixteen entries at a time, the probabilities in
+  // registers: the same arithmetic and decisions as the general path above (tile_decisions,
+  // SamplingRule::probabilities), so the two give identical sketches. A tile's draws are
+  // generated when its first entry with 0 < p < 1 appears.
+  void sample_full_tile(Index tile, const Scalar* src) {
+    const SamplingRule rule = rule_;
+    const Index base = tile * kDrawTile;
+    const __m512d s = _mm512_set1_pd(rule.scale), f = _mm512_set1_pd(rule.floor), one = _mm512_set1_pd(1),
+                  scale256 = _mm512_set1_pd(256);
+    const __m512d c = _mm512_set1_pd(rule.cutoff > 0 ? rule.cutoff : std::numeric_limits<double>::denorm_min());
+    const __m512i all = _mm512_set1_epi32(256), low_byte = _mm512_set1_epi32(0xFF);
+    double* sum_p = expected_nnz_.lanes();
+    double* sum_a2 = squares_.lanes();
+    bool drawn = false;
+    for (int g = 0; g < 16; ++g) {
+      __m512d x[2];
+      if constexpr (std::is_same<Scalar, float>::value) {
+        const __m512 v = _mm512_loadu_ps(src + 16 * g);
+        x[0] = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+        x[1] = _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1));
+      } else {
+        x[0] = _mm512_loadu_pd(src + 16 * g);
+        x[1] = _mm512_loadu_pd(src + 16 * g + 8);
+      }
+      __m256i t[2];
+      __mmask8 eligible[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m512d q = _mm512_min_pd(_mm512_max_pd(_mm512_mul_pd(s, _mm512_mul_pd(x[h], x[h])), f), one);
+        eligible[h] = _mm512_cmp_pd_mask(_mm512_abs_pd(x[h]), c, _CMP_GE_OQ);
+        double* lane = sum_p + 16 * g + 8 * h;
+        _mm512_storeu_pd(lane, _mm512_mask_add_pd(_mm512_loadu_pd(lane), eligible[h], _mm512_loadu_pd(lane), q));
+        if (sum_squares_) {
+          double* lane2 = sum_a2 + 16 * g + 8 * h;
+#if defined(__FMA__) || defined(__FP_FAST_FMA)
+          _mm512_storeu_pd(lane2, _mm512_fmadd_pd(x[h], x[h], _mm512_loadu_pd(lane2)));
+#else
+          _mm512_storeu_pd(lane2, _mm512_add_pd(_mm512_loadu_pd(lane2), _mm512_mul_pd(x[h], x[h])));
+#endif
+        }
+        t[h] = _mm512_cvttpd_epi32(_mm512_mul_pd(q, scale256));
+      }
+      const __m512i tt = _mm512_inserti64x4(_mm512_castsi256_si512(t[0]), t[1], 1);
+      const __mmask16 e = __mmask16(eligible[0] | (unsigned(eligible[1]) << 8));
+      const __mmask16 uncertain = _mm512_mask_cmplt_epi32_mask(e, tt, all);  // 0 < p < 1 (or p = 0)
+      if (uncertain != 0 && !drawn) {
+        for (SampleOutput<Scalar>& out : outputs_) out.draws.load(tile);
+        drawn = true;
+      }
+      for (SampleOutput<Scalar>& out : outputs_) {
+        unsigned keep = unsigned(e & ~uncertain), tie = 0;
+        if (uncertain != 0) {
+          const __m512i r = _mm512_and_si512(
+              _mm512_srli_epi32(_mm512_load_si512(out.draws.words()[g / 4]), unsigned(8 * (g % 4))), low_byte);
+          keep = _mm512_mask_cmplt_epi32_mask(e, r, tt);
+          tie = _mm512_mask_cmpeq_epi32_mask(e, r, tt);
+        }
+        for (unsigned bits = keep | tie; bits != 0; bits &= bits - 1) {
+          const Index o = 16 * g + count_trailing_zeros(bits);
+          const double a = double(src[o]), p = rule.probability(a);
+          if ((keep >> (o % 16)) & 1 || keep_tie(p, out.draws.fine(base + o))) this->keep(out, base + o, a, p);
+        }
+      }
+    }
+    expected_nnz_.lanes_done(base);
+    if (sum_squares_) squares_.lanes_done(base);
+  }
+#endif
 
   static void keep(SampleOutput<Scalar>& out, Index omega, double a, double p) {
     const Scalar value = static_cast<Scalar>(a / p);

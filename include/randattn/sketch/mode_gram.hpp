@@ -4,6 +4,7 @@
 // N_j = M_j(A1) M_j(A2)^T), plus the top eigenvectors of a symmetric matrix.
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include <Eigen/Core>
@@ -56,27 +57,57 @@ RowMatrix<Scalar> dense_mode_gram(const Scalar* data, const std::vector<Index>& 
   return g.template selfadjointView<Eigen::Lower>();
 }
 
+// The entries of a sparse tensor grouped by the column of its mode-j unfolding: column c holds
+// entries start[c] .. start[c + 1] - 1, with their rows (the mode-j index) and values, in flat
+// order within the column. A counting sort (locating every entry twice instead of storing its
+// column), with 32-bit rows: the grouping touches as little new memory as it can.
+template <typename Scalar>
+struct ColumnGroups {
+  std::vector<Index> start;
+  std::vector<std::int32_t> row;
+  std::vector<Scalar> value;
+
+  ColumnGroups(const SparseTensor<Scalar>& s, const ModeSplit& split)
+      : start(std::size_t(split.cols()) + 1, 0), row(std::size_t(s.nnz())), value(std::size_t(s.nnz())) {
+    const std::vector<Index>& flat = s.indices();
+    Index r = 0, c = 0;
+    for (Index e = 0; e < s.nnz(); ++e) {
+      split.locate(flat[std::size_t(e)], r, c);
+      ++start[std::size_t(c) + 1];
+    }
+    for (std::size_t k = 1; k < start.size(); ++k) start[k] += start[k - 1];
+    std::vector<Index> next(start.begin(), start.end() - 1);
+    for (Index e = 0; e < s.nnz(); ++e) {
+      split.locate(flat[std::size_t(e)], r, c);
+      const std::size_t slot = std::size_t(next[std::size_t(c)]++);
+      row[slot] = std::int32_t(r);
+      value[slot] = s.values()[std::size_t(e)];
+    }
+  }
+};
+
 // N = M_j(s1) M_j(s2)^T = sum over unfolding columns c of s1[:, c] s2[:, c]^T: both sketches
-// grouped by column (unfold), then for every pair of entries sharing a column one multiply-add
-// into the dense d x d result, row by row of s1. Cost O(nnz + columns + sum_c nnz_1(c) nnz_2(c)).
+// grouped by column, then for every pair of entries sharing a column one multiply-add into the
+// dense d x d result, row by row of s1. Cost O(nnz + columns + sum_c nnz_1(c) nnz_2(c)).
 template <typename Scalar>
 RowMatrix<Scalar> sketch_mode_product(const SparseTensor<Scalar>& s1, const SparseTensor<Scalar>& s2,
                                       Index mode) {
-  const auto m1 = unfold<Eigen::ColMajor>(s1, mode);
-  const auto m2 = unfold<Eigen::ColMajor>(s2, mode);
-  const Index d = m1.rows();
-  RowMatrix<Scalar> n = RowMatrix<Scalar>::Zero(d, m2.rows());
-  const Index *start1 = m1.outerIndexPtr(), *start2 = m2.outerIndexPtr();
-  const Index *row1 = m1.innerIndexPtr(), *row2 = m2.innerIndexPtr();
-  const Scalar *value1 = m1.valuePtr(), *value2 = m2.valuePtr();
+  require(mode >= 0 && mode < s1.order() && s1.dims() == s2.dims(), "sketch_mode_product", "mode ", mode,
+          " of sketches of shapes ", dims_str(s1.dims()), " and ", dims_str(s2.dims()));
+  const ModeSplit split(s1.dims(), mode);
+  require(split.dim <= Index(INT32_MAX), "sketch_mode_product", "dimension ", split.dim, " of mode ", mode,
+          " exceeds 2^31 - 1");
+  const ColumnGroups<Scalar> m1(s1, split), m2(s2, split);
+  const Index d = split.dim;
+  RowMatrix<Scalar> n = RowMatrix<Scalar>::Zero(d, d);
   Scalar* out = n.data();
-  for (Index c = 0; c < m1.outerSize(); ++c) {
-    const Index b0 = start2[c], b1 = start2[c + 1];
+  for (Index c = 0; c < split.cols(); ++c) {
+    const Index b0 = m2.start[std::size_t(c)], b1 = m2.start[std::size_t(c) + 1];
     if (b0 == b1) continue;
-    for (Index a = start1[c]; a < start1[c + 1]; ++a) {
-      Scalar* row = out + row1[a] * n.cols();
-      const Scalar x = value1[a];
-      for (Index b = b0; b < b1; ++b) row[row2[b]] += x * value2[b];
+    for (Index a = m1.start[std::size_t(c)]; a < m1.start[std::size_t(c) + 1]; ++a) {
+      Scalar* row = out + Index(m1.row[std::size_t(a)]) * d;
+      const Scalar x = m1.value[std::size_t(a)];
+      for (Index b = b0; b < b1; ++b) row[m2.row[std::size_t(b)]] += x * m2.value[std::size_t(b)];
     }
   }
   return n;

@@ -15,7 +15,7 @@ sanitized_build() {  # <dir> <sanitizers> <targets...>
     shift 2
     cmake -S "$RANDATTN_ROOT" -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
         -DCMAKE_CXX_COMPILER=clang++ -DRANDATTN_SANITIZE="$sanitizers" \
-        -DRANDATTN_BUILD_BENCHMARKS=OFF -DRANDATTN_INSTALL=OFF
+        -DRANDATTN_BUILD_BENCHMARKS=OFF -DRANDATTN_INSTALL=OFF -DRANDATTN_MPI=OFF
     cmake --build "$dir" -j"$(nproc)" --target "$@"
 }
 
@@ -23,7 +23,7 @@ randattn_log "AddressSanitizer + UndefinedBehaviorSanitizer: whole test suite"
 sanitized_build "$RANDATTN_ROOT/build-asan" address,undefined randattn_tests randattn-cli
 ASAN_OPTIONS=halt_on_error=1:detect_leaks=1:abort_on_error=1 \
 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-    ctest --test-dir "$RANDATTN_ROOT/build-asan" --output-on-failure --label-exclude packaging -j"$(nproc)"
+    ctest --test-dir "$RANDATTN_ROOT/build-asan" --output-on-failure --label-exclude 'packaging|mpi' -j"$(nproc)"
 
 randattn_log "ThreadSanitizer: multi-threaded tests"
 sanitized_build "$RANDATTN_ROOT/build-tsan" thread randattn_tests

@@ -5,10 +5,12 @@ set -euo pipefail
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/common.sh"
 
 RANDATTN_PACKAGES+=(catch2 libbenchmark-dev)
+# MPI is required here so that CI always tests the distributed layer (label "mpi").
+RANDATTN_PACKAGES+=(openmpi-bin libopenmpi-dev)
 # The Python module and its tests: Debian's interpreter and packages (no PyPI).
 RANDATTN_PACKAGES+=(python3-dev python3-numpy python3-pytest pybind11-dev python3-pybind11 python3-setuptools
                     python3-wheel python3-torch python3-venv python3-pip python3-scipy)
 randattn_require_packages
 randattn_configure_and_build -DRANDATTN_BUILD_TESTS=ON -DRANDATTN_BUILD_BENCHMARKS=ON -DRANDATTN_BUILD_EXAMPLES=ON \
-    -DRANDATTN_PYTHON=ON -DPython_EXECUTABLE="${RANDATTN_PYTHON_EXECUTABLE:-/usr/bin/python3}"
+    -DRANDATTN_PYTHON=ON -DPython_EXECUTABLE="${RANDATTN_PYTHON_EXECUTABLE:-/usr/bin/python3}" -DRANDATTN_MPI=ON
 ctest --test-dir "$RANDATTN_BUILD_DIR" --output-on-failure "$@"

@@ -52,6 +52,41 @@ class AttentionCommand {
   bool selected() const { return cmd_->parsed(); }
 
   int run() {
+    const AttentionMethod& method = prepare();
+    const randattn::io::NpyArray q = load("--q", q_path_);
+    const randattn::io::NpyArray k_file = settings_.shared_qk ? randattn::io::NpyArray() : load("--k", k_path_);
+    const randattn::io::NpyArray& k = settings_.shared_qk ? q : k_file;
+    const randattn::io::NpyArray v = load("--v", v_path_);
+    const randattn::BatchShape shape = check_shapes(info(q), info(k), info(v));
+    const double scale = settings_.scale ? *settings_.scale : method.default_scale(shape.d);
+    const Shape out_shape = output_shape(q.ndim(), shape);
+
+    double seconds = 0, rel_error = 0;
+    if (q.is_float32())
+      seconds = compute<float>(method, q, k, v, shape, out_shape, scale, rel_error);
+    else
+      seconds = compute<double>(method, q, k, v, shape, out_shape, scale, rel_error);
+
+    if (report_ || compare_) {
+      JsonObject json = report_json(method, info(q), info(k), info(v), out_shape, scale);
+      if (compare_ && !method.own_comparison()) json.add("rel_error", rel_error);
+      json.add("seconds", seconds);
+      std::cout << json.str() << std::endl;
+    }
+    return 0;
+  }
+
+ protected:
+  // The shape and dtype of an input, whether read whole or only its header.
+  struct InputInfo {
+    Shape shape;
+    randattn::io::NpyDtype dtype;
+    std::size_t ndim() const { return shape.size(); }
+  };
+  static InputInfo info(const randattn::io::NpyArray& a) { return {a.shape, a.dtype()}; }
+
+  // The selected method, after checking the common flags (applies --threads).
+  const AttentionMethod& prepare() {
     const AttentionMethod& method = select_method();
     if (scale_opt_->count() > 0) {
       if (!std::isfinite(scale_)) throw CliError("--scale must be a finite number");
@@ -69,44 +104,34 @@ class AttentionCommand {
     settings_.compare = compare_;
     if (settings_.shared_qk && !method.keys_optional())
       throw CliError(std::string("--k is required for --method ") + method.name());
-    const randattn::io::NpyArray q = load("--q", q_path_);
-    const randattn::io::NpyArray k_file = settings_.shared_qk ? randattn::io::NpyArray() : load("--k", k_path_);
-    const randattn::io::NpyArray& k = settings_.shared_qk ? q : k_file;
-    const randattn::io::NpyArray v = load("--v", v_path_);
-    const randattn::BatchShape shape = check_shapes(q, k, v);
-    const double scale = settings_.scale ? *settings_.scale : method.default_scale(shape.d);
-
-    Shape out_shape;
-    if (q.ndim() == 4) out_shape = {shape.batch, shape.heads};
-    out_shape.push_back(shape.n_q);
-    out_shape.push_back(shape.dv);
-
-    double seconds = 0, rel_error = 0;
-    if (q.is_float32())
-      seconds = compute<float>(method, q, k, v, shape, out_shape, scale, rel_error);
-    else
-      seconds = compute<double>(method, q, k, v, shape, out_shape, scale, rel_error);
-
-    if (report_ || compare_) {
-      JsonObject json;
-      json.add("method", method.name())
-          .add("dtype", randattn::io::dtype_name(q.dtype()))
-          .add("q", q.shape)
-          .add("k", k.shape)
-          .add("v", v.shape)
-          .add("out", out_shape)
-          .add("causal", settings_.causal)
-          .add("scale", scale)
-          .add("threads", effective_threads());
-      method.report(json);
-      if (compare_ && !method.own_comparison()) json.add("rel_error", rel_error);
-      json.add("seconds", seconds);
-      std::cout << json.str() << std::endl;
-    }
-    return 0;
+    return method;
   }
 
- private:
+  static Shape output_shape(std::size_t ndim, const randattn::BatchShape& shape) {
+    Shape out;
+    if (ndim == 4) out = {shape.batch, shape.heads};
+    out.push_back(shape.n_q);
+    out.push_back(shape.dv);
+    return out;
+  }
+
+  // The --report line without the timing fields.
+  JsonObject report_json(const AttentionMethod& method, const InputInfo& q, const InputInfo& k, const InputInfo& v,
+                         const Shape& out_shape, double scale) const {
+    JsonObject json;
+    json.add("method", method.name())
+        .add("dtype", randattn::io::dtype_name(q.dtype))
+        .add("q", q.shape)
+        .add("k", k.shape)
+        .add("v", v.shape)
+        .add("out", out_shape)
+        .add("causal", settings_.causal)
+        .add("scale", scale)
+        .add("threads", effective_threads());
+    method.report(json);
+    return json;
+  }
+
   const AttentionMethod& select_method() const {
     const AttentionMethod* chosen = nullptr;
     std::string names;
@@ -134,11 +159,10 @@ class AttentionCommand {
 
   static randattn::io::NpyArray load(const char* flag, const std::string& path) { return read_input(flag, path); }
 
-  static randattn::BatchShape check_shapes(const randattn::io::NpyArray& q, const randattn::io::NpyArray& k,
-                                           const randattn::io::NpyArray& v) {
+  static randattn::BatchShape check_shapes(const InputInfo& q, const InputInfo& k, const InputInfo& v) {
     const struct {
       const char* flag;
-      const randattn::io::NpyArray& a;
+      const InputInfo& a;
     } inputs[] = {{"--q", q}, {"--k", k}, {"--v", v}};
     for (const auto& in : inputs) {
       if (in.a.ndim() != 2 && in.a.ndim() != 4)
@@ -147,10 +171,10 @@ class AttentionCommand {
     }
     const std::string shapes =
         "q " + shape_str(q.shape) + ", k " + shape_str(k.shape) + ", v " + shape_str(v.shape);
-    if (q.dtype() != k.dtype() || q.dtype() != v.dtype())
+    if (q.dtype != k.dtype || q.dtype != v.dtype)
       throw CliError(std::string("--q, --k and --v must have the same dtype, got q ") +
-                     randattn::io::dtype_name(q.dtype()) + ", k " + randattn::io::dtype_name(k.dtype()) + ", v " +
-                     randattn::io::dtype_name(v.dtype()));
+                     randattn::io::dtype_name(q.dtype) + ", k " + randattn::io::dtype_name(k.dtype) + ", v " +
+                     randattn::io::dtype_name(v.dtype));
     if (q.ndim() != k.ndim() || q.ndim() != v.ndim())
       throw CliError("--q, --k and --v must have the same number of dimensions, got " + shapes);
 
@@ -176,6 +200,7 @@ class AttentionCommand {
     return s;
   }
 
+ private:
   template <typename Scalar>
   double compute(const AttentionMethod& method, const randattn::io::NpyArray& q, const randattn::io::NpyArray& k,
                  const randattn::io::NpyArray& v, const randattn::BatchShape& shape, const Shape& out_shape,
@@ -224,6 +249,7 @@ class AttentionCommand {
     return relative_error(out.data(), exact.data(), out.size());
   }
 
+ protected:
   std::vector<std::unique_ptr<AttentionMethod>> methods_;
   CLI::App* cmd_ = nullptr;
   CLI::Option* k_opt_ = nullptr;

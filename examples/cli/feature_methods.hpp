@@ -180,21 +180,24 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
   template <typename Scalar>
   void compute(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out, const randattn::BatchShape& shape,
                const CommonSettings& settings) const {
-    randattn::RandomFeatureOptions opt;
-    opt.causal = settings.causal;
-    opt.scale = settings.scale;
-    flags_->seed = settings.seed;
-    const double normaliser = std::sqrt(settings.scale ? *settings.scale : this->default_scale(shape.d));
-    flags_->with_projection<Scalar>(shape.d, [&](auto projection) {
-      auto map = Family::template make<Scalar>(std::move(projection), *flags_, shape.d);
-      if constexpr (is_fitted<decltype(map)>::value)
-        fit_map(map, SliceView<Scalar>{q, k, shape}, normaliser, settings.causal);
-      feature_dim_ = map.feature_dim();
-      if constexpr (has_closed_form_mse<decltype(map)>::value)
-        if (settings.report && shape.slices() > 0 && shape.n_q > 0) predicted_rel_mse_ = predicted_rel_mse(map, SliceView<Scalar>{q, k, shape}, normaliser);
+    const SliceView<Scalar> data{q, k, shape};
+    with_map<Scalar>(shape.d, settings, &data, [&](const auto& map, const randattn::RandomFeatureOptions& opt) {
       randattn::random_feature_attention_batched(map, q, k, v, out, shape, opt);
     });
   }
+
+#ifdef RANDATTN_CLI_MPI
+  // Every rank draws the same map from the seed; only key summaries move.
+  template <typename Scalar>
+  void compute_sharded(const Shards& shards, const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out,
+                       const randattn::BatchShape& local, const CommonSettings& settings) const {
+    with_map<Scalar>(local.d, settings, nullptr, [&](const auto& map, const randattn::RandomFeatureOptions& opt) {
+      for_each_local_slice(q, k, v, out, local, [&](const auto& qs, const auto& ks, const auto& vs, auto& os) {
+        os = randattn::mpi::random_feature_attention(shards.comm, map, qs, ks, vs, opt);
+      });
+    });
+  }
+#endif
 
  private:
   // Maps with a fit(q, k, normaliser) step (oprf, sderf).
@@ -212,10 +215,14 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
 
   // Rows of the fitted statistic: every (batch, heads) slice, or the calibration rows.
   template <typename Map>
-  void fit_map(Map& map, const SliceView<typename Map::Scalar>& data, double normaliser, bool causal) const {
+  void fit_map(Map& map, const SliceView<typename Map::Scalar>* rows, double normaliser, bool causal) const {
     using Scalar = typename Map::Scalar;
     const FeatureFlags& f = *flags_;
     if (f.fit == "queries+keys") {
+      if (!rows)
+        throw CliError("--fit queries+keys needs every query and key in one process; use --fit given with "
+                       "--rho or --calibration");
+      const SliceView<Scalar>& data = *rows;
       if (causal)
         throw CliError("--fit queries+keys would let every causal output depend on every key; use --fit given "
                        "with --rho or --calibration");
@@ -240,8 +247,9 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
     } catch (const std::exception& e) {
       throw CliError(std::string("--calibration: ") + e.what());
     }
-    if (c.ndim() != 2 || c.shape[1] != data.shape.d || c.shape[0] < 1)
-      throw CliError("--calibration: expected an (r, " + std::to_string(data.shape.d) +
+    const std::int64_t d = map.input_dim();
+    if (c.ndim() != 2 || c.shape[1] != d || c.shape[0] < 1)
+      throw CliError("--calibration: expected an (r, " + std::to_string(d) +
                      ") array with r >= 1, got shape " + shape_str(c.shape));
     const randattn::RowMatrix<Scalar> rows =
         c.is_float32() ? randattn::io::as_matrix<float>(c).template cast<Scalar>().eval()
@@ -260,6 +268,27 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
     for (randattn::Index s = 0; s < data.shape.slices(); ++s)
       sum += randattn::mean_kernel_relative_mse(map, data.q(s), data.k(s), normaliser);
     return sum / double(std::max<randattn::Index>(1, data.shape.slices()));
+  }
+
+  // Calls fn(map, options) with the map the flags select, fitted (oprf, sderf) to the rows of
+  // `data` or to the given statistic. data == nullptr: the rows are sharded across processes, so
+  // only a given statistic fits, and no predicted error is computed.
+  template <typename Scalar, typename Fn>
+  void with_map(std::int64_t d, const CommonSettings& settings, const SliceView<Scalar>* data, Fn&& fn) const {
+    randattn::RandomFeatureOptions opt;
+    opt.causal = settings.causal;
+    opt.scale = settings.scale;
+    flags_->seed = settings.seed;
+    const double normaliser = std::sqrt(settings.scale ? *settings.scale : this->default_scale(d));
+    flags_->with_projection<Scalar>(d, [&](auto projection) {
+      auto map = Family::template make<Scalar>(std::move(projection), *flags_, d);
+      if constexpr (is_fitted<decltype(map)>::value) fit_map(map, data, normaliser, settings.causal);
+      feature_dim_ = map.feature_dim();
+      if constexpr (has_closed_form_mse<decltype(map)>::value)
+        if (data && settings.report && data->shape.slices() > 0 && data->shape.n_q > 0)
+          predicted_rel_mse_ = predicted_rel_mse(map, *data, normaliser);
+      fn(std::as_const(map), opt);
+    });
   }
 
   std::shared_ptr<FeatureFlags> flags_;

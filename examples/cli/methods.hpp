@@ -29,6 +29,9 @@
 #include <vector>
 
 #include "common.hpp"
+#ifdef RANDATTN_CLI_MPI
+#include "sharded_slices.hpp"
+#endif
 
 namespace randattn_cli {
 
@@ -73,6 +76,14 @@ class AttentionMethod {
                    const randattn::BatchShape& shape, const CommonSettings& settings) const = 0;
   virtual void run(const double* q, const double* k, const double* v, double* out,
                    const randattn::BatchShape& shape, const CommonSettings& settings) const = 0;
+#ifdef RANDATTN_CLI_MPI
+  // The same method on this rank's rows of every (batch, head) slice (randattn-mpi); `local` has
+  // the local row counts, the other dimensions global.
+  virtual void run_sharded(const Shards& shards, const float* q, const float* k, const float* v, float* out,
+                           const randattn::BatchShape& local, const CommonSettings& settings) const = 0;
+  virtual void run_sharded(const Shards& shards, const double* q, const double* k, const double* v, double* out,
+                           const randattn::BatchShape& local, const CommonSettings& settings) const = 0;
+#endif
 
   // Options registered by add_options(); giving any of them with a method that does not own
   // them is an error. An option shared by a family of methods is owned by each of them.
@@ -114,6 +125,16 @@ class TypedMethod : public AttentionMethod {
            const CommonSettings& settings) const final {
     static_cast<const Derived&>(*this).template compute<double>(q, k, v, out, shape, settings);
   }
+#ifdef RANDATTN_CLI_MPI
+  void run_sharded(const Shards& shards, const float* q, const float* k, const float* v, float* out,
+                   const randattn::BatchShape& local, const CommonSettings& settings) const final {
+    static_cast<const Derived&>(*this).template compute_sharded<float>(shards, q, k, v, out, local, settings);
+  }
+  void run_sharded(const Shards& shards, const double* q, const double* k, const double* v, double* out,
+                   const randattn::BatchShape& local, const CommonSettings& settings) const final {
+    static_cast<const Derived&>(*this).template compute_sharded<double>(shards, q, k, v, out, local, settings);
+  }
+#endif
 };
 
 // Exact softmax attention (tiled, never forms the n_q x n_k matrix).
@@ -125,10 +146,29 @@ class ExactMethod final : public TypedMethod<ExactMethod> {
   template <typename Scalar>
   void compute(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out, const randattn::BatchShape& shape,
                const CommonSettings& settings) const {
+    randattn::exact_attention_batched(q, k, v, out, shape, options(settings));
+  }
+
+#ifdef RANDATTN_CLI_MPI
+  // Ring attention, in the layout chosen with --layout.
+  template <typename Scalar>
+  void compute_sharded(const Shards& shards, const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out,
+                       const randattn::BatchShape& local, const CommonSettings& settings) const {
+    randattn::mpi::RingOptions opt;
+    static_cast<randattn::ExactOptions&>(opt) = options(settings);
+    opt.layout = shards.layout;
+    for_each_local_slice(q, k, v, out, local, [&](const auto& qs, const auto& ks, const auto& vs, auto& os) {
+      os = randattn::mpi::ring_attention<Scalar>(shards.comm, qs, ks, vs, opt);
+    });
+  }
+#endif
+
+ private:
+  static randattn::ExactOptions options(const CommonSettings& settings) {
     randattn::ExactOptions opt;
     opt.causal = settings.causal;
     opt.scale = settings.scale;
-    randattn::exact_attention_batched(q, k, v, out, shape, opt);
+    return opt;
   }
 };
 
@@ -161,18 +201,8 @@ class LshMethod final : public TypedMethod<LshMethod> {
   template <typename Scalar>
   void compute(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out, const randattn::BatchShape& shape,
                const CommonSettings& settings) const {
-    if (!settings.shared_qk && !exact_buckets_)
-      throw CliError("--k needs --exact-buckets (sort-and-chunk attention shares queries and keys; omit --k)");
-    if (chunk_ < 1) throw CliError("--chunk must be at least 1, got " + std::to_string(chunk_));
     const randattn::CrossPolytopeHash<Scalar> hash = make_hash<Scalar>(shape, settings.seed);
-    randattn::LshOptions opt;
-    opt.chunk = chunk_;
-    opt.exact_buckets = exact_buckets_;
-    opt.causal = settings.causal;
-    opt.scale = settings.scale;
-    opt.dedupe = !no_dedupe_;
-    used_buckets_ = hash.buckets();
-    used_rounds_ = hash.rounds();
+    const randattn::LshOptions opt = options(hash, settings);
 
     const auto start = std::chrono::steady_clock::now();
     if (settings.shared_qk)
@@ -184,6 +214,22 @@ class LshMethod final : public TypedMethod<LshMethod> {
     seed_ = settings.seed;
     if (compare_) compare_with_exact(q, k, v, out, shape, opt, settings.shared_qk);
   }
+
+#ifdef RANDATTN_CLI_MPI
+  // Sort-and-chunk shared-QK attention across ranks (the hash is drawn from the seed on each rank).
+  template <typename Scalar>
+  void compute_sharded(const Shards& shards, const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out,
+                       const randattn::BatchShape& local, const CommonSettings& settings) const {
+    if (!settings.shared_qk) throw CliError("randattn-mpi: --method lsh shares queries and keys; omit --k");
+    randattn::BatchShape global = local;
+    global.n_q = global.n_k = shards.rows;
+    const randattn::CrossPolytopeHash<Scalar> hash = make_hash<Scalar>(global, settings.seed);
+    const randattn::LshOptions opt = options(hash, settings);
+    for_each_local_slice(q, k, v, out, local, [&](const auto& qs, const auto&, const auto& vs, auto& os) {
+      os = randattn::mpi::lsh_attention<Scalar>(shards.comm, hash, qs, vs, opt);
+    });
+  }
+#endif
 
   void report(JsonObject& json) const override {
     json.add("buckets", used_buckets_)
@@ -202,6 +248,23 @@ class LshMethod final : public TypedMethod<LshMethod> {
   }
 
  private:
+  // Checks the flags and records what the report shows.
+  template <typename Scalar>
+  randattn::LshOptions options(const randattn::CrossPolytopeHash<Scalar>& hash, const CommonSettings& settings) const {
+    if (!settings.shared_qk && !exact_buckets_)
+      throw CliError("--k needs --exact-buckets (sort-and-chunk attention shares queries and keys; omit --k)");
+    if (chunk_ < 1) throw CliError("--chunk must be at least 1, got " + std::to_string(chunk_));
+    randattn::LshOptions opt;
+    opt.chunk = chunk_;
+    opt.exact_buckets = exact_buckets_;
+    opt.causal = settings.causal;
+    opt.scale = settings.scale;
+    opt.dedupe = !no_dedupe_;
+    used_buckets_ = hash.buckets();
+    used_rounds_ = hash.rounds();
+    return opt;
+  }
+
   template <typename Scalar>
   randattn::CrossPolytopeHash<Scalar> make_hash(const randattn::BatchShape& shape, std::uint64_t seed) const {
     if (rotations_path_.empty()) {

@@ -90,7 +90,7 @@ class SparsifyCommand : public TensorCommand {
     return 0;
   }
 
- private:
+ protected:
   template <typename Scalar>
   void sparsify(const randattn::TensorView<Scalar>& a) {
     const auto start = std::chrono::steady_clock::now();
@@ -143,7 +143,7 @@ class HosvdCommand : public TensorCommand {
     return 0;
   }
 
- private:
+ protected:
   template <typename Scalar>
   void hosvd(const randattn::TensorView<Scalar>& a) {
     const std::vector<randattn::Index> ranks(ranks_.begin(), ranks_.end());

@@ -217,14 +217,22 @@ void causal_chunk_rows(const LinearOperands<Scalar>& in, Index i0, Index len, co
   }
 }
 
+// The summary S = K'^T [V | 1] of all keys (at least one), relative to exp(c).
 template <typename Scalar>
-SoftmaxAccumulator<Scalar> linear_bidirectional(const LinearOperands<Scalar>& in) {
+RowMatrix<Scalar> key_state(const LinearOperands<Scalar>& in, Scalar& c) {
   const KeySummaries<Scalar> sums = summarise_keys(in);
   // Summing the chunks in a fixed order keeps the result independent of the thread count.
   RowMatrix<Scalar> state = sums.block(0);
-  Scalar c = sums.log_scale(0);
+  c = sums.log_scale(0);
   for (Index t = 1; t < sums.log_scale.size(); ++t)
     merge_scaled(state, c, sums.block(t), sums.log_scale(t));
+  return state;
+}
+
+// Every query against the key summary `state` (relative to exp(c)): [num | den] = Q' S.
+template <typename Scalar>
+SoftmaxAccumulator<Scalar> query_key_state(const LinearOperands<Scalar>& in, const RowMatrix<Scalar>& state,
+                                           Scalar c) {
   const Index n_q = in.qf.rows();
   RowMatrix<Scalar> nd(n_q, in.ve.cols());
   parallel_for((n_q + in.chunk - 1) / in.chunk, [&](Index b) {
@@ -243,6 +251,13 @@ SoftmaxAccumulator<Scalar> linear_bidirectional(const LinearOperands<Scalar>& in
 // parallel: Q_c S_c for the keys before the chunk, the masked product inside it. The merge order
 // is fixed by the shapes, so results do not depend on the thread count, and memory holds one
 // group's states, not one per chunk.
+template <typename Scalar>
+SoftmaxAccumulator<Scalar> linear_bidirectional(const LinearOperands<Scalar>& in) {
+  Scalar c;
+  const RowMatrix<Scalar> state = key_state(in, c);
+  return query_key_state(in, state, c);
+}
+
 template <typename Scalar>
 SoftmaxAccumulator<Scalar> linear_causal(const LinearOperands<Scalar>& in) {
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();

@@ -440,6 +440,73 @@ inline NpyArray read_npy(const std::filesystem::path& path) {
   return read_npy(in, name);
 }
 
+namespace detail {
+
+// Opens a .npy file and reads its header; checks that the file holds all the data the header
+// announces (so every reader of a part of it reports a truncated file alike).
+inline NpyHeader open_npy(const std::filesystem::path& path, std::ifstream& in) {
+  const std::string name = path.string();
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) fail(name, "is a directory");
+  in.open(path, std::ios::binary);
+  if (!in) fail(name, std::filesystem::exists(path, ec) ? "cannot open file for reading" : "no such file");
+  const NpyHeader h = read_header(in, name);
+  const std::uint64_t need = std::uint64_t(h.count) * (h.dtype == NpyDtype::float32 ? 4 : 8);
+  const std::uint64_t size = std::filesystem::file_size(path, ec);
+  if (!ec && size - std::min<std::uint64_t>(size, h.data_offset) < need)
+    fail(name, "truncated data (expected " + std::to_string(need) + " bytes, found " +
+                   std::to_string(size - std::min<std::uint64_t>(size, h.data_offset)) + ")");
+  return h;
+}
+
+// Block [first, first + count) of `axis`, or (flat) of the flattened array.
+inline NpyArray read_npy_runs(const std::filesystem::path& path, std::size_t axis, std::int64_t first,
+                              std::int64_t count, bool flat) {
+  std::ifstream in;
+  const NpyHeader h = open_npy(path, in);
+  const std::string name = path.string();
+  const std::vector<std::int64_t> shape = flat ? std::vector<std::int64_t>{std::int64_t(h.count)} : h.shape;
+  if (axis >= shape.size() || first < 0 || count < 0 || first + count > shape[axis])
+    fail(name, "block [" + std::to_string(first) + ", " + std::to_string(first + count) + ") of axis " +
+                   std::to_string(axis) + " is outside the shape " + shape_to_python(shape));
+  std::int64_t outer = 1, inner = 1;
+  for (std::size_t j = 0; j < axis; ++j) outer *= shape[j];
+  for (std::size_t j = axis + 1; j < shape.size(); ++j) inner *= shape[j];
+  NpyArray a;
+  a.shape = shape;
+  a.shape[axis] = count;
+  const auto read = [&](auto tag) {
+    using Scalar = decltype(tag);
+    std::vector<Scalar> all, run;
+    all.reserve(std::size_t(outer * count * inner));
+    for (std::int64_t o = 0; o < outer && count > 0; ++o) {
+      in.seekg(std::streamoff(h.data_offset + std::size_t((o * shape[axis] + first) * inner) * sizeof(Scalar)));
+      read_data(in, name, std::size_t(count * inner), run);
+      all.insert(all.end(), run.begin(), run.end());
+    }
+    a.data = std::move(all);
+  };
+  if (h.dtype == NpyDtype::float32) read(float());
+  else read(double());
+  return a;
+}
+
+}  // namespace detail
+
+// Reads only the block of indices [first, first + count) along `axis` of a .npy file (every
+// index of the other axes): the rows a shard of a distributed computation owns. The result has
+// the file's shape with shape[axis] = count. Seeks to each run; never reads the rest.
+inline NpyArray read_npy_block(const std::filesystem::path& path, std::size_t axis, std::int64_t first,
+                               std::int64_t count) {
+  return detail::read_npy_runs(path, axis, first, count, false);
+}
+
+// Reads only the entries [first, first + count) in flat C order of a .npy file (a shard of a
+// flattened tensor); the result is 1-D and keeps the dtype.
+inline NpyArray read_npy_range(const std::filesystem::path& path, std::int64_t first, std::int64_t count) {
+  return detail::read_npy_runs(path, 0, first, count, true);
+}
+
 // Writes a C-order array of shape `shape` (product(shape) values at `data`) to `path`,
 // atomically: the file appears complete or not at all.
 template <typename Scalar>

@@ -120,6 +120,34 @@ Scalar check_lsh_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scal
   return scale;
 }
 
+// Sort-and-chunk: per round the stable sort of the n tokens by bucket (perm, round rho at
+// perm[rho n, (rho + 1) n)) and each token's chunk index in that order (chunk_of, n x rounds).
+inline void sort_into_chunks(const HashCodes& codes, Index buckets, Index chunk, std::vector<std::int32_t>& perm,
+                             HashCodes& chunk_of) {
+  const Index n = codes.rows(), r = codes.cols();
+  perm.resize(static_cast<std::size_t>(n * r));
+  chunk_of.resize(n, r);
+  std::vector<Index> start;
+  for (Index rho = 0; rho < r; ++rho) {
+    std::int32_t* pr = perm.data() + rho * n;
+    sort_by_bucket(codes.data() + rho, r, n, buckets, pr, start);
+    for (Index s = 0; s < n; ++s) chunk_of(pr[s], rho) = static_cast<std::int32_t>(s / chunk);
+  }
+}
+
+// Self rule of shared QK: each row i of `rows` (no other valid target) attends to itself alone,
+// with logit queries(i) . keys(i).
+template <typename Scalar>
+void attend_to_self(SoftmaxAccumulator<Scalar>& acc, const std::vector<std::int32_t>& rows,
+                    const RowMatrix<Scalar>& queries, const RowMatrix<Scalar>& keys, const RowMatrix<Scalar>& values) {
+  RowMatrix<Scalar> self(1, values.cols() + 1);
+  self(0, values.cols()) = 1;
+  for (std::int32_t i : rows) {
+    self.leftCols(values.cols()) = values.row(i);
+    acc.merge_rows(i, self, Vector<Scalar>::Constant(1, queries.row(i).dot(keys.row(i))));
+  }
+}
+
 // One (batch, head) slice. k == nullptr: shared QK.
 template <typename Scalar>
 class LshSlice {
@@ -155,14 +183,9 @@ class LshSlice {
   void chunk_rounds() {
     const Index n = queries_.rows(), r = hash_.rounds(), c = opt_.chunk;
     const Index chunks = (n + c - 1) / c;
-    std::vector<std::int32_t> perm(static_cast<std::size_t>(n * r));
-    HashCodes chunk_of(n, r);
-    std::vector<Index> start;
-    for (Index rho = 0; rho < r; ++rho) {
-      std::int32_t* pr = perm.data() + rho * n;
-      sort_by_bucket(query_codes_.data() + rho, r, n, hash_.buckets(), pr, start);
-      for (Index s = 0; s < n; ++s) chunk_of(pr[s], rho) = static_cast<std::int32_t>(s / c);
-    }
+    std::vector<std::int32_t> perm;
+    HashCodes chunk_of;
+    sort_into_chunks(query_codes_, hash_.buckets(), c, perm, chunk_of);
     RoundSignatures sig{chunk_of.data(), chunk_of.data(), r, chunks > 1, static_cast<std::int32_t>(1 - chunks)};
     problem_.dedupe = opt_.dedupe ? &sig : nullptr;
 
@@ -236,12 +259,7 @@ class LshSlice {
       if (acc_.log_scale()(i) == -std::numeric_limits<Scalar>::infinity()) empty.push_back(static_cast<std::int32_t>(i));
     if (empty.empty()) return;
     if (shared_) {
-      RowMatrix<Scalar> self(1, values_.cols() + 1);
-      self(0, values_.cols()) = 1;
-      for (std::int32_t i : empty) {
-        self.leftCols(values_.cols()) = values_.row(i);
-        acc_.merge_rows(i, self, Vector<Scalar>::Constant(1, queries_.row(i).dot(keys_.row(i))));
-      }
+      attend_to_self(acc_, empty, queries_, keys_, values_);
       return;
     }
     std::vector<std::int32_t> all(static_cast<std::size_t>(keys_.rows()));

@@ -56,6 +56,9 @@ struct TargetProblem {
   bool exclude_self = false;                   // shared QK: key i is masked for query i
   bool causal = false;                         // key j is masked for query i when j > i
   const RoundSignatures* dedupe = nullptr;     // null: every occurrence counts (no correction)
+  // Global position of each stored row (masks and signatures use positions, the accumulator
+  // uses stored rows); null: row t is at position t. Lets a shard hold a gathered subset.
+  const std::int32_t* position = nullptr;
 };
 
 // Row and column tiles; a chunk of length c <= 128 and its predecessor fit one tile each.
@@ -112,25 +115,38 @@ class TargetBlockKernel {
       const Index br = std::min(kTargetRowTile, nr - r0);
       for (Index t = 0; t < br; ++t) q_.row(t) = p_.queries->row(rows[r0 + t]);
       const TileIndex row_index = TileIndex::gathered(rows + r0, br);
-      const Index max_row = row_index.max();
+      const TileIndex row_pos = positions(row_index, row_pos_);
+      const Index max_row = row_pos.max();
       for (Index c0 = 0; c0 < nc; c0 += kTargetColTile) {
         const TileIndex col_index = TileIndex::gathered(cols + c0, std::min(kTargetColTile, nc - c0));
-        if (p_.causal && col_index.min() > max_row) continue;
-        gather_keys(col_index);
-        tile_.attend(q_.topRows(br), k_.topRows(col_index.size), v_.topRows(col_index.size),
-                     row_index, col_index, mask_, acc);
+        const TileIndex col_pos = positions(col_index, col_pos_);
+        if (p_.causal && col_pos.min() > max_row) continue;
+        gather_keys(col_index, col_pos);
+        const Index bc = col_index.size;
+        tile_.logits(q_.topRows(br), k_.topRows(bc));
+        tile_.mask(row_pos, col_pos, mask_);
+        tile_.exponentiate();
+        tile_.merge_into(acc, row_index, v_.topRows(bc));
       }
     }
   }
 
  private:
-  void gather_keys(const TileIndex& cols) {
+  // The positions of stored rows `ids` (the ids themselves without a position map).
+  TileIndex positions(const TileIndex& ids, std::vector<std::int32_t>& buffer) const {
+    if (!p_.position) return ids;
+    buffer.resize(std::size_t(ids.size));
+    for (Index t = 0; t < ids.size; ++t) buffer[std::size_t(t)] = p_.position[ids[t]];
+    return TileIndex::gathered(buffer.data(), ids.size);
+  }
+
+  void gather_keys(const TileIndex& cols, const TileIndex& col_pos) {
     const RoundSignatures* sig = p_.dedupe;
     for (Index u = 0; u < cols.size; ++u) {
       k_.row(u) = p_.keys->row(cols[u]);
       v_.row(u) = p_.values->row(cols[u]);
       if (sig)
-        for (Index rho = 0; rho < sig->rounds; ++rho) key_sig_(rho, u) = sig->key[cols[u] * sig->rounds + rho];
+        for (Index rho = 0; rho < sig->rounds; ++rho) key_sig_(rho, u) = sig->key[col_pos[u] * sig->rounds + rho];
     }
   }
 
@@ -140,6 +156,7 @@ class TargetBlockKernel {
   RoundCounter::SignatureMatrix key_sig_;
   RoundCounter counter_;
   TileMask<RoundCounter> mask_;
+  std::vector<std::int32_t> row_pos_, col_pos_;
 };
 
 }  // namespace randattn::detail

@@ -1,0 +1,401 @@
+// randattn-mpi: randattn-cli's commands over MPI ranks (sequence-parallel attention, sharded
+// sketching). Same subcommands and flags, run with mpirun:
+//
+//   mpirun -np P randattn-mpi attention --method exact|favor|...|lsh --q q.npy --k k.npy --v v.npy --out o.npy
+//                                       [--causal] [--layout contiguous|zigzag] [--report] ...
+//   mpirun -np P randattn-mpi sparsify --in A.npy --budget n [--seed s] --out Ahat.npy [--report]
+//   mpirun -np P randattn-mpi hosvd --in A.npy --ranks r1,r2,... --budget n [--seed s] --out-prefix P [--report]
+//
+// Each rank reads only its own rows of the inputs (its token rows of every (batch, head) slice;
+// for tensors its range of the flat index) and writes them into the one output file with MPI-IO
+// after rank 0's header; the file is written under a temporary name and renamed when complete.
+// --report prints one JSON line from rank 0, with "ranks" and "bytes_sent" (one entry per rank).
+// Not distributed (an error): --compare, exact HOSVD (hosvd without --budget), sparsify schemes
+// other than spa, LSH with exact buckets or separate keys.
+// Exit codes: 0 on success, 2 on any error on any rank: every rank exits 2, rank 0 prints one
+// line "randattn-mpi: error: ..." on stderr, and no output file is created.
+
+#define RANDATTN_CLI_MPI 1
+
+#include <mpi.h>
+
+#include <CLI/CLI.hpp>
+
+#include <randattn/mpi/sparsify.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "attention_command.hpp"
+#include "sketch_commands.hpp"
+
+#ifndef RANDATTN_CLI_VERSION
+#define RANDATTN_CLI_VERSION "unknown"
+#endif
+
+namespace randattn_cli {
+
+using randattn::mpi::Communicator;
+
+// Runs fn on every rank; a failure on any rank becomes the same CliError on every rank.
+template <typename Fn>
+void collectively(Communicator& comm, Fn&& fn) {
+  try {
+    comm.agree(fn);
+  } catch (const std::invalid_argument& e) {
+    throw CliError(e.what());
+  }
+}
+
+// Writes one .npy file from every rank's runs (element offset, values) with MPI-IO: rank 0
+// writes the header, every rank its runs; the file appears under `path` only when complete.
+template <typename Scalar>
+void write_npy_sharded(Communicator& comm, const std::string& path, const Shape& shape,
+                       const std::vector<std::pair<std::int64_t, std::vector<Scalar>>>& runs, const char* flag) {
+  std::string tmp;
+  collectively(comm, [&] {
+    if (!randattn::io::detail::host_is_little_endian()) throw CliError("randattn-mpi writes on little-endian hosts only");
+    if (comm.rank() == 0) tmp = randattn::io::detail::temporary_sibling(path).string();
+  });
+  std::uint64_t len = tmp.size();
+  MPI_Bcast(&len, 1, MPI_UINT64_T, 0, comm.get());
+  tmp.resize(len);
+  MPI_Bcast(tmp.data(), int(len), MPI_CHAR, 0, comm.get());
+  MPI_File file;
+  const int opened = MPI_File_open(comm.get(), tmp.c_str(), MPI_MODE_CREATE | MPI_MODE_EXCL | MPI_MODE_WRONLY,
+                                   MPI_INFO_NULL, &file);
+  if (opened != MPI_SUCCESS) throw CliError(std::string(flag) + ": " + path + ": cannot create output file");
+  const std::string header = randattn::io::detail::header_bytes<Scalar>(shape);
+  bool ok = true;
+  if (comm.rank() == 0)
+    ok = MPI_File_write_at(file, 0, header.data(), int(header.size()), MPI_CHAR, MPI_STATUS_IGNORE) == MPI_SUCCESS;
+  constexpr std::size_t kMaxRun = std::size_t(1) << 28;  // elements per call (int counts)
+  for (const auto& [offset, values] : runs) {
+    for (std::size_t done = 0; ok && done < values.size(); done += kMaxRun) {
+      const std::size_t n = std::min(kMaxRun, values.size() - done);
+      const MPI_Offset at = MPI_Offset(header.size() + (std::size_t(offset) + done) * sizeof(Scalar));
+      ok = MPI_File_write_at(file, at, values.data() + done, int(n), randattn::mpi::detail::datatype<Scalar>(),
+                             MPI_STATUS_IGNORE) == MPI_SUCCESS;
+    }
+  }
+  ok = MPI_File_close(&file) == MPI_SUCCESS && ok;
+  std::error_code ec;
+  try {
+    collectively(comm, [&] {
+      if (!ok) throw CliError(std::string(flag) + ": " + path + ": write failed");
+    });
+    collectively(comm, [&] {
+      if (comm.rank() == 0) {
+        std::filesystem::rename(tmp, path, ec);
+        if (ec) throw CliError(std::string(flag) + ": " + path + ": cannot replace output file: " + ec.message());
+      }
+    });
+  } catch (...) {
+    if (comm.rank() == 0) std::filesystem::remove(tmp, ec);
+    throw;
+  }
+}
+
+// The "ranks" and "bytes_sent" fields of the report (bytes_sent gathered from every rank).
+inline void add_traffic(Communicator& comm, JsonObject& json) {
+  const std::vector<std::uint64_t> bytes = comm.allgatherv(std::vector<std::uint64_t>{comm.bytes_sent()});
+  json.add("ranks", comm.size()).add("bytes_sent", Shape(bytes.begin(), bytes.end()));
+}
+
+// Wall time of a collective phase: from a barrier to the slowest rank's end.
+template <typename Fn>
+double timed(Communicator& comm, Fn&& fn) {
+  MPI_Barrier(comm.get());
+  const auto start = std::chrono::steady_clock::now();
+  fn();
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  MPI_Allreduce(MPI_IN_PLACE, &seconds, 1, MPI_DOUBLE, MPI_MAX, comm.get());
+  return seconds;
+}
+
+class ShardedAttentionCommand : public AttentionCommand {
+ public:
+  explicit ShardedAttentionCommand(CLI::App& app) : AttentionCommand(app) {
+    cmd_->add_option("--layout", layout_,
+                     "Rows per rank: contiguous (default) or zigzag (exact: rank p holds chunks p and 2P-1-p of 2P, "
+                     "balancing causal work)")
+        ->check(CLI::IsMember({"contiguous", "zigzag"}));
+  }
+
+  int run(Communicator& comm) {
+    const AttentionMethod& method = prepare();
+    if (compare_) throw CliError("--compare is not available in randattn-mpi (compare with randattn-cli)");
+    const auto layout = layout_ == "zigzag" ? randattn::mpi::RowLayout::zigzag : randattn::mpi::RowLayout::contiguous;
+    if (layout == randattn::mpi::RowLayout::zigzag && std::string(method.name()) != "exact")
+      throw CliError("--layout zigzag is for --method exact (the others need contiguous rows)");
+    InputInfo q, k, v;
+    collectively(comm, [&] {
+      q = header("--q", q_path_);
+      k = settings_.shared_qk ? q : header("--k", k_path_);
+      v = header("--v", v_path_);
+    });
+    const randattn::BatchShape shape = check_shapes(q, k, v);
+    const double scale = settings_.scale ? *settings_.scale : method.default_scale(shape.d);
+    const Shape out_shape = output_shape(q.ndim(), shape);
+    const randattn::mpi::RowPartition q_rows(shape.n_q, comm.size(), layout), k_rows(shape.n_k, comm.size(), layout);
+    randattn::BatchShape local = shape;
+    local.n_q = q_rows.local_rows(comm.rank());
+    local.n_k = k_rows.local_rows(comm.rank());
+
+    double seconds = 0;
+    const auto compute = [&](auto tag) {
+      using Scalar = decltype(tag);
+      std::vector<Scalar> ql, kl, vl;
+      collectively(comm, [&] {
+        ql = read_rows<Scalar>("--q", q_path_, q, q_rows, comm.rank());
+        if (!settings_.shared_qk) kl = read_rows<Scalar>("--k", k_path_, k, k_rows, comm.rank());
+        vl = read_rows<Scalar>("--v", v_path_, v, k_rows, comm.rank());
+      });
+      const std::vector<Scalar>& keys = settings_.shared_qk ? ql : kl;
+      std::vector<Scalar> out(std::size_t(local.slices() * local.n_q * local.dv));
+      const Shards shards{comm, layout, shape.n_q};
+      comm.reset_bytes_sent();
+      try {
+        seconds = timed(comm, [&] {
+          method.run_sharded(shards, ql.data(), keys.data(), vl.data(), out.data(), local, settings_);
+        });
+      } catch (const std::invalid_argument& e) {  // thrown on every rank by the distributed methods
+        throw CliError(e.what());
+      }
+      // The output rows of each slice and segment, at their offsets in the global array.
+      std::vector<std::pair<std::int64_t, std::vector<Scalar>>> runs;
+      for (randattn::Index s = 0; s < local.slices(); ++s) {
+        randattn::Index at = 0;
+        for (const auto& seg : q_rows.segments(comm.rank())) {
+          const Scalar* first = out.data() + (s * local.n_q + at) * local.dv;
+          runs.emplace_back((s * shape.n_q + seg.first) * shape.dv,
+                            std::vector<Scalar>(first, first + seg.count * local.dv));
+          at += seg.count;
+        }
+      }
+      write_npy_sharded<Scalar>(comm, out_path_, out_shape, runs, "--out");
+    };
+    if (q.dtype == randattn::io::NpyDtype::float32)
+      compute(float());
+    else
+      compute(double());
+
+    if (report_) {
+      JsonObject json = report_json(method, q, k, v, out_shape, scale);
+      json.add("layout", layout_).add("seconds", seconds);
+      add_traffic(comm, json);
+      if (comm.rank() == 0) std::cout << json.str() << std::endl;
+    }
+    return 0;
+  }
+
+ private:
+  static InputInfo header(const char* flag, const std::string& path) {
+    try {
+      std::ifstream in;
+      const randattn::io::NpyHeader h = randattn::io::detail::open_npy(path, in);
+      return {h.shape, h.dtype};
+    } catch (const std::exception& e) {
+      throw CliError(std::string(flag) + ": " + e.what());
+    }
+  }
+
+  // This rank's token rows (axis ndim − 2) of every slice, segments concatenated per slice.
+  template <typename Scalar>
+  static std::vector<Scalar> read_rows(const char* flag, const std::string& path, const InputInfo& in,
+                                       const randattn::mpi::RowPartition& rows, int rank) {
+    const std::size_t axis = in.ndim() - 2;
+    const std::int64_t slices = axis == 2 ? in.shape[0] * in.shape[1] : 1, cols = in.shape[axis + 1];
+    const auto segments = rows.segments(rank);
+    std::vector<std::vector<Scalar>> blocks;
+    try {
+      for (const auto& seg : segments)
+        blocks.push_back(randattn::io::read_npy_block(path, axis, seg.first, seg.count).values<Scalar>());
+    } catch (const std::exception& e) {
+      throw CliError(std::string(flag) + ": " + e.what());
+    }
+    std::vector<Scalar> out;
+    for (std::int64_t s = 0; s < slices; ++s)
+      for (std::size_t b = 0; b < segments.size(); ++b) {
+        const std::size_t len = std::size_t(segments[b].count * cols);
+        out.insert(out.end(), blocks[b].begin() + std::ptrdiff_t(s * len), blocks[b].begin() + std::ptrdiff_t((s + 1) * len));
+      }
+    return out;
+  }
+
+  std::string layout_ = "contiguous";
+};
+
+// Loads this rank's range of the flat index of --in (sketch_range) and calls
+// fn(dims, local values, range).
+template <typename Fn>
+void with_local_range(Communicator& comm, const std::string& path, std::string& dtype, Shape& shape, Fn&& fn) {
+  randattn::io::NpyArray local;
+  randattn::mpi::Segment range;
+  collectively(comm, [&] {
+    std::ifstream in;
+    randattn::io::NpyHeader h;
+    try {
+      h = randattn::io::detail::open_npy(path, in);
+    } catch (const std::exception& e) {
+      throw CliError(std::string("--in: ") + e.what());
+    }
+    if (h.shape.size() < 2) throw CliError("--in: expected an array of order k >= 2, got shape " + shape_str(h.shape));
+    shape = h.shape;
+    dtype = randattn::io::dtype_name(h.dtype);
+    range = randattn::mpi::sketch_range(randattn::Index(h.count), comm.rank(), comm.size());
+    try {
+      local = randattn::io::read_npy_range(path, range.first, range.count);
+    } catch (const std::exception& e) {
+      throw CliError(std::string("--in: ") + e.what());
+    }
+  });
+  const std::vector<randattn::Index> dims(shape.begin(), shape.end());
+  if (local.is_float32())
+    fn(dims, local.values<float>(), range);
+  else
+    fn(dims, local.values<double>(), range);
+}
+
+class ShardedSparsifyCommand : public SparsifyCommand {
+ public:
+  using SparsifyCommand::SparsifyCommand;
+
+  int run(Communicator& comm) {
+    options_.scheme = randattn::parse_scheme(scheme_);
+    with_local_range(comm, in_path_, dtype_, shape_, [&](const auto& dims, const auto& values, const auto& range) {
+      using Scalar = typename std::decay_t<decltype(values)>::value_type;
+      randattn::SparseSketch<Scalar> sketch;
+      comm.reset_bytes_sent();
+      const double seconds = timed(comm, [&] {
+        try {
+          sketch = randattn::mpi::sparsify(comm, dims, values.data(), randattn::Index(values.size()), options_);
+        } catch (const std::invalid_argument& e) {
+          throw CliError(e.what());
+        }
+      });
+      std::vector<Scalar> dense(values.size(), Scalar(0));
+      for (randattn::Index e = 0; e < sketch.nnz(); ++e)
+        dense[std::size_t(sketch.indices()[std::size_t(e)] - range.first)] = sketch.values()[std::size_t(e)];
+      // ||A − Â||_F² and ||A||_F² summed over ranks.
+      double sums[3] = {0, 0, double(sketch.nnz())};
+      for (std::size_t t = 0; t < values.size(); ++t) {
+        sums[0] += (double(values[t]) - double(dense[t])) * (double(values[t]) - double(dense[t]));
+        sums[1] += double(values[t]) * double(values[t]);
+      }
+      MPI_Allreduce(MPI_IN_PLACE, sums, 3, MPI_DOUBLE, MPI_SUM, comm.get());
+      JsonObject json;
+      json.add("scheme", randattn::scheme_name(options_.scheme))
+          .add("dtype", dtype_)
+          .add("shape", shape_)
+          .add("budget", options_.budget)
+          .add("seed", std::int64_t(options_.seed))
+          .add("nnz", std::int64_t(sums[2]))
+          .add("expected_nnz", sketch.stats.expected_nnz)
+          .add("keep_threshold", sketch.stats.keep_threshold())
+          .add("uniform_threshold", sketch.stats.uniform_threshold())
+          .add("rel_fro_error", std::sqrt(sums[0] / sums[1]))
+          .add("seconds", seconds);
+      add_traffic(comm, json);
+      write_npy_sharded<Scalar>(comm, out_path_, shape_, {{range.first, std::move(dense)}}, "--out");
+      if (report_ && comm.rank() == 0) std::cout << json.str() << std::endl;
+    });
+    return 0;
+  }
+};
+
+class ShardedHosvdCommand : public HosvdCommand {
+ public:
+  using HosvdCommand::HosvdCommand;
+
+  int run(Communicator& comm) {
+    if (budget_opt_->count() == 0)
+      throw CliError("randattn-mpi hosvd needs --budget (the sketched HOSVD is distributed, the exact one is not)");
+    with_local_range(comm, in_path_, dtype_, shape_, [&](const auto& dims, const auto& values, const auto&) {
+      using Scalar = typename std::decay_t<decltype(values)>::value_type;
+      const std::vector<randattn::Index> ranks(ranks_.begin(), ranks_.end());
+      randattn::SketchedHosvd<Scalar> s;
+      comm.reset_bytes_sent();
+      const double seconds = timed(comm, [&] {
+        try {
+          s = randattn::mpi::sketched_hosvd(comm, dims, values.data(), randattn::Index(values.size()), ranks, options_);
+        } catch (const std::invalid_argument& e) {
+          throw CliError(e.what());
+        }
+      });
+      JsonObject json;
+      json.add("method", "sketched")
+          .add("dtype", dtype_)
+          .add("shape", shape_)
+          .add("ranks", ranks_)
+          .add("budget", options_.budget)
+          .add("seed", std::int64_t(options_.seed))
+          .add("nnz", Shape{s.nnz[0], s.nnz[1]})
+          .add("expected_nnz", s.stats.expected_nnz)
+          .add("seconds", seconds);
+      add_traffic(comm, json);
+      collectively(comm, [&] {
+        if (comm.rank() == 0) write_factors(s.factors);
+      });
+      if (report_ && comm.rank() == 0) std::cout << json.str() << std::endl;
+    });
+    return 0;
+  }
+};
+
+}  // namespace randattn_cli
+
+namespace {
+
+int report_error(const randattn_cli::Communicator& comm, const std::string& what) {
+  if (comm.rank() == 0) {
+    std::string line = what;
+    for (char& c : line)
+      if (c == '\n' || c == '\r') c = ' ';
+    std::cerr << "randattn-mpi: error: " << (line.empty() ? "unknown error" : line) << std::endl;
+  }
+  return 2;
+}
+
+int run(int argc, char** argv, randattn_cli::Communicator& comm) {
+  try {
+    CLI::App app{"randattn over MPI: distributed attention and tensor sketching on .npy files", "randattn-mpi"};
+    app.set_version_flag("--version", std::string("randattn-mpi ") + RANDATTN_CLI_VERSION);
+    app.require_subcommand(1);
+    randattn_cli::ShardedAttentionCommand attention(app);
+    randattn_cli::ShardedSparsifyCommand sparsify(app);
+    randattn_cli::ShardedHosvdCommand hosvd(app);
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+      if (e.get_exit_code() == 0) return comm.rank() == 0 ? app.exit(e) : 0;  // --help, --version
+      return report_error(comm, e.what());
+    }
+    if (attention.selected()) return attention.run(comm);
+    if (sparsify.selected()) return sparsify.run(comm);
+    if (hosvd.selected()) return hosvd.run(comm);
+    return report_error(comm, "no subcommand given (try --help)");
+  } catch (const std::exception& e) {
+    return report_error(comm, e.what());
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int code = 0;
+  {
+    randattn_cli::Communicator comm;
+    code = run(argc, argv, comm);
+    // Every rank leaves with the same code (errors are collective; this guards the rest).
+    MPI_Allreduce(MPI_IN_PLACE, &code, 1, MPI_INT, MPI_MAX, comm.get());
+  }
+  MPI_Finalize();
+  return code;
+}

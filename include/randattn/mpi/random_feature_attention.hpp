@@ -1,0 +1,143 @@
+#pragma once
+// Random-feature (linear) attention over sequence-parallel shards, for every feature map
+// (positive, hyperbolic, trig, hybrids): the map's features_into and the pieces of the linear
+// core (core/linear_attention.hpp) run on each rank's rows; only key summaries move.
+//
+//   bidirectional  every rank summarises its keys, S_r = φ(K_r)ᵀ diag(σ) [V_r | 1] relative to
+//                  exp(c_r); one MPI_Allreduce merges the (S_r, c_r) with the online-softmax rule
+//                  (reduce.hpp), and every rank's queries read the total. M (dv + 1) + 1 values
+//                  per rank, whatever n.
+//   causal         one MPI_Exscan of the same summaries gives rank r the state of all keys of
+//                  ranks 0..r−1; the rank's chunked causal prefix runs on its rows and its queries
+//                  also read that carried state. Same volume as bidirectional.
+// Rows are in the contiguous layout (partition.hpp). Each rank draws the map from the seed
+// itself: no ω is broadcast. Ranks check that they hold the same map (a checksum of the
+// features of a fixed probe, compared across ranks) and throw on every rank if not.
+// The result equals random_feature_attention on the whole sequence up to rounding (the key
+// summaries are summed by rank, then by chunk). Errors on any rank are thrown on every rank.
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include <Eigen/Core>
+
+#include "../attention/random_feature_attention.hpp"
+#include "../core/linear_attention.hpp"
+#include "../core/softmax_accumulator.hpp"
+#include "../core/types.hpp"
+#include "../detail/validation.hpp"
+#include "communicator.hpp"
+#include "partition.hpp"
+#include "reduce.hpp"
+
+namespace randattn::mpi {
+
+namespace detail {
+
+// A fingerprint of the map: the features of the identity rows and of a row of ones, which
+// depend on every entry of every projection. Equal maps give equal bits on every rank.
+template <typename Map>
+std::uint64_t map_fingerprint(const Map& map) {
+  using Scalar = typename Map::Scalar;
+  const Index d = map.input_dim();
+  RowMatrix<Scalar> probe(d + 1, d);
+  probe.topRows(d).setIdentity();
+  probe.row(d).setOnes();
+  RowMatrix<Scalar> values(d + 1, map.feature_dim());
+  Vector<Scalar> log_scale(d + 1);
+  map.features_into(probe, Scalar(1), values, log_scale, FeatureSide::key);
+  const Vector<Scalar> signs = map.signs();
+  std::uint64_t h = fnv1a(values.data(), std::size_t(values.size()));
+  h = fnv1a(log_scale.data(), std::size_t(log_scale.size()), h);
+  return fnv1a(signs.data(), std::size_t(signs.size()), h);
+}
+
+}  // namespace detail
+
+// Unnormalised result for the local query rows (to merge with other partial results).
+template <typename Map>
+SoftmaxAccumulator<typename Map::Scalar> random_feature_attention_accumulate(
+    Communicator& comm, const Map& map, const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
+    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
+    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v, const RandomFeatureOptions& opt = {}) {
+  using Scalar = typename Map::Scalar;
+  using randattn::detail::require;
+  const char* where = "random_feature_attention (MPI)";
+  const RowPartition q_part = detail::gather_partition(comm, q.rows(), RowLayout::contiguous, where, "q");
+  const RowPartition k_part = detail::gather_partition(comm, k.rows(), RowLayout::contiguous, where, "k");
+  detail::require_same_everywhere<Index>(comm, v.cols(), where, "the number of columns dv of v");
+  detail::require_same_everywhere<std::uint64_t>(
+      comm, detail::map_fingerprint(map), where,
+      "the feature map (fingerprint of its projections; draw it from the same seed and shape on every rank)");
+  randattn::detail::FeatureAttentionSettings<Scalar> s{};
+  comm.agree([&] {
+    s = randattn::detail::feature_attention_settings(where, map, opt);
+    require(q.cols() == map.input_dim() && k.cols() == map.input_dim(), where, "q (",
+            randattn::detail::shape_of(q), ") and k (", randattn::detail::shape_of(k),
+            ") must have the feature map's input dimension ", map.input_dim());
+    require(k.rows() == v.rows(), where, "k (", randattn::detail::shape_of(k), ") and v (",
+            randattn::detail::shape_of(v), ") must have the same number of rows");
+    require(!opt.causal || q_part.rows() == k_part.rows(), where, "causal attention needs as many queries (",
+            q_part.rows(), ") as keys (", k_part.rows(), ")");
+    require(q_part.rows() == 0 || k_part.rows() > 0, where, "attention over zero keys is undefined");
+    randattn::detail::require_finite(q, where, "q", opt.check_finite);
+    randattn::detail::require_finite(k, where, "k", opt.check_finite);
+    randattn::detail::require_finite(v, where, "v", opt.check_finite);
+  });
+
+  const Index dim = map.feature_dim(), dv = v.cols();
+  ScaledFeatures<Scalar> qf{RowMatrix<Scalar>(q.rows(), dim), Vector<Scalar>(q.rows())};
+  ScaledFeatures<Scalar> kf{RowMatrix<Scalar>(k.rows(), dim), Vector<Scalar>(k.rows())};
+  if (q.rows() > 0) map.features_into(q, s.normaliser, qf.values, qf.log_scale, FeatureSide::query);
+  if (k.rows() > 0) map.features_into(k, s.normaliser, kf.values, kf.log_scale, FeatureSide::key);
+  const Vector<Scalar> signs = map.signs();
+  const Index chunk = s.linear.block_size > 0 ? s.linear.block_size
+                      : opt.causal            ? randattn::detail::kDefaultCausalChunk
+                                              : randattn::detail::kDefaultKeyPanel;
+  const RowMatrix<Scalar> ve = randattn::detail::append_ones<Scalar>(v);
+  const randattn::detail::LinearOperands<Scalar> in{qf.values, qf.log_scale, kf.values, kf.log_scale,
+                                                    ve,        signs,        chunk};
+
+  // This rank's key summary, then the merge of all ranks' (bidirectional) or of the earlier
+  // ranks' (causal).
+  Scalar c = -std::numeric_limits<Scalar>::infinity();
+  RowMatrix<Scalar> local = RowMatrix<Scalar>::Zero(dim, dv + 1);
+  if (k.rows() > 0) local = randattn::detail::key_state(in, c);
+  detail::ScaledSummary<Scalar> summary(local, c);
+  detail::merge_across_ranks(comm, summary,
+                             opt.causal ? detail::Reduction::exclusive_scan : detail::Reduction::all);
+  const RowMatrix<Scalar> state = summary.state(dim, dv + 1);
+
+  SoftmaxAccumulator<Scalar> acc(q.rows(), dv);
+  if (q.rows() > 0) {
+    if (!opt.causal) {
+      acc = randattn::detail::query_key_state(in, state, summary.log_scale());
+    } else {
+      acc = randattn::detail::linear_causal(in);
+      if (summary.log_scale() != -std::numeric_limits<Scalar>::infinity())
+        acc.merge(randattn::detail::query_key_state(in, state, summary.log_scale()));
+    }
+  }
+  comm.agree([&] {
+    randattn::detail::check_result_finite(where, acc.numden(), opt.check_finite, [] {});
+  });
+  return acc;
+}
+
+// softmax(scale · Q Kᵀ [masked]) V estimated with the map, for the local query rows; q, k, v are
+// this rank's rows of the global operands in the contiguous layout.
+template <typename Map>
+RowMatrix<typename Map::Scalar> random_feature_attention(Communicator& comm, const Map& map,
+                                                         const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
+                                                         const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
+                                                         const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
+                                                         const RandomFeatureOptions& opt = {}) {
+  using Scalar = typename Map::Scalar;
+  const auto s = randattn::detail::feature_attention_settings("random_feature_attention (MPI)", map, opt);
+  return random_feature_attention_accumulate(comm, map, q, k, v, opt)
+      .finalize(static_cast<Scalar>(s.linear.denominator_epsilon));
+}
+
+}  // namespace randattn::mpi

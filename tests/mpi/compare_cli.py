@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""randattn-mpi at 1, 2 and 3 ranks gives randattn-cli's results on the same .npy inputs.
+
+Attention (every method, causal and bidirectional, float32; n = 37 is divisible by neither 2
+nor 3): max |mpi - cli| <= 1e-5 max |cli| (the results differ only in the order in which partial
+sums are merged). sparsify: the output files are identical byte for byte. hosvd: every factor
+within ||(I - U U^T) V||_F <= 1e-5 of randattn-cli's (an upper bound of sin-Theta). A NaN in the
+last rank's rows: every rank exits 2, one error line, no output file, no hang.
+Pure Python (no NumPy): .npy files are read and written here directly.
+"""
+import argparse
+import ast
+import os
+import random
+import struct
+import subprocess
+import sys
+
+TIMEOUT = 120
+
+
+def write_npy(path, shape, values, dtype="<f4"):
+    header = "{'descr': '%s', 'fortran_order': False, 'shape': (%s), }" % (
+        dtype, "".join("%d, " % s for s in shape))
+    pad = (64 - (10 + len(header) + 1) % 64) % 64
+    header += " " * pad + "\n"
+    code = "f" if dtype == "<f4" else "d"
+    with open(path, "wb") as f:
+        f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode())
+        f.write(struct.pack("<%d%s" % (len(values), code), *values))
+
+
+def read_npy(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    major = data[6]
+    hlen = struct.unpack("<H", data[8:10])[0] if major == 1 else struct.unpack("<I", data[8:12])[0]
+    start = (10 if major == 1 else 12) + hlen
+    header = ast.literal_eval(data[(10 if major == 1 else 12):start].decode())
+    code = "f" if header["descr"] == "<f4" else "d"
+    count = 1
+    for s in header["shape"]:
+        count *= s
+    return header["shape"], struct.unpack("<%d%s" % (count, code), data[start:start + count * struct.calcsize(code)])
+
+
+def run(cmd, env):
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mpiexec", required=True)
+    ap.add_argument("--mpi", required=True)
+    ap.add_argument("--cli", required=True)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--ranks", default="1,2,3")
+    a = ap.parse_args()
+    os.makedirs(a.work, exist_ok=True)
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
+    rng = random.Random(7)
+    w = lambda name: os.path.join(a.work, name)
+    n, d, dv = 37, 8, 5
+    gauss = lambda count, sd=1.0: [rng.gauss(0.0, sd) for _ in range(count)]
+    write_npy(w("q.npy"), (n, d), gauss(n * d, 0.5))
+    write_npy(w("k.npy"), (n, d), gauss(n * d, 0.5))
+    write_npy(w("v.npy"), (n, dv), gauss(n * dv))
+    write_npy(w("q4.npy"), (2, 3, n, d), gauss(6 * n * d, 0.5))
+    write_npy(w("k4.npy"), (2, 3, 29, d), gauss(6 * 29 * d, 0.5))
+    write_npy(w("v4.npy"), (2, 3, 29, dv), gauss(6 * 29 * dv))
+    # Rank 3 plus weak noise: a clear spectral gap, so the factors are well determined.
+    dims = (40, 53, 50)
+    factors = [[gauss(dj) for _ in range(3)] for dj in dims]
+    tensor = [0.05 * x for x in gauss(dims[0] * dims[1] * dims[2], 0.1)]
+    for t in range(3):
+        a0, a1, a2 = factors[0][t], factors[1][t], factors[2][t]
+        weight = 1.0 / (t + 1)
+        at = 0
+        for i in range(dims[0]):
+            for j in range(dims[1]):
+                x = weight * a0[i] * a1[j]
+                for k in range(dims[2]):
+                    tensor[at] += x * a2[k]
+                    at += 1
+    write_npy(w("A.npy"), dims, tensor)
+    bad = gauss(n * d, 0.5)
+    bad[-1] = float("nan")  # the last row: held by the last rank
+    write_npy(w("bad.npy"), (n, d), bad)
+
+    failures = []
+
+    def check(ok, what):
+        print(("ok   " if ok else "FAIL ") + what, flush=True)
+        if not ok:
+            failures.append(what)
+
+    def mpi(p, args):
+        return run([a.mpiexec, "-n", str(p), "--oversubscribe", a.mpi] + args, env)
+
+    def attention_cases():
+        qkv = ["--q", w("q.npy"), "--k", w("k.npy"), "--v", w("v.npy")]
+        methods = ["exact", "favor", "favor-hyp", "trig", "hybrid", "hybrid-gaussian"]
+        for m in methods:
+            for causal in ([], ["--causal"]):
+                yield "%s%s" % (m, " causal" if causal else ""), ["--method", m, "--seed", "3"] + qkv + causal, []
+        for causal in ([], ["--causal"]):
+            yield "lsh%s" % (" causal" if causal else ""), ["--method", "lsh", "--chunk", "4", "--seed", "3", "--q",
+                                                            w("q.npy"), "--v", w("v.npy")] + causal, []
+            yield "exact zigzag%s" % (" causal" if causal else ""), ["--method", "exact"] + qkv + causal, \
+                ["--layout", "zigzag"]
+        yield "exact 4-D n_q != n_k", ["--method", "exact", "--q", w("q4.npy"), "--k", w("k4.npy"), "--v",
+                                       w("v4.npy")], []
+        yield "favor 4-D n_q != n_k", ["--method", "favor", "--q", w("q4.npy"), "--k", w("k4.npy"), "--v",
+                                       w("v4.npy")], []
+
+    for name, args, mpi_only in attention_cases():
+        ref_path = w("ref.npy")
+        r = run([a.cli, "attention"] + args + ["--out", ref_path], env)
+        check(r.returncode == 0, "randattn-cli attention %s (%s)" % (name, r.stderr.strip()))
+        _, ref = read_npy(ref_path)
+        scale = max(abs(x) for x in ref)
+        for p in map(int, a.ranks.split(",")):
+            out = w("out_%d.npy" % p)
+            r = mpi(p, ["attention"] + args + mpi_only + ["--out", out])
+            if r.returncode != 0:
+                check(False, "np %d attention %s: exit %d: %s" % (p, name, r.returncode, r.stderr.strip()))
+                continue
+            shape, got = read_npy(out)
+            err = max(abs(x - y) for x, y in zip(got, ref)) / scale
+            check(len(got) == len(ref) and err <= 1e-5, "np %d attention %s: rel error %.2e" % (p, name, err))
+
+    r = run([a.cli, "sparsify", "--in", w("A.npy"), "--budget", "5000", "--seed", "2", "--out", w("ref.npy")], env)
+    check(r.returncode == 0, "randattn-cli sparsify")
+    ref = open(w("ref.npy"), "rb").read()
+    ranks3 = ["--ranks", "3,3,3", "--budget", "60000", "--seed", "5"]
+    r = run([a.cli, "hosvd", "--in", w("A.npy")] + ranks3 + ["--out-prefix", w("ref_u")], env)
+    check(r.returncode == 0, "randattn-cli hosvd")
+    for p in map(int, a.ranks.split(",")):
+        r = mpi(p, ["sparsify", "--in", w("A.npy"), "--budget", "5000", "--seed", "2", "--out", w("sk.npy")])
+        check(r.returncode == 0 and open(w("sk.npy"), "rb").read() == ref,
+              "np %d sparsify: output identical byte for byte" % p)
+        r = mpi(p, ["hosvd", "--in", w("A.npy")] + ranks3 + ["--out-prefix", w("u%d_" % p)])
+        check(r.returncode == 0, "np %d hosvd (%s)" % (p, r.stderr.strip()))
+        for j in range(3):
+            (dj, rj), u = read_npy(w("ref_u%d.npy" % j))
+            _, v = read_npy(w("u%d_%d.npy" % (p, j)))
+            # R = V - U (U^T V), ||R||_F >= sin-Theta.
+            utv = [[sum(u[i * rj + s] * v[i * rj + t] for i in range(dj)) for t in range(rj)] for s in range(rj)]
+            res = sum((v[i * rj + t] - sum(u[i * rj + s] * utv[s][t] for s in range(rj))) ** 2
+                      for i in range(dj) for t in range(rj)) ** 0.5
+            check(res <= 1e-5, "np %d hosvd factor %d: ||(I - UU^T)V||_F = %.2e" % (p, j, res))
+
+    for p in map(int, a.ranks.split(",")):
+        out = w("never.npy")
+        r = mpi(p, ["attention", "--method", "favor", "--q", w("bad.npy"), "--k", w("k.npy"), "--v", w("v.npy"),
+                    "--out", out])
+        lines = [l for l in r.stderr.splitlines() if l.startswith("randattn-mpi: error:")]
+        check(r.returncode == 2 and len(lines) == 1 and "non-finite" in lines[0] and not os.path.exists(out),
+              "np %d NaN on the last rank: exit %d, %d error line(s), no output" % (p, r.returncode, len(lines)))
+
+    if failures:
+        print("%d failure(s)" % len(failures))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,8 @@
 #pragma once
 // Shared set-up for the benchmarks: thread control and GFLOP/s counters.
 
+#include <chrono>
+
 #include <benchmark/benchmark.h>
 
 #include <randattn/randattn.hpp>
@@ -21,10 +23,41 @@ inline void set_threads(int threads) {
   Eigen::setNbThreads(threads);
 }
 
-// Reports flops_per_iteration as a GFLOP/s rate.
+// GFLOP/s of the PeakSgemm anchor (a square 2048 sgemm with Eigen on one thread) measured
+// earlier in the same run; 0 until it has run.
+inline double& peak_gflops() {
+  static double peak = 0;
+  return peak;
+}
+
+// Reports flops_per_iteration as a GFLOP/s rate and, once the anchor has run, as a fraction of
+// it ("of_peak"): both from the same timing, so the fraction is a ratio measured in one run.
 inline void report_gflops(benchmark::State& state, double flops_per_iteration) {
   state.counters["GFLOPs"] = benchmark::Counter(flops_per_iteration * 1e-9,
                                                 benchmark::Counter::kIsIterationInvariantRate);
+  if (peak_gflops() > 0)
+    state.counters["of_peak"] = benchmark::Counter(flops_per_iteration * 1e-9 / peak_gflops(),
+                                                   benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// The physical-limit anchor: C = A B for square n x n float matrices with Eigen, one thread.
+// Register it first in a binary so later benchmarks can report their fraction of it.
+inline void PeakSgemm(benchmark::State& state) {
+  const Index n = state.range(0);
+  set_threads(1);
+  const RowMatrix<float> a = randattn::gaussian_matrix<float>(randattn::Philox(1), n, n),
+                         b = randattn::gaussian_matrix<float>(randattn::Philox(2), n, n);
+  RowMatrix<float> c(n, n);
+  const double flops = 2.0 * double(n) * double(n) * double(n);
+  const auto start = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    c.noalias() = a * b;
+    benchmark::DoNotOptimize(c.data());
+    benchmark::ClobberMemory();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  peak_gflops() = flops * double(state.iterations()) * 1e-9 / seconds;
+  report_gflops(state, flops);
 }
 
 }  // namespace bench

@@ -1,6 +1,8 @@
 // The shared core against plain Eigen GEMMs of the same shapes, in one binary so the ratios
 // come from one run. Arguments: n, threads. d = dv = 64, m = 256 (feature dimension).
 //
+//  - PeakSgemm: a square 2048 sgemm with Eigen on one thread, the physical-limit anchor; every
+//    later benchmark reports "of_peak", its GFLOP/s as a fraction of the anchor's in this run.
 //  - EigenGemmExactShapes: S = Q K^T (n x n x d) then S V (n x n x dv), the two products of
 //    attention with the score matrix materialised.
 //  - NaiveExact / TiledExact: softmax attention; flops counted as the same two products.
@@ -105,6 +107,7 @@ void Linear(benchmark::State& state) {
 
 }  // namespace
 
+BENCHMARK(bench::PeakSgemm)->Name("PeakSgemm")->ArgNames({"n"})->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(EigenGemmExactShapes)->ArgNames({"n", "threads"})->Args({8192, 1})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(NaiveExact)->ArgNames({"n", "threads"})->Args({8192, 1})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(TiledExact)->ArgNames({"n", "threads", "causal"})->Args({8192, 1, 0})->Args({8192, 1, 1})->Args({8192, 2, 0})->Unit(benchmark::kMillisecond)->UseRealTime();

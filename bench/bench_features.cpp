@@ -2,13 +2,19 @@
 // from one run. d = dv = 64, m = 256 projections, float.
 //
 //  - ProjectionGemm: the plain Eigen product X ωᵀ (n × d × m), the floor of every feature map.
+//  - FavorGemms: the four products of FAVOR+ attention as plain Eigen GEMMs, its floor.
 //  - FeatureMap/<map>/<projection>: n rows to features (projection + exp/sin/cos + log-scales);
 //    GFLOP/s counts the projection product only, so it compares directly with ProjectionGemm.
 //  - Exact, Favor (positive features), FavorHyp (hyperbolic): attention end to end at
 //    n = 128 ... 65536, bidirectional and causal (features of q and k included). GFLOP/s of
 //    Exact counts its two products; of Favor/FavorHyp the feature products and the core.
+//  - Oprf, Sderf: the same end to end at n = 4096 and 16384, the fit included: bidirectional
+//    calls fit to their q and k (O(n·d) for OPRF, O(n·d²) for SDERF, plus O(d³ + m·d²) set-up),
+//    causal calls use parameters fitted once to calibration rows outside the loop. Compare with
+//    Favor of the same n and causal flag (run with --benchmark_filter='^(Favor|Oprf|Sderf)/').
 // Arguments: n, causal (0/1); threads are fixed by --threads (default 1).
 
+#include <cmath>
 #include <string>
 
 #include "bench_common.hpp"
@@ -45,6 +51,26 @@ void ProjectionGemm(benchmark::State& state) {
     benchmark::ClobberMemory();
   }
   bench::report_gflops(state, 2.0 * double(n) * kD * kM);
+}
+
+// The products FAVOR+ attention cannot avoid, as plain Eigen GEMMs: the projections Q ωᵀ and
+// K ωᵀ (n × d × m each), K'ᵀ V (m × n × dv) and Q' (K'ᵀ V) (n × m × dv). Favor's time over this
+// one's is its overhead over the GEMM floor (same n, same run).
+void FavorGemms(benchmark::State& state) {
+  const Index n = state.range(0);
+  bench::set_threads(1);
+  const Inputs in(n);
+  const RowMatrix<float> omega = gaussian_matrix<float>(Philox(4), kM, kD);
+  RowMatrix<float> qf(n, kM), kf(n, kM), kv(kM, kDv), out(n, kDv);
+  for (auto _ : state) {
+    qf.noalias() = in.q * omega.transpose();
+    kf.noalias() = in.k * omega.transpose();
+    kv.noalias() = kf.transpose() * in.v;
+    out.noalias() = qf * kv;
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  bench::report_gflops(state, 4.0 * double(n) * kD * kM + 4.0 * double(n) * kM * kDv);
 }
 
 template <typename Map>
@@ -99,6 +125,41 @@ void FavorHyp(benchmark::State& state) {
   Features(state, randattn::HyperbolicFeatures(OrthogonalProjection<float>(kM, kD, 1)));
 }
 
+// Fit (bidirectional) and attention, as one call of a fitted map costs.
+template <typename Map>
+void Fitted(benchmark::State& state, Map map) {
+  const Index n = state.range(0);
+  bench::set_threads(1);
+  const Inputs in(n);
+  randattn::RandomFeatureOptions opt;
+  opt.causal = state.range(1) != 0;
+  const double c = std::pow(double(kD), -0.25);
+  if (opt.causal) {
+    const RowMatrix<float> calibration = gaussian_matrix<float>(Philox(5), 256, kD, 0.5);
+    map.fit(calibration, calibration, c);
+  }
+  for (auto _ : state) {
+    if (!opt.causal) map.fit(in.q, in.k, c);
+    RowMatrix<float> out = randattn::random_feature_attention(map, in.q, in.k, in.v, opt);
+    benchmark::DoNotOptimize(out.data());
+  }
+  bench::report_gflops(state, feature_flops(n, map.feature_dim()));
+}
+
+void Oprf(benchmark::State& state) {
+  Fitted(state, randattn::OptimalPositiveFeatures(OrthogonalProjection<float>(kM, kD, 1)));
+}
+void Sderf(benchmark::State& state) {
+  Fitted(state, randattn::DenseExponentialFeatures(OrthogonalProjection<float>(kM, kD, 1)));
+}
+
+void fitted_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"n", "causal"});
+  for (int causal : {0, 1})
+    for (Index n : {4096, 16384}) b->Args({n, causal});
+  b->Unit(benchmark::kMillisecond)->UseRealTime();
+}
+
 void end_to_end_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"n", "causal"});
   for (int causal : {0, 1})
@@ -119,6 +180,9 @@ BENCHMARK_CAPTURE(FeatureMap, hyperbolic/orthogonal, randattn::HyperbolicFeature
     ->ArgNames({"n"})->Arg(16384)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(FeatureMap, trig/orthogonal, randattn::TrigFeatures(OrthogonalProjection<float>(kM, kD, 1)))
     ->ArgNames({"n"})->Arg(16384)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(FavorGemms)->ArgNames({"n"})->Arg(16384)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(Exact)->Apply(end_to_end_args);
 BENCHMARK(Favor)->Apply(end_to_end_args);
 BENCHMARK(FavorHyp)->Apply(end_to_end_args);
+BENCHMARK(Oprf)->Apply(fitted_args);
+BENCHMARK(Sderf)->Apply(fitted_args);

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Builds randattn and runs the whole test suite. Extra arguments are passed to ctest.
+# Builds randattn and runs the whole test suite, the Python tests included. Extra arguments are
+# passed to ctest.
 set -euo pipefail
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/common.sh"
 
+RANDATTN_PACKAGES+=(catch2 libbenchmark-dev)
 # MPI is required here so that CI always tests the distributed layer (label "mpi").
-RANDATTN_PACKAGES+=(catch2 libbenchmark-dev openmpi-bin libopenmpi-dev python3)
+RANDATTN_PACKAGES+=(openmpi-bin libopenmpi-dev)
+# The Python module and its tests: Debian's interpreter and packages (no PyPI).
+RANDATTN_PACKAGES+=(python3-dev python3-numpy python3-pytest pybind11-dev python3-pybind11 python3-setuptools
+                    python3-wheel python3-torch python3-venv python3-pip python3-scipy)
 randattn_require_packages
 randattn_configure_and_build -DRANDATTN_BUILD_TESTS=ON -DRANDATTN_BUILD_BENCHMARKS=ON -DRANDATTN_BUILD_EXAMPLES=ON \
-    -DRANDATTN_MPI=ON
+    -DRANDATTN_PYTHON=ON -DPython_EXECUTABLE="${RANDATTN_PYTHON_EXECUTABLE:-/usr/bin/python3}" -DRANDATTN_MPI=ON
 ctest --test-dir "$RANDATTN_BUILD_DIR" --output-on-failure "$@"

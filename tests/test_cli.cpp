@@ -464,6 +464,55 @@ TEST_CASE("cli: hybrid and hybrid-gaussian", "[cli][hybrid]") {
   require_error(ws, "attention --method hybrid-gaussian --bandwidth -1" + io, "--bandwidth");
 }
 
+TEST_CASE("cli: oprf and sderf, their fit modes and the predicted kernel MSE", "[cli][oprf]") {
+  Workspace ws;
+  const std::int64_t n = 64, d = 8, dv = 4;
+  save<float>(ws, "q.npy", {2, 1, n, d}, 41);
+  save<float>(ws, "k.npy", {2, 1, n, d}, 42);
+  save<float>(ws, "v.npy", {2, 1, n, dv}, 43);
+  save<double>(ws, "c.npy", {16, d}, 44);
+  save<double>(ws, "c_bad.npy", {16, d + 1}, 45);
+  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
+                         quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+  const std::string calibration = " --fit given --calibration " + quote(ws.path("c.npy"));
+  for (const std::string method : {"oprf", "sderf"}) {
+    INFO(method);
+    for (const std::string fit : {std::string(""), std::string(" --fit given --rho 0.4"), calibration,
+                                  " --causal" + calibration}) {
+      INFO(fit);
+      const Result r = ws.run("attention --method " + method + " --features 128 --seed 2 --compare" + fit + io);
+      INFO("stderr: " << r.err);
+      REQUIRE(r.exit_code == 0);
+      CHECK(json_number(r.out, "feature_dim") == 128);
+      CHECK(r.out.find(fit.empty() ? "\"fit\":\"queries+keys\"" : "\"fit\":\"given\"") != std::string::npos);
+      // Entries in [-1, 1], d = 8, scale 1/sqrt(8): |q + k|^2 scaled is about 1, a small error.
+      CHECK(json_number(r.out, "rel_error") < 0.5);
+      CHECK(json_number(r.out, "predicted_rel_mse") > 0);
+      CHECK(json_number(r.out, "predicted_rel_mse") < 0.1);
+    }
+    const std::string base = "attention --method " + method + io;
+    require_error(ws, base + " --causal", "--fit given");
+    require_error(ws, base + " --fit given", "exactly one of --rho and --calibration");
+    require_error(ws, base + " --fit given --rho 1" + " --calibration " + quote(ws.path("c.npy")), "exactly one");
+    require_error(ws, base + " --rho 1", "need --fit given");
+    require_error(ws, base + " --fit given --rho -1", "--rho");
+    require_error(ws, base + " --fit sequence", "--fit");
+    require_error(ws, base + " --fit given --calibration " + quote(ws.path("c_bad.npy")), "--calibration");
+    require_error(ws, base + " --fit given --calibration " + quote(ws.path("missing.npy")), "--calibration");
+  }
+  require_error(ws, "attention --method favor --rho 1" + io, "--rho");
+  require_error(ws, "attention --method hybrid --fit given" + io, "--fit");
+  // favor, favor-hyp and trig report the closed form too; the hybrid has none.
+  for (const std::string method : {"favor", "favor-hyp", "trig"}) {
+    const Result r = ws.run("attention --method " + method + " --report" + io);
+    REQUIRE(r.exit_code == 0);
+    CHECK(json_number(r.out, "predicted_rel_mse") > 0);
+  }
+  const Result r = ws.run("attention --method hybrid --report" + io);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("predicted_rel_mse") == std::string::npos);
+}
+
 #else
 
 TEST_CASE("cli: randattn-cli not built, contract tests skipped", "[cli]") {
@@ -602,6 +651,114 @@ TEST_CASE("cli: lsh errors are one stderr line, exit code 2 and no output", "[cl
   require_error(ws, lsh + " --rotations " + quote(ws.path("R.npy")) + " --buckets 4", "--buckets 4");
   require_error(ws, lsh + " --rotations " + quote(ws.path("R.npy")) + " --rotation dense", "exclude");
   require_error(ws, lsh + " --rotations " + quote(ws.path("missing.npy")), "--rotations");
+}
+
+// --- lsf ------------------------------------------------------------------------------------
+
+TEST_CASE("cli: lsf matches the library, with the --report and --compare fields", "[cli][lsf]") {
+  Workspace ws;
+  SECTION("2-D float32, dense filters, --eta") {
+    save<float>(ws, "q.npy", {40, 6}, 31);
+    save<float>(ws, "k.npy", {50, 6}, 32);
+    save<float>(ws, "v.npy", {50, 3}, 33);
+    const Result r = ws.run("attention --method lsf --filters 8 --tables 3 --eta 0.5 --threads 1 --report --q " +
+                            quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
+                            quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy")));
+    INFO("stderr: " << r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(json_field(r.out, "filters") == "8");
+    CHECK(json_field(r.out, "tables") == "3");
+    CHECK(json_field(r.out, "eta") == "0.5");
+    CHECK(json_field(r.out, "min_probes") == "1");
+    CHECK(json_field(r.out, "rotation") == "\"dense\"");
+    const double pairs = std::stod(json_field(r.out, "pairs_scored"));
+    CHECK(pairs > 0);
+    CHECK(pairs <= 1);
+    const randattn::LocalitySensitiveFilters<float> f(randattn::RotationKind::dense, 6, 8, 3, 0);
+    randattn::LsfOptions opt;
+    opt.eta = 0.5;
+    const auto q = data<float>(240, 31), k = data<float>(300, 32), v = data<float>(150, 33);
+    using CMap = Eigen::Map<const randattn::RowMatrix<float>>;
+    const randattn::RowMatrix<float> expected = randattn::lsf_attention(f, CMap(q.data(), 40, 6), CMap(k.data(), 50, 6),
+                                                                        CMap(v.data(), 50, 3), opt);
+    const randattn::LsfProbeStats st =
+        randattn::lsf_probe_stats<float>(f, CMap(q.data(), 40, 6), CMap(k.data(), 50, 6), opt);
+    CHECK(pairs == Approx(double(st.target_pairs) / (40.0 * 50.0)));
+    const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));
+    CHECK(o.shape == std::vector<std::int64_t>{40, 3});
+    for (std::size_t i = 0; i < o.values<float>().size(); ++i)
+      CHECK(o.values<float>()[i] == Approx(expected.data()[i]).margin(1e-5));
+  }
+  SECTION("4-D float64, causal, Hadamard filters, --alpha, --min-probes, --compare") {
+    save<double>(ws, "q.npy", {2, 2, 30, 8}, 41);
+    save<double>(ws, "k.npy", {2, 2, 30, 8}, 42);
+    save<double>(ws, "v.npy", {2, 2, 30, 4}, 43);
+    const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
+                           quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+    const Result r = ws.run("attention --method lsf --filters 16 --tables 2 --alpha 0.6 --min-probes 2 --rotation "
+                            "hadamard --causal --seed 9 --scale 0.5 --compare" + io);
+    INFO("stderr: " << r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(json_field(r.out, "rotation") == "\"hadamard\"");
+    CHECK(std::stod(json_field(r.out, "eta")) == Approx(randattn::filter_threshold(0.6, 16)));
+    CHECK(std::stod(json_field(r.out, "speedup")) > 0);
+    CHECK(std::stod(json_field(r.out, "rel_error")) > 0);
+    randattn::BatchShape shape;
+    shape.batch = shape.heads = 2;
+    shape.n_q = shape.n_k = 30;
+    shape.d = 8;
+    shape.dv = 4;
+    randattn::LsfOptions opt;
+    opt.alpha = 0.6;
+    opt.min_probes = 2;
+    opt.causal = true;
+    opt.scale = 0.5;
+    std::vector<double> expected(480);
+    randattn::lsf_attention_batched(randattn::LocalitySensitiveFilters<double>(randattn::RotationKind::hadamard, 8, 16, 2, 9),
+                                    data<double>(960, 41).data(), data<double>(960, 42).data(),
+                                    data<double>(480, 43).data(), expected.data(), shape, opt);
+    const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));
+    CHECK(o.shape == std::vector<std::int64_t>{2, 2, 30, 4});
+    for (std::size_t i = 0; i < expected.size(); ++i) CHECK(o.values<double>()[i] == Approx(expected[i]).margin(1e-12));
+    // Every filter opened: exact attention, every pair scored (half of them under causal masking).
+    const Result all = ws.run("attention --method lsf --filters 4 --tables 2 --eta=-100 --compare" + io);
+    REQUIRE(all.exit_code == 0);
+    CHECK(std::stod(json_field(all.out, "rel_error")) < 1e-12);
+    CHECK(std::stod(json_field(all.out, "pairs_scored")) == 1.0);
+  }
+}
+
+TEST_CASE("cli: lsf errors are one stderr line, exit code 2 and no output", "[cli][lsf]") {
+  Workspace ws;
+  save<float>(ws, "q.npy", {20, 4}, 1);
+  save<float>(ws, "k.npy", {20, 4}, 2);
+  save<float>(ws, "v.npy", {20, 3}, 3);
+  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
+                         quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+  const std::string lsf = "attention --method lsf" + io;
+  require_error(ws, "attention --method lsf --eta 1 --q " + quote(ws.path("q.npy")) + " --v " + quote(ws.path("v.npy")) +
+                        " --out " + quote(ws.path("o.npy")),
+                "--k is required for --method lsf");
+  require_error(ws, "attention --filters 8" + io, "belongs to --method lsf");
+  require_error(ws, "attention --method lsh --exact-buckets --tables 2" + io, "belongs to --method lsf");
+  require_error(ws, lsf, "exactly one of --eta and --alpha");
+  require_error(ws, lsf + " --eta 1 --alpha 0.5", "exactly one of --eta and --alpha");
+  require_error(ws, lsf + " --eta 1 --filters 0", "--filters");
+  require_error(ws, lsf + " --eta 1 --filters=-3", "--filters");
+  require_error(ws, lsf + " --eta 1 --tables 0", "--tables");
+  require_error(ws, lsf + " --eta nan", "--eta");
+  require_error(ws, lsf + " --eta inf", "--eta");
+  require_error(ws, lsf + " --eta=-inf", "--eta");
+  require_error(ws, lsf + " --eta x");
+  require_error(ws, lsf + " --alpha 0", "--alpha");
+  require_error(ws, lsf + " --alpha 1", "--alpha");
+  require_error(ws, lsf + " --alpha 1.5", "--alpha");
+  require_error(ws, lsf + " --alpha=-0.2", "--alpha");
+  require_error(ws, lsf + " --alpha nan", "--alpha");
+  require_error(ws, lsf + " --eta 1 --filters 8 --min-probes 0", "--min-probes");
+  require_error(ws, lsf + " --eta 1 --filters 8 --min-probes 9", "--min-probes");
+  require_error(ws, lsf + " --eta 1 --rotation gaussian");
+  require_error(ws, lsf + " --eta 1 --scale nan", "--scale");
 }
 
 // --- sparsify and hosvd ---------------------------------------------------------------------

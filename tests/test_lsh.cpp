@@ -157,6 +157,70 @@ TEMPLATE_TEST_CASE("Hadamard rotation equals H D3 H D2 H D1 / p^{3/2} and preser
   }
 }
 
+TEMPLATE_TEST_CASE("Fused hash argmax equals a scalar argmax over the rotation's projections, ties included",
+                   "[lsh]", float, double) {
+  using Scalar = TestType;
+  struct Case {
+    Index d, buckets;
+  };
+  // Shapes with h below, at and above one SIMD packet, h not a power of two, folded Hadamard
+  // rounds (h < p) and n not a multiple of the tile or packet widths.
+  for (const Case c : {Case{64, 128}, Case{24, 10}, Case{5, 6}, Case{64, 16}, Case{3, 200}, Case{1, 2}}) {
+    INFO("d " << c.d << " buckets " << c.buckets);
+    const Index n = 1000, rounds = 2, half = c.buckets / 2;
+    RowMatrix<Scalar> x = testing::gaussian<Scalar>(8, n, c.d);
+    x.row(3).setZero();                    // all coordinates tie: bucket 0
+    x.row(17) = x.row(16).cwiseAbs();      // nonnegative input
+    x.row(18).setConstant(Scalar(0.5));    // repeated entries: ties in the dense projections
+    for (RotationKind kind : {RotationKind::dense, RotationKind::hadamard}) {
+      const CrossPolytopeHash<Scalar> hash(kind, c.d, c.buckets, rounds, 21);
+      const HashCodes codes = hash.hash(x);
+      for (Index rho = 0; rho < rounds; ++rho) {
+        // Projections of the same tiles the hash rotates (a GEMM's rounding may depend on its
+        // width), h x n.
+        RowMatrix<Scalar> y(half, n), work;
+        for (Index i0 = 0; i0 < n; i0 += randattn::detail::kHashTile) {
+          const Index count = std::min(randattn::detail::kHashTile, n - i0);
+          const auto tile = x.middleRows(i0, count);
+          if (kind == RotationKind::dense)
+            y.middleCols(i0, count) = hash.dense_rotation()->project_round(tile, rho, work);
+          else
+            y.middleCols(i0, count) = hash.hadamard_rotation()->project_round(tile, rho, work);
+        }
+        Index mismatches = 0;
+        for (Index i = 0; i < n; ++i) {
+          // First maximum of [y; -y], positive half first.
+          Index best = 0;
+          Scalar top = y(0, i);
+          for (Index k = 0; k < 2 * half; ++k) {
+            const Scalar v = k < half ? y(k, i) : -y(k - half, i);
+            if (v > top) top = v, best = k;
+          }
+          mismatches += codes(i, rho) != best;
+        }
+        CHECK(mismatches == 0);
+      }
+      CHECK(codes(3, 0) == 0);
+    }
+  }
+}
+
+TEST_CASE("Default rotation: dense while d h <= 6 p log2 p, Hadamard beyond", "[lsh]") {
+  using randattn::default_rotation;
+  CHECK(default_rotation(64, 16) == RotationKind::dense);      // 512 <= 6 * 64 * 6
+  CHECK(default_rotation(64, 64) == RotationKind::dense);      // 2048 <= 2304
+  CHECK(default_rotation(64, 128) == RotationKind::hadamard);  // 4096 > 2304
+  CHECK(default_rotation(256, 64) == RotationKind::dense);     // 8192 <= 6 * 256 * 8
+  CHECK(default_rotation(256, 512) == RotationKind::hadamard);
+  CHECK(default_rotation(4, 4) == RotationKind::dense);       // 8 <= 6 * 4 * 2
+  const CrossPolytopeHash<float> by_default(64, 128, 2, 5), explicit_kind(RotationKind::hadamard, 64, 128, 2, 5);
+  CHECK(by_default.kind() == RotationKind::hadamard);
+  const RowMatrix<float> x = testing::gaussian<float>(2, 100, 64);
+  CHECK(by_default.hash(x) == explicit_kind.hash(x));
+  CHECK(CrossPolytopeHash<float>(64, 16, 2, 5).kind() == RotationKind::dense);
+  CHECK_THROWS_AS(CrossPolytopeHash<float>(0, 16, 2, 5), std::invalid_argument);
+}
+
 TEMPLATE_TEST_CASE("Cross-polytope codes are argmax([xR; -xR])", "[lsh]", float, double) {
   using Scalar = TestType;
   const Index n = 500, d = 24, buckets = 10, rounds = 3;

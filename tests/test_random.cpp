@@ -1,6 +1,9 @@
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "support.hpp"
@@ -12,6 +15,7 @@
 using randattn::Index;
 using randattn::Philox;
 using randattn::RowMatrix;
+using randattn::Vector;
 
 TEST_CASE("Philox stream matches Random123's published known-answer vectors", "[random]") {
   // kat_vectors, philox4x32 10: counter (4 words), key (2 words) -> output (4 words).
@@ -117,20 +121,207 @@ TEST_CASE("Fills reject negative offsets", "[random][validation]") {
   CHECK_THROWS_AS(randattn::fill_gaussian(Philox(1), m, -1, 0), std::invalid_argument);
 }
 
-TEST_CASE("Fast Walsh-Hadamard transform", "[linalg]") {
-  // H_n H_n = n I, and the transform of a unit vector is a row of the Sylvester matrix.
-  for (Index n : {1, 2, 8, 64}) {
-    RowMatrix<double> x = testing::gaussian<double>(5, 3, n);
-    RowMatrix<double> y = x;
-    randattn::fwht_rows<double>(y);
-    CHECK(std::abs(y.squaredNorm() - n * x.squaredNorm()) < 1e-12 * n * x.squaredNorm());
-    randattn::fwht_rows<double>(y);
-    CHECK((y / double(n) - x).norm() < 1e-12 * x.norm());
+// ---------------------------------------------------------------------------------------------
+// Walsh-Hadamard transform and structured rotations
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+// Explicit Sylvester matrix H_p: H(a, b) = (-1)^popcount(a & b).
+Eigen::MatrixXd sylvester(Index p) {
+  Eigen::MatrixXd h(p, p);
+  for (Index a = 0; a < p; ++a)
+    for (Index b = 0; b < p; ++b) h(a, b) = (__builtin_popcountll(std::uint64_t(a & b)) % 2) ? -1.0 : 1.0;
+  return h;
+}
+
+constexpr int log2_of(Index p) {
+  int l = 0;
+  while ((Index(1) << l) < p) ++l;
+  return l;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("Batched Walsh-Hadamard transform equals the Hadamard matrix product", "[linalg]", float, double) {
+  using Scalar = TestType;
+  const double eps = std::numeric_limits<Scalar>::epsilon();
+  for (Index p : {1, 2, 4, 8, 16, 32, 64, 256}) {
+    INFO("p " << p);
+    // 37 vectors (strips of 32 plus a remainder) in a block with row stride 40.
+    const Index cols = 37, ld = 40;
+    const RowMatrix<Scalar> x = testing::gaussian<Scalar>(7, p, ld);
+    const Eigen::MatrixXd h = sylvester(p);
+    const Eigen::MatrixXd xd = x.leftCols(cols).template cast<double>();
+    const Eigen::VectorXd sign = h.row(p - 1).transpose();  // a +-1 pattern with both signs
+    const Vector<Scalar> sign_s = sign.template cast<Scalar>();
+
+    RowMatrix<Scalar> y = x, ys = x;
+    randattn::fwht_columns(y.data(), p, cols, ld);
+    randattn::fwht_columns(ys.data(), p, cols, ld, sign_s.data());
+    // Every output is a sum of p terms +-x_j formed by a tree of log2(p) additions, each with a
+    // relative rounding error <= u = eps / 2: |error| <= log2(p) u sum_j |x_j| to first order;
+    // eps instead of u covers the higher-order terms.
+    const Eigen::MatrixXd exact = h * xd, exact_s = h * sign.asDiagonal() * xd;
+    const Eigen::RowVectorXd abs_sums = xd.cwiseAbs().colwise().sum();
+    for (Index j = 0; j < cols; ++j) {
+      const double bound = log2_of(p) * eps * abs_sums(j);
+      CHECK((y.col(j).template cast<double>() - exact.col(j)).cwiseAbs().maxCoeff() <= bound);
+      CHECK((ys.col(j).template cast<double>() - exact_s.col(j)).cwiseAbs().maxCoeff() <= bound);
+    }
+    // Padding columns beyond cols are untouched.
+    CHECK((y.rightCols(ld - cols).array() == x.rightCols(ld - cols).array()).all());
+
+    // Batched equals one vector at a time, bit for bit: the same additions in the same order.
+    for (Index j = 0; j < cols; ++j) {
+      Vector<Scalar> v = x.col(j), vs = sign_s.cwiseProduct(x.col(j));
+      randattn::fwht_inplace(v.data(), p);
+      randattn::fwht_inplace(vs.data(), p);
+      CHECK((v.array() == y.col(j).array()).all());
+      CHECK((vs.array() == ys.col(j).array()).all());
+    }
+    // fwht_rows (token-major) agrees with the coordinate-major batch, bit for bit, also with more
+    // rows than one tile.
+    RowMatrix<Scalar> rows = x.leftCols(cols).transpose();
+    randattn::fwht_rows<Scalar>(rows);
+    CHECK((rows.transpose().array() == y.leftCols(cols).array()).all());
   }
-  std::vector<double> e(8, 0.0);
+  const Index big = (Index(1) << 16) / 8 + 5;  // several tiles of 8-wide rows
+  RowMatrix<Scalar> many = testing::gaussian<Scalar>(8, big, 8), one = many;
+  randattn::fwht_rows<Scalar>(many);
+  for (Index i = 0; i < big; ++i) randattn::fwht_inplace(one.row(i).data(), 8);
+  CHECK((many.array() == one.array()).all());
+
+  // A unit vector transforms to a row of the Sylvester matrix.
+  std::vector<Scalar> e(8, Scalar(0));
   e[3] = 1;
   randattn::fwht_inplace(e.data(), 8);
-  for (int k = 0; k < 8; ++k) CHECK(e[k] == (__builtin_popcount(3 & k) % 2 ? -1.0 : 1.0));
-  std::vector<double> bad(6);
+  for (int k = 0; k < 8; ++k) CHECK(e[k] == (__builtin_popcount(3 & k) % 2 ? -1 : 1));
+
+  std::vector<Scalar> bad(12);
   CHECK_THROWS_AS(randattn::fwht_inplace(bad.data(), 6), std::invalid_argument);
+  CHECK_THROWS_AS(randattn::fwht_columns(bad.data(), 3, 4, 4), std::invalid_argument);
+  CHECK_THROWS_AS(randattn::fwht_columns(bad.data(), 2, 4, 3), std::invalid_argument);
+  RowMatrix<Scalar> not_pow2(2, 6);
+  CHECK_THROWS_AS(randattn::fwht_rows<Scalar>(not_pow2), std::invalid_argument);
+}
+
+TEMPLATE_TEST_CASE("Structured rotation: documented draws, explicit product, orthogonality, threads",
+                   "[linalg][threads]", float, double) {
+  using Scalar = TestType;
+  using randattn::SignIndexing;
+  using randattn::StructuredRotation;
+  const double eps = std::numeric_limits<Scalar>::epsilon();
+  struct Case {
+    Index dim, blocks, min_padded;
+    SignIndexing indexing;
+  };
+  for (const Case c : {Case{5, 3, 1, SignIndexing::by_block}, Case{8, 2, 1, SignIndexing::by_diagonal},
+                       Case{50, 2, 16, SignIndexing::by_diagonal}, Case{3, 2, 64, SignIndexing::by_diagonal},
+                       Case{1, 1, 1, SignIndexing::by_block}, Case{64, 1, 64, SignIndexing::by_diagonal}}) {
+    INFO("dim " << c.dim << " blocks " << c.blocks << " min_padded " << c.min_padded);
+    const Philox signs(42, 9);
+    const StructuredRotation<Scalar> rot(c.dim, c.blocks, signs, c.indexing, c.min_padded);
+    const Index p = rot.padded_dim();
+    REQUIRE(p == randattn::next_power_of_two(std::max(c.dim, c.min_padded)));
+    REQUIRE(rot.outputs() == c.blocks * p);
+
+    // The diagonals are the documented Philox draws (the published rotations depend on them).
+    for (Index b = 0; b < c.blocks; ++b)
+      for (Index k = 0; k < 3; ++k)
+        for (Index i = 0; i < p; ++i) {
+          const int expected = c.indexing == SignIndexing::by_diagonal
+                                   ? signs.rademacher(std::uint64_t(3 * b + k), std::uint32_t(i))
+                                   : signs.rademacher(std::uint64_t(b), std::uint32_t(k * p + i));
+          REQUIRE(rot.diagonals()(3 * b + k, i) == Scalar(expected));
+        }
+
+    // Explicit product in long double (its rounding is negligible next to the tested type's):
+    // block b is p^{-3/2} H D3 H D2 H D1 applied to [x; 0].
+    using MatrixL = Eigen::Matrix<long double, Eigen::Dynamic, Eigen::Dynamic>;
+    const MatrixL h = sylvester(p).cast<long double>(), diag = rot.diagonals().template cast<long double>();
+    const Index n = 70;
+    const RowMatrix<Scalar> x = testing::gaussian<Scalar>(3, n, c.dim, 2.0);
+    MatrixL xp = MatrixL::Zero(n, p);
+    xp.leftCols(c.dim) = x.template cast<long double>();
+    MatrixL expected(n, c.blocks * p);
+    for (Index b = 0; b < c.blocks; ++b) {
+      const MatrixL r = h * diag.row(3 * b + 2).asDiagonal() * h * diag.row(3 * b + 1).asDiagonal() * h *
+                        diag.row(3 * b).asDiagonal() / std::pow((long double)p, 1.5L);
+      expected.middleCols(b * p, p) = xp * r.transpose();
+    }
+    RowMatrix<Scalar> y(n, rot.outputs());
+    rot.apply(x, y);
+    // Normwise, each transform is sqrt(p) times an orthogonal map and each of its log2(p) levels
+    // adds a relative error <= u = eps / 2; with the final scaling, ||error|| <= (3 log2 p + 1) u
+    // ||x|| per block to first order (eps instead of u covers the rest). The same bound holds
+    // for the deviation of the norm from ||x|| (the exact rotation is orthogonal).
+    const double per_unit = (3 * log2_of(p) + 1) * eps;
+    auto norm_l = [](const auto& v) { return double(v.template cast<long double>().norm()); };
+    for (Index i = 0; i < n; ++i) {
+      const double nx = norm_l(x.row(i));
+      for (Index b = 0; b < c.blocks; ++b) {
+        const auto yb = y.row(i).segment(b * p, p);
+        CHECK(double((yb.template cast<long double>() - expected.row(i).segment(b * p, p)).norm()) <= per_unit * nx);
+        CHECK(std::abs(norm_l(yb) - nx) <= per_unit * nx);
+      }
+    }
+
+    // The first k outputs, one block, a uniform column scale: the same numbers bit for bit.
+    const Index k = rot.outputs() - 3 > 0 ? rot.outputs() - 3 : rot.outputs();
+    RowMatrix<Scalar> first(n, k);
+    rot.apply(x, first);
+    CHECK((first.array() == y.leftCols(k).array()).all());
+    const Vector<Scalar> uniform = Vector<Scalar>::Constant(k, rot.scale());
+    rot.apply(x, uniform, first);
+    CHECK((first.array() == y.leftCols(k).array()).all());
+    for (Index b = 0; b < c.blocks; ++b) {
+      RowMatrix<Scalar> block(n, p);
+      rot.apply_block(x, b, block);
+      CHECK((block.array() == y.middleCols(b * p, p).array()).all());
+    }
+
+    // The folded tile (first `rows` coordinates only) agrees with the product. The fold sums
+    // m = p/rows blocks z_i in order before a transform of size rows: at most (m - 1) u
+    // sum ||z_i|| <= (m - 1) u sqrt(m) ||z|| of error, which the remaining sqrt(rows) p^{-3/2}
+    // (with ||z|| = p ||x||) turns into (m - 1) u ||x||.
+    for (Index rows = 1; rows < p; rows *= 2) {
+      RowMatrix<Scalar> work(p, n);
+      rot.transform_tile(x.data(), x.outerStride(), n, c.blocks - 1, rows, work.data(), n);
+      const double fold = double(p / rows - 1) * eps / 2;
+      for (Index i = 0; i < n; ++i) {
+        const auto got = (work.col(i).head(rows) * rot.scale()).template cast<long double>();
+        const auto want = expected.row(i).segment((c.blocks - 1) * p, rows).transpose();
+        CHECK(double((got - want).norm()) <= (per_unit + fold) * norm_l(x.row(i)));
+      }
+    }
+
+#if defined(_OPENMP)
+    // Tiles are independent: the thread count does not change a bit (n spans several tiles).
+    const RowMatrix<Scalar> many = testing::gaussian<Scalar>(4, 700, c.dim);
+    RowMatrix<Scalar> one(700, rot.outputs()), two(700, rot.outputs());
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(1);
+    rot.apply(many, one);
+    omp_set_num_threads(2);
+    rot.apply(many, two);
+    omp_set_num_threads(saved);
+    CHECK((one.array() == two.array()).all());
+#endif
+  }
+
+  // Edge cases and argument errors.
+  const StructuredRotation<Scalar> rot(6, 2, Philox(1));
+  RowMatrix<Scalar> empty(0, 16);
+  rot.apply(RowMatrix<Scalar>(0, 6), empty);
+  RowMatrix<Scalar> out(4, 16);
+  CHECK_THROWS_AS(rot.apply(RowMatrix<Scalar>::Zero(4, 5), out), std::invalid_argument);
+  RowMatrix<Scalar> too_wide(4, 17);
+  CHECK_THROWS_AS(rot.apply(RowMatrix<Scalar>::Zero(4, 6), too_wide), std::invalid_argument);
+  RowMatrix<Scalar> block_out(4, 8);
+  CHECK_THROWS_AS(rot.apply_block(RowMatrix<Scalar>::Zero(4, 6), 2, block_out), std::invalid_argument);
+  CHECK_THROWS_AS(rot.apply(RowMatrix<Scalar>::Zero(4, 6), Vector<Scalar>::Ones(3), out), std::invalid_argument);
+  CHECK_THROWS_AS(StructuredRotation<Scalar>(0, 1, Philox(1)), std::invalid_argument);
+  CHECK_THROWS_AS(StructuredRotation<Scalar>(4, 0, Philox(1)), std::invalid_argument);
+  CHECK_THROWS_AS(StructuredRotation<Scalar>(4, 1, Philox(1), SignIndexing::by_diagonal, 0), std::invalid_argument);
 }

@@ -187,6 +187,56 @@ TEMPLATE_TEST_CASE("sketch: Algorithm 1 probabilities, values and thresholds", "
   CHECK(empty.size() == 0);
 }
 
+TEST_CASE("sketch: sixteen-lane Philox equals the scalar blocks", "[sketch]") {
+  const randattn::Philox rng(0x0123456789ABCDEFull, 77);
+  randattn::PhiloxLanes::Words words;
+  // Counters inside one 2^32 range and across its end (the high counter word changes mid-call).
+  for (std::uint64_t i0 : {std::uint64_t(0), std::uint64_t(4096), (std::uint64_t(1) << 32) - 5}) {
+    for (std::uint32_t j : {0u, 1u}) {
+      randattn::PhiloxLanes::generate(rng, i0, j, words);
+      for (int l = 0; l < randattn::PhiloxLanes::kLanes; ++l) {
+        const randattn::Philox::Bits b = rng.bits(i0 + std::uint64_t(l), j);
+        for (int w = 0; w < 4; ++w) CHECK(words[w][l] == b[std::size_t(w)]);
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("sketch: entry omega is kept when (r + v) / 256 < p, with the documented draws", "[sketch]",
+                   float, double) {
+  using S = TestType;
+  // 9240 entries: 36 full tiles of 256 and a partial one; every regime occurs at this budget, and
+  // about one entry in 256 with 0 < p < 1 needs its fine draw.
+  const auto t = mixed_tensor<S>({20, 21, 22}, 17, 4);
+  SparsifyOptions opt = options(2000, 13);
+  opt.stream = 4;
+  const auto sk = randattn::sparsify(t.view(), opt);
+  // The rule written out from its description: r = byte (o / 16) % 4 of word o / 64 of Philox
+  // block 16 (omega / 256) + o % 16 (o = omega % 256); on r = floor(256 p) the 53-bit uniform v
+  // of counter (omega, j = 1) decides v < 256 p - floor(256 p).
+  const randattn::Philox rng(opt.seed, opt.stream);
+  std::vector<Index> expected;
+  Index ties = 0;
+  for (Index omega = 0; omega < t.data.size(); ++omega) {
+    const double p = sk.stats.rule.probability(double(t.data(omega)));
+    const Index o = omega % 256;
+    const std::uint32_t word = rng.bits(std::uint64_t(16 * (omega / 256) + o % 16))[std::size_t(o / 64)];
+    const double r = double((word >> (8 * ((o / 16) % 4))) & 0xFFu), floor256 = std::floor(256 * p);
+    bool keep = r < floor256;
+    if (r == floor256 && p > 0) {
+      ++ties;
+      keep = rng.uniform(std::uint64_t(omega), 1) < 256 * p - floor256;
+    }
+    if (keep) expected.push_back(omega);
+  }
+  CHECK(ties > 0);
+  CHECK(sk.indices() == expected);
+  for (Index e = 0; e < sk.nnz(); ++e) {
+    const double a = double(t.data(sk.indices()[std::size_t(e)]));
+    CHECK(sk.values()[std::size_t(e)] == static_cast<S>(a / sk.stats.rule.probability(a)));
+  }
+}
+
 TEMPLATE_TEST_CASE("sketch: Algorithm 1 is unbiased (mean of many sketches)", "[sketch][statistical]", float,
                    double) {
   using S = TestType;

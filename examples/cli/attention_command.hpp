@@ -246,12 +246,7 @@ class AttentionCommand {
     opt.scale = scale;
     randattn::exact_attention_batched(q.values<Scalar>().data(), k.values<Scalar>().data(),
                                       v.values<Scalar>().data(), exact.data(), shape, opt);
-    double diff = 0, norm = 0;
-    for (std::size_t i = 0; i < out.size(); ++i) {
-      diff += (double(out[i]) - double(exact[i])) * (double(out[i]) - double(exact[i]));
-      norm += double(exact[i]) * double(exact[i]);
-    }
-    return std::sqrt(diff) / std::sqrt(norm);
+    return relative_error(out.data(), exact.data(), out.size());
   }
 
  protected:

@@ -1,9 +1,16 @@
 #pragma once
 // Random-feature attention methods of randattn-cli: favor (positive features), favor-hyp
-// (hyperbolic positive features), trig, hybrid (angular hybrid of hyperbolic and trig) and
+// (hyperbolic positive features), trig, oprf (optimal positive features), sderf (symmetric
+// dense-exponential features), hybrid (angular hybrid of hyperbolic and trig) and
 // hybrid-gaussian (Gaussian-kernel hybrid of trig and positive). They share one group of flags
-// (--features, --projection, --omega, --lambda-features, --bandwidth; --seed is common), each registered
-// once and owned by the methods that use it.
+// (--features, --projection, --omega, --lambda-features, --bandwidth, --fit, --rho,
+// --calibration; --seed is common), each registered once and owned by the methods that use it.
+//
+// oprf and sderf fit their parameters once per call: to the queries and keys (--fit
+// queries+keys, the default; one statistic averaged over the (batch, heads) slices), or to given
+// values (--fit given with --rho, the mean of scale·|q_i + k_j|^2 over pairs, or --calibration,
+// rows of sample queries/keys). A fit on the sequence lets every output depend on every key, so
+// --causal requires --fit given.
 
 #include <randattn/io/npy.hpp>
 #include <randattn/randattn.hpp>
@@ -12,6 +19,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -32,6 +40,9 @@ class FeatureFlags {
   std::string omega_path;
   std::int64_t lambda_features = 16;
   double bandwidth = 1.0;
+  std::string fit = "queries+keys";
+  double rho = 0;
+  std::string calibration_path;
 
   CLI::Option* option(CLI::App& cmd, const std::string& name) {
     auto found = options_.find(name);
@@ -54,6 +65,20 @@ class FeatureFlags {
                            tag + "hybrid-gaussian: bandwidth s of lambda = exp(-s^2 |x - y|^2 / 2) on "
                                  "normalised rows (default 1)")
                 ->check(CLI::PositiveNumber);
+    } else if (name == "fit") {
+      opt = cmd.add_option("--fit", fit,
+                           tag + "oprf, sderf: fit the parameters to queries+keys (default; not with "
+                                 "--causal) or to given values (--rho or --calibration)")
+                ->check(CLI::IsMember({"queries+keys", "given"}));
+    } else if (name == "rho") {
+      opt = cmd.add_option("--rho", rho,
+                           tag + "oprf, sderf with --fit given: mean of scale*|q_i + k_j|^2 over query-key "
+                                 "pairs (sderf: isotropic second moment rho/d I)")
+                ->check(CLI::NonNegativeNumber);
+    } else if (name == "calibration") {
+      opt = cmd.add_option("--calibration", calibration_path,
+                           tag + "oprf, sderf with --fit given: C.npy (r, d), rows of sample queries/keys "
+                                 "to fit to");
     } else if (name == "omega") {
       opt = cmd.add_option("--omega", omega_path,
                            tag + "W.npy (m, d): use its rows as the projections omega_i (m = rows of W)");
@@ -116,6 +141,20 @@ class FeatureFlags {
   std::map<std::string, CLI::Option*> options_;
 };
 
+// The (batch, heads) slices of contiguous q and k buffers as matrices.
+template <typename Scalar>
+struct SliceView {
+  const Scalar* q_data;
+  const Scalar* k_data;
+  randattn::BatchShape shape;
+  randattn::ConstRowMatrixMap<Scalar> q(randattn::Index s) const {
+    return {q_data + s * shape.n_q * shape.d, shape.n_q, shape.d};
+  }
+  randattn::ConstRowMatrixMap<Scalar> k(randattn::Index s) const {
+    return {k_data + s * shape.n_k * shape.d, shape.n_k, shape.d};
+  }
+};
+
 // A random-feature method: Family supplies name, summary, the flags it uses and
 // make<Scalar>(projection, flags, d), the map built on that projection (hybrids take only its
 // kind). The map's feature dimension is reported.
@@ -135,12 +174,14 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
     flags_->report(json);
     Family::report(*flags_, json);
     if (feature_dim_ > 0) json.add("feature_dim", feature_dim_);
+    if (predicted_rel_mse_) json.add("predicted_rel_mse", *predicted_rel_mse_);
   }
 
   template <typename Scalar>
   void compute(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out, const randattn::BatchShape& shape,
                const CommonSettings& settings) const {
-    with_map<Scalar>(shape.d, settings, [&](const auto& map, const randattn::RandomFeatureOptions& opt) {
+    const SliceView<Scalar> data{q, k, shape};
+    with_map<Scalar>(shape.d, settings, &data, [&](const auto& map, const randattn::RandomFeatureOptions& opt) {
       randattn::random_feature_attention_batched(map, q, k, v, out, shape, opt);
     });
   }
@@ -150,7 +191,7 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
   template <typename Scalar>
   void compute_sharded(const Shards& shards, const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out,
                        const randattn::BatchShape& local, const CommonSettings& settings) const {
-    with_map<Scalar>(local.d, settings, [&](const auto& map, const randattn::RandomFeatureOptions& opt) {
+    with_map<Scalar>(local.d, settings, nullptr, [&](const auto& map, const randattn::RandomFeatureOptions& opt) {
       for_each_local_slice(q, k, v, out, local, [&](const auto& qs, const auto& ks, const auto& vs, auto& os) {
         os = randattn::mpi::random_feature_attention(shards.comm, map, qs, ks, vs, opt);
       });
@@ -159,22 +200,100 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
 #endif
 
  private:
-  // Calls fn(map, options) with the map the flags select.
+  // Maps with a fit(q, k, normaliser) step (oprf, sderf).
+  template <typename Map, typename = void>
+  struct is_fitted : std::false_type {};
+  template <typename Map>
+  struct is_fitted<Map, std::void_t<decltype(&Map::fit)>> : std::true_type {};
+  // Maps with a closed-form kernel MSE (features/kernel_variance.hpp).
+  template <typename Map, typename = void>
+  struct has_closed_form_mse : std::false_type {};
+  template <typename Map>
+  struct has_closed_form_mse<Map, std::void_t<decltype(randattn::kernel_relative_mse(
+                                      std::declval<const Map&>(), Eigen::VectorXd(), Eigen::VectorXd()))>>
+      : std::true_type {};
+
+  // Rows of the fitted statistic: every (batch, heads) slice, or the calibration rows.
+  template <typename Map>
+  void fit_map(Map& map, const SliceView<typename Map::Scalar>* rows, double normaliser, bool causal) const {
+    using Scalar = typename Map::Scalar;
+    const FeatureFlags& f = *flags_;
+    if (f.fit == "queries+keys") {
+      if (!rows)
+        throw CliError("--fit queries+keys needs every query and key in one process; use --fit given with "
+                       "--rho or --calibration");
+      const SliceView<Scalar>& data = *rows;
+      if (causal)
+        throw CliError("--fit queries+keys would let every causal output depend on every key; use --fit given "
+                       "with --rho or --calibration");
+      if (f.given("rho") || f.given("calibration")) throw CliError("--rho and --calibration need --fit given");
+      if (data.shape.slices() == 0 || data.shape.n_q == 0) return;  // no output rows: nothing to fit
+      Family::fit(map, [&](auto statistic) {
+        auto sum = statistic(data.q(0), data.k(0));
+        for (randattn::Index s = 1; s < data.shape.slices(); ++s) sum += statistic(data.q(s), data.k(s));
+        return decltype(sum)(sum / double(data.shape.slices()));
+      }, normaliser);
+      return;
+    }
+    if (f.given("rho") == f.given("calibration"))
+      throw CliError("--fit given needs exactly one of --rho and --calibration");
+    if (f.given("rho")) {
+      Family::set_rho(map, f.rho);
+      return;
+    }
+    randattn::io::NpyArray c;
+    try {
+      c = randattn::io::read_npy(f.calibration_path);
+    } catch (const std::exception& e) {
+      throw CliError(std::string("--calibration: ") + e.what());
+    }
+    const std::int64_t d = map.input_dim();
+    if (c.ndim() != 2 || c.shape[1] != d || c.shape[0] < 1)
+      throw CliError("--calibration: expected an (r, " + std::to_string(d) +
+                     ") array with r >= 1, got shape " + shape_str(c.shape));
+    const randattn::RowMatrix<Scalar> rows =
+        c.is_float32() ? randattn::io::as_matrix<float>(c).template cast<Scalar>().eval()
+                       : randattn::io::as_matrix<double>(c).template cast<Scalar>().eval();
+    try {
+      map.fit(rows, rows, normaliser);
+    } catch (const std::invalid_argument& e) {
+      throw CliError(std::string("--calibration: ") + e.what());
+    }
+  }
+
+  // Mean closed-form relative kernel MSE over 1024 sampled pairs of each slice, averaged.
+  template <typename Map>
+  static double predicted_rel_mse(const Map& map, const SliceView<typename Map::Scalar>& data, double normaliser) {
+    double sum = 0;
+    for (randattn::Index s = 0; s < data.shape.slices(); ++s)
+      sum += randattn::mean_kernel_relative_mse(map, data.q(s), data.k(s), normaliser);
+    return sum / double(std::max<randattn::Index>(1, data.shape.slices()));
+  }
+
+  // Calls fn(map, options) with the map the flags select, fitted (oprf, sderf) to the rows of
+  // `data` or to the given statistic. data == nullptr: the rows are sharded across processes, so
+  // only a given statistic fits, and no predicted error is computed.
   template <typename Scalar, typename Fn>
-  void with_map(std::int64_t d, const CommonSettings& settings, Fn&& fn) const {
+  void with_map(std::int64_t d, const CommonSettings& settings, const SliceView<Scalar>* data, Fn&& fn) const {
     randattn::RandomFeatureOptions opt;
     opt.causal = settings.causal;
     opt.scale = settings.scale;
     flags_->seed = settings.seed;
+    const double normaliser = std::sqrt(settings.scale ? *settings.scale : this->default_scale(d));
     flags_->with_projection<Scalar>(d, [&](auto projection) {
-      const auto map = Family::template make<Scalar>(std::move(projection), *flags_, d);
+      auto map = Family::template make<Scalar>(std::move(projection), *flags_, d);
+      if constexpr (is_fitted<decltype(map)>::value) fit_map(map, data, normaliser, settings.causal);
       feature_dim_ = map.feature_dim();
-      fn(map, opt);
+      if constexpr (has_closed_form_mse<decltype(map)>::value)
+        if (data && settings.report && data->shape.slices() > 0 && data->shape.n_q > 0)
+          predicted_rel_mse_ = predicted_rel_mse(map, *data, normaliser);
+      fn(std::as_const(map), opt);
     });
   }
 
   std::shared_ptr<FeatureFlags> flags_;
   mutable std::int64_t feature_dim_ = 0;
+  mutable std::optional<double> predicted_rel_mse_;
 };
 
 // One map on the given projection.
@@ -201,6 +320,52 @@ struct FavorHypFamily : SingleMap<randattn::HyperbolicFeatures> {
 struct TrigFamily : SingleMap<randattn::TrigFeatures> {
   static constexpr const char* name = "trig";
   static constexpr const char* summary = "trigonometric random features (2m features, guarded denominator)";
+};
+
+// Maps fitted to a statistic of the queries and keys (see the header comment). `fit` receives
+// a callable that averages a pair statistic over the slices.
+template <template <typename, typename> class Map>
+struct FittedMap : SingleMap<Map> {
+  static constexpr const char* flags[] = {"features", "projection", "omega", "fit", "rho", "calibration"};
+  static void report(const FeatureFlags& f, JsonObject& json) {
+    json.add("fit", f.fit);
+    if (f.given("rho")) json.add("rho", f.rho);
+    if (f.given("calibration")) json.add("calibration", f.calibration_path);
+  }
+};
+
+struct OprfFamily : FittedMap<randattn::OptimalPositiveFeatures> {
+  static constexpr const char* name = "oprf";
+  static constexpr const char* summary = "optimal positive random features, A fitted to the data (m features)";
+  template <typename Map, typename Average>
+  static void fit(Map& map, Average&& average, double c) {
+    using Scalar = typename Map::Scalar;
+    map.set_rho(average([&](const auto& q, const auto& k) {
+      Eigen::VectorXd rho(1);
+      rho(0) = randattn::pair_sum_sq_norm<Scalar>(q, k, c);
+      return rho;
+    })(0));
+  }
+  template <typename Map>
+  static void set_rho(Map& map, double rho) { map.set_rho(rho); }
+};
+
+struct SderfFamily : FittedMap<randattn::DenseExponentialFeatures> {
+  static constexpr const char* name = "sderf";
+  static constexpr const char* summary =
+      "symmetric dense-exponential random features, fitted to the data's second moment (m features)";
+  template <typename Map, typename Average>
+  static void fit(Map& map, Average&& average, double c) {
+    using Scalar = typename Map::Scalar;
+    map.set_moment(average([&](const auto& q, const auto& k) {
+      return randattn::pair_sum_second_moment<Scalar>(q, k, c);
+    }));
+  }
+  template <typename Map>
+  static void set_rho(Map& map, double rho) {
+    const randattn::Index d = map.input_dim();
+    map.set_moment(Eigen::MatrixXd::Identity(d, d) * (rho / double(d)));
+  }
 };
 
 // Hybrids draw their own projections of the selected kind. --omega is not among their flags, so
@@ -240,6 +405,8 @@ inline void add_feature_methods(std::vector<std::unique_ptr<AttentionMethod>>& m
   methods.push_back(std::make_unique<FeatureMethod<FavorFamily>>(flags));
   methods.push_back(std::make_unique<FeatureMethod<FavorHypFamily>>(flags));
   methods.push_back(std::make_unique<FeatureMethod<TrigFamily>>(flags));
+  methods.push_back(std::make_unique<FeatureMethod<OprfFamily>>(flags));
+  methods.push_back(std::make_unique<FeatureMethod<SderfFamily>>(flags));
   methods.push_back(std::make_unique<FeatureMethod<HybridFamily>>(flags));
   methods.push_back(std::make_unique<FeatureMethod<HybridGaussianFamily>>(flags));
 }

@@ -35,6 +35,10 @@
 
 namespace randattn_cli {
 
+inline double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 // Options shared by every method.
 struct CommonSettings {
   bool causal = false;
@@ -168,7 +172,7 @@ class ExactMethod final : public TypedMethod<ExactMethod> {
   }
 };
 
-// favor, favor-hyp, trig, hybrid, hybrid-gaussian (feature_methods.hpp).
+// favor, favor-hyp, trig, oprf, sderf, hybrid, hybrid-gaussian (feature_methods.hpp).
 inline void add_feature_methods(std::vector<std::unique_ptr<AttentionMethod>>& methods);
 // LSH attention (Reformer): cross-polytope buckets, sort-and-chunk or exact buckets, r rounds.
 // Without --k the keys are the queries (shared QK: keys normalised, self rule); with --k,
@@ -244,10 +248,6 @@ class LshMethod final : public TypedMethod<LshMethod> {
   }
 
  private:
-  static double seconds_since(std::chrono::steady_clock::time_point start) {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  }
-
   // Checks the flags and records what the report shows.
   template <typename Scalar>
   randattn::LshOptions options(const randattn::CrossPolytopeHash<Scalar>& hash, const CommonSettings& settings) const {
@@ -311,12 +311,7 @@ class LshMethod final : public TypedMethod<LshMethod> {
       randattn::exact_attention_batched(q, k, v, exact.data(), shape, eopt);
     }
     exact_seconds_ = seconds_since(start);
-    double diff = 0, norm = 0;
-    for (std::size_t i = 0; i < exact.size(); ++i) {
-      diff += (double(out[i]) - double(exact[i])) * (double(out[i]) - double(exact[i]));
-      norm += double(exact[i]) * double(exact[i]);
-    }
-    rel_error_ = norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+    rel_error_ = relative_error(out, exact.data(), exact.size());
   }
 
   std::int64_t buckets_ = 0;
@@ -336,11 +331,115 @@ class LshMethod final : public TypedMethod<LshMethod> {
   mutable double lsh_seconds_ = 0, exact_seconds_ = 0, rel_error_ = 0;
 };
 
+// Locality-sensitive-filter attention: keys stored in their best filter per table, queries open
+// every filter scoring at least eta (or the eta of a target cosine alpha), at least --min-probes
+// per table, with a fallback so no query is empty. Separate keys required (no shared QK). Every
+// (batch, head) slice uses the same filters. --rotation (shared with lsh) picks dense Gaussian or
+// Hadamard filters.
+class LsfMethod final : public TypedMethod<LsfMethod> {
+ public:
+  const char* name() const override { return "lsf"; }
+  const char* summary() const override { return "locality-sensitive-filter attention (asymmetric filters)"; }
+  bool own_comparison() const override { return true; }
+
+  void add_options(CLI::App& cmd) override {
+    add_method_option(cmd, "--filters", filters_, "Filters m per table (default 256)");
+    add_method_option(cmd, "--tables", tables_, "Independent filter tables L (default 4)");
+    eta_opt_ = add_method_option(cmd, "--eta", eta_, "Threshold on normalised filter scores (or --alpha)");
+    alpha_opt_ = add_method_option(cmd, "--alpha", alpha_,
+                                   "Target cosine in (0, 1): eta = alpha sqrt(2 ln m) - sqrt(2 (1 - alpha^2) ln ln m)");
+    add_method_option(cmd, "--min-probes", min_probes_, "Best filters opened per table whatever eta (default 1)");
+    rotation_opt_ = cmd.get_option("--rotation");  // registered by lsh: dense or hadamard
+    share_option(rotation_opt_);
+  }
+
+  template <typename Scalar>
+  void compute(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out, const randattn::BatchShape& shape,
+               const CommonSettings& settings) const {
+    if (filters_ < 1) throw CliError("--filters must be at least 1, got " + std::to_string(filters_));
+    if (tables_ < 1) throw CliError("--tables must be at least 1, got " + std::to_string(tables_));
+    if (eta_opt_->count() == alpha_opt_->count())
+      throw CliError("give exactly one of --eta and --alpha");
+    if (eta_opt_->count() && !std::isfinite(eta_)) throw CliError("--eta must be a finite number");
+    if (alpha_opt_->count() && !(alpha_ > 0 && alpha_ < 1))
+      throw CliError("--alpha must be in (0, 1), got " + std::to_string(alpha_));
+    if (min_probes_ < 1 || min_probes_ > filters_)
+      throw CliError("--min-probes must be in [1, --filters = " + std::to_string(filters_) + "], got " +
+                     std::to_string(min_probes_));
+    rotation_ = rotation_opt_->count() ? rotation_opt_->as<std::string>() : std::string("dense");
+    const auto kind = rotation_ == "hadamard" ? randattn::RotationKind::hadamard : randattn::RotationKind::dense;
+    const randattn::LocalitySensitiveFilters<Scalar> filters(kind, shape.d, filters_, tables_, settings.seed);
+    randattn::LsfOptions opt;
+    if (eta_opt_->count()) opt.eta = eta_;
+    if (alpha_opt_->count()) opt.alpha = alpha_;
+    opt.min_probes = min_probes_;
+    opt.causal = settings.causal;
+    opt.scale = settings.scale;
+
+    const auto start = std::chrono::steady_clock::now();
+    randattn::lsf_attention_batched(filters, q, k, v, out, shape, opt);
+    lsf_seconds_ = seconds_since(start);
+    seed_ = settings.seed;
+    compare_ = settings.compare;
+    if (!settings.report) return;
+    // Filters opened and logits computed, slice by slice (outside the timed call).
+    double scored = 0;
+    for (randattn::Index s = 0; s < shape.slices(); ++s) {
+      const randattn::LsfProbeStats st = randattn::lsf_probe_stats<Scalar>(
+          filters, randattn::detail::slice_of(q, s, shape.n_q, shape.d), randattn::detail::slice_of(k, s, shape.n_k, shape.d),
+          opt);
+      scored += double(st.target_pairs);
+      eta_used_ = st.eta;
+    }
+    pairs_scored_ = scored / (double(shape.slices()) * double(shape.n_q) * double(shape.n_k));
+    if (!compare_) return;
+    std::vector<Scalar> exact(static_cast<std::size_t>(shape.slices() * shape.n_q * shape.dv));
+    randattn::ExactOptions eopt;
+    eopt.causal = opt.causal;
+    eopt.scale = opt.scale;
+    const auto exact_start = std::chrono::steady_clock::now();
+    randattn::exact_attention_batched(q, k, v, exact.data(), shape, eopt);
+    exact_seconds_ = seconds_since(exact_start);
+    rel_error_ = relative_error(out, exact.data(), exact.size());
+  }
+
+  void report(JsonObject& json) const override {
+    json.add("filters", filters_)
+        .add("tables", tables_)
+        .add("eta", eta_used_)
+        .add("min_probes", min_probes_)
+        .add("rotation", rotation_)
+        .add("seed", static_cast<std::int64_t>(seed_))
+        .add("pairs_scored", pairs_scored_);
+    if (compare_) {
+      json.add("lsf_seconds", lsf_seconds_)
+          .add("exact_seconds", exact_seconds_)
+          .add("speedup", exact_seconds_ / lsf_seconds_)
+          .add("rel_error", rel_error_);
+    }
+  }
+
+ private:
+  std::int64_t filters_ = 256;
+  std::int64_t tables_ = 4;
+  double eta_ = 0, alpha_ = 0;
+  std::int64_t min_probes_ = 1;
+  CLI::Option* eta_opt_ = nullptr;
+  CLI::Option* alpha_opt_ = nullptr;
+  CLI::Option* rotation_opt_ = nullptr;
+  // Filled by compute() for report().
+  mutable std::string rotation_ = "dense";
+  mutable std::uint64_t seed_ = 0;
+  mutable bool compare_ = false;
+  mutable double eta_used_ = 0, pairs_scored_ = 0, lsf_seconds_ = 0, exact_seconds_ = 0, rel_error_ = 0;
+};
+
 inline std::vector<std::unique_ptr<AttentionMethod>> make_methods() {
   std::vector<std::unique_ptr<AttentionMethod>> methods;
   methods.push_back(std::make_unique<ExactMethod>());
   add_feature_methods(methods);
   methods.push_back(std::make_unique<LshMethod>());
+  methods.push_back(std::make_unique<LsfMethod>());  // after lsh: shares its --rotation
   return methods;
 }
 

@@ -1,7 +1,9 @@
 // Tensor sparsification (every scheme), sketched HOSVD and sparse-score attention driven by
 // fuzzed orders, dimensions, budgets, ranks and values. Every call either throws
 // std::invalid_argument or returns a sketch whose entries lie inside the tensor, finite factors
-// with orthonormal columns, and finite attention output.
+// with orthonormal columns, and finite attention output. A sketch of scheme spa streamed in
+// blocks of a fuzzed size equals the in-memory one bit for bit.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -43,6 +45,19 @@ void run(FuzzedDataProvider& in) {
         for (std::size_t e = 0; e < sketch.indices().size(); ++e) {
           FUZZ_REQUIRE(sketch.indices()[e] >= 0 && sketch.indices()[e] < size);
           FUZZ_REQUIRE(std::isfinite(double(sketch.values()[e])));
+        }
+        if (opt.scheme == randattn::SparsifyScheme::spa) {
+          const Index block = in.ConsumeIntegralInRange<Index>(1, 300);
+          randattn::StreamingSparsifier<Scalar> stream(dims, opt);
+          for (int pass = 0; pass < 2; ++pass) {
+            for (Index pos = 0; pos < size; pos += block) {
+              const Index len = std::min(block, size - pos);
+              pass == 0 ? stream.add_norm_block(data.data() + pos, len) : stream.add_sample_block(data.data() + pos, len);
+            }
+          }
+          const auto streamed = stream.finish();
+          FUZZ_REQUIRE(streamed.indices() == sketch.indices() && streamed.values() == sketch.values());
+          FUZZ_REQUIRE(streamed.stats.expected_nnz == sketch.stats.expected_nnz);
         }
         break;
       }

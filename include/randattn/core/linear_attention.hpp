@@ -35,7 +35,9 @@ namespace detail {
 
 // Causal chunks trade the O(n*C*M) masked products against per-chunk overhead; bidirectional
 // panels only bound the depth of the key products.
-constexpr Index kDefaultCausalChunk = 128;
+constexpr Index kDefaultCausalChunk = 32;
+// Chunks per group of causal attention (see linear_causal); a shape constant, not a thread count.
+constexpr Index kCausalGroup = 16;
 constexpr Index kDefaultKeyPanel = kMaxGemmDepth;
 
 template <typename Scalar>
@@ -154,20 +156,65 @@ void with_weighted_keys(const Eigen::Ref<const RowMatrix<Scalar>>& kf,
   use(out);
 }
 
+// T = K'_cᵀ [V_c | 1] for key rows [j0, j0 + len) (signs applied), written to `out` relative to
+// exp(g), g the largest key log-scale of those rows; returns g.
+template <typename Scalar, typename Out>
+Scalar summarise_chunk(const LinearOperands<Scalar>& in, Index j0, Index len, Out&& out) {
+  const Scalar g = in.k_log.size() > 0 ? in.k_log.segment(j0, len).maxCoeff() : Scalar(0);
+  with_weighted_keys<Scalar>(in.kf, in.k_log, in.signs, j0, len, g, [&](const auto& keys) {
+    gemm_fixed_depth(out, keys.transpose(), in.ve.middleRows(j0, len), false);
+  });
+  return g;
+}
+
+// Per-chunk key summaries, computed in parallel.
 template <typename Scalar>
 KeySummaries<Scalar> summarise_keys(const LinearOperands<Scalar>& in) {
   const Index n_k = in.kf.rows(), m = in.kf.cols(), chunk = in.chunk;
   const Index chunks = (n_k + chunk - 1) / chunk;
   KeySummaries<Scalar> sums{RowMatrix<Scalar>(chunks * m, in.ve.cols()), Vector<Scalar>(chunks), m};
   parallel_for(chunks, [&](Index t) {
-    const Index j0 = t * chunk, len = std::min(chunk, n_k - j0);
-    const Scalar g = in.k_log.size() > 0 ? in.k_log.segment(j0, len).maxCoeff() : Scalar(0);
-    sums.log_scale(t) = g;
-    with_weighted_keys<Scalar>(in.kf, in.k_log, in.signs, j0, len, g, [&](const auto& keys) {
-      gemm_fixed_depth(sums.block(t), keys.transpose(), in.ve.middleRows(j0, len), false);
-    });
+    const Index j0 = t * chunk;
+    sums.log_scale(t) = summarise_chunk(in, j0, std::min(chunk, n_k - j0), sums.block(t));
   });
   return sums;
+}
+
+// Rows [i0, i0 + len) of causal attention, merged into acc: the masked product with the chunk's
+// own keys, and Q_c `state` for the keys before it (`state` relative to exp(state_log); −inf:
+// none). Row i is stabilised by the largest key log-scale up to i, never a later one.
+template <typename Scalar, typename State>
+void causal_chunk_rows(const LinearOperands<Scalar>& in, Index i0, Index len, const State& state,
+                       Scalar state_log, SoftmaxAccumulator<Scalar>& acc) {
+  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  const auto queries = in.qf.middleRows(i0, len);
+  RowMatrix<Scalar> weights(len, len), nd(len, in.ve.cols());
+  Vector<Scalar> log_rows(len);
+  with_weighted_keys<Scalar>(in.kf, Vector<Scalar>(), in.signs, i0, len, Scalar(0),
+                             [&](const auto& keys) {
+                               gemm_fixed_depth(weights, queries, keys.transpose(), false);
+                             });
+  Scalar prefix_max = kNegInf;
+  for (Index i = 0; i < len; ++i) {
+    if (in.k_log.size() > 0) {
+      prefix_max = std::max(prefix_max, in.k_log(i0 + i));
+      weights.row(i).head(i + 1).array() *=
+          (in.k_log.segment(i0, i + 1).array() - prefix_max).exp().transpose();
+      log_rows(i) = prefix_max;
+    } else {
+      log_rows(i) = 0;
+    }
+    weights.row(i).tail(len - i - 1).setZero();
+  }
+  if (in.q_log.size() > 0) log_rows += in.q_log.segment(i0, len);
+  gemm_fixed_depth(nd, weights, in.ve.middleRows(i0, len), false);
+  acc.merge_rows(i0, nd, log_rows);
+  if (state_log != kNegInf) {
+    gemm_fixed_depth(nd, queries, state, false);
+    log_rows.setConstant(state_log);
+    if (in.q_log.size() > 0) log_rows += in.q_log.segment(i0, len);
+    acc.merge_rows(i0, nd, log_rows);
+  }
 }
 
 // The summary S = K'^T [V | 1] of all keys (at least one), relative to exp(c).
@@ -197,6 +244,13 @@ SoftmaxAccumulator<Scalar> query_key_state(const LinearOperands<Scalar>& in, con
   return SoftmaxAccumulator<Scalar>(std::move(nd), std::move(log_scale));
 }
 
+// Causal linear attention. The sequence is cut into chunks of in.chunk rows, and the chunks into
+// groups of kCausalGroup; groups run in order, carrying the state S of every key before the
+// group. Inside a group the chunk summaries are computed in parallel, turned into exclusive
+// prefixes in order (S absorbs them one by one), and every chunk's rows are then finished in
+// parallel: Q_c S_c for the keys before the chunk, the masked product inside it. The merge order
+// is fixed by the shapes, so results do not depend on the thread count, and memory holds one
+// group's states, not one per chunk.
 template <typename Scalar>
 SoftmaxAccumulator<Scalar> linear_bidirectional(const LinearOperands<Scalar>& in) {
   Scalar c;
@@ -207,55 +261,32 @@ SoftmaxAccumulator<Scalar> linear_bidirectional(const LinearOperands<Scalar>& in
 template <typename Scalar>
 SoftmaxAccumulator<Scalar> linear_causal(const LinearOperands<Scalar>& in) {
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
-  const Index n = in.qf.rows(), m = in.kf.cols(), w = in.ve.cols();
-  // Exclusive prefix over the chunk summaries: afterwards block t is the state of all keys
-  // before chunk t (log-scale -inf for t = 0). Sequential and in a fixed order.
-  KeySummaries<Scalar> prefix = summarise_keys(in);
-  {
-    RowMatrix<Scalar> running = RowMatrix<Scalar>::Zero(m, w), incoming(m, w);
-    Scalar c = kNegInf;
-    for (Index t = 0; t < prefix.log_scale.size(); ++t) {
+  const Index n = in.qf.rows(), m = in.kf.cols(), w = in.ve.cols(), chunk = in.chunk;
+  const Index chunks = (n + chunk - 1) / chunk;
+  SoftmaxAccumulator<Scalar> acc(n, w - 1);
+  RowMatrix<Scalar> carried = RowMatrix<Scalar>::Zero(m, w), incoming(m, w);
+  Scalar carried_log = kNegInf;
+  KeySummaries<Scalar> prefix{RowMatrix<Scalar>(std::min(chunks, kCausalGroup) * m, w),
+                              Vector<Scalar>(std::min(chunks, kCausalGroup)), m};
+  for (Index first = 0; first < chunks; first += kCausalGroup) {
+    const Index group = std::min(kCausalGroup, chunks - first);
+    parallel_for(group, [&](Index t) {
+      const Index j0 = (first + t) * chunk, len = std::min(chunk, n - j0);
+      prefix.log_scale(t) = summarise_chunk(in, j0, len, prefix.block(t));
+    });
+    // Exclusive prefix: block t becomes the state of every key before chunk first + t.
+    for (Index t = 0; t < group; ++t) {
       incoming = prefix.block(t);
       const Scalar c_in = prefix.log_scale(t);
-      prefix.block(t) = running;
-      prefix.log_scale(t) = c;
-      merge_scaled(running, c, incoming, c_in);
+      prefix.block(t) = carried;
+      prefix.log_scale(t) = carried_log;
+      merge_scaled(carried, carried_log, incoming, c_in);
     }
+    parallel_for(group, [&](Index t) {
+      const Index i0 = (first + t) * chunk, len = std::min(chunk, n - i0);
+      causal_chunk_rows(in, i0, len, prefix.block(t), prefix.log_scale(t), acc);
+    });
   }
-  SoftmaxAccumulator<Scalar> acc(n, w - 1);
-  parallel_for(prefix.log_scale.size(), [&](Index t) {
-    const Index i0 = t * in.chunk, len = std::min(in.chunk, n - i0);
-    const auto queries = in.qf.middleRows(i0, len);
-    RowMatrix<Scalar> weights(len, len), nd(len, w);
-    Vector<Scalar> log_rows(len);
-    with_weighted_keys<Scalar>(in.kf, Vector<Scalar>(), in.signs, i0, len, Scalar(0),
-                               [&](const auto& keys) {
-                                 gemm_fixed_depth(weights, queries, keys.transpose(), false);
-                               });
-    // Causal mask, and for scaled keys the weight exp(s_j - M_i) with M_i = max_{j<=i} s_j:
-    // row i never sees a log-scale of a later key.
-    Scalar prefix_max = kNegInf;
-    for (Index i = 0; i < len; ++i) {
-      if (in.k_log.size() > 0) {
-        prefix_max = std::max(prefix_max, in.k_log(i0 + i));
-        weights.row(i).head(i + 1).array() *=
-            (in.k_log.segment(i0, i + 1).array() - prefix_max).exp().transpose();
-        log_rows(i) = prefix_max;
-      } else {
-        log_rows(i) = 0;
-      }
-      weights.row(i).tail(len - i - 1).setZero();
-    }
-    if (in.q_log.size() > 0) log_rows += in.q_log.segment(i0, len);
-    gemm_fixed_depth(nd, weights, in.ve.middleRows(i0, len), false);
-    acc.merge_rows(i0, nd, log_rows);
-    if (prefix.log_scale(t) != kNegInf) {
-      gemm_fixed_depth(nd, queries, prefix.block(t), false);
-      log_rows.setConstant(prefix.log_scale(t));
-      if (in.q_log.size() > 0) log_rows += in.q_log.segment(i0, len);
-      acc.merge_rows(i0, nd, log_rows);
-    }
-  });
   return acc;
 }
 

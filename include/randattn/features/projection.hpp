@@ -29,7 +29,7 @@
 #include "../detail/gemm.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
-#include "../linalg/hadamard.hpp"
+#include "../linalg/structured_rotation.hpp"
 #include "../random/fill.hpp"
 #include "../random/philox.hpp"
 #include "../random/streams.hpp"
@@ -156,16 +156,16 @@ class UserProjection : public detail::DenseProjection<Scalar> {
   }
 };
 
-// Structured ω: blocks of p = next_power_of_two(d) rows of H D₃ H D₂ H D₁, applied with the fast
-// Walsh–Hadamard transform. Row r of block b is norm_r · p^{-3/2} (H D₃ H D₂ H D₁)_r restricted
-// to the first d coordinates (the input is zero-padded), with norm_r ~ χ(p) or √p, so that
-// E‖ω_r‖² = d as for a Gaussian row.
+// Structured ω: blocks of p = next_power_of_two(d) rows of H D₃ H D₂ H D₁ (a StructuredRotation,
+// linalg/structured_rotation.hpp, with diagonals indexed by block). Row r of block b is
+// norm_r · p^{-3/2} (H D₃ H D₂ H D₁)_r restricted to the first d coordinates (the input is
+// zero-padded), with norm_r ~ χ(p) or √p, so that E‖ω_r‖² = d as for a Gaussian row.
 template <typename Scalar_>
 class HadamardProjection {
  public:
   using Scalar = Scalar_;
   HadamardProjection(Index m, Index d, std::uint64_t seed = 0, RowNorm norm = RowNorm::chi)
-      : m_(m), d_(d), p_(next_power_of_two(d)), norm_(norm) {
+      : m_(m), d_(d), norm_(norm) {
     detail::check_projection_shape("HadamardProjection", m, d);
     redraw(seed);
   }
@@ -174,47 +174,26 @@ class HadamardProjection {
   Index input_dim() const { return d_; }
   std::uint64_t seed() const { return seed_; }
   RowNorm row_norm() const { return norm_; }
+  const StructuredRotation<Scalar>& rotation() const { return rotation_; }
 
   void redraw(std::uint64_t seed) {
     seed_ = seed;
-    const Index blocks = (m_ + p_ - 1) / p_;
-    const Philox signs(seed, streams::projection_hadamard);
-    signs_.resize(blocks * 3, p_);
-    for (Index b = 0; b < blocks; ++b)
-      for (Index t = 0; t < 3; ++t)
-        for (Index j = 0; j < p_; ++j)
-          signs_(3 * b + t, j) = Scalar(signs.rademacher(std::uint64_t(b), std::uint32_t(t * p_ + j)));
-    const double unit = std::pow(double(p_), -1.5);
+    const Index p = next_power_of_two(d_), blocks = (m_ + p - 1) / p;
+    rotation_ = StructuredRotation<Scalar>(d_, blocks, Philox(seed, streams::projection_hadamard),
+                                           SignIndexing::by_block);
+    const double unit = std::pow(double(p), -1.5);
     out_scale_.resize(m_);
     const Philox rng(seed);
-    for (Index r = 0; r < m_; ++r) out_scale_(r) = Scalar(unit * detail::row_norm(rng, norm_, r, p_));
+    for (Index r = 0; r < m_; ++r) out_scale_(r) = Scalar(unit * detail::row_norm(rng, norm_, r, p));
   }
 
-  // out = x ωᵀ in O(n m log p): rows are processed in tiles held column-major, so that each
-  // butterfly of the transform is a contiguous vector operation over the tile's rows.
+  // out = x ωᵀ in O(n m log p), tiles of rows transformed together.
   template <typename Out>
-  void apply(const Eigen::Ref<const RowMatrix<Scalar>>& x, Out&& out_) const {
-    auto& out = out_;
-    detail::require(x.cols() == d_ && out.rows() == x.rows() && out.cols() == m_,
-                    "HadamardProjection::apply", "x is ", detail::shape_of(x), " and out ",
-                    detail::shape_of(out), ", expected n x ", d_, " and n x ", m_);
-    using Tile = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor>;
-    const Index n = x.rows(), tiles = (n + kTile - 1) / kTile, blocks = signs_.rows() / 3;
-    detail::parallel_for(tiles, [&](Index t) {
-      const Index i0 = t * kTile, rows = std::min(kTile, n - i0);
-      Tile padded = Tile::Zero(rows, p_), work(rows, p_);
-      padded.leftCols(d_) = x.middleRows(i0, rows);
-      for (Index b = 0; b < blocks; ++b) {
-        work = padded;
-        for (Index s = 0; s < 3; ++s) {
-          work = work * signs_.row(3 * b + s).asDiagonal();
-          fwht_columns(work);
-        }
-        const Index c0 = b * p_, cols = std::min(p_, m_ - c0);
-        out.block(i0, c0, rows, cols).noalias() =
-            work.leftCols(cols) * out_scale_.segment(c0, cols).asDiagonal();
-      }
-    });
+  void apply(const Eigen::Ref<const RowMatrix<Scalar>>& x, Out&& out) const {
+    detail::require(x.cols() == d_ && out.rows() == x.rows() && out.cols() == m_, "HadamardProjection::apply",
+                    "x is ", detail::shape_of(x), " and out ", detail::shape_of(out), ", expected n x ", d_,
+                    " and n x ", m_);
+    rotation_.apply(x, out_scale_, out);
   }
 
   RowMatrix<Scalar> matrix() const {
@@ -224,32 +203,10 @@ class HadamardProjection {
   }
 
  private:
-  static constexpr Index kTile = 256;
-
-  // Unnormalised Walsh–Hadamard transform along the columns of every row of a column-major
-  // tile: each butterfly combines two contiguous columns.
-  template <typename Tile>
-  static void fwht_columns(Tile& w) {
-    const Index rows = w.rows(), p = w.cols();
-    for (Index h = 1; h < p; h <<= 1) {
-      for (Index i = 0; i < p; i += 2 * h) {
-        for (Index j = i; j < i + h; ++j) {
-          Scalar* lo = w.col(j).data();
-          Scalar* hi = w.col(j + h).data();
-          for (Index r = 0; r < rows; ++r) {
-            const Scalar a = lo[r], c = hi[r];
-            lo[r] = a + c;
-            hi[r] = a - c;
-          }
-        }
-      }
-    }
-  }
-
-  Index m_, d_, p_;
+  Index m_, d_;
   RowNorm norm_;
   std::uint64_t seed_ = 0;
-  RowMatrix<Scalar> signs_;  // 3 rows per block: D₁, D₂, D₃
+  StructuredRotation<Scalar> rotation_;
   Vector<Scalar> out_scale_;  // m: norm_r · p^{-3/2}
 };
 

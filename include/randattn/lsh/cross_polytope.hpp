@@ -6,9 +6,19 @@
 // The hash is invariant to positive scaling of x, which is why Reformer's normalised keys and
 // their unnormalised queries share buckets.
 //
-// Hashing is vectorised over blocks of tokens: one product (dense) or one block transform
-// (Hadamard) per block and round, then an argmax along contiguous rows of tokens. Blocks are
-// independent, so they run in parallel and the codes do not depend on the thread count.
+// Hashing is vectorised over tiles of 64 tokens: one product (dense) or one batched transform
+// (Hadamard, SIMD across the tile's vectors) per tile and round into a coordinate-major buffer
+// that the tile reuses, then the argmax over [y; -y] along contiguous rows of tokens, fused with
+// the rotation's scale. Tiles are independent, so they run in parallel and the codes do not
+// depend on the thread count.
+//
+// Which rotation. Per vector and round the dense rotation costs d h multiply-adds (one GEMM),
+// the Hadamard rotation about 3 p log2(p) additions (three transforms of length p =
+// next_power_of_two(max(d, h))) plus a transpose. Measured on one core (bench/bench_lsh, Hash
+// rows, float, AVX-512) the dense rotation is faster while d h <= 6 p log2(p), e.g. d = 64 with
+// b <= 64 buckets, and the Hadamard one beyond: about 1.3x at d = 64, b = 128, 3-4x at d = 256
+// or 1024 with b = 512. default_rotation(d, b) applies that rule; the constructor without a
+// RotationKind uses it. The two kinds draw different random functions from the same seed.
 
 #include <algorithm>
 #include <cstdint>
@@ -22,6 +32,7 @@
 #include "../core/types.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
+#include "../linalg/hadamard.hpp"
 #include "rotation.hpp"
 
 namespace randattn {
@@ -33,49 +44,86 @@ using HashCodes = Eigen::Matrix<std::int32_t, Eigen::Dynamic, Eigen::Dynamic, Ei
 
 namespace detail {
 
-constexpr Index kHashBlock = 64;  // tokens per block: the rotation work buffer stays in cache
+constexpr Index kHashTile = 64;     // vectors rotated together: the work buffer stays in cache
+constexpr Index kHashChunk = 1024;  // vectors per parallel work item, which owns one work buffer
 
-// argmax over [y; -y] for tokens t0 .. t0 + W of the h x B block `proj`, token by token into
-// codes[t * stride]. The comparisons are strict, so the first maximal entry wins, positive part
-// before negative. A strip of W tokens keeps its running maxima in registers while the loop walks
-// down the coordinates; indices are kept in Scalar (exact, h <= 2^23) so each step is one
-// compare-and-blend per lane.
-template <int W, typename Proj>
-void cross_polytope_argmax_strip(const Proj& proj, Index t0, std::int32_t* codes, Index stride) {
-  using Scalar = typename Proj::Scalar;
-  Scalar pos[W], pos_arg[W], neg[W], neg_arg[W];
-  for (int l = 0; l < W; ++l) {
-    pos[l] = neg[l] = -std::numeric_limits<Scalar>::infinity();
-    pos_arg[l] = neg_arg[l] = 0;
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+// Eigen's packet types carry alignment attributes that do not survive as template arguments.
+#pragma GCC diagnostic ignored "-Wignored-attributes"
+#endif
+
+// argmax over [s y; -s y] (s > 0) for N packets of adjacent vectors from t0 on, in the
+// coordinate-major block y (h rows of stride ld), vector by vector into codes[t * stride]. Each
+// packet keeps its running maximum and minimum, and their coordinates, in registers while the
+// loop walks down the coordinates (N independent packets hide the latency of the compares);
+// -v > -min is v < min, so the negative half needs no negation. The comparisons are strict, so
+// the first maximal entry wins, positive part before negative. Coordinates are counted in Scalar
+// (exact, h <= 2^23) so each update is a compare and two selects per packet.
+template <int N, typename Packet, typename Scalar>
+void cross_polytope_argmax_packets(const Scalar* y, Index ld, Index half, Scalar scale, Index t0,
+                                   std::int32_t* codes, Index stride) {
+  namespace ei = Eigen::internal;
+  constexpr int kP = ei::unpacket_traits<Packet>::size;
+  const Packet s = ei::pset1<Packet>(scale), one = ei::pset1<Packet>(Scalar(1));
+  Packet hi[N], lo[N], hi_arg[N], lo_arg[N];
+  for (int j = 0; j < N; ++j) {
+    hi[j] = ei::pset1<Packet>(-std::numeric_limits<Scalar>::infinity());
+    lo[j] = ei::pset1<Packet>(std::numeric_limits<Scalar>::infinity());
+    hi_arg[j] = lo_arg[j] = ei::pset1<Packet>(Scalar(0));
   }
-  const Index half = proj.rows();
+  Packet kk = ei::pset1<Packet>(Scalar(0));
   for (Index k = 0; k < half; ++k) {
-    const Scalar* y = &proj.coeffRef(k, t0);
-    const auto kk = static_cast<Scalar>(k);
-    for (int l = 0; l < W; ++l) {
-      const bool up = y[l] > pos[l], un = -y[l] > neg[l];
-      pos[l] = up ? y[l] : pos[l];
-      pos_arg[l] = up ? kk : pos_arg[l];
-      neg[l] = un ? -y[l] : neg[l];
-      neg_arg[l] = un ? kk : neg_arg[l];
+    const Scalar* row = y + k * ld + t0;
+    for (int j = 0; j < N; ++j) {
+      const Packet v = ei::pmul(ei::ploadu<Packet>(row + j * kP), s);
+      const Packet up = ei::pcmp_lt(hi[j], v), down = ei::pcmp_lt(v, lo[j]);
+      hi[j] = ei::pselect(up, v, hi[j]);
+      hi_arg[j] = ei::pselect(up, kk, hi_arg[j]);
+      lo[j] = ei::pselect(down, v, lo[j]);
+      lo_arg[j] = ei::pselect(down, kk, lo_arg[j]);
     }
+    kk = ei::padd(kk, one);
   }
-  for (int l = 0; l < W; ++l)
-    codes[(t0 + l) * stride] = static_cast<std::int32_t>(pos[l] >= neg[l] ? pos_arg[l] : neg_arg[l] + Scalar(half));
+  for (int j = 0; j < N; ++j) {
+    Scalar h[kP], l[kP], ha[kP], la[kP];
+    ei::pstoreu(h, hi[j]);
+    ei::pstoreu(l, lo[j]);
+    ei::pstoreu(ha, hi_arg[j]);
+    ei::pstoreu(la, lo_arg[j]);
+    for (int i = 0; i < kP; ++i)
+      codes[(t0 + j * kP + i) * stride] = static_cast<std::int32_t>(h[i] >= -l[i] ? ha[i] : la[i] + Scalar(half));
+  }
 }
 
-// Bucket codes of the B tokens whose projections are the columns of `proj` (h x B, rows
-// contiguous), written to codes[t * stride].
-template <typename Proj>
-void cross_polytope_argmax(const Proj& proj, std::int32_t* codes, Index stride) {
-  constexpr int kStrip = 16;
-  const Index cols = proj.cols();
+// Bucket codes of the `count` vectors whose h = half projections, times `scale` > 0, are the
+// columns of y (h rows of stride ld), written to codes[t * stride].
+template <typename Scalar>
+void cross_polytope_argmax(const Scalar* y, Index ld, Index half, Index count, Scalar scale, std::int32_t* codes,
+                           Index stride) {
+  using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
+  constexpr int kP = Eigen::internal::unpacket_traits<Packet>::size, kStrip = 4;
   Index t0 = 0;
-  for (; t0 + kStrip <= cols; t0 += kStrip) cross_polytope_argmax_strip<kStrip>(proj, t0, codes, stride);
-  for (; t0 < cols; ++t0) cross_polytope_argmax_strip<1>(proj, t0, codes, stride);
+  for (; t0 + kStrip * kP <= count; t0 += kStrip * kP)
+    cross_polytope_argmax_packets<kStrip, Packet>(y, ld, half, scale, t0, codes, stride);
+  for (; t0 + kP <= count; t0 += kP) cross_polytope_argmax_packets<1, Packet>(y, ld, half, scale, t0, codes, stride);
+  for (; t0 < count; ++t0) cross_polytope_argmax_packets<1, Scalar>(y, ld, half, scale, t0, codes, stride);
 }
+
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
 
 }  // namespace detail
+
+// The faster rotation at this shape (see the header comment): dense while
+// dim * buckets / 2 <= 6 p log2(p), p = next_power_of_two(max(dim, buckets / 2)), else Hadamard.
+inline RotationKind default_rotation(Index dim, Index buckets) {
+  const Index half = std::max<Index>(buckets / 2, 1), p = next_power_of_two(std::max<Index>({dim, half, 1}));
+  Index log2p = 0;
+  while ((Index(1) << log2p) < p) ++log2p;
+  return double(dim) * double(half) <= 6.0 * double(p) * double(log2p) ? RotationKind::dense : RotationKind::hadamard;
+}
 
 template <typename Scalar_>
 class CrossPolytopeHash {
@@ -90,6 +138,10 @@ class CrossPolytopeHash {
   CrossPolytopeHash(RotationKind kind, Index dim, Index buckets, Index rounds, std::uint64_t seed)
       : rotation_(kind == RotationKind::dense ? Rotation(DenseRotation<Scalar>(dim, buckets, rounds, seed))
                                               : Rotation(HadamardRotation<Scalar>(dim, buckets, rounds, seed))) {}
+
+  // The rotation of default_rotation(dim, buckets) drawn from `seed`.
+  CrossPolytopeHash(Index dim, Index buckets, Index rounds, std::uint64_t seed)
+      : CrossPolytopeHash(default_rotation(dim, buckets), dim, buckets, rounds, seed) {}
 
   // A user-supplied dense R of shape (d, rounds, buckets / 2), given as a d x (rounds * buckets / 2)
   // row-major matrix (the C-order array).
@@ -112,22 +164,40 @@ class CrossPolytopeHash {
     detail::require_finite(x, where, "x", check_finite);
     const Index n = x.rows(), r = rounds();
     HashCodes codes(n, r);
-    const Index blocks = (n + detail::kHashBlock - 1) / detail::kHashBlock;
-    detail::parallel_for(blocks, [&](Index b) {
-      const Index i0 = b * detail::kHashBlock, rows = std::min(detail::kHashBlock, n - i0);
-      RowMatrix<Scalar> work;
-      for (Index round = 0; round < r; ++round) {
-        visit([&](const auto& rot) {
-          detail::cross_polytope_argmax(rot.project_round(x.middleRows(i0, rows), round, work),
-                                        codes.data() + i0 * r + round, r);
-        });
-      }
+    const Index chunks = (n + detail::kHashChunk - 1) / detail::kHashChunk;
+    visit([&](const auto& rot) {
+      detail::parallel_for(chunks, [&](Index c) {
+        RowMatrix<Scalar> work;
+        const Index end = std::min(n, (c + 1) * detail::kHashChunk);
+        for (Index i0 = c * detail::kHashChunk; i0 < end; i0 += detail::kHashTile) {
+          const Index count = std::min(detail::kHashTile, end - i0);
+          for (Index round = 0; round < r; ++round) hash_tile(rot, x.middleRows(i0, count), round, work, &codes(i0, round));
+        }
+      });
     });
     return codes;
   }
 
  private:
   using Rotation = std::variant<DenseRotation<Scalar>, HadamardRotation<Scalar>>;
+
+  // Codes of one round for a tile of vectors, into codes[t * rounds]. The Hadamard rotation's
+  // p^{-3/2} is applied inside the argmax, so its coordinates are read once.
+  void hash_tile(const DenseRotation<Scalar>& rot, const Eigen::Ref<const RowMatrix<Scalar>>& x_tile, Index round,
+                 RowMatrix<Scalar>& work, std::int32_t* codes) const {
+    const auto proj = rot.project_round(x_tile, round, work);
+    detail::cross_polytope_argmax(proj.data(), proj.outerStride(), proj.rows(), proj.cols(), Scalar(1), codes,
+                                  rounds());
+  }
+  void hash_tile(const HadamardRotation<Scalar>& rot, const Eigen::Ref<const RowMatrix<Scalar>>& x_tile, Index round,
+                 RowMatrix<Scalar>& work, std::int32_t* codes) const {
+    const StructuredRotation<Scalar>& s = rot.structured();
+    const Index count = x_tile.rows(), half = buckets() / 2;
+    work.resize(s.padded_dim(), detail::kHashTile);
+    s.transform_tile(x_tile.data(), x_tile.outerStride(), count, round, next_power_of_two(half), work.data(),
+                     detail::kHashTile);
+    detail::cross_polytope_argmax(work.data(), detail::kHashTile, half, count, s.scale(), codes, rounds());
+  }
 
   template <typename Fn>
   decltype(auto) visit(Fn&& fn) const {

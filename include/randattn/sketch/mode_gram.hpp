@@ -4,6 +4,7 @@
 // N_j = M_j(A1) M_j(A2)^T), plus the top eigenvectors of a symmetric matrix.
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include <Eigen/Core>
@@ -29,41 +30,84 @@ const Scalar* row_major_data(const TensorView<Scalar>& a, Vector<Scalar>& storag
   return storage.data();
 }
 
-// G = M_j M_j^T for a contiguous row-major tensor, accumulated over panels of at most
-// kMaxGemmDepth unfolding columns (copied into one buffer), so the rounding depends on the
-// shape alone, never on the thread count. Only the lower triangle is accumulated; the result is
-// the full symmetric matrix.
+// G = M_j M_j^T for a contiguous row-major tensor, accumulated (lower triangle only, by Eigen's
+// symmetric rank-k update) over panels of at most kMaxGemmDepth unfolding columns read in
+// place: for the last mode M_j is the column-major d x (D / d) matrix the data already are; for
+// any other mode the columns of M_j are those of the row-major slices A[i_<j, :, i_>j], d x inner,
+// cut into panels within each slice. The panels depend on the shape alone, so the rounding never
+// depends on the thread count. The result is the full symmetric matrix.
 template <typename Scalar>
 RowMatrix<Scalar> dense_mode_gram(const Scalar* data, const std::vector<Index>& dims, Index mode) {
+  using ColMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;
   const ModeSplit split(dims, mode);
-  const Index d = split.dim, cols = split.cols();
-  Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> g = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>::Zero(d, d);
-  RowMatrix<Scalar> panel(d, std::min(cols, kMaxGemmDepth));
-  using Slice = Eigen::Map<const RowMatrix<Scalar>>;  // X_p = A[p, :, :] as d x inner
-  for (Index c0 = 0; c0 < cols; c0 += kMaxGemmDepth) {
-    const Index width = std::min(kMaxGemmDepth, cols - c0);
-    for (Index c = c0; c < c0 + width;) {
-      const Index p = c / split.inner, s = c % split.inner;
-      const Index len = std::min(split.inner - s, c0 + width - c);
-      panel.middleCols(c - c0, len) = Slice(data + p * d * split.inner, d, split.inner).middleCols(s, len);
-      c += len;
+  const Index d = split.dim;
+  ColMatrix g = ColMatrix::Zero(d, d);
+  auto update = [&](const auto& panel) { g.template selfadjointView<Eigen::Lower>().rankUpdate(panel); };
+  if (split.inner == 1) {
+    const Eigen::Map<const ColMatrix> m(data, d, split.outer);
+    for (Index c0 = 0; c0 < split.outer; c0 += kMaxGemmDepth)
+      update(m.middleCols(c0, std::min(kMaxGemmDepth, split.outer - c0)));
+  } else {
+    for (Index o = 0; o < split.outer; ++o) {
+      const Eigen::Map<const RowMatrix<Scalar>> slice(data + o * d * split.inner, d, split.inner);
+      for (Index c0 = 0; c0 < split.inner; c0 += kMaxGemmDepth)
+        update(slice.middleCols(c0, std::min(kMaxGemmDepth, split.inner - c0)));
     }
-    g.template selfadjointView<Eigen::Lower>().rankUpdate(panel.leftCols(width));
   }
   return g.template selfadjointView<Eigen::Lower>();
 }
 
-// N = M_j(s1) M_j(s2)^T, summed column by column of the unfoldings: sum_c s1[:, c] s2[:, c]^T.
+// The entries of a sparse tensor grouped by the column of its mode-j unfolding: column c holds
+// entries start[c] .. start[c + 1] - 1, with their rows (the mode-j index) and values, in flat
+// order within the column. A counting sort (locating every entry twice instead of storing its
+// column), with 32-bit rows: the grouping touches as little new memory as it can.
+template <typename Scalar>
+struct ColumnGroups {
+  std::vector<Index> start;
+  std::vector<std::int32_t> row;
+  std::vector<Scalar> value;
+
+  ColumnGroups(const SparseTensor<Scalar>& s, const ModeSplit& split)
+      : start(std::size_t(split.cols()) + 1, 0), row(std::size_t(s.nnz())), value(std::size_t(s.nnz())) {
+    const std::vector<Index>& flat = s.indices();
+    Index r = 0, c = 0;
+    for (Index e = 0; e < s.nnz(); ++e) {
+      split.locate(flat[std::size_t(e)], r, c);
+      ++start[std::size_t(c) + 1];
+    }
+    for (std::size_t k = 1; k < start.size(); ++k) start[k] += start[k - 1];
+    std::vector<Index> next(start.begin(), start.end() - 1);
+    for (Index e = 0; e < s.nnz(); ++e) {
+      split.locate(flat[std::size_t(e)], r, c);
+      const std::size_t slot = std::size_t(next[std::size_t(c)]++);
+      row[slot] = std::int32_t(r);
+      value[slot] = s.values()[std::size_t(e)];
+    }
+  }
+};
+
+// N = M_j(s1) M_j(s2)^T = sum over unfolding columns c of s1[:, c] s2[:, c]^T: both sketches
+// grouped by column, then for every pair of entries sharing a column one multiply-add into the
+// dense d x d result, row by row of s1. Cost O(nnz + columns + sum_c nnz_1(c) nnz_2(c)).
 template <typename Scalar>
 RowMatrix<Scalar> sketch_mode_product(const SparseTensor<Scalar>& s1, const SparseTensor<Scalar>& s2,
                                       Index mode) {
-  const auto m1 = unfold<Eigen::ColMajor>(s1, mode);
-  const auto m2 = unfold<Eigen::ColMajor>(s2, mode);
-  RowMatrix<Scalar> n = RowMatrix<Scalar>::Zero(m1.rows(), m2.rows());
-  using It = typename Eigen::SparseMatrix<Scalar, Eigen::ColMajor, Index>::InnerIterator;
-  for (Index c = 0; c < m1.outerSize(); ++c) {
-    for (It a(m1, c); a; ++a) {
-      for (It b(m2, c); b; ++b) n(a.row(), b.row()) += a.value() * b.value();
+  require(mode >= 0 && mode < s1.order() && s1.dims() == s2.dims(), "sketch_mode_product", "mode ", mode,
+          " of sketches of shapes ", dims_str(s1.dims()), " and ", dims_str(s2.dims()));
+  const ModeSplit split(s1.dims(), mode);
+  require(split.dim <= Index(INT32_MAX), "sketch_mode_product", "dimension ", split.dim, " of mode ", mode,
+          " exceeds 2^31 - 1");
+  const ColumnGroups<Scalar> m1(s1, split), m2(s2, split);
+  const Index d = split.dim;
+  RowMatrix<Scalar> n = RowMatrix<Scalar>::Zero(d, d);
+  Scalar* out = n.data();
+  for (Index c = 0; c < split.cols(); ++c) {
+    const Index b0 = m2.start[std::size_t(c)], b1 = m2.start[std::size_t(c) + 1];
+    if (b0 == b1) continue;
+    for (Index a = m1.start[std::size_t(c)]; a < m1.start[std::size_t(c) + 1]; ++a) {
+      Scalar* row = out + Index(m1.row[std::size_t(a)]) * d;
+      const Scalar x = m1.value[std::size_t(a)];
+      for (Index b = b0; b < b1; ++b) row[m2.row[std::size_t(b)]] += x * m2.value[std::size_t(b)];
     }
   }
   return n;

@@ -20,13 +20,24 @@
 //   uniform p = c (the same rate for every nonzero entry).
 // Every scheme is one SamplingRule: p(a) = 0 if |a| < cutoff, else min(1, max(scale a^2, floor)).
 //
-// Reproducibility. The keep/sample decision of entry omega uses the uniform
-// u_omega = Philox(seed, stream) draw number omega (two 53-bit uniforms per Philox block:
-// block omega / 2, words 2 (omega % 2) and 2 (omega % 2) + 1), a pure function of
-// (seed, stream, flat row-major index). ||A||_F^2 and sum p are summed in a fixed order (in
-// order within aligned chunks of kSketchChunk entries, then the chunk sums in order), so the
-// in-memory call with any thread count and the streamed call with any block sizes return the
-// identical sketch, bit for bit.
+// Draws (sketch/keep_draws.hpp). Entry omega is kept when u_omega < p_omega for a uniform
+// u_omega = (r_omega + v_omega) / 256: r_omega is a byte of a Philox block shared by a tile of
+// 256 entries (16 blocks per tile, one block per 16 entries), v_omega a 53-bit uniform of its
+// own that is drawn only when r_omega = floor(256 p_omega), which happens for one entry in 256.
+// Entries with p = 1 are kept, and those with p = 0 dropped, without looking at a draw; tiles
+// without an entry 0 < p < 1 generate no draw at all. Unbiasedness and the expected nnz:
+//   P(keep omega) = floor(256 p) / 256 + P(v < 256 p - floor(256 p)) / 256 = p + delta,
+//   0 <= delta < 2^-61 (v's resolution is 2^-53; 256 p - floor(256 p) is exact in double),
+// independently across entries (every r and v is a different Philox output), so
+//   E[A_hat_omega] = P(keep) a / p = a (1 + delta / p), E[nnz] = sum P(keep) <= 2n + D 2^-61,
+// exact up to a relative 2^-61 / p (a plain 53-bit uniform would be within 2^-53). The tile grid
+// is fixed by the flat index, not by the traversal.
+//
+// Reproducibility. The draws are a pure function of (seed, stream, flat row-major index).
+// ||A||_F^2 and sum p are summed in a fixed order (256 lanes by flat index within aligned
+// chunks of kSketchChunk entries, then the chunk sums in order; sketch/ordered_sum.hpp), so
+// the in-memory call with any thread count and the streamed call with any block sizes return
+// the identical sketch, bit for bit.
 //
 // Exact zeros are never stored (a kept zero would be a zero of A_hat): nnz and the expected
 // nnz count nonzero entries only. An empty tensor (a zero dimension) gives an empty sketch.
@@ -37,16 +48,27 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include "../core/types.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
 #include "../random/philox.hpp"
+#include "keep_draws.hpp"
+#include "ordered_sum.hpp"
 #include "sparse_tensor.hpp"
 #include "tensor_view.hpp"
 
@@ -90,7 +112,33 @@ struct SamplingRule {
   // Branch-free, so a loop over a tile of entries vectorises.
   double probability(double a) const {
     const double p = std::min(std::max(scale * (a * a), floor), 1.0);
-    return (a != 0 && std::abs(a) >= cutoff) ? p : 0.0;
+    return ((a != 0) & (std::abs(a) >= cutoff)) ? p : 0.0;
+  }
+
+  // p[t] = probability(a[t]) for t < count; returns whether some 0 < p[t] < 1 (so draws are
+  // needed). The same operations as probability(), eight lanes at a time where AVX-512 is on.
+  bool probabilities(const double* a, double* p, Index count) const {
+    Index t = 0;
+    unsigned moderate = 0;
+#if defined(__AVX512F__)
+    const __m512d s = _mm512_set1_pd(scale), f = _mm512_set1_pd(floor), one = _mm512_set1_pd(1),
+                  zero = _mm512_setzero_pd();
+    // |a| >= c keeps exactly the entries with a != 0 and |a| >= cutoff.
+    const __m512d c = _mm512_set1_pd(cutoff > 0 ? cutoff : std::numeric_limits<double>::denorm_min());
+    for (; t + 8 <= count; t += 8) {
+      const __m512d x = _mm512_loadu_pd(a + t);
+      const __m512d q = _mm512_min_pd(_mm512_max_pd(_mm512_mul_pd(s, _mm512_mul_pd(x, x)), f), one);
+      const __mmask8 eligible = _mm512_cmp_pd_mask(_mm512_abs_pd(x), c, _CMP_GE_OQ);
+      const __m512d pv = _mm512_maskz_mov_pd(eligible, q);
+      _mm512_storeu_pd(p + t, pv);
+      moderate |= unsigned(_mm512_cmp_pd_mask(pv, zero, _CMP_GT_OQ) & _mm512_cmp_pd_mask(pv, one, _CMP_LT_OQ));
+    }
+#endif
+    for (; t < count; ++t) {
+      p[t] = probability(a[t]);
+      moderate |= unsigned(p[t] > 0) & unsigned(p[t] < 1);
+    }
+    return moderate != 0;
   }
 
   // Keeps every nonzero entry (p = 1).
@@ -127,100 +175,70 @@ struct SparseSketch : SparseTensor<Scalar> {
 
 namespace detail {
 
-constexpr Index kSketchChunk = Index(1) << 15;
-
-// Sum of a sequence given in flat order, rounded in a fixed way: sequentially inside aligned
-// chunks of kSketchChunk terms, then the chunk sums sequentially. Any split of the sequence
-// into consecutive pieces, or per-chunk sums combined with add_chunk(), gives the same bits.
-class OrderedSum {
- public:
-  void add(double x) {
-    partial_ += x;
-    if (++count_ == kSketchChunk) add_chunk(take_partial());
+// Adds term(x) (kSquare: its square, see OrderedSum::add_square) for the entries x = p[t *
+// stride] of flat indices flat0 + t, t < len: one at a time up to a multiple of
+// OrderedSum::kLanes, then kLanes at a time (vectorised), then the rest.
+template <bool kSquare, typename Scalar, typename Term>
+void add_terms(OrderedSum& sum, Index flat0, const Scalar* p, Index stride, Index len, Term term) {
+  constexpr Index L = OrderedSum::kLanes;
+  auto add_one = [&](Index t) {
+    const double x = term(double(p[t * stride]));
+    kSquare ? sum.add_square(flat0 + t, x) : sum.add(flat0 + t, x);
+  };
+  Index t = 0;
+  for (; t < len && (flat0 + t) % L != 0; ++t) add_one(t);
+  double x[L];
+  for (; t + L <= len; t += L) {
+    for (Index l = 0; l < L; ++l) x[l] = term(double(p[(t + l) * stride]));
+    kSquare ? sum.add_square_lanes(flat0 + t, x) : sum.add_lanes(flat0 + t, x);
   }
-  // partial += a^2 with one rounding where the target has FMA. Spelling the fused operation
-  // out keeps the compiler from fusing some call sites and not others, which would make the
-  // in-memory and streamed norms differ in the last bit.
-  void add_square(double a) {
-#if defined(__FMA__) || defined(__FP_FAST_FMA)
-    partial_ = std::fma(a, a, partial_);
-    if (++count_ == kSketchChunk) add_chunk(take_partial());
+  for (; t < len; ++t) add_one(t);
+}
+
+// Number of pieces to cut parallel work into: the thread count (results never depend on it).
+inline Index worker_count() {
+#if defined(_OPENMP)
+  return Index(omp_get_max_threads());
 #else
-    add(a * a);
+  return 1;
 #endif
-  }
-  void add_chunk(double chunk_sum) { total_ += chunk_sum; }
-  double value() const { return total_ + partial_; }
+}
 
- private:
-  double take_partial() {
-    const double p = partial_;
-    partial_ = 0;
-    count_ = 0;
-    return p;
-  }
-  double total_ = 0, partial_ = 0;
-  Index count_ = 0;
-};
-
-// add(sum, a) called on every entry a of the tensor, in the order of OrderedSum; chunks in
-// parallel.
-template <typename Scalar, typename Add>
-double ordered_sum(const TensorView<Scalar>& a, Add add) {
+// The sum of term(a) (kSquare: of its squares) over every entry a of the tensor, in the order of
+// OrderedSum; chunks in parallel.
+template <bool kSquare, typename Scalar, typename Term>
+double ordered_sum(const TensorView<Scalar>& a, Term term) {
   const Index chunks = (a.size() + kSketchChunk - 1) / kSketchChunk;
-  std::vector<double> sums(std::size_t(chunks), 0.0);
+  std::vector<OrderedSum> sums(static_cast<std::size_t>(chunks));
   parallel_for(chunks, [&](Index c) {
-    OrderedSum s;
     for_each_run(a, c * kSketchChunk, std::min(a.size(), (c + 1) * kSketchChunk),
-                 [&](Index, const Scalar* p, Index stride, Index len) {
-                   for (Index t = 0; t < len; ++t) add(s, double(p[t * stride]));
+                 [&](Index flat0, const Scalar* p, Index stride, Index len) {
+                   add_terms<kSquare>(sums[std::size_t(c)], flat0, p, stride, len, term);
                  });
-    sums[std::size_t(c)] = s.value();
   });
   OrderedSum total;
-  for (double s : sums) total.add_chunk(s);
+  for (const OrderedSum& s : sums) total.append(s);
   return total.value();
 }
 
-// The uniforms of entries omega (see the header comment), a tile at a time: the Philox blocks
-// of a tile are independent, so computing them in one loop overlaps their latencies.
-class EntryUniforms {
- public:
-  static constexpr Index kTile = 64;  // entries per tile, even
-
-  explicit EntryUniforms(const Philox& rng) : rng_(rng) {}
-
-  // u[t] = uniform of entry omega0 + t for t < count, 1 <= count <= kTile.
-  void fill(Index omega0, Index count, double* u) const {
-    const std::uint64_t first = std::uint64_t(omega0) >> 1;
-    const std::uint64_t blocks = ((std::uint64_t(omega0 + count - 1)) >> 1) - first + 1;
-    std::uint64_t words[kTile + 2];  // two 64-bit words per block
-    for (std::uint64_t b = 0; b < blocks; ++b) {
-      const Philox::Bits bits = rng_.bits(first + b);
-      words[2 * b] = (std::uint64_t(bits[1]) << 32) | bits[0];
-      words[2 * b + 1] = (std::uint64_t(bits[3]) << 32) | bits[2];
-    }
-    const std::uint64_t skip = std::uint64_t(omega0) & 1;  // an odd start uses the second word
-    for (Index t = 0; t < count; ++t) u[t] = double(words[skip + std::uint64_t(t)] >> 11) * 0x1.0p-53;
-  }
-
- private:
-  Philox rng_;
+struct Identity {
+  double operator()(double x) const { return x; }
 };
 
 // The entries kept by one stream of draws.
 template <typename Scalar>
 struct SampleOutput {
-  explicit SampleOutput(const Philox& rng) : uniforms(rng) {}
-  EntryUniforms uniforms;
+  explicit SampleOutput(const Philox& rng) : draws(rng) {}
+  TileDraws draws;
   std::vector<Index> indices;
   std::vector<Scalar> values;
 };
 
-// Pass 2 over consecutive stretches of entries: one probability per entry, then an independent
-// keep decision per stream of draws (several sketches in one pass over the data). Accumulates
-// sum p and, on request, sum a^2 (which lets the streaming interface check that pass 2 saw the
-// data of pass 1).
+// Pass 2 over consecutive stretches of entries, a tile of kDrawTile entries (or the part of one
+// that a stretch covers) at a time: one probability per entry, then an independent keep
+// decision per stream of draws (several sketches in one pass over the data). Accumulates sum p
+// and, on request, sum a^2 (which lets the streaming interface check that pass 2 saw the data of
+// pass 1).
 template <typename Scalar>
 class Sampler {
  public:
@@ -235,50 +253,166 @@ class Sampler {
   double sum_of_squares() const { return squares_.value(); }
   std::vector<SampleOutput<Scalar>>& outputs() { return outputs_; }
 
-  void run(Index flat0, const Scalar* data, Index stride, Index len) {
-    constexpr Index kTile = EntryUniforms::kTile;
-    const SamplingRule rule = rule_;
-    // Local copies of the sums: the pushes below could alias members, which would keep the sums
-    // in memory instead of registers.
-    OrderedSum sum_p = expected_nnz_, sum_a2 = squares_;
-    double a[kTile], p[kTile], u[kTile];
-    bool keep[kTile];
-    for (Index t0 = 0; t0 < len; t0 += kTile) {
-      const Index tile = std::min(kTile, len - t0);
-      for (Index t = 0; t < tile; ++t) a[t] = double(data[(t0 + t) * stride]);
-      for (Index t = 0; t < tile; ++t) p[t] = rule.probability(a[t]);
-      for (Index t = 0; t < tile; ++t) sum_p.add(p[t]);
-      if (sum_squares_) {
-        for (Index t = 0; t < tile; ++t) sum_a2.add_square(a[t]);
-      }
-      const Index omega0 = flat0 + t0;
-      for (SampleOutput<Scalar>& out : outputs_) {
-        out.uniforms.fill(omega0, tile, u);
-        // u < 1 always, so p = 1 keeps and p = 0 drops without a separate test.
-        for (Index t = 0; t < tile; ++t) keep[t] = u[t] < p[t];
-        for (Index t = 0; t < tile; ++t) {
-          if (keep[t]) {
-            const Scalar value = static_cast<Scalar>(a[t] / p[t]);
-            // a / p can leave the scalar type's range when |a| is near its largest value.
-            require(std::abs(value) <= std::numeric_limits<Scalar>::max(), "sparsify",
-                    "the kept entry ", a[t], " / p = ", a[t] / p[t],
-                    " overflows the scalar type; rescale the tensor");
-            out.indices.push_back(omega0 + t);
-            out.values.push_back(value);
-          }
-        }
-      }
+  void reserve(Index capacity) {
+    for (SampleOutput<Scalar>& out : outputs_) {
+      out.indices.reserve(std::size_t(capacity));
+      out.values.reserve(std::size_t(capacity));
     }
-    expected_nnz_ = sum_p;
-    squares_ = sum_a2;
+  }
+  // Joins the sampler of the entries that follow this one's, which must end at a chunk end.
+  void append(Sampler& next) {
+    expected_nnz_.append(next.expected_nnz_);
+    squares_.append(next.squares_);
+    for (std::size_t i = 0; i < outputs_.size(); ++i) {
+      SampleOutput<Scalar>& out = outputs_[i];
+      SampleOutput<Scalar>& more = next.outputs_[i];
+      out.indices.insert(out.indices.end(), more.indices.begin(), more.indices.end());
+      out.values.insert(out.values.end(), more.values.begin(), more.values.end());
+      more.indices = {};  // release memory early
+      more.values = {};
+    }
+  }
+
+  void run(Index flat0, const Scalar* data, Index stride, Index len) {
+    for (Index done = 0; done < len;) {
+      const Index omega = flat0 + done, o0 = omega % kDrawTile;
+      const Index count = std::min(kDrawTile - o0, len - done);
+      sample_tile(omega / kDrawTile, o0, o0 + count, data + done * stride, stride);
+      done += count;
+    }
   }
 
  private:
+  // Entries o0 <= o < o1 of tile `tile`, the first at `src`.
+  void sample_tile(Index tile, Index o0, Index o1, const Scalar* src, Index stride) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    if (o0 == 0 && o1 == kDrawTile && stride == 1) return sample_full_tile(tile, src);
+#endif
+    const SamplingRule rule = rule_;
+    const Index base = tile * kDrawTile;
+    const bool full = o0 == 0 && o1 == kDrawTile;
+    alignas(64) double a[kDrawTile], p[kDrawTile];
+    if (stride == 1) {
+      for (Index o = o0; o < o1; ++o) a[o] = double(src[o - o0]);
+    } else {
+      for (Index o = o0; o < o1; ++o) a[o] = double(src[(o - o0) * stride]);
+    }
+    const bool draw = rule.probabilities(a + o0, p + o0, o1 - o0);  // some entry has 0 < p < 1
+    static_assert(OrderedSum::kLanes == kDrawTile, "a tile is one term per lane");
+    if (full) {
+      expected_nnz_.add_lanes(base, p);
+      if (sum_squares_) squares_.add_square_lanes(base, a);
+    } else {
+      for (Index o = o0; o < o1; ++o) expected_nnz_.add(base + o, p[o]);
+      if (sum_squares_) {
+        for (Index o = o0; o < o1; ++o) squares_.add_square(base + o, a[o]);
+      }
+    }
+    for (SampleOutput<Scalar>& out : outputs_) {
+      if (draw) out.draws.load(tile);
+      std::uint64_t keep_bits[4], tie_bits[4];
+      tile_decisions(p, draw ? &out.draws : nullptr, o0, o1, keep_bits, tie_bits);
+      for (int w = 0; w < 4; ++w) {
+        for (std::uint64_t bits = keep_bits[w] | tie_bits[w]; bits != 0; bits &= bits - 1) {
+          const Index o = 64 * w + Index(count_trailing_zeros(bits));
+          if ((keep_bits[w] >> (o % 64)) & 1 || keep_tie(p[o], out.draws.fine(base + o)))
+            keep(out, base + o, a[o], p[o]);
+        }
+      }
+    }
+  }
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  // A whole contiguous tile in one sweep of sixteen entries at a time, the probabilities in
+  // registers: the same arithmetic and decisions as the general path above (tile_decisions,
+  // SamplingRule::probabilities), so the two give identical sketches. A tile's draws are
+  // generated when its first entry with 0 < p < 1 appears.
+  void sample_full_tile(Index tile, const Scalar* src) {
+    const SamplingRule rule = rule_;
+    const Index base = tile * kDrawTile;
+    const __m512d s = _mm512_set1_pd(rule.scale), f = _mm512_set1_pd(rule.floor), one = _mm512_set1_pd(1),
+                  scale256 = _mm512_set1_pd(256);
+    const __m512d c = _mm512_set1_pd(rule.cutoff > 0 ? rule.cutoff : std::numeric_limits<double>::denorm_min());
+    const __m512i all = _mm512_set1_epi32(256), low_byte = _mm512_set1_epi32(0xFF);
+    double* sum_p = expected_nnz_.lanes();
+    double* sum_a2 = squares_.lanes();
+    bool drawn = false;
+    for (int g = 0; g < 16; ++g) {
+      __m512d x[2];
+      if constexpr (std::is_same<Scalar, float>::value) {
+        const __m512 v = _mm512_loadu_ps(src + 16 * g);
+        x[0] = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+        x[1] = _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1));
+      } else {
+        x[0] = _mm512_loadu_pd(src + 16 * g);
+        x[1] = _mm512_loadu_pd(src + 16 * g + 8);
+      }
+      __m256i t[2];
+      __mmask8 eligible[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m512d q = _mm512_min_pd(_mm512_max_pd(_mm512_mul_pd(s, _mm512_mul_pd(x[h], x[h])), f), one);
+        eligible[h] = _mm512_cmp_pd_mask(_mm512_abs_pd(x[h]), c, _CMP_GE_OQ);
+        double* lane = sum_p + 16 * g + 8 * h;
+        _mm512_storeu_pd(lane, _mm512_mask_add_pd(_mm512_loadu_pd(lane), eligible[h], _mm512_loadu_pd(lane), q));
+        if (sum_squares_) {
+          double* lane2 = sum_a2 + 16 * g + 8 * h;
+#if defined(__FMA__) || defined(__FP_FAST_FMA)
+          _mm512_storeu_pd(lane2, _mm512_fmadd_pd(x[h], x[h], _mm512_loadu_pd(lane2)));
+#else
+          _mm512_storeu_pd(lane2, _mm512_add_pd(_mm512_loadu_pd(lane2), _mm512_mul_pd(x[h], x[h])));
+#endif
+        }
+        t[h] = _mm512_cvttpd_epi32(_mm512_mul_pd(q, scale256));
+      }
+      const __m512i tt = _mm512_inserti64x4(_mm512_castsi256_si512(t[0]), t[1], 1);
+      const __mmask16 e = __mmask16(eligible[0] | (unsigned(eligible[1]) << 8));
+      const __mmask16 uncertain = _mm512_mask_cmplt_epi32_mask(e, tt, all);  // 0 < p < 1 (or p = 0)
+      if (uncertain != 0 && !drawn) {
+        for (SampleOutput<Scalar>& out : outputs_) out.draws.load(tile);
+        drawn = true;
+      }
+      for (SampleOutput<Scalar>& out : outputs_) {
+        unsigned keep = unsigned(e & ~uncertain), tie = 0;
+        if (uncertain != 0) {
+          const __m512i r = _mm512_and_si512(
+              _mm512_srli_epi32(_mm512_load_si512(out.draws.words()[g / 4]), unsigned(8 * (g % 4))), low_byte);
+          keep = _mm512_mask_cmplt_epi32_mask(e, r, tt);
+          tie = _mm512_mask_cmpeq_epi32_mask(e, r, tt);
+        }
+        for (unsigned bits = keep | tie; bits != 0; bits &= bits - 1) {
+          const Index o = 16 * g + count_trailing_zeros(bits);
+          const double a = double(src[o]), p = rule.probability(a);
+          if ((keep >> (o % 16)) & 1 || keep_tie(p, out.draws.fine(base + o))) this->keep(out, base + o, a, p);
+        }
+      }
+    }
+    expected_nnz_.lanes_done(base);
+    if (sum_squares_) squares_.lanes_done(base);
+  }
+#endif
+
+  static void keep(SampleOutput<Scalar>& out, Index omega, double a, double p) {
+    const Scalar value = static_cast<Scalar>(a / p);
+    // a / p can leave the scalar type's range when |a| is near its largest value.
+    require(std::abs(value) <= std::numeric_limits<Scalar>::max(), "sparsify", "the kept entry ", a,
+            " / p = ", a / p, " overflows the scalar type; rescale the tensor");
+    out.indices.push_back(omega);
+    out.values.push_back(value);
+  }
+
   SamplingRule rule_;
   bool sum_squares_;
   OrderedSum expected_nnz_, squares_;
   std::vector<SampleOutput<Scalar>> outputs_;
 };
+
+// Room for the kept entries of a sketch with budget n: E[nnz] <= 2n, plus six standard
+// deviations (nnz is a sum of independent Bernoulli variables, variance <= E[nnz]). Reserved
+// memory that is never written costs no physical pages; a sketch that needs more grows.
+inline Index nnz_capacity(double budget) {
+  const double bound = 2 * budget + 6 * std::sqrt(2 * budget) + 1024;
+  return bound < 1e15 ? Index(bound) : Index(1e15);
+}
 
 inline void check_budget(double budget, const char* where) {
   require(std::isfinite(budget) && budget > 0, where, "budget must be a positive finite number, got ",
@@ -314,7 +448,7 @@ class InMemorySparsifier {
     stats_.scheme = opt.scheme;
     stats_.budget = opt.budget;
     if (a.size() == 0) return;
-    const double fro2 = ordered_sum(a, [](OrderedSum& s, double x) { s.add_square(x); });
+    const double fro2 = ordered_sum<true>(a, Identity{});
     check_squared_norm(fro2, a.dims(), where, [&] {
       for (Index i = 0; i < a.size(); ++i)
         if (!std::isfinite(a[i])) return i;
@@ -327,36 +461,31 @@ class InMemorySparsifier {
 
   const SketchStats& stats() const { return stats_; }
 
-  // One sketch per stream of draws (independent sketches with the same rule), in one pass.
+  // One sketch per stream of draws (independent sketches with the same rule), in one pass. The
+  // tensor is cut into one range of whole chunks per thread; the ranges' outputs are joined in
+  // order, so the result does not depend on the thread count.
   std::vector<SparseSketch<Scalar>> sample(const std::vector<std::uint32_t>& streams) const {
     SketchStats stats = stats_;
-    const Philox rng(opt_.seed);
     const Index chunks = (a_.size() + kSketchChunk - 1) / kSketchChunk;
-    std::vector<Sampler<Scalar>> parts(std::size_t(chunks), Sampler<Scalar>(stats.rule, rng, streams, false));
-    parallel_for(chunks, [&](Index c) {
-      Sampler<Scalar>& s = parts[std::size_t(c)];
-      for_each_run(a_, c * kSketchChunk, std::min(a_.size(), (c + 1) * kSketchChunk),
-                   [&](Index flat0, const Scalar* p, Index stride, Index len) { s.run(flat0, p, stride, len); });
+    const Index parts = std::max<Index>(1, std::min(chunks, worker_count()));
+    std::vector<Sampler<Scalar>> samplers(std::size_t(parts),
+                                          Sampler<Scalar>(stats.rule, Philox(opt_.seed), streams, false));
+    parallel_for(parts, [&](Index part) {
+      Sampler<Scalar>& s = samplers[std::size_t(part)];
+      const Index begin = std::min(a_.size(), part * chunks / parts * kSketchChunk),
+                  end = std::min(a_.size(), (part + 1) * chunks / parts * kSketchChunk);
+      s.reserve(std::min(end - begin, nnz_capacity(opt_.budget)));
+      for_each_run(a_, begin, end, [&](Index flat0, const Scalar* p, Index stride, Index len) {
+        s.run(flat0, p, stride, len);
+      });
     });
-    OrderedSum expected;
-    for (const auto& s : parts) expected.add_chunk(s.expected_nnz());
-    stats.expected_nnz = expected.value();
+    Sampler<Scalar>& first = samplers.front();
+    for (Index part = 1; part < parts; ++part) first.append(samplers[std::size_t(part)]);
+    stats.expected_nnz = first.expected_nnz();
     std::vector<SparseSketch<Scalar>> sketches;
-    for (std::size_t i = 0; i < streams.size(); ++i) {
-      std::size_t nnz = 0;
-      for (auto& s : parts) nnz += s.outputs()[i].indices.size();
-      std::vector<Index> indices;
-      std::vector<Scalar> values;
-      indices.reserve(nnz);
-      values.reserve(nnz);
-      for (auto& s : parts) {
-        SampleOutput<Scalar>& out = s.outputs()[i];
-        indices.insert(indices.end(), out.indices.begin(), out.indices.end());
-        values.insert(values.end(), out.values.begin(), out.values.end());
-        out.indices = {};  // release memory early
-        out.values = {};
-      }
-      sketches.emplace_back(SparseTensor<Scalar>(a_.dims(), std::move(indices), std::move(values)), stats);
+    for (SampleOutput<Scalar>& out : first.outputs()) {
+      sketches.emplace_back(SparseTensor<Scalar>(a_.dims(), std::move(out.indices), std::move(out.values)),
+                            stats);
     }
     return sketches;
   }
@@ -368,7 +497,7 @@ class InMemorySparsifier {
   // least Algorithm 1's sum.
   SamplingRule matched_rule(double fro2) const {
     const SamplingRule spa = stats_.rule;
-    const double target = ordered_sum(a_, [&](OrderedSum& s, double x) { s.add(spa.probability(x)); });
+    const double target = ordered_sum<false>(a_, [&](double x) { return spa.probability(x); });
     std::vector<double> squares;  // of the nonzero entries, decreasing
     for_each_run(a_, 0, a_.size(), [&](Index, const Scalar* p, Index stride, Index len) {
       for (Index t = 0; t < len; ++t) {
@@ -465,10 +594,12 @@ class StreamingSparsifier {
   // Pass 1: the next `count` entries in flat row-major order.
   void add_norm_block(const Scalar* block, Index count) {
     check_block(block, count, false, "add_norm_block");
-    for (Index t = 0; t < count; ++t) {
-      const double a = double(block[t]);
-      if (first_bad_ < 0 && !std::isfinite(a)) first_bad_ = pos_ + t;
-      norm_.add_square(a);
+    detail::add_terms<true>(norm_, pos_, block, 1, count, detail::Identity{});
+    // A non-finite entry makes the sum non-finite from its block on (so does overflow, after
+    // which the blocks are searched until one holds a non-finite entry).
+    if (first_bad_ < 0 && !std::isfinite(norm_.value())) {
+      for (Index t = 0; t < count && first_bad_ < 0; ++t)
+        if (!std::isfinite(block[t])) first_bad_ = pos_ + t;
     }
     pos_ += count;
     if (pos_ == size_) start_sampling();
@@ -514,6 +645,7 @@ class StreamingSparsifier {
     stats_.frobenius_norm = std::sqrt(fro2);
     stats_.rule = detail::spa_rule(fro2, opt_.budget, size_);
     sampler_.set_rule(stats_.rule);
+    sampler_.reserve(std::min(size_, detail::nnz_capacity(opt_.budget)));
   }
 
   std::vector<Index> dims_;

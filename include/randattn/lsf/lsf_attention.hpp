@@ -1,0 +1,497 @@
+#pragma once
+// Locality-sensitive-filter (LSF) attention: softmax attention restricted, for each query, to the
+// keys stored in the filters it opens (filters.hpp). Asymmetric by design: keys are stored in one
+// filter per table, queries probe several, so queries and keys need not be shared (unlike
+// Reformer's shared-QK LSH); a drop-in for models whose queries and keys live on the unit sphere
+// (nGPT-style), where the filter scores are the cosines the softmax cares about.
+//
+// Target set of query i (q̂, k̂ the normalised rows; only the filters see them):
+//  - update side: key j sits in filter argmax_f <a_{t,f}, k̂_j> of table t (zero key: filter 0);
+//  - query side: in each table, query i opens every filter with <a_{t,f}, q̂_i> >= η, and at least
+//    its min_probes best filters (default 1) whatever η (η = −inf opens every filter);
+//  - fallback: if no opened filter holds a valid key (causal: j <= i), filters of all tables are
+//    opened in descending score order (ties: lower table, then lower filter) until one does, so no
+//    query is ever empty;
+//  - P_i = union over tables of the keys in its opened filters. A key found in N_ij tables counts
+//    once: its logit is lowered by log N_ij in each of the N_ij tiles that score it (the score
+//    tile's dedupe count), so the softmax is over the set, exactly as in LSH attention.
+// o_i = softmax_{j ∈ P_i}(scale · q_i·k_j) v_j with the raw q and k, scale 1/sqrt(d) by default.
+//
+// Execution, never n_q x n_k: keys are counting-sorted by filter per table (CSR, increasing
+// position inside a filter); the opened filters of every query are listed (CSR by query and by
+// filter). Table by table, the table's keys and values are permuted into filter order, and for
+// every filter the dense tile (its queries) x (its keys) goes through the shared score tile
+// (core/score_tile.hpp) with gathered global row/column positions (causal masking, dedupe).
+// Tasks own fixed blocks of queries, so each output row is merged by one thread, in the order
+// table, filter, key tile: results do not depend on the thread count.
+// Memory O(n (d + dv) + n L + probes) per slice, probes = Σ_i (filters opened by i), plus the
+// opened-filter bits of a task's queries (at most 4 MB per thread).
+//
+// Causal: the filters opened by query i depend on q_i and on keys 0..i only (the fallback looks at
+// valid keys), and each query is scored against the past keys of its filters as a tile of its
+// own, so output i depends on tokens 0..i only, bit for bit (a shared tile would let a later
+// token change the tile's shape, and Eigen's products round differently for different shapes).
+// The price: causal tiles are single rows (matrix-vector products), slower than the bidirectional
+// (query tile) x (key tile) products.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "../core/options.hpp"
+#include "../core/score_tile.hpp"
+#include "../core/softmax_accumulator.hpp"
+#include "../core/types.hpp"
+#include "../detail/batch.hpp"
+#include "../detail/parallel.hpp"
+#include "../detail/validation.hpp"
+#include "../lsh/lsh_attention.hpp"
+#include "../lsh/target_blocks.hpp"
+#include "filters.hpp"
+
+namespace randattn {
+
+// causal, scale (default 1/sqrt(d)) and check_finite: see core/options.hpp. Give exactly one of
+// eta and alpha.
+struct LsfOptions : AttentionOptions {
+  std::optional<double> eta;    // threshold on normalised scores; −inf opens every filter
+  std::optional<double> alpha;  // target cosine in (0, 1): eta = filter_threshold(alpha, m)
+  Index min_probes = 1;         // best filters opened per table whatever eta, in [1, m]
+};
+
+// What the filters selected, for reports and benchmarks.
+struct LsfProbeStats {
+  double eta = 0;              // the threshold used
+  Index opened = 0;            // Σ_i filters opened by query i (all tables)
+  Index fallback_queries = 0;  // queries that needed the fallback
+  Index target_pairs = 0;      // Σ_i |P_i|: distinct valid (query, key) pairs scored; / (n_q n_k)
+                               // is the fraction of pairs scored
+  Index logits = 0;            // logits computed: a key found in N tables is scored N times
+};
+
+namespace detail {
+
+// Queries per attention task: 4096, fewer when their opened-filter bits (L m each) would pass 4 MB.
+// A function of L m alone, so results never depend on the thread count.
+inline Index query_block(Index filters_in_all_tables) {
+  const Index fit = (Index(1) << 25) / std::max<Index>(filters_in_all_tables, 1);
+  return std::clamp<Index>(fit / 64 * 64, 256, 4096);
+}
+
+// Keys bucketed by filter, one CSR per table.
+struct FilterBuckets {
+  HashCodes codes;                  // n_k x L
+  std::vector<std::int32_t> perm;   // L x n_k: table t's keys filter by filter, increasing position
+  std::vector<Index> start;         // L x (m + 1): filter f of table t is perm[t n_k + start[f]], ...
+};
+
+// The filters opened by every query: by query (ids g = t m + f, increasing) and by filter (queries
+// in increasing position).
+struct FilterProbes {
+  std::vector<Index> query_start;   // n_q + 1
+  std::vector<std::int32_t> query_filters;
+  std::vector<Index> filter_start;  // L m + 1
+  std::vector<std::int32_t> filter_queries;
+  Index fallback_queries = 0;
+};
+
+inline double resolve_threshold(const char* where, const LsfOptions& opt, Index filters) {
+  require(opt.eta.has_value() != opt.alpha.has_value(), where, "give exactly one of eta and alpha (eta ",
+          opt.eta ? "set" : "unset", ", alpha ", opt.alpha ? "set" : "unset", ")");
+  require(opt.min_probes >= 1 && opt.min_probes <= filters, where, "min_probes must be in [1, m = ", filters,
+          "], got ", opt.min_probes);
+  if (opt.alpha) {
+    require(std::isfinite(*opt.alpha) && *opt.alpha > 0 && *opt.alpha < 1, where, "alpha must be in (0, 1), got ",
+            *opt.alpha);
+    return filter_threshold(*opt.alpha, filters);
+  }
+  require(!std::isnan(*opt.eta) && *opt.eta != std::numeric_limits<double>::infinity(), where,
+          "eta must be finite or -inf, got ", *opt.eta);
+  return *opt.eta;
+}
+
+template <typename Scalar>
+Scalar check_lsf_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                        const Eigen::Ref<const RowMatrix<Scalar>>& k, const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                        const LocalitySensitiveFilters<Scalar>& filters, const LsfOptions& opt) {
+  resolve_threshold(where, opt, filters.filters());
+  const Scalar scale = resolve_scale<Scalar>(where, opt, inverse_sqrt_dim(filters.dim()));
+  require(q.rows() == 0 || q.cols() == filters.dim(), where, "q is ", shape_of(q),
+          " but the filters were built for dimension ", filters.dim());
+  require(k.rows() == 0 || k.cols() == filters.dim(), where, "k is ", shape_of(k),
+          " but the filters were built for dimension ", filters.dim());
+  require(v.rows() == k.rows(), where, "k (", shape_of(k), ") and v (", shape_of(v),
+          ") must have the same number of rows");
+  require(!opt.causal || q.rows() == k.rows(), where, "causal attention needs as many queries (", q.rows(),
+          ") as keys (", k.rows(), ")");
+  require(q.rows() == 0 || k.rows() > 0, where, "attention over zero keys is undefined (q ", shape_of(q), ", k ",
+          shape_of(k), ")");
+  require(q.rows() <= Index(std::numeric_limits<std::int32_t>::max()) &&
+              k.rows() <= Index(std::numeric_limits<std::int32_t>::max()),
+          where, "at most 2^31 - 1 tokens per sequence");
+  require_finite(q, where, "q", opt.check_finite);
+  require_finite(k, where, "k", opt.check_finite);
+  require_finite(v, where, "v", opt.check_finite);
+  return scale;
+}
+
+template <typename Scalar>
+FilterBuckets bucket_keys(const LocalitySensitiveFilters<Scalar>& filters, const RowMatrix<Scalar>& unit_k) {
+  const Index n = unit_k.rows(), m = filters.filters(), L = filters.tables();
+  FilterBuckets b;
+  b.codes = filters.assign_unit(unit_k);
+  b.perm.resize(static_cast<std::size_t>(L * n));
+  b.start.resize(static_cast<std::size_t>(L * (m + 1)));
+  std::vector<Index> start;
+  for (Index t = 0; t < L; ++t) {
+    sort_by_bucket(b.codes.data() + t, L, n, m, b.perm.data() + t * n, start);
+    std::copy(start.begin(), start.end(), b.start.begin() + t * (m + 1));
+  }
+  return b;
+}
+
+// Chooses the filters each query opens (threshold, min_probes, fallback; see the top of the file).
+template <typename Scalar>
+class FilterProber {
+ public:
+  FilterProber(const LocalitySensitiveFilters<Scalar>& filters, const FilterBuckets& keys, Index n_k, Scalar eta,
+               Index min_probes, bool causal)
+      : filters_(filters), keys_(keys), n_k_(n_k), eta_(eta), min_probes_(min_probes), causal_(causal) {}
+
+  FilterProbes probe(const RowMatrix<Scalar>& unit_q) const {
+    const Index n = unit_q.rows(), m = filters_.filters(), L = filters_.tables();
+    const Index blocks = (n + kHashTile - 1) / kHashTile;
+    std::vector<std::vector<std::int32_t>> opened(static_cast<std::size_t>(blocks));
+    std::vector<Index> count(static_cast<std::size_t>(n));
+    std::vector<char> fell_back(static_cast<std::size_t>(n), 0);
+    filters_.for_each_block(unit_q, [&](Index i0, const auto& block, RowMatrix<Scalar>& s, RowMatrix<Scalar>& work) {
+      const Index B = block.rows();
+      RowMatrix<Scalar> scores(B, L * m);  // the block's scores in all tables, row u = query i0 + u
+      for (Index t = 0; t < L; ++t) {
+        filters_.score_block(block, t, s, work);
+        scores.middleCols(t * m, m) = s;
+      }
+      std::vector<std::int32_t>& out = opened[static_cast<std::size_t>(i0 / kHashTile)];
+      std::vector<std::int32_t> order;
+      for (Index u = 0; u < B; ++u) {
+        const std::size_t first = out.size();
+        for (Index t = 0; t < L; ++t) open_in_table(&scores(u, t * m), t, order, out);
+        if (!any_valid(out.data() + first, out.size() - first, i0 + u)) {
+          fallback(&scores(u, 0), i0 + u, order, out, first);
+          fell_back[static_cast<std::size_t>(i0 + u)] = 1;
+        }
+        count[static_cast<std::size_t>(i0 + u)] = Index(out.size() - first);
+      }
+    });
+    FilterProbes p;
+    p.query_start.assign(static_cast<std::size_t>(n) + 1, 0);
+    for (Index i = 0; i < n; ++i) p.query_start[i + 1] = p.query_start[i] + count[i];
+    p.query_filters.reserve(static_cast<std::size_t>(p.query_start[n]));
+    for (const auto& block : opened) p.query_filters.insert(p.query_filters.end(), block.begin(), block.end());
+    p.fallback_queries = std::count(fell_back.begin(), fell_back.end(), 1);
+    // By filter: a stable counting sort of the (query, filter) pairs keeps queries in order.
+    p.filter_start.assign(static_cast<std::size_t>(L * m) + 1, 0);
+    for (std::int32_t g : p.query_filters) ++p.filter_start[static_cast<std::size_t>(g) + 1];
+    for (Index g = 0; g < L * m; ++g) p.filter_start[g + 1] += p.filter_start[g];
+    p.filter_queries.resize(p.query_filters.size());
+    std::vector<Index> next(p.filter_start.begin(), p.filter_start.end() - 1);
+    for (Index i = 0; i < n; ++i)
+      for (Index e = p.query_start[i]; e < p.query_start[i + 1]; ++e)
+        p.filter_queries[static_cast<std::size_t>(next[p.query_filters[e]]++)] = static_cast<std::int32_t>(i);
+    return p;
+  }
+
+ private:
+  // Filters of table t with score >= η, or the min_probes best if fewer; appended as ids t m + f.
+  void open_in_table(const Scalar* s, Index t, std::vector<std::int32_t>& order, std::vector<std::int32_t>& out) const {
+    const Index m = filters_.filters();
+    const std::size_t first = out.size();
+    for (Index f = 0; f < m; ++f)
+      if (s[f] >= eta_) out.push_back(static_cast<std::int32_t>(t * m + f));
+    if (Index(out.size() - first) >= min_probes_) return;
+    // Fewer than min_probes pass: they are among the best, so the min_probes best are the set.
+    out.resize(first);
+    best_first(s, m, min_probes_, order);
+    std::sort(order.begin(), order.begin() + min_probes_);
+    for (Index r = 0; r < min_probes_; ++r) out.push_back(static_cast<std::int32_t>(t * m + order[r]));
+  }
+
+  // order[0..count) = indices of the `count` largest of s[0..size), by descending score, ties to
+  // the lower index.
+  static void best_first(const Scalar* s, Index size, Index count, std::vector<std::int32_t>& order) {
+    order.resize(static_cast<std::size_t>(size));
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + count, order.end(),
+                      [s](std::int32_t a, std::int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
+  }
+
+  // True when filter g holds a key valid for query i (keys are in increasing position).
+  bool holds_valid_key(std::int32_t g, Index i) const {
+    const Index m = filters_.filters(), t = g / m, f = g % m;
+    const Index* start = keys_.start.data() + t * (m + 1);
+    if (start[f + 1] == start[f]) return false;
+    return !causal_ || keys_.perm[static_cast<std::size_t>(t * n_k_ + start[f])] <= i;
+  }
+
+  bool any_valid(const std::int32_t* g, std::size_t count, Index i) const {
+    for (std::size_t e = 0; e < count; ++e)
+      if (holds_valid_key(g[e], i)) return true;
+    return false;
+  }
+
+  // Opens filters of all tables in descending score order until one holds a valid key; keeps
+  // out[first..) sorted. Terminates: some filter holds key 0, valid for every query.
+  void fallback(const Scalar* s, Index i, std::vector<std::int32_t>& order, std::vector<std::int32_t>& out,
+                std::size_t first) const {
+    const Index all = filters_.filters() * filters_.tables();
+    best_first(s, all, all, order);
+    for (std::int32_t g : order) {
+      if (!holds_valid_key(g, i)) continue;  // an opened filter holds no valid key either
+      out.insert(std::upper_bound(out.begin() + first, out.end(), g), g);
+      return;
+    }
+  }
+
+  const LocalitySensitiveFilters<Scalar>& filters_;
+  const FilterBuckets& keys_;
+  Index n_k_;
+  Scalar eta_;
+  Index min_probes_;
+  bool causal_;
+};
+
+// The dedupe count of the score tile: the number of tables in which key cols[u] lies in a filter
+// opened by query i (>= 1 for every key of a tile that scores the pair). The opened filters of the
+// task's queries are one bit each (rows lo .. lo + rows, L m bits a row), set once per task; the
+// tile's columns are a range of the table's filter-ordered keys, whose codes (in that order) are
+// rows of `codes`, so a count is L bit tests.
+struct OpenedFilterCounter {
+  const std::int32_t* perm = nullptr;  // the table's keys in filter order (cols.list points into it)
+  const HashCodes* codes = nullptr;    // n_k x L, rows in the order of perm
+  Index filters = 0, lo = 0, words = 0;
+  std::vector<std::uint64_t> bits;     // rows x words
+
+  void open(const FilterProbes& p, Index first, Index rows) {
+    lo = first;
+    words = (codes->cols() * filters + 63) / 64;
+    bits.assign(static_cast<std::size_t>(rows * words), 0);
+    for (Index i = first; i < first + rows; ++i)
+      for (Index e = p.query_start[i]; e < p.query_start[i + 1]; ++e) {
+        const std::uint64_t g = std::uint64_t(p.query_filters[e]);
+        bits[static_cast<std::size_t>((i - first) * words + Index(g >> 6))] |= std::uint64_t(1) << (g & 63);
+      }
+  }
+
+  void operator()(Index i, const TileIndex& cols, std::int32_t* n) const {
+    const std::uint64_t* row = bits.data() + (i - lo) * words;
+    const Index L = codes->cols();
+    const std::int32_t* code = codes->data() + (cols.list - perm) * L;
+    for (Index u = 0; u < cols.size; ++u, code += L) {
+      std::int32_t c = 0;
+      for (Index t = 0; t < L; ++t) {
+        const std::uint64_t g = std::uint64_t(t * filters + code[t]);
+        c += std::int32_t((row[g >> 6] >> (g & 63)) & 1);
+      }
+      n[u] += c;
+    }
+  }
+};
+
+// One (batch, head) slice.
+template <typename Scalar>
+class LsfSlice {
+ public:
+  LsfSlice(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
+           const LocalitySensitiveFilters<Scalar>& filters, const LsfOptions& opt)
+      : filters_(filters), opt_(opt), eta_(resolve_threshold("lsf_attention", opt, filters.filters())) {
+    if (q.rows() == 0) return;
+    keys_ = bucket_keys(filters, unit_rows<Scalar>(k));
+    probes_ = FilterProber<Scalar>(filters, keys_, k.rows(), static_cast<Scalar>(eta_), opt.min_probes, opt.causal)
+                  .probe(unit_rows<Scalar>(q));
+  }
+
+  LsfProbeStats stats() const {
+    LsfProbeStats st;
+    st.eta = eta_;
+    st.opened = Index(probes_.query_filters.size());
+    st.fallback_queries = probes_.fallback_queries;
+    const Index n_q = Index(probes_.query_start.size()) - 1, n_k = keys_.codes.rows();
+    const Index m = filters_.filters(), L = filters_.tables();
+    std::vector<std::uint8_t> open(static_cast<std::size_t>(L * m), 0);
+    for (Index i = 0; i < n_q; ++i) {
+      const std::int32_t* g0 = probes_.query_filters.data() + probes_.query_start[i];
+      const std::int32_t* g1 = probes_.query_filters.data() + probes_.query_start[i + 1];
+      for (const std::int32_t* g = g0; g < g1; ++g) open[*g] = 1;
+      for (const std::int32_t* g = g0; g < g1; ++g) {
+        const Index t = *g / m, f = *g % m;
+        const std::int32_t* perm = keys_.perm.data() + t * n_k;
+        const Index* start = keys_.start.data() + t * (m + 1);
+        const Index end = opt_.causal ? Index(std::upper_bound(perm + start[f], perm + start[f + 1], i) - perm)
+                                      : start[f + 1];
+        st.logits += end - start[f];
+        // A key counts for the first table in which i finds it.
+        for (Index e = start[f]; e < end; ++e) {
+          const std::int32_t* code = keys_.codes.data() + Index(perm[e]) * L;
+          Index before = 0;
+          for (Index u = 0; u < t; ++u) before += open[u * m + code[u]];
+          st.target_pairs += before == 0;
+        }
+      }
+      for (const std::int32_t* g = g0; g < g1; ++g) open[*g] = 0;
+    }
+    return st;
+  }
+
+  SoftmaxAccumulator<Scalar> attend(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                                    const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                                    const Eigen::Ref<const RowMatrix<Scalar>>& v, Scalar scale) const {
+    const Index n_q = q.rows(), n_k = k.rows(), m = filters_.filters(), L = filters_.tables();
+    SoftmaxAccumulator<Scalar> acc(n_q, v.cols());
+    if (n_q == 0) return acc;
+    const RowMatrix<Scalar> queries = scale * q;
+    RowMatrix<Scalar> keys(n_k, k.cols()), values(n_k, v.cols());
+    HashCodes codes(n_k, L);
+    const Index block = query_block(L * m), tasks = (n_q + block - 1) / block;
+    for (Index t = 0; t < L; ++t) {
+      const std::int32_t* perm = keys_.perm.data() + t * n_k;
+      const Index* start = keys_.start.data() + t * (m + 1);
+      for (Index s = 0; s < n_k; ++s) {
+        keys.row(s) = k.row(perm[s]);
+        values.row(s) = v.row(perm[s]);
+        codes.row(s) = keys_.codes.row(perm[s]);
+      }
+      // Each task owns the rows [b Q, (b + 1) Q): one thread merges a row, filter by filter.
+      parallel_for(tasks, [&](Index b) {
+        const std::int32_t lo = static_cast<std::int32_t>(b * block);
+        const std::int32_t hi = static_cast<std::int32_t>(std::min(n_q, (b + 1) * block));
+        ScoreTile<Scalar> tile(kTargetRowTile, kTargetColTile, v.cols());
+        RowMatrix<Scalar> q_tile(kTargetRowTile, q.cols());
+        OpenedFilterCounter counter;
+        TileMask<OpenedFilterCounter> mask;
+        mask.causal = opt_.causal;
+        if (L > 1) {
+          counter.perm = perm;
+          counter.codes = &codes;
+          counter.filters = m;
+          counter.open(probes_, lo, hi - lo);
+          mask.dedupe = &counter;
+        }
+        for (Index f = 0; f < m; ++f) {
+          const Index k0 = start[f], k1 = start[f + 1], g = t * m + f;
+          if (k0 == k1) continue;
+          const std::int32_t* fq = probes_.filter_queries.data();
+          const std::int32_t* q0 = std::lower_bound(fq + probes_.filter_start[g], fq + probes_.filter_start[g + 1], lo);
+          const std::int32_t* q1 = std::lower_bound(q0, fq + probes_.filter_start[g + 1], hi);
+          // Causal: one query per tile, against the filter's keys j <= i only (keys are in
+          // increasing position), so every tile shape, and with it every rounding, depends on
+          // tokens 0..i alone and output i is bit-identical whatever the later tokens.
+          const Index rows_per_tile = opt_.causal ? 1 : kTargetRowTile;
+          for (const std::int32_t* r = q0; r < q1; r += rows_per_tile) {
+            const Index br = std::min<Index>(rows_per_tile, q1 - r);
+            const Index end = opt_.causal ? Index(std::upper_bound(perm + k0, perm + k1, r[0]) - perm) : k1;
+            for (Index u = 0; u < br; ++u) q_tile.row(u) = queries.row(r[u]);
+            const TileIndex rows = TileIndex::gathered(r, br);
+            for (Index c0 = k0; c0 < end; c0 += kTargetColTile) {
+              const Index bc = std::min(kTargetColTile, end - c0);
+              tile.attend(q_tile.topRows(br), keys.middleRows(c0, bc), values.middleRows(c0, bc), rows,
+                          TileIndex::gathered(perm + c0, bc), mask, acc);
+            }
+          }
+        }
+      });
+    }
+    return acc;
+  }
+
+ private:
+  const LocalitySensitiveFilters<Scalar>& filters_;
+  const LsfOptions& opt_;
+  double eta_;
+  FilterBuckets keys_;
+  FilterProbes probes_;
+};
+
+template <typename Scalar>
+SoftmaxAccumulator<Scalar> lsf_slice(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                                     const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                                     const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                                     const LocalitySensitiveFilters<Scalar>& filters, const LsfOptions& opt,
+                                     Scalar scale) {
+  return LsfSlice<Scalar>(q, k, filters, opt).attend(q, k, v, scale);
+}
+
+}  // namespace detail
+
+// LSF attention as an accumulator (for merging with other partial results):
+// q n_q x d, k n_k x d, v n_k x dv.
+template <typename Scalar>
+SoftmaxAccumulator<Scalar> lsf_attention_accumulate(const LocalitySensitiveFilters<Scalar>& filters,
+                                                    const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                                                    const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                                                    const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                                                    const LsfOptions& opt = {}) {
+  const char* where = "lsf_attention";
+  const Scalar scale = detail::check_lsf_inputs<Scalar>(where, q, k, v, filters, opt);
+  SoftmaxAccumulator<Scalar> acc = detail::lsf_slice<Scalar>(q, k, v, filters, opt, scale);
+  // Inputs were checked, so a non-finite result (or a row whose logits all overflowed to -inf)
+  // means overflow: report it rather than return NaN or an empty row.
+  detail::check_result_finite(where, acc.numden(), opt.check_finite, [] {});
+  detail::check_result_finite(where, acc.log_scale(), opt.check_finite, [] {});
+  return acc;
+}
+
+// LSF attention: q n_q x d, k n_k x d, v n_k x dv -> n_q x dv.
+template <typename DQ, typename DK, typename DV>
+RowMatrix<typename DQ::Scalar> lsf_attention(const LocalitySensitiveFilters<typename DQ::Scalar>& filters,
+                                             const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                             const Eigen::MatrixBase<DV>& v, const LsfOptions& opt = {}) {
+  using Scalar = typename DQ::Scalar;
+  static_assert(std::is_same<Scalar, typename DK::Scalar>::value && std::is_same<Scalar, typename DV::Scalar>::value,
+                "q, k and v must share the scalar type");
+  // Every row holds at least one key, whose largest term is exp(0): den >= 1.
+  return lsf_attention_accumulate<Scalar>(filters, q, k, v, opt).finalize();
+}
+
+// The filters LSF attention would open for q over k, without the attention: the threshold used,
+// filters opened, fallback queries, distinct pairs scored (target_pairs / (n_q n_k) is the
+// fraction of pairs scored) and logits computed.
+template <typename Scalar>
+LsfProbeStats lsf_probe_stats(const LocalitySensitiveFilters<Scalar>& filters,
+                              const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                              const Eigen::Ref<const RowMatrix<Scalar>>& k, const LsfOptions& opt = {}) {
+  const RowMatrix<Scalar> no_values(k.rows(), 0);
+  detail::check_lsf_inputs<Scalar>("lsf_probe_stats", q, k, no_values, filters, opt);
+  return detail::LsfSlice<Scalar>(q, k, filters, opt).stats();
+}
+
+// Batched multi-head LSF attention over contiguous row-major buffers: q (batch, heads, n_q, d),
+// k (batch, heads, n_k, d), v (batch, heads, n_k, dv) -> out (batch, heads, n_q, dv). Every slice
+// uses the same filters. Slices run in parallel, each on one thread.
+template <typename Scalar>
+void lsf_attention_batched(const LocalitySensitiveFilters<Scalar>& filters, const Scalar* q, const Scalar* k,
+                           const Scalar* v, Scalar* out, const BatchShape& shape, const LsfOptions& opt = {}) {
+  const char* where = "lsf_attention_batched";
+  using detail::slice_of;
+  const Scalar scale = detail::resolve_scale<Scalar>(where, opt, detail::inverse_sqrt_dim(filters.dim()));
+  detail::for_each_slice(
+      where, shape, q && k && v && out,
+      [&](Index s) {
+        detail::check_lsf_inputs<Scalar>(where, slice_of(q, s, shape.n_q, shape.d), slice_of(k, s, shape.n_k, shape.d),
+                                         slice_of(v, s, shape.n_k, shape.dv), filters, opt);
+      },
+      [&](Index s) {
+        auto o = slice_of(out, s, shape.n_q, shape.dv);
+        detail::lsf_slice<Scalar>(slice_of(q, s, shape.n_q, shape.d), slice_of(k, s, shape.n_k, shape.d),
+                                  slice_of(v, s, shape.n_k, shape.dv), filters, opt, scale)
+            .finalize_into(o);
+      });
+}
+
+}  // namespace randattn

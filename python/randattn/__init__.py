@@ -1,0 +1,121 @@
+"""randattn: randomized attention approximation and tensor sketching, from NumPy and PyTorch.
+
+Attention of 2-D ``(n, d)`` or 4-D ``(batch, heads, n, d)`` float32/float64 arrays or CPU torch
+tensors, exact or approximated (random features, hybrids, LSH)::
+
+    out = randattn.attention(q, k, v, method="favor", features=256, seed=0)
+
+Results have the kind (NumPy or torch), dtype and layout of ``q``. C-contiguous inputs are read
+in place; others are copied once. Computations release the GIL. Invalid arguments raise
+ValueError (or TypeError for wrong types). See :func:`methods` for every method and its options.
+"""
+
+from . import _core
+from ._arrays import as_numpy, dtype_name, like
+from ._sketch import SparseSketch, hosvd, sparsify
+
+__version__ = _core.__version__
+__all__ = ["attention", "methods", "FeatureMap", "Decoder", "sparsify", "hosvd", "SparseSketch"]
+
+
+def methods():
+    """{name: {"summary", "keys_optional", "options": {option: default}}} for every method."""
+    return {name: {"summary": m["summary"], "keys_optional": m["keys_optional"], "options": dict(m["options"])}
+            for name, m in _core.methods.items()}
+
+
+def attention(q, k, v, *, method="exact", causal=False, scale=None, seed=0, check_finite=True, threads=None,
+              **options):
+    """softmax(scale · q kᵀ) v, exactly or estimated by ``method``.
+
+    q: (n_q, d) or (batch, heads, n_q, d); k: (n_k, d) or (batch, heads, n_k, d), or None for
+    methods that share queries and keys (lsh); v: (n_k, dv) or (batch, heads, n_k, dv). Returns
+    (n_q, dv) or (batch, heads, n_q, dv), as a NumPy array or a torch tensor like q.
+
+    Options of every method (the command line's ``randattn-cli attention`` flags):
+      causal        query i sees keys j <= i only (needs n_q == n_k)
+      scale         logit scale (default 1/sqrt(d); 1 for lsh, whose keys are unit vectors)
+      seed          seed of the method's random draws (ignored by exact)
+      check_finite  reject NaN and Inf inputs (ValueError naming the first one)
+      threads       OpenMP threads for this call (default: the process setting)
+
+    Method-specific keyword options, with the command line's defaults:
+      favor, favor-hyp, trig: features=256, projection="orthogonal" ("iid", "hadamard"),
+                              omega=None (an (m, d) array of projections, used as given)
+      hybrid:                 features=256, projection="orthogonal", lambda_features=16
+      hybrid-gaussian:        as hybrid, and bandwidth=1.0
+      lsh:                    buckets=None (2*ceil(n/chunk)), chunk=64, rounds=4,
+                              rotation="dense" ("hadamard"), rotations=None ((d, r, b/2) array),
+                              dedupe=True, exact_buckets=False
+    ``methods()`` lists them all. An option of another method raises TypeError.
+    """
+    arrays = [as_numpy(q, "q"), None if k is None else as_numpy(k, "k"), as_numpy(v, "v")]
+    out = _core.attention(*arrays, method, causal, scale, seed, check_finite, threads, options)
+    return like(out, q)
+
+
+class FeatureMap:
+    """A random-feature map of the softmax kernel exp(xᵀy), as the random-feature methods use.
+
+    kind: "positive" (FAVOR+, m features), "hyperbolic" (2m), "trig" (2m), "hybrid" (angular
+    hybrid of hyperbolic and trig) or "hybrid-gaussian" (Gaussian hybrid of trig and positive);
+    d: input dimension; options as for the matching attention method (features, projection,
+    omega, lambda_features, bandwidth). Maps of the same kind, options and seed as a method's
+    draw the same ω as that method.
+    """
+
+    def __init__(self, kind, d, *, seed=0, **options):
+        self._map = _core.FeatureMap(kind, d, seed, options)
+
+    def features(self, x, normaliser=1.0, side="query"):
+        """(values (n, M), log_scale (n,)) for the rows of ``normaliser * x``: row i stands for
+        exp(log_scale[i]) * values[i], and φ(x)ᵀ diag(signs) φ(y) estimates exp(xᵀy). For
+        attention with scale s the normaliser is s ** 0.5. ``side`` ("query" or "key") matters
+        only for maps that differ between the two."""
+        values, log_scale = self._map.features(as_numpy(x, "x"), normaliser, side)
+        return like(values, x), like(log_scale, x)
+
+    def redraw(self, seed):
+        """Draw new projections of the same kind and shape from ``seed``."""
+        self._map.redraw(seed)
+
+    kind = property(lambda self: self._map.kind)
+    input_dim = property(lambda self: self._map.input_dim)
+    feature_dim = property(lambda self: self._map.feature_dim, doc="M, the length of a feature row")
+    projections = property(lambda self: self._map.projections, doc="m, the number of projections")
+    seed = property(lambda self: self._map.seed)
+    signs = property(lambda self: self._map.signs, doc="±1 per feature (all +1 but for hybrids)")
+    omega = property(lambda self: self._map.omega, doc="the (m, d) projections (float64); None for hybrids")
+
+    def __repr__(self):
+        return (f"FeatureMap({self.kind!r}, d={self.input_dim}, projections={self.projections}, "
+                f"feature_dim={self.feature_dim}, seed={self.seed})")
+
+
+class Decoder:
+    """Causal random-feature attention one token at a time (decoding), over a FeatureMap:
+    ``append(k, v)`` adds position t, then ``query(q)`` returns its output (value_dim,). Costs
+    O(M · value_dim) per token; gives what ``attention(..., causal=True)`` gives with the same map.
+    """
+
+    def __init__(self, feature_map, value_dim, *, dtype="float64", scale=None, denominator_epsilon=None,
+                 check_finite=True):
+        if not isinstance(feature_map, FeatureMap):
+            raise TypeError(f"feature_map must be a randattn.FeatureMap, got {type(feature_map).__name__}")
+        self.feature_map = feature_map
+        self._decoder = _core.Decoder(feature_map._map, value_dim, dtype_name(dtype), scale, denominator_epsilon,
+                                      check_finite)
+
+    def append(self, k, v):
+        self._decoder.append(as_numpy(k, "k"), as_numpy(v, "v"))
+
+    def query(self, q):
+        return like(self._decoder.query(as_numpy(q, "q")), q)
+
+    def reset(self):
+        self._decoder.reset()
+
+    def __len__(self):
+        return self._decoder.length
+
+    dtype = property(lambda self: self._decoder.dtype)

@@ -1,0 +1,59 @@
+"""NumPy and torch inputs seen as NumPy arrays without copies, and results returned in the kind
+of the inputs (a NumPy array, or a torch tensor sharing the result's memory)."""
+
+import sys
+
+import numpy as np
+
+
+def _torch():
+    """The torch module if the caller has imported it (randattn never imports it itself)."""
+    return sys.modules.get("torch")
+
+
+def is_tensor(x):
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def as_numpy(x, name):
+    """x as a NumPy array sharing its memory: NumPy arrays as they are, CPU torch tensors through
+    tensor.numpy(); anything else through numpy.asarray (lists of numbers, for instance)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if is_tensor(x):
+        if x.device.type != "cpu":
+            raise ValueError(f"{name} is on device {x.device}; randattn runs on the CPU: move it with .cpu()")
+        if x.requires_grad and _torch().is_grad_enabled():
+            raise RuntimeError(
+                f"{name} requires grad: randattn computes no gradients; call it under "
+                "torch.no_grad() or torch.inference_mode(), or pass tensor.detach()")
+        return x.detach().numpy()
+    try:
+        return np.asarray(x)
+    except Exception as e:  # e.g. ragged nested lists
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}: {e}") from None
+
+
+def like(result, template):
+    """result (a NumPy array) as a torch tensor when template is one, sharing memory."""
+    if is_tensor(template):
+        return _torch().from_numpy(result)
+    return result
+
+
+def dtype_name(dtype):
+    """'float32' or 'float64' from a NumPy dtype-like or a torch dtype."""
+    torch = _torch()
+    if torch is not None and isinstance(dtype, torch.dtype):
+        names = {torch.float32: "float32", torch.float64: "float64"}
+        if dtype not in names:
+            raise TypeError(f"dtype must be float32 or float64, got {dtype}")
+        return names[dtype]
+    try:
+        d = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
+    if d not in (np.float32, np.float64):
+        raise TypeError(f"dtype must be float32 or float64, got {d}")
+    return d.name

@@ -1,0 +1,182 @@
+"""randattn.attention against NumPy references written from the formulas (exact attention, the
+three plain feature maps on a given ω, the hybrids on the FeatureMap's own features) and against
+randattn-cli for the same seed (LSH, hybrids)."""
+
+import numpy as np
+import pytest
+
+import randattn
+from conftest import (DTYPES, assert_close, batched, feature_rows, linear_attention, run_cli,
+                      softmax_attention)
+
+SHAPES = {"2d": (48, 8, 5), "4d": (2, 3, 40, 8, 5)}
+
+
+def qkv(rng, layout, dtype, spread=0.5):
+    """Queries, keys and values of moderate norm (logits of order one)."""
+    if layout == "2d":
+        n, d, dv = SHAPES["2d"]
+        lead = ()
+    else:
+        *lead, n, d, dv = SHAPES["4d"]
+        lead = tuple(lead)
+    q = spread * rng.standard_normal(lead + (n, d))
+    k = spread * rng.standard_normal(lead + (n, d))
+    v = rng.standard_normal(lead + (n, dv))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["2d", "4d"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_exact_matches_numpy(rng, dtype, layout, causal):
+    q, k, v = qkv(rng, layout, dtype, spread=1.0)
+    for scale in (None, 0.7):
+        out = randattn.attention(q, k, v, method="exact", causal=causal, scale=scale)
+        assert out.dtype == dtype and out.shape == q.shape[:-1] + (v.shape[-1],)
+        ref = batched(lambda a, b, c: softmax_attention(a, b, c, scale, causal), q, k, v)
+        assert_close(out, ref, dtype, terms=q.shape[-2] + q.shape[-1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["2d", "4d"])
+@pytest.mark.parametrize("method,kind", [("favor", "positive"), ("favor-hyp", "hyperbolic"), ("trig", "trig")])
+@pytest.mark.parametrize("causal", [False, True])
+def test_feature_methods_match_numpy_on_given_omega(rng, dtype, layout, method, kind, causal):
+    q, k, v = qkv(rng, layout, dtype)
+    d = q.shape[-1]
+    omega = rng.standard_normal((24, d))
+    scale = 1 / np.sqrt(d)
+    out = randattn.attention(q, k, v, method=method, omega=omega, causal=causal)
+    c = np.sqrt(scale)  # the data normaliser: φ(c q)ᵀφ(c k) estimates exp(scale qᵀk)
+
+    def ref(qs, ks, vs):
+        return linear_attention(feature_rows(kind, c * qs, omega), feature_rows(kind, c * ks, omega), vs, causal)
+
+    assert out.dtype == dtype
+    assert_close(out, batched(ref, q, k, v), dtype, terms=q.shape[-2] + 2 * omega.shape[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("method", ["hybrid", "hybrid-gaussian"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_hybrids_match_numpy_on_their_features(rng, dtype, method, causal):
+    """A hybrid method is linear attention on the signed features of the FeatureMap of the same
+    kind, options and seed; the features come from the map, the attention from NumPy."""
+    q, k, v = qkv(rng, "4d", dtype)
+    d = q.shape[-1]
+    options = dict(features=16, lambda_features=4, seed=7)
+    fm = randattn.FeatureMap(method, d, **options)
+    c = (1 / np.sqrt(d)) ** 0.5
+
+    def ref(qs, ks, vs):
+        qv, ql = fm.features(qs.astype(dtype), c, "query")
+        kv, kl = fm.features(ks.astype(dtype), c, "key")
+        qf = np.exp(ql.astype(np.float64))[:, None] * qv
+        kf = np.exp(kl.astype(np.float64))[:, None] * kv
+        return linear_attention(qf, kf, vs, causal, signs=fm.signs)
+
+    out = randattn.attention(q, k, v, method=method, causal=causal, **options)
+    assert_close(out, batched(ref, q, k, v), dtype, terms=q.shape[-2] + fm.feature_dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("method,extra", [
+    ("hybrid", ["--lambda-features", "4"]),
+    ("hybrid-gaussian", ["--lambda-features", "4", "--bandwidth", "0.8"]),
+    ("favor", ["--projection", "hadamard"]),
+])
+def test_random_methods_match_the_cli(rng, tmp_path, dtype, method, extra):
+    q, k, v = qkv(rng, "4d", dtype)
+    options = {a[2:].replace("-", "_"): b for a, b in zip(extra[::2], extra[1::2])}
+    options = {key: (val if key == "projection" else float(val) if "." in val else int(val))
+               for key, val in options.items()}
+    out = randattn.attention(q, k, v, method=method, features=16, seed=3, **options)
+    cli = run_cli(tmp_path, ["attention", "--method", method, "--features", "16", "--seed", "3"] + extra,
+                  q=q, k=k, v=v)
+    # The same library code on the same inputs: only code generation (contractions, vector
+    # width) may differ between the two binaries.
+    assert_close(out, cli, dtype, terms=8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["2d", "4d"])
+@pytest.mark.parametrize("variant", ["chunked", "chunked-causal", "exact-buckets", "separate-keys", "hadamard"])
+def test_lsh_matches_the_cli(rng, tmp_path, dtype, layout, variant):
+    q, k, v = qkv(rng, layout, dtype, spread=1.5)
+    flags = ["--chunk", "8", "--rounds", "3", "--seed", "11"]
+    options = dict(chunk=8, rounds=3, seed=11)
+    keys = None
+    if variant == "chunked-causal":
+        flags.append("--causal")
+        options["causal"] = True
+    if variant in ("exact-buckets", "separate-keys"):
+        flags += ["--exact-buckets", "--buckets", "6"]
+        options.update(exact_buckets=True, buckets=6)
+    if variant == "separate-keys":
+        keys = k
+    if variant == "hadamard":
+        flags += ["--rotation", "hadamard", "--no-dedupe"]
+        options.update(rotation="hadamard", dedupe=False)
+    out = randattn.attention(q, keys, v, method="lsh", **options)
+    arrays = dict(q=q, v=v) if keys is None else dict(q=q, k=keys, v=v)
+    cli = run_cli(tmp_path, ["attention", "--method", "lsh"] + flags, **arrays)
+    assert out.dtype == dtype and out.shape == cli.shape
+    assert_close(out, cli, dtype, terms=8)
+
+
+def test_lsh_with_given_rotations_matches_numpy_limit(rng):
+    """With one bucket per round (b = 2 and a zero rotation every token hashes to bucket 0),
+    shared-QK LSH with exact buckets is exact attention over the normalised keys without self."""
+    n, d = 12, 4
+    q = rng.standard_normal((n, d))
+    v = rng.standard_normal((n, 3))
+    rotations = np.zeros((d, 2, 1))
+    out = randattn.attention(q, None, v, method="lsh", rotations=rotations, exact_buckets=True, dedupe=True)
+    keys = q / np.linalg.norm(q, axis=1, keepdims=True)
+    logits = q @ keys.T
+    np.fill_diagonal(logits, -np.inf)
+    w = np.exp(logits - logits.max(axis=1, keepdims=True))
+    assert_close(out, (w @ v) / w.sum(axis=1, keepdims=True), np.float64, terms=2 * n)
+
+
+@pytest.mark.parametrize("method", list(randattn.methods()))
+def test_thread_count_does_not_change_results(rng, method):
+    q, k, v = qkv(rng, "4d", np.float64)
+    keys = None if method == "lsh" else k
+    one = randattn.attention(q, keys, v, method=method, threads=1)
+    two = randattn.attention(q, keys, v, method=method, threads=2)
+    np.testing.assert_array_equal(one, two)
+
+
+def test_method_table_defaults_are_the_cli_defaults():
+    m = randattn.methods()
+    assert list(m) == ["exact", "favor", "favor-hyp", "trig", "hybrid", "hybrid-gaussian", "lsh"]
+    assert m["exact"]["options"] == {}
+    for name in ("favor", "favor-hyp", "trig"):
+        assert m[name]["options"] == {"features": 256, "projection": "orthogonal", "omega": None}
+    assert m["hybrid"]["options"] == {"features": 256, "projection": "orthogonal", "lambda_features": 16}
+    assert m["hybrid-gaussian"]["options"] == {"features": 256, "projection": "orthogonal",
+                                               "lambda_features": 16, "bandwidth": 1.0}
+    assert m["lsh"]["options"] == {"buckets": None, "chunk": 64, "rounds": 4, "rotation": "dense",
+                                   "rotations": None, "dedupe": True, "exact_buckets": False}
+    assert m["lsh"]["keys_optional"] and not m["favor"]["keys_optional"]
+
+
+def test_defaults_equal_explicit_options(rng):
+    q, k, v = qkv(rng, "2d", np.float64)
+    implicit = randattn.attention(q, k, v, method="favor")
+    explicit = randattn.attention(q, k, v, method="favor", features=256, projection="orthogonal", seed=0)
+    np.testing.assert_array_equal(implicit, explicit)
+    assert not np.array_equal(implicit, randattn.attention(q, k, v, method="favor", seed=1))
+
+
+def test_edge_sizes(rng):
+    # No queries: an empty result; one key: every query returns that value.
+    k = rng.standard_normal((1, 3))
+    v = rng.standard_normal((1, 2))
+    empty = randattn.attention(np.zeros((0, 3)), k, v)
+    assert empty.shape == (0, 2)
+    for method in ("exact", "favor", "favor-hyp", "hybrid"):
+        out = randattn.attention(rng.standard_normal((4, 3)), k, v, method=method)
+        assert_close(out, np.repeat(v, 4, axis=0), np.float64, terms=8)

@@ -44,10 +44,11 @@ inline Segment sketch_range(Index size, int rank, int ranks) {
 namespace detail {
 
 // The ordered total of per-chunk sums gathered from every rank (chunk order = rank order).
+// (OrderedSum::value() adds the closed chunk sums in order from 0, the open chunk's last.)
 inline double ordered_total(Communicator& comm, const std::vector<double>& chunk_sums) {
-  randattn::detail::OrderedSum total;
-  for (double s : comm.allgatherv(chunk_sums)) total.add_chunk(s);
-  return total.value();
+  double total = 0;
+  for (double s : comm.allgatherv(chunk_sums)) total += s;
+  return total;
 }
 
 // Sketches of this rank's entries, one per stream, with the global statistics.
@@ -78,10 +79,10 @@ std::vector<SparseSketch<Scalar>> sample_shard(Communicator& comm, const std::ve
   Index bad = std::numeric_limits<Index>::max();
   for (Index c = 0; c < chunks; ++c) {
     randattn::detail::OrderedSum s;
-    for (Index t = c * kSketchChunk; t < std::min(count, (c + 1) * kSketchChunk); ++t) {
-      s.add_square(double(local[t]));
-      if (bad == std::numeric_limits<Index>::max() && !std::isfinite(local[t])) bad = range.first + t;
-    }
+    const Index t0 = c * kSketchChunk, len = std::min(count, (c + 1) * kSketchChunk) - t0;
+    randattn::detail::add_terms<true>(s, range.first + t0, local + t0, 1, len, randattn::detail::Identity{});
+    for (Index t = t0; t < t0 + len && bad == std::numeric_limits<Index>::max(); ++t)
+      if (!std::isfinite(local[t])) bad = range.first + t;
     sums[std::size_t(c)] = s.value();
   }
   const double fro2 = ordered_total(comm, sums);

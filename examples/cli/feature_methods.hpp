@@ -215,14 +215,14 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
 
   // Rows of the fitted statistic: every (batch, heads) slice, or the calibration rows.
   template <typename Map>
-  void fit_map(Map& map, const SliceView<typename Map::Scalar>* rows, double normaliser, bool causal) const {
+  void fit_map(Map& map, const SliceView<typename Map::Scalar>* sequence, double normaliser, bool causal) const {
     using Scalar = typename Map::Scalar;
     const FeatureFlags& f = *flags_;
     if (f.fit == "queries+keys") {
-      if (!rows)
+      if (!sequence)
         throw CliError("--fit queries+keys needs every query and key in one process; use --fit given with "
                        "--rho or --calibration");
-      const SliceView<Scalar>& data = *rows;
+      const SliceView<Scalar>& data = *sequence;
       if (causal)
         throw CliError("--fit queries+keys would let every causal output depend on every key; use --fit given "
                        "with --rho or --calibration");

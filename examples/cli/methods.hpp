@@ -253,7 +253,6 @@ class LshMethod final : public TypedMethod<LshMethod> {
   randattn::LshOptions options(const randattn::CrossPolytopeHash<Scalar>& hash, const CommonSettings& settings) const {
     if (!settings.shared_qk && !exact_buckets_)
       throw CliError("--k needs --exact-buckets (sort-and-chunk attention shares queries and keys; omit --k)");
-    if (chunk_ < 1) throw CliError("--chunk must be at least 1, got " + std::to_string(chunk_));
     randattn::LshOptions opt;
     opt.chunk = chunk_;
     opt.exact_buckets = exact_buckets_;
@@ -267,6 +266,8 @@ class LshMethod final : public TypedMethod<LshMethod> {
 
   template <typename Scalar>
   randattn::CrossPolytopeHash<Scalar> make_hash(const randattn::BatchShape& shape, std::uint64_t seed) const {
+    // The default bucket count depends on the chunk: check it first.
+    if (chunk_ < 1) throw CliError("--chunk must be at least 1, got " + std::to_string(chunk_));
     if (rotations_path_.empty()) {
       const std::int64_t buckets = buckets_opt_->count() ? buckets_ : randattn::reformer_buckets(shape.n_k, chunk_);
       const auto kind = rotation_ == "hadamard" ? randattn::RotationKind::hadamard : randattn::RotationKind::dense;

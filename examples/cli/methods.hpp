@@ -354,6 +354,15 @@ class LsfMethod final : public TypedMethod<LsfMethod> {
     share_option(rotation_opt_);
   }
 
+#ifdef RANDATTN_CLI_MPI
+  // Filter attention is not distributed: its key filters would have to be gathered on every rank.
+  template <typename Scalar>
+  void compute_sharded(const Shards&, const Scalar*, const Scalar*, const Scalar*, Scalar*, const randattn::BatchShape&,
+                       const CommonSettings&) const {
+    throw CliError("randattn-mpi: --method lsf is not distributed; run it with randattn-cli");
+  }
+#endif
+
   template <typename Scalar>
   void compute(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out, const randattn::BatchShape& shape,
                const CommonSettings& settings) const {

@@ -120,6 +120,33 @@ map_slice(const char* where, const Map& map, const Eigen::Ref<const RowMatrix<ty
   return {std::move(qf), std::move(kf)};
 }
 
+// Features of q or k computed block by block as the linear core reads them (a row source of
+// core/linear_attention.hpp): no n x M feature matrix is ever held.
+template <typename Map>
+class MappedFeatureRows {
+ public:
+  using Scalar = typename Map::Scalar;
+
+  MappedFeatureRows(const Map& map, const Eigen::Ref<const RowMatrix<Scalar>>& x, Scalar normaliser,
+                    FeatureSide side)
+      : map_(map), x_(x), normaliser_(normaliser), side_(side) {}
+
+  Index rows() const { return x_.rows(); }
+  Index dim() const { return map_.feature_dim(); }
+  void fill(Index i0, Index len, Eigen::Ref<RowMatrix<Scalar>> values,
+            Eigen::Ref<Vector<Scalar>> log_scale) const {
+    map_.features_into(x_.middleRows(i0, len), normaliser_, values, log_scale, side_);
+  }
+  // q and k were checked before mapping, so a non-finite result means the features overflowed.
+  void scan(const char*, const char*) const {}
+
+ private:
+  const Map& map_;
+  Eigen::Ref<const RowMatrix<Scalar>> x_;
+  Scalar normaliser_;
+  FeatureSide side_;
+};
+
 template <typename Map>
 SoftmaxAccumulator<typename Map::Scalar> feature_attention_slice(
     const char* where, const Map& map,
@@ -128,13 +155,14 @@ SoftmaxAccumulator<typename Map::Scalar> feature_attention_slice(
     const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
     const FeatureAttentionSettings<typename Map::Scalar>& s, bool check_finite) {
   using Scalar = typename Map::Scalar;
-  // Named members, not a structured binding: lambdas may not capture those in C++17.
-  const auto mapped = map_slice(where, map, q, k, v, s, check_finite);
-  const auto& qf = mapped.first;
-  const auto& kf = mapped.second;
+  check_feature_slice(where, map, q, k, v, s, check_finite);
   if (q.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
-  return linear_attention_accumulate<Scalar>(qf.values, qf.log_scale, kf.values, kf.log_scale, v,
-                                             map.signs(), s.linear);
+  const MappedFeatureRows<Map> qr(map, q, s.normaliser, FeatureSide::query);
+  const MappedFeatureRows<Map> kr(map, k, s.normaliser, FeatureSide::key);
+  const Vector<Scalar> signs = map.signs();
+  const LinearOperands<MappedFeatureRows<Map>, MappedFeatureRows<Map>> in{qr, kr, v, signs,
+                                                                          linear_chunk(s.linear)};
+  return linear_accumulate(where, in, s.linear.causal, s.linear.check_finite);
 }
 
 }  // namespace detail

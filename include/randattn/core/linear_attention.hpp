@@ -6,6 +6,8 @@
 // S = sum_j K'_j^T [V_j | 1]. The stabiliser never looks at future keys: inside a chunk row i
 // is scaled by the running maximum of the key log-scales up to i, and the carried state by the
 // maximum over past chunks, so output i depends on keys 0..i only (bit for bit).
+// The core reads features through row sources one block at a time (GivenFeatureRows below, or a
+// feature map applied on the fly), so its own memory is O(n·dv) plus one block per thread.
 
 #include <algorithm>
 #include <cmath>
@@ -39,14 +41,8 @@ constexpr Index kDefaultCausalChunk = 32;
 // Chunks per group of causal attention (see linear_causal); a shape constant, not a thread count.
 constexpr Index kCausalGroup = 16;
 constexpr Index kDefaultKeyPanel = kMaxGemmDepth;
-
-template <typename Scalar>
-RowMatrix<Scalar> append_ones(const Eigen::Ref<const RowMatrix<Scalar>>& v) {
-  RowMatrix<Scalar> ve(v.rows(), v.cols() + 1);
-  ve.leftCols(v.cols()) = v;
-  ve.col(v.cols()).setOnes();
-  return ve;
-}
+// Key panels summarised per group of bidirectional attention; a shape constant, not a thread count.
+constexpr Index kKeyGroup = 16;
 
 template <typename Scalar>
 void check_linear_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& qf,
@@ -93,186 +89,262 @@ void check_linear_inputs(const char* where, const Eigen::Ref<const RowMatrix<Sca
   }
 }
 
-// Names the first non-finite entry of the feature and value inputs (see check_result_finite).
-template <typename Scalar>
-auto linear_input_scan(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& qf,
-                       const Eigen::Ref<const RowMatrix<Scalar>>& kf,
-                       const Eigen::Ref<const RowMatrix<Scalar>>& v) {
-  return [=, &qf, &kf, &v] {
-    require_finite(qf, where, "q_features");
-    require_finite(kf, where, "k_features");
-    require_finite(v, where, "v");
-  };
-}
+// Feature rows of one side, read block by block: a source has Scalar, rows(), dim(),
+// fill(i0, len, values, log_scale), which writes rows [i0, i0 + len) (values len x dim, log-scales
+// len; zeros when the side has none), and scan(where, name), which names its first non-finite
+// entry for the result check. GivenFeatureRows serves features the caller computed;
+// MappedFeatureRows (attention/random_feature_attention.hpp) computes them from q or k block by
+// block, so random-feature attention never holds an n x M feature matrix.
+template <typename Scalar_>
+class GivenFeatureRows {
+ public:
+  using Scalar = Scalar_;
 
-// The operands of one call as both paths read them; ve = [v | 1].
-template <typename Scalar>
-struct LinearOperands {
-  Eigen::Ref<const RowMatrix<Scalar>> qf;
-  Eigen::Ref<const Vector<Scalar>> q_log;
-  Eigen::Ref<const RowMatrix<Scalar>> kf;
-  Eigen::Ref<const Vector<Scalar>> k_log;
-  const RowMatrix<Scalar>& ve;
-  Eigen::Ref<const Vector<Scalar>> signs;
-  Index chunk;
+  GivenFeatureRows(const Eigen::Ref<const RowMatrix<Scalar>>& values,
+                   const Eigen::Ref<const Vector<Scalar>>& log_scale)
+      : values_(values), log_scale_(log_scale) {}
+
+  Index rows() const { return values_.rows(); }
+  Index dim() const { return values_.cols(); }
+  void fill(Index i0, Index len, Eigen::Ref<RowMatrix<Scalar>> values,
+            Eigen::Ref<Vector<Scalar>> log_scale) const {
+    values = values_.middleRows(i0, len);
+    if (log_scale_.size() > 0) {
+      log_scale = log_scale_.segment(i0, len);
+    } else {
+      log_scale.setZero();
+    }
+  }
+  void scan(const char* where, const char* name) const { require_finite(values_, where, name); }
+
+ private:
+  Eigen::Ref<const RowMatrix<Scalar>> values_;
+  Eigen::Ref<const Vector<Scalar>> log_scale_;
 };
 
-// Per-chunk key summaries T_t = K'_t^T [V_t | 1] (signs applied), each relative to
-// exp(log_scale(t)) with log_scale(t) the largest key log-scale of chunk t. They depend on
-// chunk t's keys alone and are computed in parallel.
+// A block of feature rows with their log-scales (the rows a source filled).
+template <typename Scalar>
+struct FeatureBlock {
+  RowMatrix<Scalar> values;
+  Vector<Scalar> log_scale;
+  FeatureBlock(Index rows, Index dim) : values(rows, dim), log_scale(rows) {}
+};
+
+// The operands of one call as every path reads them: the two sources, v, the sign vector of
+// φ(q)ᵀ diag(σ) φ(k) (empty: all +1) and the chunk length (rows per causal chunk, or per key
+// panel and query block).
+template <typename QRows, typename KRows>
+struct LinearOperands {
+  using Scalar = typename KRows::Scalar;
+  const QRows& q;
+  const KRows& k;
+  Eigen::Ref<const RowMatrix<Scalar>> v;
+  Eigen::Ref<const Vector<Scalar>> signs;
+  Index chunk;
+
+  Index features() const { return k.dim(); }
+  Index width() const { return v.cols() + 1; }  // columns of [v | 1]
+};
+
+// Rows [i0, i0 + len) of the keys into `keys`, the signs applied (exact: a sign flip).
+template <typename In>
+void fill_keys(const In& in, Index i0, Index len, FeatureBlock<typename In::Scalar>& keys) {
+  auto rows = keys.values.topRows(len);
+  in.k.fill(i0, len, rows, keys.log_scale.head(len));
+  if (in.signs.size() > 0) rows.array().rowwise() *= in.signs.transpose().array();
+}
+
+// Rows [i0, i0 + len) of both sides into q and k, in blocks of kMaxGemmDepth rows in parallel.
+template <typename In>
+void fill_both(const In& in, Index i0, Index len, FeatureBlock<typename In::Scalar>& q,
+               FeatureBlock<typename In::Scalar>& k) {
+  using Scalar = typename In::Scalar;
+  const Index blocks = (len + kMaxGemmDepth - 1) / kMaxGemmDepth;
+  parallel_for(2 * blocks, [&](Index b) {
+    const Index r0 = (b / 2) * kMaxGemmDepth, rows = std::min(kMaxGemmDepth, len - r0);
+    FeatureBlock<Scalar>& f = b % 2 == 0 ? q : k;
+    auto values = f.values.middleRows(r0, rows);
+    if (b % 2 == 0) {
+      in.q.fill(i0 + r0, rows, values, f.log_scale.segment(r0, rows));
+    } else {
+      in.k.fill(i0 + r0, rows, values, f.log_scale.segment(r0, rows));
+      if (in.signs.size() > 0) values.array().rowwise() *= in.signs.transpose().array();
+    }
+  });
+}
+
+// Work buffers of one thread: a block of feature rows, [w ∘ V | w] or [V | 1] of a chunk, and,
+// for causal chunks, the masked weights and their product.
+template <typename Scalar>
+struct ChunkScratch {
+  FeatureBlock<Scalar> features;
+  RowMatrix<Scalar> values, weights, product;
+  Vector<Scalar> log_rows;
+  ChunkScratch(Index chunk, Index dim, Index width, bool causal)
+      : features(causal ? 0 : chunk, dim),
+        values(chunk, width),
+        weights(causal ? chunk : 0, causal ? chunk : 0),
+        product(causal ? chunk : 0, width),
+        log_rows(causal ? chunk : 0) {}
+};
+
+// T = K'ᵀ [w ∘ V | w] for key rows [j0, j0 + len) given as `keys` (signed) with log-scales
+// `k_log`, where w = exp(k_log − g) and g is the largest of them: T is relative to exp(g).
+// Returns g.
+template <typename In, typename Keys, typename Out>
+typename In::Scalar summarise_keys(const In& in, const Keys& keys,
+                                   const Eigen::Ref<const Vector<typename In::Scalar>>& k_log,
+                                   Index j0, RowMatrix<typename In::Scalar>& scratch, Out&& out) {
+  const Index len = keys.rows(), dv = in.v.cols();
+  const typename In::Scalar g = k_log.maxCoeff();
+  auto weighted = scratch.topRows(len);
+  weighted.col(dv) = (k_log.array() - g).exp().matrix();
+  weighted.leftCols(dv) = weighted.col(dv).asDiagonal() * in.v.middleRows(j0, len);
+  gemm_fixed_depth(out, keys.transpose(), weighted, false);
+  return g;
+}
+
+// Per-chunk key summaries T_t, chunk t of a group being rows [t*M, (t+1)*M) of `blocks`,
+// relative to exp(log_scale(t)).
 template <typename Scalar>
 struct KeySummaries {
-  RowMatrix<Scalar> blocks;  // (chunks * M) x (dv + 1); chunk t is rows [t*M, (t+1)*M)
-  Vector<Scalar> log_scale;  // chunks
+  RowMatrix<Scalar> blocks;
+  Vector<Scalar> log_scale;
   Index m = 0;
+  KeySummaries(Index chunks, Index m, Index width) : blocks(chunks * m, width), log_scale(chunks), m(m) {}
 
   auto block(Index t) { return blocks.middleRows(t * m, m); }
   auto block(Index t) const { return blocks.middleRows(t * m, m); }
 };
 
-// Calls use(keys) with key rows [j0, j0 + len) carrying the signs and the weights
-// exp(k_log - g); the rows are used in place when there is nothing to apply.
-template <typename Scalar, typename Use>
-void with_weighted_keys(const Eigen::Ref<const RowMatrix<Scalar>>& kf,
-                        const Eigen::Ref<const Vector<Scalar>>& k_log,
-                        const Eigen::Ref<const Vector<Scalar>>& signs, Index j0, Index len,
-                        Scalar g, Use&& use) {
-  const auto keys = kf.middleRows(j0, len);
-  if (k_log.size() == 0 && signs.size() == 0) {
-    use(keys);
-    return;
-  }
-  RowMatrix<Scalar> out(len, kf.cols());
-  if (k_log.size() > 0) {
-    const Vector<Scalar> w = (k_log.segment(j0, len).array() - g).exp().matrix();
-    if (signs.size() > 0) {
-      out.noalias() = w.asDiagonal() * keys * signs.asDiagonal();
-    } else {
-      out.noalias() = w.asDiagonal() * keys;
-    }
-  } else {
-    out.noalias() = keys * signs.asDiagonal();
-  }
-  use(out);
-}
-
-// T = K'_cᵀ [V_c | 1] for key rows [j0, j0 + len) (signs applied), written to `out` relative to
-// exp(g), g the largest key log-scale of those rows; returns g.
-template <typename Scalar, typename Out>
-Scalar summarise_chunk(const LinearOperands<Scalar>& in, Index j0, Index len, Out&& out) {
-  const Scalar g = in.k_log.size() > 0 ? in.k_log.segment(j0, len).maxCoeff() : Scalar(0);
-  with_weighted_keys<Scalar>(in.kf, in.k_log, in.signs, j0, len, g, [&](const auto& keys) {
-    gemm_fixed_depth(out, keys.transpose(), in.ve.middleRows(j0, len), false);
-  });
-  return g;
-}
-
-// Per-chunk key summaries, computed in parallel.
-template <typename Scalar>
-KeySummaries<Scalar> summarise_keys(const LinearOperands<Scalar>& in) {
-  const Index n_k = in.kf.rows(), m = in.kf.cols(), chunk = in.chunk;
+// The summary S = K'ᵀ [V | 1] of all keys (at least one), relative to exp(c). Key panels of
+// in.chunk rows are mapped and summarised in parallel, kKeyGroup at a time, and merged into S
+// in order: the result does not depend on the thread count, and memory holds one group's
+// summaries and one panel of features per thread.
+template <typename In>
+RowMatrix<typename In::Scalar> key_state(const In& in, typename In::Scalar& c) {
+  using Scalar = typename In::Scalar;
+  const Index n_k = in.k.rows(), m = in.features(), w = in.width(), chunk = in.chunk;
   const Index chunks = (n_k + chunk - 1) / chunk;
-  KeySummaries<Scalar> sums{RowMatrix<Scalar>(chunks * m, in.ve.cols()), Vector<Scalar>(chunks), m};
-  parallel_for(chunks, [&](Index t) {
-    const Index j0 = t * chunk;
-    sums.log_scale(t) = summarise_chunk(in, j0, std::min(chunk, n_k - j0), sums.block(t));
-  });
-  return sums;
-}
-
-// Rows [i0, i0 + len) of causal attention, merged into acc: the masked product with the chunk's
-// own keys, and Q_c `state` for the keys before it (`state` relative to exp(state_log); −inf:
-// none). Row i is stabilised by the largest key log-scale up to i, never a later one.
-template <typename Scalar, typename State>
-void causal_chunk_rows(const LinearOperands<Scalar>& in, Index i0, Index len, const State& state,
-                       Scalar state_log, SoftmaxAccumulator<Scalar>& acc) {
-  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
-  const auto queries = in.qf.middleRows(i0, len);
-  RowMatrix<Scalar> weights(len, len), nd(len, in.ve.cols());
-  Vector<Scalar> log_rows(len);
-  with_weighted_keys<Scalar>(in.kf, Vector<Scalar>(), in.signs, i0, len, Scalar(0),
-                             [&](const auto& keys) {
-                               gemm_fixed_depth(weights, queries, keys.transpose(), false);
-                             });
-  Scalar prefix_max = kNegInf;
-  for (Index i = 0; i < len; ++i) {
-    if (in.k_log.size() > 0) {
-      prefix_max = std::max(prefix_max, in.k_log(i0 + i));
-      weights.row(i).head(i + 1).array() *=
-          (in.k_log.segment(i0, i + 1).array() - prefix_max).exp().transpose();
-      log_rows(i) = prefix_max;
-    } else {
-      log_rows(i) = 0;
-    }
-    weights.row(i).tail(len - i - 1).setZero();
+  KeySummaries<Scalar> sums(std::min(chunks, kKeyGroup), m, w);
+  RowMatrix<Scalar> state = RowMatrix<Scalar>::Zero(m, w);
+  c = -std::numeric_limits<Scalar>::infinity();
+  for (Index first = 0; first < chunks; first += kKeyGroup) {
+    const Index group = std::min(kKeyGroup, chunks - first);
+    parallel_for_with(
+        group, [&] { return ChunkScratch<Scalar>(chunk, m, w, false); },
+        [&](Index t, ChunkScratch<Scalar>& s) {
+          const Index j0 = (first + t) * chunk, len = std::min(chunk, n_k - j0);
+          fill_keys(in, j0, len, s.features);
+          sums.log_scale(t) = summarise_keys(in, s.features.values.topRows(len),
+                                             s.features.log_scale.head(len), j0, s.values, sums.block(t));
+        });
+    for (Index t = 0; t < group; ++t) merge_scaled(state, c, sums.block(t), sums.log_scale(t));
   }
-  if (in.q_log.size() > 0) log_rows += in.q_log.segment(i0, len);
-  gemm_fixed_depth(nd, weights, in.ve.middleRows(i0, len), false);
-  acc.merge_rows(i0, nd, log_rows);
-  if (state_log != kNegInf) {
-    gemm_fixed_depth(nd, queries, state, false);
-    log_rows.setConstant(state_log);
-    if (in.q_log.size() > 0) log_rows += in.q_log.segment(i0, len);
-    acc.merge_rows(i0, nd, log_rows);
-  }
-}
-
-// The summary S = K'^T [V | 1] of all keys (at least one), relative to exp(c).
-template <typename Scalar>
-RowMatrix<Scalar> key_state(const LinearOperands<Scalar>& in, Scalar& c) {
-  const KeySummaries<Scalar> sums = summarise_keys(in);
-  // Summing the chunks in a fixed order keeps the result independent of the thread count.
-  RowMatrix<Scalar> state = sums.block(0);
-  c = sums.log_scale(0);
-  for (Index t = 1; t < sums.log_scale.size(); ++t)
-    merge_scaled(state, c, sums.block(t), sums.log_scale(t));
   return state;
 }
 
 // Every query against the key summary `state` (relative to exp(c)): [num | den] = Q' S.
-template <typename Scalar>
-SoftmaxAccumulator<Scalar> query_key_state(const LinearOperands<Scalar>& in, const RowMatrix<Scalar>& state,
-                                           Scalar c) {
-  const Index n_q = in.qf.rows();
-  RowMatrix<Scalar> nd(n_q, in.ve.cols());
-  parallel_for((n_q + in.chunk - 1) / in.chunk, [&](Index b) {
-    const Index i0 = b * in.chunk, len = std::min(in.chunk, n_q - i0);
-    gemm_fixed_depth(nd.middleRows(i0, len), in.qf.middleRows(i0, len), state, false);
-  });
-  Vector<Scalar> log_scale = Vector<Scalar>::Constant(n_q, c);
-  if (in.q_log.size() > 0) log_scale += in.q_log;
+template <typename In>
+SoftmaxAccumulator<typename In::Scalar> query_key_state(const In& in,
+                                                        const RowMatrix<typename In::Scalar>& state,
+                                                        typename In::Scalar c) {
+  using Scalar = typename In::Scalar;
+  const Index n_q = in.q.rows(), m = in.features(), chunk = in.chunk;
+  RowMatrix<Scalar> nd(n_q, in.width());
+  Vector<Scalar> log_scale(n_q);
+  parallel_for_with(
+      (n_q + chunk - 1) / chunk, [&] { return FeatureBlock<Scalar>(chunk, m); },
+      [&](Index b, FeatureBlock<Scalar>& f) {
+        const Index i0 = b * chunk, len = std::min(chunk, n_q - i0);
+        auto queries = f.values.topRows(len);
+        in.q.fill(i0, len, queries, log_scale.segment(i0, len));
+        gemm_fixed_depth(nd.middleRows(i0, len), queries, state, false);
+      });
+  log_scale.array() += c;
   return SoftmaxAccumulator<Scalar>(std::move(nd), std::move(log_scale));
+}
+
+template <typename In>
+SoftmaxAccumulator<typename In::Scalar> linear_bidirectional(const In& in) {
+  typename In::Scalar c;
+  const auto state = key_state(in, c);
+  return query_key_state(in, state, c);
+}
+
+// Causal rows [i0, i0 + len), `queries` and `keys` (signed) being their features, merged into
+// acc: the masked product with the chunk's own keys, and Q_c `state` for the keys before it
+// (`state` relative to exp(state_log); −inf: none). Row i is stabilised by the largest key
+// log-scale up to i, never a later one.
+template <typename In, typename Rows, typename State>
+void causal_chunk_rows(const In& in, Index i0, const Rows& queries,
+                       const Eigen::Ref<const Vector<typename In::Scalar>>& q_log, const Rows& keys,
+                       const Eigen::Ref<const Vector<typename In::Scalar>>& k_log, const State& state,
+                       typename In::Scalar state_log, ChunkScratch<typename In::Scalar>& s,
+                       SoftmaxAccumulator<typename In::Scalar>& acc) {
+  using Scalar = typename In::Scalar;
+  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  const Index len = queries.rows(), dv = in.v.cols();
+  auto weights = s.weights.topLeftCorner(len, len);
+  auto product = s.product.topRows(len);
+  auto log_rows = s.log_rows.head(len);
+  auto values = s.values.topRows(len);
+  gemm_fixed_depth(weights, queries, keys.transpose(), false);
+  Scalar prefix_max = kNegInf;
+  for (Index i = 0; i < len; ++i) {
+    prefix_max = std::max(prefix_max, k_log(i));
+    weights.row(i).head(i + 1).array() *= (k_log.head(i + 1).array() - prefix_max).exp().transpose();
+    weights.row(i).tail(len - i - 1).setZero();
+    log_rows(i) = prefix_max;
+  }
+  log_rows += q_log;
+  values.leftCols(dv) = in.v.middleRows(i0, len);
+  values.col(dv).setOnes();
+  gemm_fixed_depth(product, weights, values, false);
+  acc.merge_rows(i0, product, log_rows);
+  if (state_log != kNegInf) {
+    gemm_fixed_depth(product, queries, state, false);
+    log_rows.setConstant(state_log);
+    log_rows += q_log;
+    acc.merge_rows(i0, product, log_rows);
+  }
 }
 
 // Causal linear attention. The sequence is cut into chunks of in.chunk rows, and the chunks into
 // groups of kCausalGroup; groups run in order, carrying the state S of every key before the
-// group. Inside a group the chunk summaries are computed in parallel, turned into exclusive
-// prefixes in order (S absorbs them one by one), and every chunk's rows are then finished in
-// parallel: Q_c S_c for the keys before the chunk, the masked product inside it. The merge order
-// is fixed by the shapes, so results do not depend on the thread count, and memory holds one
-// group's states, not one per chunk.
-template <typename Scalar>
-SoftmaxAccumulator<Scalar> linear_bidirectional(const LinearOperands<Scalar>& in) {
-  Scalar c;
-  const RowMatrix<Scalar> state = key_state(in, c);
-  return query_key_state(in, state, c);
-}
-
-template <typename Scalar>
-SoftmaxAccumulator<Scalar> linear_causal(const LinearOperands<Scalar>& in) {
+// group. For each group the features of its rows are computed once; then the chunk summaries
+// are computed in parallel, turned into exclusive prefixes in order (S absorbs them one by one),
+// and every chunk's rows are finished in parallel: Q_c S_c for the keys before the chunk, the
+// masked product inside it. The merge order is fixed by the shapes, so results do not depend on
+// the thread count, and memory holds one group's features and states. On return, `total` (if
+// given) holds S of all keys, relative to exp(*total_log).
+template <typename In>
+SoftmaxAccumulator<typename In::Scalar> linear_causal(const In& in,
+                                                      RowMatrix<typename In::Scalar>* total = nullptr,
+                                                      typename In::Scalar* total_log = nullptr) {
+  using Scalar = typename In::Scalar;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
-  const Index n = in.qf.rows(), m = in.kf.cols(), w = in.ve.cols(), chunk = in.chunk;
+  const Index n = in.q.rows(), m = in.features(), w = in.width(), chunk = in.chunk;
   const Index chunks = (n + chunk - 1) / chunk;
+  const Index group_rows = std::min(n, kCausalGroup * chunk);
   SoftmaxAccumulator<Scalar> acc(n, w - 1);
   RowMatrix<Scalar> carried = RowMatrix<Scalar>::Zero(m, w), incoming(m, w);
   Scalar carried_log = kNegInf;
-  KeySummaries<Scalar> prefix{RowMatrix<Scalar>(std::min(chunks, kCausalGroup) * m, w),
-                              Vector<Scalar>(std::min(chunks, kCausalGroup)), m};
+  KeySummaries<Scalar> prefix(std::min(chunks, kCausalGroup), m, w);
+  FeatureBlock<Scalar> q_rows(group_rows, m), k_rows(group_rows, m);
+  const auto scratch = [&] { return ChunkScratch<Scalar>(chunk, m, w, true); };
   for (Index first = 0; first < chunks; first += kCausalGroup) {
-    const Index group = std::min(kCausalGroup, chunks - first);
-    parallel_for(group, [&](Index t) {
-      const Index j0 = (first + t) * chunk, len = std::min(chunk, n - j0);
-      prefix.log_scale(t) = summarise_chunk(in, j0, len, prefix.block(t));
+    const Index group = std::min(kCausalGroup, chunks - first), g0 = first * chunk;
+    fill_both(in, g0, std::min(group_rows, n - g0), q_rows, k_rows);
+    const auto rows_of = [&](Index t) {
+      const Index r0 = t * chunk;
+      return std::make_pair(r0, std::min(chunk, n - g0 - r0));
+    };
+    parallel_for_with(group, scratch, [&](Index t, ChunkScratch<Scalar>& s) {
+      const auto [r0, len] = rows_of(t);
+      prefix.log_scale(t) = summarise_keys(in, k_rows.values.middleRows(r0, len),
+                                           k_rows.log_scale.segment(r0, len), g0 + r0, s.values,
+                                           prefix.block(t));
     });
     // Exclusive prefix: block t becomes the state of every key before chunk first + t.
     for (Index t = 0; t < group; ++t) {
@@ -282,12 +354,36 @@ SoftmaxAccumulator<Scalar> linear_causal(const LinearOperands<Scalar>& in) {
       prefix.log_scale(t) = carried_log;
       merge_scaled(carried, carried_log, incoming, c_in);
     }
-    parallel_for(group, [&](Index t) {
-      const Index i0 = (first + t) * chunk, len = std::min(chunk, n - i0);
-      causal_chunk_rows(in, i0, len, prefix.block(t), prefix.log_scale(t), acc);
+    parallel_for_with(group, scratch, [&](Index t, ChunkScratch<Scalar>& s) {
+      const auto [r0, len] = rows_of(t);
+      causal_chunk_rows(in, g0 + r0, q_rows.values.middleRows(r0, len),
+                        q_rows.log_scale.segment(r0, len), k_rows.values.middleRows(r0, len),
+                        k_rows.log_scale.segment(r0, len), prefix.block(t), prefix.log_scale(t), s,
+                        acc);
     });
   }
+  if (total) *total = std::move(carried);
+  if (total_log) *total_log = carried_log;
   return acc;
+}
+
+// Causal or bidirectional attention of the operands, its result checked when check_finite: a
+// non-finite result names the first non-finite input, or reports an overflow.
+template <typename In>
+SoftmaxAccumulator<typename In::Scalar> linear_accumulate(const char* where, const In& in,
+                                                          bool causal, bool check_finite) {
+  SoftmaxAccumulator<typename In::Scalar> acc = causal ? linear_causal(in) : linear_bidirectional(in);
+  check_result_finite(where, acc.numden(), check_finite, [&] {
+    in.q.scan(where, "q_features");
+    in.k.scan(where, "k_features");
+    require_finite(in.v, where, "v");
+  });
+  return acc;
+}
+
+// The chunk length of the options: block_size, or the default of the mode.
+inline Index linear_chunk(const LinearOptions& opt) {
+  return opt.block_size > 0 ? opt.block_size : opt.causal ? kDefaultCausalChunk : kDefaultKeyPanel;
 }
 
 }  // namespace detail
@@ -305,18 +401,11 @@ SoftmaxAccumulator<Scalar> linear_attention_accumulate(
   const char* where = "linear_attention";
   detail::check_linear_inputs<Scalar>(where, q_features, q_log_scale, k_features, k_log_scale, v,
                                       signs, opt);
-  const Index chunk = opt.block_size > 0 ? opt.block_size
-                      : opt.causal         ? detail::kDefaultCausalChunk
-                                           : detail::kDefaultKeyPanel;
   if (q_features.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
-  const RowMatrix<Scalar> ve = detail::append_ones<Scalar>(v);
-  const detail::LinearOperands<Scalar> in{q_features, q_log_scale, k_features, k_log_scale, ve,
-                                         signs, chunk};
-  SoftmaxAccumulator<Scalar> acc =
-      opt.causal ? detail::linear_causal<Scalar>(in) : detail::linear_bidirectional<Scalar>(in);
-  detail::check_result_finite(where, acc.numden(), opt.check_finite,
-                              detail::linear_input_scan<Scalar>(where, q_features, k_features, v));
-  return acc;
+  const detail::GivenFeatureRows<Scalar> q(q_features, q_log_scale), k(k_features, k_log_scale);
+  const detail::LinearOperands<detail::GivenFeatureRows<Scalar>, detail::GivenFeatureRows<Scalar>> in{
+      q, k, v, signs, detail::linear_chunk(opt)};
+  return detail::linear_accumulate(where, in, opt.causal, opt.check_finite);
 }
 
 // Normalised linear attention D^{-1} Q'(K'^T [V | 1]) for scaled features.
@@ -377,7 +466,11 @@ void linear_attention_batched(const Scalar* q_features, const Scalar* q_log_scal
         detail::check_linear_inputs<Scalar>(where, qf, log_scales(q_log_scale, s, shape.n_q), kf,
                                             log_scales(k_log_scale, s, shape.n_k), vs, sign_map,
                                             opt);
-        if (opt.check_finite) detail::linear_input_scan<Scalar>(where, qf, kf, vs)();
+        if (opt.check_finite) {
+          detail::require_finite(qf, where, "q_features");
+          detail::require_finite(kf, where, "k_features");
+          detail::require_finite(vs, where, "v");
+        }
       },
       [&](Index s) {
         auto o = slice_of(out, s, shape.n_q, shape.dv);

@@ -5,6 +5,8 @@
 
 #include <exception>
 #include <mutex>
+#include <optional>
+#include <utility>
 
 #include "../core/types.hpp"
 
@@ -14,30 +16,63 @@
 
 namespace randattn::detail {
 
+// The first exception thrown by any thread, rethrown once the loop is over.
+class FirstError {
+ public:
+  template <typename Fn>
+  void run(Fn&& fn) noexcept {
+    try {
+      fn();
+    } catch (...) {
+#if defined(_OPENMP)
+      std::lock_guard<std::mutex> lock(mutex_);
+#endif
+      if (!error_) error_ = std::current_exception();
+    }
+  }
+  bool failed() const { return bool(error_); }
+  void rethrow() const {
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  std::exception_ptr error_;
+#if defined(_OPENMP)
+  std::mutex mutex_;
+#endif
+};
+
 template <typename Fn>
 void parallel_for(Index count, Fn&& fn) {
-  std::exception_ptr error;
+  FirstError error;
 #if defined(_OPENMP)
-  std::mutex error_mutex;
 #pragma omp parallel for schedule(dynamic, 1) if (count > 1 && !omp_in_parallel())
-  for (Index i = 0; i < count; ++i) {
-    try {
-      fn(i);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(error_mutex);
-      if (!error) error = std::current_exception();
-    }
-  }
-#else
-  for (Index i = 0; i < count; ++i) {
-    try {
-      fn(i);
-    } catch (...) {
-      if (!error) error = std::current_exception();
-    }
-  }
 #endif
-  if (error) std::rethrow_exception(error);
+  for (Index i = 0; i < count; ++i) error.run([&] { fn(i); });
+  error.rethrow();
+}
+
+// As parallel_for, with one scratch object per thread, made by make(): fn(i, scratch) reuses it
+// across the items that thread computes, so large work buffers are allocated (and first
+// touched) once per thread rather than once per item. fn must overwrite whatever of the scratch
+// it reads, so that no item depends on which items ran before it on the same thread.
+template <typename Make, typename Fn>
+void parallel_for_with(Index count, Make&& make, Fn&& fn) {
+  FirstError error;
+#if defined(_OPENMP)
+#pragma omp parallel if (count > 1 && !omp_in_parallel())
+#endif
+  {
+    std::optional<decltype(make())> scratch;
+    error.run([&] { scratch.emplace(make()); });
+#if defined(_OPENMP)
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (Index i = 0; i < count; ++i) {
+      if (scratch) error.run([&] { fn(i, *scratch); });
+    }
+  }
+  error.rethrow();
 }
 
 }  // namespace randattn::detail

@@ -88,36 +88,31 @@ SoftmaxAccumulator<typename Map::Scalar> random_feature_attention_accumulate(
   });
 
   const Index dim = map.feature_dim(), dv = v.cols();
-  ScaledFeatures<Scalar> qf{RowMatrix<Scalar>(q.rows(), dim), Vector<Scalar>(q.rows())};
-  ScaledFeatures<Scalar> kf{RowMatrix<Scalar>(k.rows(), dim), Vector<Scalar>(k.rows())};
-  if (q.rows() > 0) map.features_into(q, s.normaliser, qf.values, qf.log_scale, FeatureSide::query);
-  if (k.rows() > 0) map.features_into(k, s.normaliser, kf.values, kf.log_scale, FeatureSide::key);
+  using Rows = randattn::detail::MappedFeatureRows<Map>;
+  const Rows qr(map, q, s.normaliser, FeatureSide::query), kr(map, k, s.normaliser, FeatureSide::key);
   const Vector<Scalar> signs = map.signs();
-  const Index chunk = s.linear.block_size > 0 ? s.linear.block_size
-                      : opt.causal            ? randattn::detail::kDefaultCausalChunk
-                                              : randattn::detail::kDefaultKeyPanel;
-  const RowMatrix<Scalar> ve = randattn::detail::append_ones<Scalar>(v);
-  const randattn::detail::LinearOperands<Scalar> in{qf.values, qf.log_scale, kf.values, kf.log_scale,
-                                                    ve,        signs,        chunk};
+  const randattn::detail::LinearOperands<Rows, Rows> in{qr, kr, v, signs,
+                                                        randattn::detail::linear_chunk(s.linear)};
 
-  // This rank's key summary, then the merge of all ranks' (bidirectional) or of the earlier
-  // ranks' (causal).
+  // This rank's key summary (causal: with the local causal part, which computes it anyway),
+  // then the merge of all ranks' summaries (bidirectional) or of the earlier ranks' (causal).
   Scalar c = -std::numeric_limits<Scalar>::infinity();
   RowMatrix<Scalar> local = RowMatrix<Scalar>::Zero(dim, dv + 1);
-  if (k.rows() > 0) local = randattn::detail::key_state(in, c);
+  SoftmaxAccumulator<Scalar> acc(q.rows(), dv);
+  if (opt.causal) {
+    if (q.rows() > 0) acc = randattn::detail::linear_causal(in, &local, &c);
+  } else if (k.rows() > 0) {
+    local = randattn::detail::key_state(in, c);
+  }
   detail::ScaledSummary<Scalar> summary(local, c);
   detail::merge_across_ranks(comm, summary,
                              opt.causal ? detail::Reduction::exclusive_scan : detail::Reduction::all);
   const RowMatrix<Scalar> state = summary.state(dim, dv + 1);
-
-  SoftmaxAccumulator<Scalar> acc(q.rows(), dv);
   if (q.rows() > 0) {
     if (!opt.causal) {
       acc = randattn::detail::query_key_state(in, state, summary.log_scale());
-    } else {
-      acc = randattn::detail::linear_causal(in);
-      if (summary.log_scale() != -std::numeric_limits<Scalar>::infinity())
-        acc.merge(randattn::detail::query_key_state(in, state, summary.log_scale()));
+    } else if (summary.log_scale() != -std::numeric_limits<Scalar>::infinity()) {
+      acc.merge(randattn::detail::query_key_state(in, state, summary.log_scale()));
     }
   }
   comm.agree([&] {

@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "bench_common.hpp"
 
@@ -104,18 +105,26 @@ void Exact(benchmark::State& state) {
   bench::report_gflops(state, exact_flops(n, opt.causal));
 }
 
-template <typename Map>
-void Features(benchmark::State& state, Map map) {
+// Attention end to end with the map; refit(map, inputs) runs inside the timed loop before
+// every call.
+template <typename Map, typename Refit>
+void EndToEnd(benchmark::State& state, Map map, Refit&& refit) {
   const Index n = state.range(0);
   bench::set_threads(1);
   const Inputs in(n);
   randattn::RandomFeatureOptions opt;
   opt.causal = state.range(1) != 0;
   for (auto _ : state) {
+    refit(map, in);
     RowMatrix<float> out = randattn::random_feature_attention(map, in.q, in.k, in.v, opt);
     benchmark::DoNotOptimize(out.data());
   }
   bench::report_gflops(state, feature_flops(n, map.feature_dim()));
+}
+
+template <typename Map>
+void Features(benchmark::State& state, Map map) {
+  EndToEnd(state, std::move(map), [](Map&, const Inputs&) {});
 }
 
 void Favor(benchmark::State& state) {
@@ -125,25 +134,19 @@ void FavorHyp(benchmark::State& state) {
   Features(state, randattn::HyperbolicFeatures(OrthogonalProjection<float>(kM, kD, 1)));
 }
 
-// Fit (bidirectional) and attention, as one call of a fitted map costs.
+// Fit (bidirectional) and attention, as one call of a fitted map costs; causal calls use
+// parameters fitted once to calibration rows.
 template <typename Map>
 void Fitted(benchmark::State& state, Map map) {
-  const Index n = state.range(0);
-  bench::set_threads(1);
-  const Inputs in(n);
-  randattn::RandomFeatureOptions opt;
-  opt.causal = state.range(1) != 0;
   const double c = std::pow(double(kD), -0.25);
-  if (opt.causal) {
+  const bool causal = state.range(1) != 0;
+  if (causal) {
     const RowMatrix<float> calibration = gaussian_matrix<float>(Philox(5), 256, kD, 0.5);
     map.fit(calibration, calibration, c);
   }
-  for (auto _ : state) {
-    if (!opt.causal) map.fit(in.q, in.k, c);
-    RowMatrix<float> out = randattn::random_feature_attention(map, in.q, in.k, in.v, opt);
-    benchmark::DoNotOptimize(out.data());
-  }
-  bench::report_gflops(state, feature_flops(n, map.feature_dim()));
+  EndToEnd(state, std::move(map), [&](Map& m, const Inputs& in) {
+    if (!causal) m.fit(in.q, in.k, c);
+  });
 }
 
 void Oprf(benchmark::State& state) {

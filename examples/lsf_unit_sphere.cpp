@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <randattn/randattn.hpp>
 
 #if defined(_OPENMP)
@@ -36,31 +37,14 @@ struct Settings {
   std::string csv;
 };
 
-Settings parse(int argc, char** argv) {
-  Settings s;
-  for (int a = 1; a < argc; ++a) {
-    const std::string arg = argv[a];
-    const auto value = [&]() -> std::string {
-      if (a + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
-      return argv[++a];
-    };
-    if (arg == "--n") {
-      s.n = std::stol(value());
-    } else if (arg == "--filters") {
-      s.filters = std::stol(value());
-    } else if (arg == "--scale") {
-      s.scale = std::stod(value());
-    } else if (arg == "--threads") {
-      s.threads = std::stol(value());
-    } else if (arg == "--csv") {
-      s.csv = value();
-    } else {
-      throw std::invalid_argument("unknown argument " + arg);
-    }
-  }
-  if (s.n < 64 || s.filters < 1 || s.threads < 1 || !(s.scale > 0))
-    throw std::invalid_argument("need --n >= 64, --filters >= 1, --threads >= 1 and --scale > 0");
-  return s;
+// The command line, read into s.
+void add_options(CLI::App& app, Settings& s) {
+  app.description("Locality-sensitive-filter attention on unit-norm clustered queries and keys");
+  app.add_option("--n", s.n, "sequence length")->check(CLI::Range(Index(64), Index(1) << 40));
+  app.add_option("--filters", s.filters, "filters per table")->check(CLI::PositiveNumber);
+  app.add_option("--scale", s.scale, "logit scale")->check(CLI::PositiveNumber);
+  app.add_option("--threads", s.threads, "threads")->check(CLI::PositiveNumber);
+  app.add_option("--csv", s.csv, "write one row per run to this file");
 }
 
 // Unit rows around n / 16 random directions (stream 1 of the seed), noise of norm about 0.4
@@ -101,12 +85,9 @@ struct Run {
 
 int main(int argc, char** argv) {
   Settings s;
-  try {
-    s = parse(argc, argv);
-  } catch (const std::exception& e) {
-    std::cerr << "lsf_unit_sphere: " << e.what() << "\n";
-    return 2;
-  }
+  CLI::App app;
+  add_options(app, s);
+  CLI11_PARSE(app, argc, argv);
 #if defined(_OPENMP)
   omp_set_num_threads(int(s.threads));
 #endif

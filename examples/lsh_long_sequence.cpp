@@ -17,11 +17,11 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <randattn/randattn.hpp>
 
 #if defined(_OPENMP)
@@ -40,35 +40,15 @@ struct Settings {
   std::string csv;
 };
 
-Settings parse(int argc, char** argv) {
-  Settings s;
-  for (int a = 1; a < argc; ++a) {
-    const std::string arg = argv[a];
-    const auto value = [&]() -> std::string {
-      if (a + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
-      return argv[++a];
-    };
-    if (arg == "--n") {
-      s.n = std::stol(value());
-    } else if (arg == "--chunk") {
-      s.chunk = std::stol(value());
-    } else if (arg == "--threads") {
-      s.threads = std::stol(value());
-    } else if (arg == "--rounds") {
-      s.rounds.clear();
-      std::stringstream list(value());
-      for (std::string item; std::getline(list, item, ',');) s.rounds.push_back(std::stol(item));
-    } else if (arg == "--no-exact") {
-      s.exact = false;
-    } else if (arg == "--csv") {
-      s.csv = value();
-    } else {
-      throw std::invalid_argument("unknown argument " + arg);
-    }
-  }
-  if (s.n < 2 || s.chunk < 1 || s.threads < 1 || s.rounds.empty())
-    throw std::invalid_argument("need --n >= 2, --chunk >= 1, --threads >= 1 and at least one round count");
-  return s;
+// The command line, read into s.
+void add_options(CLI::App& app, Settings& s) {
+  app.description("LSH attention on a long clustered sequence");
+  app.add_option("--n", s.n, "sequence length")->check(CLI::Range(Index(2), Index(1) << 40));
+  app.add_option("--rounds", s.rounds, "hash round counts, e.g. 1,2,4,8")->delimiter(',')->check(CLI::PositiveNumber);
+  app.add_option("--chunk", s.chunk, "chunk length")->check(CLI::PositiveNumber);
+  app.add_option("--threads", s.threads, "threads")->check(CLI::PositiveNumber);
+  app.add_flag_callback("--no-exact", [&s] { s.exact = false; }, "skip both exact runs");
+  app.add_option("--csv", s.csv, "write one row per run to this file");
 }
 
 // n tokens around n / 16 random directions of norm 8 (angular spread about 0.2 rad), in a
@@ -98,12 +78,9 @@ double rel_error(const RowMatrix<float>& a, const RowMatrix<float>& b) {
 
 int main(int argc, char** argv) {
   Settings s;
-  try {
-    s = parse(argc, argv);
-  } catch (const std::exception& e) {
-    std::cerr << "lsh_long_sequence: " << e.what() << "\n";
-    return 2;
-  }
+  CLI::App app;
+  add_options(app, s);
+  CLI11_PARSE(app, argc, argv);
 #if defined(_OPENMP)
   omp_set_num_threads(int(s.threads));
 #endif

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 
 #include <Eigen/Core>
 
@@ -32,6 +33,34 @@ RowMatrix<Scalar> rows_with_norms(std::uint64_t seed, const Eigen::VectorXd& nor
   RowMatrix<double> x = gaussian<double>(seed, norms.size(), d);
   for (Index i = 0; i < x.rows(); ++i) x.row(i) *= norms(i) / x.row(i).norm();
   return x.template cast<Scalar>();
+}
+
+// Tokens around a few directions, so that buckets and filters fill
+// unevenly and attention is peaked.
+template <typename Scalar>
+RowMatrix<Scalar> clustered(std::uint64_t seed, Index n, Index d, Index clusters, double spread) {
+  const RowMatrix<Scalar> centres = gaussian<Scalar>(seed, clusters, d, 2.0);
+  RowMatrix<Scalar> x = gaussian<Scalar>(seed + 1, n, d, spread);
+  for (Index i = 0; i < n; ++i) x.row(i) += centres.row((i * 5 + i / 7) % clusters);
+  return x;
+}
+
+// Row i of softmax attention restricted to a target set, in double: sum over the targets j of
+// count_j · exp(scale · q_i·k_j) v_j, divided by the same sum without v_j. The reference of
+// every method that attends to a subset of the keys (LSH buckets, LSF filters).
+inline Eigen::RowVectorXd softmax_over_targets(const Eigen::MatrixXd& q, Index i, const Eigen::MatrixXd& keys,
+                                               const Eigen::MatrixXd& v, const std::map<Index, int>& targets,
+                                               double scale) {
+  double top = -INFINITY;
+  for (const auto& [j, count] : targets) top = std::max(top, scale * q.row(i).dot(keys.row(j)));
+  Eigen::RowVectorXd num = Eigen::RowVectorXd::Zero(v.cols());
+  double den = 0;
+  for (const auto& [j, count] : targets) {
+    const double w = count * std::exp(scale * q.row(i).dot(keys.row(j)) - top);
+    den += w;
+    num += w * v.row(j);
+  }
+  return num / den;
 }
 
 // True when every column of `out` lies within the range of the same column of v (and 0): what

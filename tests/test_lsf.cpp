@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <set>
 #include <stdexcept>
@@ -62,7 +63,9 @@ Eigen::MatrixXd reference(const LocalitySensitiveFilters<Scalar>& f, const RowMa
   const Index L = f.tables(), m = f.filters();
   const Scores<Scalar> qs = all_scores(f, q);
   const randattn::HashCodes codes = f.assign(k);
-  Eigen::MatrixXd out = Eigen::MatrixXd::Zero(q.rows(), v.cols());
+  const Eigen::MatrixXd qd = q.template cast<double>(), kd = k.template cast<double>(),
+                        vd = v.template cast<double>();
+  Eigen::MatrixXd out(q.rows(), v.cols());
   for (Index i = 0; i < q.rows(); ++i) {
     std::vector<std::set<Index>> open;
     for (Index t = 0; t < L; ++t) open.push_back(opened_in_table(qs[std::size_t(t)], i, eta, min_probes));
@@ -92,15 +95,9 @@ Eigen::MatrixXd reference(const LocalitySensitiveFilters<Scalar>& f, const RowMa
     }
     REQUIRE(!targets.empty());
     if (pairs) *pairs += Index(targets.size());
-    double mx = -INFINITY;
-    for (Index j : targets) mx = std::max(mx, scale * q.row(i).template cast<double>().dot(k.row(j).template cast<double>()));
-    double den = 0;
-    for (Index j : targets) {
-      const double w = std::exp(scale * q.row(i).template cast<double>().dot(k.row(j).template cast<double>()) - mx);
-      den += w;
-      out.row(i) += w * v.row(j).template cast<double>();
-    }
-    out.row(i) /= den;
+    std::map<Index, int> once;
+    for (Index j : targets) once[j] = 1;
+    out.row(i) = testing::softmax_over_targets(qd, i, kd, vd, once, scale);
   }
   return out;
 }
@@ -111,14 +108,7 @@ RowMatrix<Scalar> unit(RowMatrix<Scalar> x) {
   return x;
 }
 
-// Tokens around a few directions, so that filters fill unevenly and attention is peaked.
-template <typename Scalar>
-RowMatrix<Scalar> clustered(std::uint64_t seed, Index n, Index d, Index clusters, double spread) {
-  const RowMatrix<Scalar> centres = testing::gaussian<Scalar>(seed, clusters, d, 2.0);
-  RowMatrix<Scalar> x = testing::gaussian<Scalar>(seed + 1, n, d, spread);
-  for (Index i = 0; i < n; ++i) x.row(i) += centres.row((i * 5 + i / 7) % clusters);
-  return x;
-}
+using testing::clustered;
 
 }  // namespace
 

@@ -91,27 +91,12 @@ Eigen::MatrixXd reference(const RowMatrix<Scalar>& q_, const RowMatrix<Scalar>* 
       for (Index j = 0; j < keys.rows(); ++j)
         if (!(causal && j > i)) valid[j] = 1;
     }
-    double m = -INFINITY;
-    for (const auto& [j, w] : valid) m = std::max(m, scale * q.row(i).dot(keys.row(j)));
-    double den = 0;
-    for (const auto& [j, w] : valid) {
-      const double e = w * std::exp(scale * q.row(i).dot(keys.row(j)) - m);
-      den += e;
-      out.row(i) += e * v.row(j);
-    }
-    out.row(i) /= den;
+    out.row(i) = testing::softmax_over_targets(q, i, keys, v, valid, scale);
   }
   return out;
 }
 
-// Tokens around a few directions, so that buckets are populated unevenly and attention is peaked.
-template <typename Scalar>
-RowMatrix<Scalar> clustered(std::uint64_t seed, Index n, Index d, Index clusters, double spread) {
-  const RowMatrix<Scalar> centres = testing::gaussian<Scalar>(seed, clusters, d, 2.0);
-  RowMatrix<Scalar> x = testing::gaussian<Scalar>(seed + 1, n, d, spread);
-  for (Index i = 0; i < n; ++i) x.row(i) += centres.row((i * 5 + i / 7) % clusters);
-  return x;
-}
+using testing::clustered;
 
 }  // namespace
 

@@ -137,6 +137,10 @@ class MappedFeatureRows {
             Eigen::Ref<Vector<Scalar>> log_scale) const {
     map_.features_into(x_.middleRows(i0, len), normaliser_, values, log_scale, side_);
   }
+  Eigen::Ref<const RowMatrix<Scalar>> view(Index i0, Index len, FeatureBlock<Scalar>& block) const {
+    fill(i0, len, block.values.topRows(len), block.log_scale.head(len));
+    return block.values.topRows(len);
+  }
   // q and k were checked before mapping, so a non-finite result means the features overflowed.
   void scan(const char*, const char*) const {}
 

@@ -89,12 +89,22 @@ void check_linear_inputs(const char* where, const Eigen::Ref<const RowMatrix<Sca
   }
 }
 
-// Feature rows of one side, read block by block: a source has Scalar, rows(), dim(),
+// A block of feature rows with their log-scales (the rows a source filled).
+template <typename Scalar>
+struct FeatureBlock {
+  RowMatrix<Scalar> values;
+  Vector<Scalar> log_scale;
+  FeatureBlock(Index rows, Index dim) : values(rows, dim), log_scale(rows) {}
+};
+
+// Feature rows of one side, read block by block. A source has Scalar, rows(), dim(),
 // fill(i0, len, values, log_scale), which writes rows [i0, i0 + len) (values len x dim, log-scales
-// len; zeros when the side has none), and scan(where, name), which names its first non-finite
-// entry for the result check. GivenFeatureRows serves features the caller computed;
-// MappedFeatureRows (attention/random_feature_attention.hpp) computes them from q or k block by
-// block, so random-feature attention never holds an n x M feature matrix.
+// len; zeros when the side has none), view(i0, len, block), which returns those rows read-only
+// (in place when the source holds them, else filled into `block`) with their log-scales in
+// block.log_scale, and scan(where, name), which names its first non-finite entry for the result
+// check. GivenFeatureRows serves features the caller computed; MappedFeatureRows
+// (attention/random_feature_attention.hpp) computes them from q or k block by block, so
+// random-feature attention never holds an n x M feature matrix.
 template <typename Scalar_>
 class GivenFeatureRows {
  public:
@@ -115,19 +125,19 @@ class GivenFeatureRows {
       log_scale.setZero();
     }
   }
+  Eigen::Ref<const RowMatrix<Scalar>> view(Index i0, Index len, FeatureBlock<Scalar>& block) const {
+    if (log_scale_.size() > 0) {
+      block.log_scale.head(len) = log_scale_.segment(i0, len);
+    } else {
+      block.log_scale.head(len).setZero();
+    }
+    return values_.middleRows(i0, len);
+  }
   void scan(const char* where, const char* name) const { require_finite(values_, where, name); }
 
  private:
   Eigen::Ref<const RowMatrix<Scalar>> values_;
   Eigen::Ref<const Vector<Scalar>> log_scale_;
-};
-
-// A block of feature rows with their log-scales (the rows a source filled).
-template <typename Scalar>
-struct FeatureBlock {
-  RowMatrix<Scalar> values;
-  Vector<Scalar> log_scale;
-  FeatureBlock(Index rows, Index dim) : values(rows, dim), log_scale(rows) {}
 };
 
 // The operands of one call as every path reads them: the two sources, v, the sign vector of
@@ -145,14 +155,6 @@ struct LinearOperands {
   Index features() const { return k.dim(); }
   Index width() const { return v.cols() + 1; }  // columns of [v | 1]
 };
-
-// Rows [i0, i0 + len) of the keys into `keys`, the signs applied (exact: a sign flip).
-template <typename In>
-void fill_keys(const In& in, Index i0, Index len, FeatureBlock<typename In::Scalar>& keys) {
-  auto rows = keys.values.topRows(len);
-  in.k.fill(i0, len, rows, keys.log_scale.head(len));
-  if (in.signs.size() > 0) rows.array().rowwise() *= in.signs.transpose().array();
-}
 
 // Rows [i0, i0 + len) of both sides into q and k, in blocks of kMaxGemmDepth rows in parallel.
 template <typename In>
@@ -188,7 +190,7 @@ struct ChunkScratch {
         log_rows(causal ? chunk : 0) {}
 };
 
-// T = K'ᵀ [w ∘ V | w] for key rows [j0, j0 + len) given as `keys` (signed) with log-scales
+// T = K'ᵀ [w ∘ V | w] for key rows [j0, j0 + len) given as `keys` with log-scales
 // `k_log`, where w = exp(k_log − g) and g is the largest of them: T is relative to exp(g).
 // Returns g.
 template <typename In, typename Keys, typename Out>
@@ -235,9 +237,11 @@ RowMatrix<typename In::Scalar> key_state(const In& in, typename In::Scalar& c) {
         group, [&] { return ChunkScratch<Scalar>(chunk, m, w, false); },
         [&](Index t, ChunkScratch<Scalar>& s) {
           const Index j0 = (first + t) * chunk, len = std::min(chunk, n_k - j0);
-          fill_keys(in, j0, len, s.features);
-          sums.log_scale(t) = summarise_keys(in, s.features.values.topRows(len),
-                                             s.features.log_scale.head(len), j0, s.values, sums.block(t));
+          const auto keys = in.k.view(j0, len, s.features);
+          sums.log_scale(t) = summarise_keys(in, keys, s.features.log_scale.head(len), j0, s.values,
+                                             sums.block(t));
+          // diag(σ) K'ᵀ = (K' diag(σ))ᵀ: the signs flip rows of the summary (exact).
+          if (in.signs.size() > 0) sums.block(t).array().colwise() *= in.signs.array();
         });
     for (Index t = 0; t < group; ++t) merge_scaled(state, c, sums.block(t), sums.log_scale(t));
   }
@@ -257,9 +261,8 @@ SoftmaxAccumulator<typename In::Scalar> query_key_state(const In& in,
       (n_q + chunk - 1) / chunk, [&] { return FeatureBlock<Scalar>(chunk, m); },
       [&](Index b, FeatureBlock<Scalar>& f) {
         const Index i0 = b * chunk, len = std::min(chunk, n_q - i0);
-        auto queries = f.values.topRows(len);
-        in.q.fill(i0, len, queries, log_scale.segment(i0, len));
-        gemm_fixed_depth(nd.middleRows(i0, len), queries, state, false);
+        gemm_fixed_depth(nd.middleRows(i0, len), in.q.view(i0, len, f), state, false);
+        log_scale.segment(i0, len) = f.log_scale.head(len);
       });
   log_scale.array() += c;
   return SoftmaxAccumulator<Scalar>(std::move(nd), std::move(log_scale));

@@ -33,8 +33,8 @@ inline double& peak_gflops() {
 // Reports flops_per_iteration as a GFLOP/s rate and, once the anchor has run, as a fraction of
 // it ("of_peak"): both from the same timing, so the fraction is a ratio measured in one run.
 inline void report_gflops(benchmark::State& state, double flops_per_iteration) {
-  state.counters["GFLOPs"] = benchmark::Counter(flops_per_iteration * 1e-9,
-                                                benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOPs"] =
+      benchmark::Counter(flops_per_iteration * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   if (peak_gflops() > 0)
     state.counters["of_peak"] = benchmark::Counter(flops_per_iteration * 1e-9 / peak_gflops(),
                                                    benchmark::Counter::kIsIterationInvariantRate);
@@ -55,7 +55,8 @@ inline void PeakSgemm(benchmark::State& state) {
     benchmark::DoNotOptimize(c.data());
     benchmark::ClobberMemory();
   }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   peak_gflops() = flops * double(state.iterations()) * 1e-9 / seconds;
   report_gflops(state, flops);
 }

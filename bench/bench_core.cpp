@@ -15,8 +15,8 @@ namespace {
 
 using bench::Index;
 using bench::RowMatrix;
-using randattn::Philox;
 using randattn::gaussian_matrix;
+using randattn::Philox;
 using randattn::uniform_matrix;
 constexpr Index kD = 64, kDv = 64, kM = 256;
 
@@ -99,7 +99,8 @@ void Linear(benchmark::State& state) {
   opt.causal = causal;
   for (auto _ : state) {
     RowMatrix<float> out =
-        randattn::linear_attention_accumulate<float>(qf, none, kf, kl, v, none, opt).finalize(1e-6f);
+        randattn::linear_attention_accumulate<float>(qf, none, kf, kl, v, none, opt)
+            .finalize(1e-6f);
     benchmark::DoNotOptimize(out.data());
   }
   bench::report_gflops(state, linear_flops(n));
@@ -107,9 +108,38 @@ void Linear(benchmark::State& state) {
 
 }  // namespace
 
-BENCHMARK(bench::PeakSgemm)->Name("PeakSgemm")->ArgNames({"n"})->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(EigenGemmExactShapes)->ArgNames({"n", "threads"})->Args({8192, 1})->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(NaiveExact)->ArgNames({"n", "threads"})->Args({8192, 1})->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(TiledExact)->ArgNames({"n", "threads", "causal"})->Args({8192, 1, 0})->Args({8192, 1, 1})->Args({8192, 2, 0})->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(EigenGemmLinearShapes)->ArgNames({"n", "threads"})->Args({8192, 1})->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(Linear)->ArgNames({"n", "threads", "causal"})->Args({8192, 1, 0})->Args({8192, 1, 1})->Args({8192, 2, 0})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(bench::PeakSgemm)
+    ->Name("PeakSgemm")
+    ->ArgNames({"n"})
+    ->Arg(2048)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(EigenGemmExactShapes)
+    ->ArgNames({"n", "threads"})
+    ->Args({8192, 1})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(NaiveExact)
+    ->ArgNames({"n", "threads"})
+    ->Args({8192, 1})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(TiledExact)
+    ->ArgNames({"n", "threads", "causal"})
+    ->Args({8192, 1, 0})
+    ->Args({8192, 1, 1})
+    ->Args({8192, 2, 0})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(EigenGemmLinearShapes)
+    ->ArgNames({"n", "threads"})
+    ->Args({8192, 1})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(Linear)
+    ->ArgNames({"n", "threads", "causal"})
+    ->Args({8192, 1, 0})
+    ->Args({8192, 1, 1})
+    ->Args({8192, 2, 0})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();

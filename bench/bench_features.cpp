@@ -24,11 +24,11 @@ namespace {
 
 using bench::Index;
 using bench::RowMatrix;
-using randattn::Philox;
 using randattn::gaussian_matrix;
 using randattn::GaussianProjection;
 using randattn::HadamardProjection;
 using randattn::OrthogonalProjection;
+using randattn::Philox;
 constexpr Index kD = 64, kDv = 64, kM = 256;
 
 // Inputs with scale · ‖q‖² ≈ 2 (entries N(0, 0.25), scale = 1/8).
@@ -79,18 +79,24 @@ void FeatureMap(benchmark::State& state, Map map) {
   const Index n = state.range(0);
   bench::set_threads(1);
   const Inputs in(n);
-  randattn::ScaledFeatures<float> f{RowMatrix<float>(n, map.feature_dim()), randattn::Vector<float>(n)};
+  randattn::ScaledFeatures<float> f{RowMatrix<float>(n, map.feature_dim()),
+                                    randattn::Vector<float>(n)};
   for (auto _ : state) {
     map.features_into(in.q, 0.35f, f.values, f.log_scale);
     benchmark::DoNotOptimize(f.values.data());
     benchmark::ClobberMemory();
   }
   bench::report_gflops(state, 2.0 * double(n) * kD * kM);
-  state.counters["rows/s"] = benchmark::Counter(double(n), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["rows/s"] =
+      benchmark::Counter(double(n), benchmark::Counter::kIsIterationInvariantRate);
 }
 
-double exact_flops(Index n, bool causal) { return (causal ? 0.5 : 1.0) * 2.0 * double(n) * double(n) * (kD + kDv); }
-double feature_flops(Index n, Index dim) { return 4.0 * double(n) * kD * kM + 4.0 * double(n) * dim * (kDv + 1); }
+double exact_flops(Index n, bool causal) {
+  return (causal ? 0.5 : 1.0) * 2.0 * double(n) * double(n) * (kD + kDv);
+}
+double feature_flops(Index n, Index dim) {
+  return 4.0 * double(n) * kD * kM + 4.0 * double(n) * dim * (kDv + 1);
+}
 
 void Exact(benchmark::State& state) {
   const Index n = state.range(0);
@@ -172,17 +178,41 @@ void end_to_end_args(benchmark::internal::Benchmark* b) {
 
 }  // namespace
 
-BENCHMARK(ProjectionGemm)->ArgNames({"n"})->Arg(16384)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK_CAPTURE(FeatureMap, positive/iid, randattn::PositiveFeatures(GaussianProjection<float>(kM, kD, 1)))
-    ->ArgNames({"n"})->Arg(16384)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK_CAPTURE(FeatureMap, positive/orthogonal, randattn::PositiveFeatures(OrthogonalProjection<float>(kM, kD, 1)))
-    ->ArgNames({"n"})->Arg(16384)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK_CAPTURE(FeatureMap, positive/hadamard, randattn::PositiveFeatures(HadamardProjection<float>(kM, kD, 1)))
-    ->ArgNames({"n"})->Arg(16384)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK_CAPTURE(FeatureMap, hyperbolic/orthogonal, randattn::HyperbolicFeatures(OrthogonalProjection<float>(kM, kD, 1)))
-    ->ArgNames({"n"})->Arg(16384)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK_CAPTURE(FeatureMap, trig/orthogonal, randattn::TrigFeatures(OrthogonalProjection<float>(kM, kD, 1)))
-    ->ArgNames({"n"})->Arg(16384)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(ProjectionGemm)
+    ->ArgNames({"n"})
+    ->Arg(16384)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_CAPTURE(FeatureMap, positive / iid,
+                  randattn::PositiveFeatures(GaussianProjection<float>(kM, kD, 1)))
+    ->ArgNames({"n"})
+    ->Arg(16384)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_CAPTURE(FeatureMap, positive / orthogonal,
+                  randattn::PositiveFeatures(OrthogonalProjection<float>(kM, kD, 1)))
+    ->ArgNames({"n"})
+    ->Arg(16384)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_CAPTURE(FeatureMap, positive / hadamard,
+                  randattn::PositiveFeatures(HadamardProjection<float>(kM, kD, 1)))
+    ->ArgNames({"n"})
+    ->Arg(16384)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_CAPTURE(FeatureMap, hyperbolic / orthogonal,
+                  randattn::HyperbolicFeatures(OrthogonalProjection<float>(kM, kD, 1)))
+    ->ArgNames({"n"})
+    ->Arg(16384)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_CAPTURE(FeatureMap, trig / orthogonal,
+                  randattn::TrigFeatures(OrthogonalProjection<float>(kM, kD, 1)))
+    ->ArgNames({"n"})
+    ->Arg(16384)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK(FavorGemms)->ArgNames({"n"})->Arg(16384)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(Exact)->Apply(end_to_end_args);
 BENCHMARK(Favor)->Apply(end_to_end_args);

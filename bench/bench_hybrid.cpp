@@ -13,9 +13,9 @@ namespace {
 
 using bench::Index;
 using bench::RowMatrix;
-using randattn::Philox;
 using randattn::gaussian_matrix;
 using randattn::OrthogonalProjection;
+using randattn::Philox;
 constexpr Index kN = 4096, kD = 64, kDv = 64;
 
 struct Inputs {
@@ -65,7 +65,24 @@ void Exact(benchmark::State& state) {
 
 // Total dimensions: 2·4·32 + 32 = 288 and 2·8·64 + 64 = 1088 (angular; nearest FAVOR+ 1216);
 // 2·3·48 + 16 = 304 and 2·6·96 + 32 = 1184 (Gaussian).
-BENCHMARK(Hybrid)->ArgNames({"m", "nl"})->Args({16, 3})->Args({32, 7})->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(HybridGaussian)->ArgNames({"m", "nl"})->Args({16, 3})->Args({32, 6})->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(Favor)->ArgNames({"M"})->Arg(288)->Arg(304)->Arg(1184)->Arg(1216)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(Hybrid)
+    ->ArgNames({"m", "nl"})
+    ->Args({16, 3})
+    ->Args({32, 7})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(HybridGaussian)
+    ->ArgNames({"m", "nl"})
+    ->Args({16, 3})
+    ->Args({32, 6})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(Favor)
+    ->ArgNames({"M"})
+    ->Arg(288)
+    ->Arg(304)
+    ->Arg(1184)
+    ->Arg(1216)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK(Exact)->Unit(benchmark::kMillisecond)->UseRealTime();

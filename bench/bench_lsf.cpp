@@ -36,8 +36,8 @@ RowMatrix<float> unit_sphere_tokens(Index n, std::uint32_t noise_stream) {
   const Index groups = std::max<Index>(1, n / 16);
   RowMatrix<float> dirs = randattn::gaussian_matrix<float>(randattn::Philox(77, 1), groups, kDim);
   dirs.rowwise().normalize();
-  RowMatrix<float> out = randattn::gaussian_matrix<float>(randattn::Philox(77, noise_stream), n, kDim,
-                                                          0.4 / std::sqrt(double(kDim)));
+  RowMatrix<float> out = randattn::gaussian_matrix<float>(randattn::Philox(77, noise_stream), n,
+                                                          kDim, 0.4 / std::sqrt(double(kDim)));
   for (Index i = 0; i < n; ++i) {
     out.row(i) += dirs.row((i * 7919) % groups);
     out.row(i).normalize();
@@ -49,8 +49,10 @@ const Inputs& inputs(Index n) {
   static std::map<Index, Inputs> cache;
   auto found = cache.find(n);
   if (found == cache.end())
-    found = cache.emplace(n, Inputs{unit_sphere_tokens(n, 2), unit_sphere_tokens(n, 3),
-                                    randattn::gaussian_matrix<float>(randattn::Philox(78), n, kValueDim)})
+    found = cache
+                .emplace(
+                    n, Inputs{unit_sphere_tokens(n, 2), unit_sphere_tokens(n, 3),
+                              randattn::gaussian_matrix<float>(randattn::Philox(78), n, kValueDim)})
                 .first;
   return found->second;
 }
@@ -96,20 +98,23 @@ void TiledExact(benchmark::State& state) {
   const Inputs& in = inputs(n);
   randattn::ExactOptions opt;
   opt.scale = kScale;
-  exact_runs()[n] = measure(state, [&] { return randattn::exact_attention(in.q, in.k, in.v, opt); });
+  exact_runs()[n] =
+      measure(state, [&] { return randattn::exact_attention(in.q, in.k, in.v, opt); });
   bench::report_gflops(state, 2.0 * double(n) * double(n) * double(kDim + kValueDim));
 }
 
 void Lsf(benchmark::State& state) {
   bench::set_threads(1);
   const Index n = state.range(0), tables = state.range(1);
-  const auto kind = state.range(3) == 0 ? randattn::RotationKind::dense : randattn::RotationKind::hadamard;
+  const auto kind =
+      state.range(3) == 0 ? randattn::RotationKind::dense : randattn::RotationKind::hadamard;
   const Inputs& in = inputs(n);
   const randattn::LocalitySensitiveFilters<float> filters(kind, kDim, n / 32, tables, 1234);
   randattn::LsfOptions opt;
   opt.eta = double(state.range(2)) / 100;
   opt.scale = kScale;
-  const Measured m = measure(state, [&] { return randattn::lsf_attention(filters, in.q, in.k, in.v, opt); });
+  const Measured m =
+      measure(state, [&] { return randattn::lsf_attention(filters, in.q, in.k, in.v, opt); });
   report_against_exact(state, n, m);
   const randattn::LsfProbeStats st = randattn::lsf_probe_stats<float>(filters, in.q, in.k, opt);
   state.counters["pairs_scored"] = double(st.target_pairs) / (double(n) * double(n));
@@ -124,16 +129,29 @@ void Lsh(benchmark::State& state) {
   randattn::LshOptions opt;
   opt.exact_buckets = true;
   opt.scale = kScale;
-  const Measured m = measure(state, [&] { return randattn::lsh_attention(hash, in.q, in.k, in.v, opt); });
+  const Measured m =
+      measure(state, [&] { return randattn::lsh_attention(hash, in.q, in.k, in.v, opt); });
   report_against_exact(state, n, m);
 }
 
 void register_all() {
   for (Index n : {16384, 65536}) {
-    benchmark::RegisterBenchmark("TiledExact", TiledExact)->ArgNames({"n"})->Arg(n)->Unit(benchmark::kMillisecond)->UseRealTime();
+    benchmark::RegisterBenchmark("TiledExact", TiledExact)
+        ->ArgNames({"n"})
+        ->Arg(n)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
     for (Index r : {1, 2, 4, 8})
-      benchmark::RegisterBenchmark("Lsh", Lsh)->ArgNames({"n", "r", "c"})->Args({n, r, 64})->Unit(benchmark::kMillisecond)->UseRealTime();
-    benchmark::RegisterBenchmark("Lsh", Lsh)->ArgNames({"n", "r", "c"})->Args({n, 8, 256})->Unit(benchmark::kMillisecond)->UseRealTime();
+      benchmark::RegisterBenchmark("Lsh", Lsh)
+          ->ArgNames({"n", "r", "c"})
+          ->Args({n, r, 64})
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    benchmark::RegisterBenchmark("Lsh", Lsh)
+        ->ArgNames({"n", "r", "c"})
+        ->Args({n, 8, 256})
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
     for (Index tables : {1, 2, 4})
       for (Index eta : {300, 250, 200})
         benchmark::RegisterBenchmark("Lsf", Lsf)

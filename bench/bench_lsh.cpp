@@ -2,10 +2,12 @@
 //
 //  - Hash/rotation/n/d/b/r: cross-polytope hashing of n vectors with b buckets and r rounds;
 //    counters vectors_per_s and vectors_per_cpu_s = hashed vectors per wall and per CPU second
-//    on one core (the CPU rate is the steadier one on a shared machine). rotation 0 = dense Gaussian
-//    (one GEMM per block), 1 = fast Hadamard (three transforms). The d = 64, b = 128, r = 1 rows
-//    are the shape of FALCONN's published hashing rates; b = 16 shows the dense rotation's regime.
-//  - TiledExact/n: tiled exact softmax attention over the same (q, normalised keys, v), d = dv = 64;
+//    on one core (the CPU rate is the steadier one on a shared machine). rotation 0 = dense
+//    Gaussian (one GEMM per block), 1 = fast Hadamard (three transforms). The d = 64, b = 128, r =
+//    1 rows are the shape of FALCONN's published hashing rates; b = 16 shows the dense rotation's
+//    regime.
+//  - TiledExact/n: tiled exact softmax attention over the same (q, normalised keys, v), d = dv =
+//  64;
 //    its time per call is kept for the ratios below.
 //  - Lsh/n/r/rotation: shared-QK sort-and-chunk attention (hashing included), c = 64,
 //    b = 2 ceil(n / c); counters speedup = TiledExact(n) wall time / this wall time and
@@ -23,8 +25,8 @@ namespace {
 
 using bench::Index;
 using bench::RowMatrix;
-using randattn::Philox;
 using randattn::gaussian_matrix;
+using randattn::Philox;
 constexpr Index kD = 64, kDv = 64, kChunk = 64;
 
 // Mean wall and CPU seconds of one call. The runs are single-threaded, so on a shared machine
@@ -81,19 +83,23 @@ void TiledExact(benchmark::State& state) {
   const RowMatrix<float> keys = q.rowwise().normalized();
   randattn::ExactOptions opt;
   opt.scale = 1.0;
-  exact_seconds()[n] = timed_loop(state, [&] { return randattn::exact_attention(q, keys, v, opt); });
+  exact_seconds()[n] =
+      timed_loop(state, [&] { return randattn::exact_attention(q, keys, v, opt); });
   bench::report_gflops(state, 2.0 * double(n) * double(n) * double(kD + kDv));
 }
 
-void run_lsh(benchmark::State& state, Index n, Index rounds, randattn::RotationKind kind, bool exact_buckets) {
+void run_lsh(benchmark::State& state, Index n, Index rounds, randattn::RotationKind kind,
+             bool exact_buckets) {
   bench::set_threads(1);
   const RowMatrix<float> q = gaussian_matrix<float>(Philox(1), n, kD),
                          v = gaussian_matrix<float>(Philox(3), n, kDv);
-  const randattn::CrossPolytopeHash<float> hash(kind, kD, randattn::reformer_buckets(n, kChunk), rounds, 7);
+  const randattn::CrossPolytopeHash<float> hash(kind, kD, randattn::reformer_buckets(n, kChunk),
+                                                rounds, 7);
   randattn::LshOptions opt;
   opt.chunk = kChunk;
   opt.exact_buckets = exact_buckets;
-  const Seconds seconds = timed_loop(state, [&] { return randattn::lsh_attention(hash, q, v, opt); });
+  const Seconds seconds =
+      timed_loop(state, [&] { return randattn::lsh_attention(hash, q, v, opt); });
   const auto exact = exact_seconds().find(n);
   if (exact != exact_seconds().end()) {
     state.counters["speedup"] = exact->second.wall / seconds.wall;

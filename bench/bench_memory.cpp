@@ -23,8 +23,8 @@ namespace {
 
 using bench::Index;
 using bench::RowMatrix;
-using randattn::Philox;
 using randattn::gaussian_matrix;
+using randattn::Philox;
 constexpr Index kD = 64, kDv = 64, kM = 256;
 
 // A field of /proc/self/status in KiB ("VmRSS", "VmHWM"); -1 if absent.
@@ -85,7 +85,8 @@ void Favor(benchmark::State& state) {
   const randattn::PositiveFeatures<float> map(randattn::OrthogonalProjection<float>(kM, kD, 1));
   randattn::RandomFeatureOptions opt;
   opt.causal = state.range(1) != 0;
-  peak_memory(state, n, [&] { return randattn::random_feature_attention(map, in.q, in.k, in.v, opt); });
+  peak_memory(state, n,
+              [&] { return randattn::random_feature_attention(map, in.q, in.k, in.v, opt); });
 }
 
 void Linear(benchmark::State& state) {

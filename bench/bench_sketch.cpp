@@ -35,8 +35,8 @@ const randattn::SyntheticTensor<float>& tensor() {
 const std::vector<Index> kRanks{kRank, kRank, kRank};
 
 void report_bytes(benchmark::State& state) {
-  state.counters["bytes_per_second"] = benchmark::Counter(double(tensor().data.size() * sizeof(float)),
-                                                          benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["bytes_per_second"] = benchmark::Counter(
+      double(tensor().data.size() * sizeof(float)), benchmark::Counter::kIsIterationInvariantRate);
 }
 
 randattn::SparsifyOptions options(double budget) {
@@ -86,7 +86,9 @@ void run_sparsify(benchmark::State& state, Sketch&& sketch) {
 void Sparsify(benchmark::State& state) {
   tensor();
   bench::set_threads(int(state.range(0)));
-  run_sparsify(state, [&] { return randattn::sparsify(tensor().view(), options(double(state.range(1)))).nnz(); });
+  run_sparsify(state, [&] {
+    return randattn::sparsify(tensor().view(), options(double(state.range(1)))).nnz();
+  });
 }
 
 void StreamedSparsify(benchmark::State& state) {
@@ -96,8 +98,10 @@ void StreamedSparsify(benchmark::State& state) {
   const Index size = t.data.size(), block = 65536;
   run_sparsify(state, [&] {
     randattn::StreamingSparsifier<float> s(t.dims, options(double(state.range(0))));
-    for (Index i = 0; i < size; i += block) s.add_norm_block(t.data.data() + i, std::min(block, size - i));
-    for (Index i = 0; i < size; i += block) s.add_sample_block(t.data.data() + i, std::min(block, size - i));
+    for (Index i = 0; i < size; i += block)
+      s.add_norm_block(t.data.data() + i, std::min(block, size - i));
+    for (Index i = 0; i < size; i += block)
+      s.add_sample_block(t.data.data() + i, std::min(block, size - i));
     return s.finish().nnz();
   });
 }
@@ -121,7 +125,8 @@ void SketchedHosvd(benchmark::State& state) {
     const auto t0 = std::chrono::steady_clock::now();
     const auto exact = randattn::exact_hosvd(tensor().view(), kRanks);
     const auto t1 = std::chrono::steady_clock::now();
-    const auto h = randattn::sketched_hosvd(tensor().view(), kRanks, options(double(state.range(1))));
+    const auto h =
+        randattn::sketched_hosvd(tensor().view(), kRanks, options(double(state.range(1))));
     benchmark::DoNotOptimize(h.factors.front().data());
     const auto t2 = std::chrono::steady_clock::now();
     exact_time += seconds(t0, t1);
@@ -141,9 +146,29 @@ void SketchedHosvd(benchmark::State& state) {
 }  // namespace
 
 BENCHMARK(PlainPass)->Unit(benchmark::kMillisecond)->UseManualTime();
-BENCHMARK(Sparsify)->ArgNames({"threads", "n"})->Args({1, 100000})->Args({2, 100000})->Args({1, 1000000})
-    ->Unit(benchmark::kMillisecond)->UseManualTime();
-BENCHMARK(StreamedSparsify)->ArgNames({"n"})->Arg(100000)->Unit(benchmark::kMillisecond)->UseManualTime();
-BENCHMARK(ExactHosvd)->ArgNames({"threads"})->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(SketchedHosvd)->ArgNames({"threads", "n"})->Args({1, 100000})->Args({1, 200000})->Args({1, 300000})
-    ->Args({2, 300000})->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(Sparsify)
+    ->ArgNames({"threads", "n"})
+    ->Args({1, 100000})
+    ->Args({2, 100000})
+    ->Args({1, 1000000})
+    ->Unit(benchmark::kMillisecond)
+    ->UseManualTime();
+BENCHMARK(StreamedSparsify)
+    ->ArgNames({"n"})
+    ->Arg(100000)
+    ->Unit(benchmark::kMillisecond)
+    ->UseManualTime();
+BENCHMARK(ExactHosvd)
+    ->ArgNames({"threads"})
+    ->Arg(1)
+    ->Arg(2)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(SketchedHosvd)
+    ->ArgNames({"threads", "n"})
+    ->Args({1, 100000})
+    ->Args({1, 200000})
+    ->Args({1, 300000})
+    ->Args({2, 300000})
+    ->Unit(benchmark::kMillisecond)
+    ->UseManualTime();

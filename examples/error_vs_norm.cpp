@@ -33,7 +33,8 @@ Data make_data(double s, int seed) {
   const randattn::Philox rng(1000 + std::uint64_t(seed));
   Data data{randattn::gaussian_matrix<double>(rng.with_stream(0), kN, kD, s),
             randattn::gaussian_matrix<double>(rng.with_stream(1), kN, kD, s),
-            randattn::gaussian_matrix<double>(rng.with_stream(2), kN, kD), {}};
+            randattn::gaussian_matrix<double>(rng.with_stream(2), kN, kD),
+            {}};
   data.exact = randattn::exact_attention(data.q, data.k, data.v);
   return data;
 }
@@ -57,8 +58,9 @@ void sweep(const std::string& name, MakeMap make) {
       const Data data = make_data(s, seed);
       const auto map = fitted(make(std::uint64_t(seed + 1)), data, normaliser);
       dim = map.feature_dim();
-      const double e = (randattn::random_feature_attention(map, data.q, data.k, data.v) - data.exact).norm() /
-                       data.exact.norm();
+      const double e =
+          (randattn::random_feature_attention(map, data.q, data.k, data.v) - data.exact).norm() /
+          data.exact.norm();
       sum += e;
       sum_sq += e * e;
       norm += normaliser * normaliser * data.q.rowwise().squaredNorm().mean();
@@ -67,7 +69,8 @@ void sweep(const std::string& name, MakeMap make) {
     }
     const double mean = sum / kSeeds;
     const double se = std::sqrt(std::max(0.0, sum_sq / kSeeds - mean * mean) / (kSeeds - 1));
-    std::cout << name << "," << s << "," << norm / kSeeds << "," << dim << "," << mean << "," << se << ",";
+    std::cout << name << "," << s << "," << norm / kSeeds << "," << dim << "," << mean << "," << se
+              << ",";
     if (predicted > 0) std::cout << predicted / kSeeds;
     std::cout << "\n" << std::flush;
   }
@@ -80,9 +83,12 @@ int main() {
   using Orth = OrthogonalProjection<double>;
   std::cout << "map,s,scaled_sq_norm,feature_dim,mean_rel_error,stderr,predicted_rel_mse\n";
   sweep("positive", [](std::uint64_t seed) { return PositiveFeatures(Orth(kBudget, kD, seed)); });
-  sweep("oprf", [](std::uint64_t seed) { return OptimalPositiveFeatures(Orth(kBudget, kD, seed)); });
-  sweep("sderf", [](std::uint64_t seed) { return DenseExponentialFeatures(Orth(kBudget, kD, seed)); });
-  sweep("hyperbolic", [](std::uint64_t seed) { return HyperbolicFeatures(Orth(kBudget / 2, kD, seed)); });
+  sweep("oprf",
+        [](std::uint64_t seed) { return OptimalPositiveFeatures(Orth(kBudget, kD, seed)); });
+  sweep("sderf",
+        [](std::uint64_t seed) { return DenseExponentialFeatures(Orth(kBudget, kD, seed)); });
+  sweep("hyperbolic",
+        [](std::uint64_t seed) { return HyperbolicFeatures(Orth(kBudget / 2, kD, seed)); });
   sweep("trig", [](std::uint64_t seed) { return TrigFeatures(Orth(kBudget / 2, kD, seed)); });
   // 2·(n_lambda + 1)·2m + 2m = 250 features with m = 25, n_lambda = 1.
   sweep("hybrid", [](std::uint64_t seed) { return angular_hybrid<double>(25, 1, kD, seed); });

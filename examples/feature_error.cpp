@@ -34,7 +34,8 @@ void sweep(const std::string& map_name, const std::string& projection_name, Make
     for (int s = 0; s < kSeeds; ++s) {
       const auto map = make(m, std::uint64_t(s + 1));
       dim = map.feature_dim();
-      const double e = (randattn::random_feature_attention(map, q, k, v) - exact).norm() / exact.norm();
+      const double e =
+          (randattn::random_feature_attention(map, q, k, v) - exact).norm() / exact.norm();
       sum += e;
       sum_sq += e * e;
     }
@@ -49,7 +50,8 @@ void sweep(const std::string& map_name, const std::string& projection_name, Make
 
 int main() {
   const randattn::Philox rng(99);
-  const RowMatrix<double> centres = 0.4 * randattn::gaussian_matrix<double>(rng.with_stream(0), 8, kD);
+  const RowMatrix<double> centres =
+      0.4 * randattn::gaussian_matrix<double>(rng.with_stream(0), 8, kD);
   RowMatrix<double> q = 0.25 * randattn::gaussian_matrix<double>(rng.with_stream(1), kN, kD);
   RowMatrix<double> k = 0.25 * randattn::gaussian_matrix<double>(rng.with_stream(2), kN, kD);
   RowMatrix<double> v = 0.25 * randattn::gaussian_matrix<double>(rng.with_stream(3), kN, kDv);
@@ -62,10 +64,33 @@ int main() {
 
   using namespace randattn;
   std::cout << "map,projection,m,feature_dim,mean_rel_error,stderr\n";
-  sweep("positive", "iid", [](Index m, std::uint64_t s) { return PositiveFeatures(GaussianProjection<double>(m, kD, s)); }, q, k, v, exact);
-  sweep("positive", "orthogonal", [](Index m, std::uint64_t s) { return PositiveFeatures(OrthogonalProjection<double>(m, kD, s)); }, q, k, v, exact);
-  sweep("positive", "hadamard", [](Index m, std::uint64_t s) { return PositiveFeatures(HadamardProjection<double>(m, kD, s)); }, q, k, v, exact);
-  sweep("hyperbolic", "orthogonal", [](Index m, std::uint64_t s) { return HyperbolicFeatures(OrthogonalProjection<double>(m, kD, s)); }, q, k, v, exact);
-  sweep("trig", "orthogonal", [](Index m, std::uint64_t s) { return TrigFeatures(OrthogonalProjection<double>(m, kD, s)); }, q, k, v, exact);
+  sweep(
+      "positive", "iid",
+      [](Index m, std::uint64_t s) {
+        return PositiveFeatures(GaussianProjection<double>(m, kD, s));
+      },
+      q, k, v, exact);
+  sweep(
+      "positive", "orthogonal",
+      [](Index m, std::uint64_t s) {
+        return PositiveFeatures(OrthogonalProjection<double>(m, kD, s));
+      },
+      q, k, v, exact);
+  sweep(
+      "positive", "hadamard",
+      [](Index m, std::uint64_t s) {
+        return PositiveFeatures(HadamardProjection<double>(m, kD, s));
+      },
+      q, k, v, exact);
+  sweep(
+      "hyperbolic", "orthogonal",
+      [](Index m, std::uint64_t s) {
+        return HyperbolicFeatures(OrthogonalProjection<double>(m, kD, s));
+      },
+      q, k, v, exact);
+  sweep(
+      "trig", "orthogonal",
+      [](Index m, std::uint64_t s) { return TrigFeatures(OrthogonalProjection<double>(m, kD, s)); },
+      q, k, v, exact);
   return 0;
 }

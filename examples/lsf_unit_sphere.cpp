@@ -55,7 +55,8 @@ RowMatrix<float> clustered_unit(Index n, Index d, std::uint32_t noise) {
   const Index clusters = std::max<Index>(1, n / 16);
   RowMatrix<float> centres = randattn::gaussian_matrix<float>(rng.with_stream(1), clusters, d);
   centres.rowwise().normalize();
-  RowMatrix<float> x = randattn::gaussian_matrix<float>(rng.with_stream(noise), n, d) * (0.4f / std::sqrt(float(d)));
+  RowMatrix<float> x =
+      randattn::gaussian_matrix<float>(rng.with_stream(noise), n, d) * (0.4f / std::sqrt(float(d)));
   for (Index i = 0; i < n; ++i) x.row(i) += centres.row((i * 7919) % clusters);
   x.rowwise().normalize();
   return x;
@@ -67,7 +68,8 @@ double best_seconds(F&& f, int reps) {
   for (int r = 0; r < reps; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
     f();
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    best = std::min(best,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   return best;
 }
@@ -95,38 +97,41 @@ int main(int argc, char** argv) {
 
   const RowMatrix<float> q = clustered_unit(s.n, s.d, 2), k = clustered_unit(s.n, s.d, 3);
   const RowMatrix<float> v = randattn::gaussian_matrix<float>(randattn::Philox(7), s.n, s.dv);
-  std::cout << "Unit-norm queries and keys in clusters of 16: n = " << s.n << ", d = " << s.d << ", dv = " << s.dv
-            << ", scale = " << s.scale << ", threads = " << s.threads << "\n";
+  std::cout << "Unit-norm queries and keys in clusters of 16: n = " << s.n << ", d = " << s.d
+            << ", dv = " << s.dv << ", scale = " << s.scale << ", threads = " << s.threads << "\n";
 
   randattn::ExactOptions eopt;
   eopt.scale = s.scale;
   RowMatrix<float> exact;
   const double t_exact = best_seconds([&] { exact = randattn::exact_attention(q, k, v, eopt); }, 1);
-  std::cout << "tiled exact attention: " << std::fixed << std::setprecision(3) << t_exact << " s\n\n";
+  std::cout << "tiled exact attention: " << std::fixed << std::setprecision(3) << t_exact
+            << " s\n\n";
 
   std::vector<Run> runs;
   const auto record = [&](Run r) {
-    std::cout << std::left << std::setw(5) << r.family << std::setw(10) << r.rotation << std::right << std::fixed
-              << std::setprecision(2) << std::setw(8) << r.p1 << std::setprecision(0) << std::setw(7) << r.p2
-              << std::setprecision(4) << std::setw(10) << r.seconds << std::setprecision(1) << std::setw(9)
-              << r.speedup << std::scientific << std::setprecision(2) << std::setw(11) << r.error << std::defaultfloat
-              << "\n";
+    std::cout << std::left << std::setw(5) << r.family << std::setw(10) << r.rotation << std::right
+              << std::fixed << std::setprecision(2) << std::setw(8) << r.p1 << std::setprecision(0)
+              << std::setw(7) << r.p2 << std::setprecision(4) << std::setw(10) << r.seconds
+              << std::setprecision(1) << std::setw(9) << r.speedup << std::scientific
+              << std::setprecision(2) << std::setw(11) << r.error << std::defaultfloat << "\n";
     runs.push_back(r);
   };
   std::cout << "family rotation  eta|r   L|c   seconds  speed-up  rel.error\n";
   for (Index rounds : {1, 2, 4, 8}) {
     for (Index chunk : {64, 256}) {
-      const randattn::CrossPolytopeHash<float> hash(randattn::RotationKind::dense, s.d,
-                                                    randattn::reformer_buckets(s.n, chunk), rounds, 1234);
+      const randattn::CrossPolytopeHash<float> hash(
+          randattn::RotationKind::dense, s.d, randattn::reformer_buckets(s.n, chunk), rounds, 1234);
       randattn::LshOptions opt;
       opt.exact_buckets = true;
       opt.scale = s.scale;
       RowMatrix<float> out;
       const double t = best_seconds([&] { out = randattn::lsh_attention(hash, q, k, v, opt); }, 3);
-      record({"lsh", "dense", double(rounds), double(chunk), t, t_exact / t, rel_error(out, exact)});
+      record(
+          {"lsh", "dense", double(rounds), double(chunk), t, t_exact / t, rel_error(out, exact)});
     }
   }
-  for (randattn::RotationKind kind : {randattn::RotationKind::hadamard, randattn::RotationKind::dense}) {
+  for (randattn::RotationKind kind :
+       {randattn::RotationKind::hadamard, randattn::RotationKind::dense}) {
     for (Index tables : {1, 2, 4}) {
       for (double eta : {2.5, 2.0, 1.5}) {
         const randattn::LocalitySensitiveFilters<float> filters(kind, s.d, s.filters, tables, 1234);
@@ -134,9 +139,10 @@ int main(int argc, char** argv) {
         opt.eta = eta;
         opt.scale = s.scale;
         RowMatrix<float> out;
-        const double t = best_seconds([&] { out = randattn::lsf_attention(filters, q, k, v, opt); }, 3);
-        record({"lsf", kind == randattn::RotationKind::dense ? "dense" : "hadamard", eta, double(tables), t,
-                t_exact / t, rel_error(out, exact)});
+        const double t =
+            best_seconds([&] { out = randattn::lsf_attention(filters, q, k, v, opt); }, 3);
+        record({"lsf", kind == randattn::RotationKind::dense ? "dense" : "hadamard", eta,
+                double(tables), t, t_exact / t, rel_error(out, exact)});
       }
     }
   }
@@ -147,13 +153,15 @@ int main(int argc, char** argv) {
     if (lsh.family != "lsh" || lsh.p2 != 64) continue;
     const Run* best = nullptr;
     for (const Run& r : runs)
-      if (r.family == "lsf" && r.error <= lsh.error && (!best || r.seconds < best->seconds)) best = &r;
-    std::cout << "  LSH r = " << lsh.p1 << ": error " << std::scientific << std::setprecision(2) << lsh.error
-              << std::defaultfloat;
+      if (r.family == "lsf" && r.error <= lsh.error && (!best || r.seconds < best->seconds))
+        best = &r;
+    std::cout << "  LSH r = " << lsh.p1 << ": error " << std::scientific << std::setprecision(2)
+              << lsh.error << std::defaultfloat;
     if (best)
-      std::cout << "; LSF " << best->rotation << " eta " << best->p1 << " L " << best->p2 << " reaches it ("
-                << std::scientific << std::setprecision(2) << best->error << std::defaultfloat << ") "
-                << std::setprecision(3) << lsh.seconds / best->seconds << "x faster\n";
+      std::cout << "; LSF " << best->rotation << " eta " << best->p1 << " L " << best->p2
+                << " reaches it (" << std::scientific << std::setprecision(2) << best->error
+                << std::defaultfloat << ") " << std::setprecision(3) << lsh.seconds / best->seconds
+                << "x faster\n";
     else
       std::cout << "; no LSF run here is as accurate\n";
   }
@@ -162,8 +170,8 @@ int main(int argc, char** argv) {
     std::ofstream csv(s.csv);
     csv << "family,rotation,param1,param2,seconds,speedup,rel_error\n";
     for (const Run& r : runs)
-      csv << r.family << "," << r.rotation << "," << r.p1 << "," << r.p2 << "," << r.seconds << "," << r.speedup << ","
-          << r.error << "\n";
+      csv << r.family << "," << r.rotation << "," << r.p1 << "," << r.p2 << "," << r.seconds << ","
+          << r.speedup << "," << r.error << "\n";
   }
   return 0;
 }

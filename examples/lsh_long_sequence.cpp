@@ -5,7 +5,8 @@
 // normalised keys and self rule), for sort-and-chunk (dense and Hadamard rotations, with and
 // without the exact-union correction) and for exact buckets.
 //
-//   lsh_long_sequence [--n N] [--rounds 1,2,4,8] [--chunk c] [--threads t] [--no-exact] [--csv file]
+//   lsh_long_sequence [--n N] [--rounds 1,2,4,8] [--chunk c] [--threads t] [--no-exact] [--csv
+//   file]
 //
 // --no-exact skips both exact runs (e.g. to measure the peak memory of LSH attention alone);
 // --csv writes one row per run: mode,rotation,dedupe,rounds,seconds,speedup,rel_error.
@@ -44,10 +45,13 @@ struct Settings {
 void add_options(CLI::App& app, Settings& s) {
   app.description("LSH attention on a long clustered sequence");
   app.add_option("--n", s.n, "sequence length")->check(CLI::Range(Index(2), Index(1) << 40));
-  app.add_option("--rounds", s.rounds, "hash round counts, e.g. 1,2,4,8")->delimiter(',')->check(CLI::PositiveNumber);
+  app.add_option("--rounds", s.rounds, "hash round counts, e.g. 1,2,4,8")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber);
   app.add_option("--chunk", s.chunk, "chunk length")->check(CLI::PositiveNumber);
   app.add_option("--threads", s.threads, "threads")->check(CLI::PositiveNumber);
-  app.add_flag_callback("--no-exact", [&s] { s.exact = false; }, "skip both exact runs");
+  app.add_flag_callback(
+      "--no-exact", [&s] { s.exact = false; }, "skip both exact runs");
   app.add_option("--csv", s.csv, "write one row per run to this file");
 }
 
@@ -58,7 +62,8 @@ RowMatrix<float> clustered_sequence(Index n, Index d) {
   const Index clusters = std::max<Index>(1, n / 16);
   RowMatrix<float> centres = randattn::gaussian_matrix<float>(rng.with_stream(1), clusters, d);
   centres.rowwise().normalize();
-  RowMatrix<float> x = randattn::gaussian_matrix<float>(rng.with_stream(2), n, d) * (0.2f / std::sqrt(float(d)));
+  RowMatrix<float> x =
+      randattn::gaussian_matrix<float>(rng.with_stream(2), n, d) * (0.2f / std::sqrt(float(d)));
   for (Index i = 0; i < n; ++i) x.row(i) += centres.row((i * 7919) % clusters);
   return 8.0f * x;
 }
@@ -89,8 +94,9 @@ int main(int argc, char** argv) {
   const RowMatrix<float> q = clustered_sequence(s.n, s.d);
   const RowMatrix<float> v = randattn::gaussian_matrix<float>(randattn::Philox(7), s.n, s.dv);
   const Index buckets = randattn::reformer_buckets(s.n, s.chunk);
-  std::cout << "LSH attention on a clustered sequence: n = " << s.n << ", d = " << s.d << ", dv = " << s.dv
-            << ", chunk = " << s.chunk << ", buckets = " << buckets << ", threads = " << s.threads << "\n";
+  std::cout << "LSH attention on a clustered sequence: n = " << s.n << ", d = " << s.d
+            << ", dv = " << s.dv << ", chunk = " << s.chunk << ", buckets = " << buckets
+            << ", threads = " << s.threads << "\n";
 
   // Exact references: tiled softmax attention over the same (q, normalised keys, v) for speed,
   // and exact shared-QK attention (self masked) for the error.
@@ -103,7 +109,8 @@ int main(int argc, char** argv) {
     eopt.scale = 1.0;
     t_exact = seconds([&] { randattn::exact_attention(q, keys, v, eopt); });
     reference = randattn::shared_qk_attention(q, v);
-    std::cout << "tiled exact attention: " << std::fixed << std::setprecision(3) << t_exact << " s\n";
+    std::cout << "tiled exact attention: " << std::fixed << std::setprecision(3) << t_exact
+              << " s\n";
   }
 
   std::ofstream csv;
@@ -130,16 +137,19 @@ int main(int argc, char** argv) {
       opt.exact_buckets = var.exact_buckets;
       RowMatrix<float> out;
       double t = INFINITY;  // best of three: the machine may be shared
-      for (int rep = 0; rep < 3; ++rep) t = std::min(t, seconds([&] { out = randattn::lsh_attention(hash, q, v, opt); }));
-      const double speedup = s.exact ? t_exact / t : NAN, error = s.exact ? rel_error(out, reference) : NAN;
+      for (int rep = 0; rep < 3; ++rep)
+        t = std::min(t, seconds([&] { out = randattn::lsh_attention(hash, q, v, opt); }));
+      const double speedup = s.exact ? t_exact / t : NAN,
+                   error = s.exact ? rel_error(out, reference) : NAN;
       const char* rotation = var.rotation == randattn::RotationKind::dense ? "dense" : "hadamard";
-      std::cout << std::left << std::setw(9) << var.mode << std::setw(10) << rotation << std::setw(8)
-                << (var.dedupe ? "yes" : "no") << std::right << std::setw(6) << r << std::fixed << std::setprecision(4)
-                << std::setw(10) << t << std::setprecision(1) << std::setw(11) << speedup << std::scientific
-                << std::setprecision(2) << std::setw(13) << error << std::defaultfloat << "\n";
+      std::cout << std::left << std::setw(9) << var.mode << std::setw(10) << rotation
+                << std::setw(8) << (var.dedupe ? "yes" : "no") << std::right << std::setw(6) << r
+                << std::fixed << std::setprecision(4) << std::setw(10) << t << std::setprecision(1)
+                << std::setw(11) << speedup << std::scientific << std::setprecision(2)
+                << std::setw(13) << error << std::defaultfloat << "\n";
       if (csv.is_open())
-        csv << var.mode << "," << rotation << "," << (var.dedupe ? 1 : 0) << "," << r << "," << t << "," << speedup
-            << "," << error << "\n";
+        csv << var.mode << "," << rotation << "," << (var.dedupe ? 1 : 0) << "," << r << "," << t
+            << "," << speedup << "," << error << "\n";
     }
   }
   return 0;

@@ -42,7 +42,8 @@ double seconds(F&& f, int runs = 3) {
   for (int r = 0; r < runs; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
     f();
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    best = std::min(best,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   return best;
 }
@@ -65,11 +66,13 @@ int main() {
               << std::setprecision(1) << 1e3 * t_exact << " ms\n";
     std::cout << "     m   rel. error     time     speed-up\n";
     for (Index m : {64, 128, 256, 512}) {
-      const randattn::PositiveFeatures favor(randattn::OrthogonalProjection<float>(m, d, /*seed=*/7));
+      const randattn::PositiveFeatures favor(
+          randattn::OrthogonalProjection<float>(m, d, /*seed=*/7));
       randattn::RandomFeatureOptions opt;
       opt.causal = causal;
       RowMatrix<float> approx;
-      const double t = seconds([&] { approx = randattn::random_feature_attention(favor, q, k, v, opt); });
+      const double t =
+          seconds([&] { approx = randattn::random_feature_attention(favor, q, k, v, opt); });
       std::cout << std::setw(6) << m << "   " << std::scientific << std::setprecision(2)
                 << rel_error(approx, exact) << "   " << std::fixed << std::setprecision(1)
                 << std::setw(6) << 1e3 * t << " ms   " << std::setw(6) << t_exact / t << "x\n";

@@ -35,19 +35,22 @@ void hosvd_table() {
   so.noise = 0.3;
   const auto t = randattn::low_rank_plus_noise<float>({d, d, d}, {r, r, r}, so, 5);
   const std::vector<Index> ranks{r, r, r};
-  std::printf("tensor sketch: order 3, d = %ld, Tucker rank %ld, noise %.1f, D = %ld entries (float)\n\n", long(d),
-              long(r), so.noise, long(t.data.size()));
+  std::printf(
+      "tensor sketch: order 3, d = %ld, Tucker rank %ld, noise %.1f, D = %ld entries (float)\n\n",
+      long(d), long(r), so.noise, long(t.data.size()));
 
   randattn::Hosvd<float> exact;
   const double t_exact = seconds([&] { exact = randattn::exact_hosvd(t.view(), ranks); });
   double planted = 0;
   for (Index j = 0; j < 3; ++j)
-    planted = std::max(planted, randattn::sin_theta_distance(t.factors[std::size_t(j)], exact.factors[std::size_t(j)]));
-  std::printf("exact HOSVD: %.3f s (sin-theta to the planted subspaces: %.3f)\n\n", t_exact, planted);
+    planted = std::max(planted, randattn::sin_theta_distance(t.factors[std::size_t(j)],
+                                                             exact.factors[std::size_t(j)]));
+  std::printf("exact HOSVD: %.3f s (sin-theta to the planted subspaces: %.3f)\n\n", t_exact,
+              planted);
 
   const randattn::SpectralNormEstimate norm = randattn::spectral_norm(t.view());
-  std::printf("%10s %9s %9s %9s %9s %10s %9s %8s\n", "budget n", "nnz(A1)", "E[nnz]", "rel.fro", "rel.spec",
-              "sin-theta", "time (s)", "/exact");
+  std::printf("%10s %9s %9s %9s %9s %10s %9s %8s\n", "budget n", "nnz(A1)", "E[nnz]", "rel.fro",
+              "rel.spec", "sin-theta", "time (s)", "/exact");
   double first_below = 0;
   for (double n : {3e3, 1e4, 2e4, 3e4, 5e4, 1e5, 3e5}) {
     randattn::SparsifyOptions opt;
@@ -60,8 +63,9 @@ void hosvd_table() {
       worst = std::max(worst, randattn::sin_theta_distance(exact.factors[j], h.factors[j]));
     const auto sketch = randattn::sparsify(t.view(), opt);
     const randattn::SketchError err = randattn::sketch_error(t.view(), sketch, {}, norm);
-    std::printf("%10.0f %9ld %9.0f %9.3f %9.3f %10.4f %9.3f %8.2f\n", n, long(h.nnz[0]), h.stats.expected_nnz,
-                err.relative_frobenius, err.relative_spectral, worst, t_sketch, t_sketch / t_exact);
+    std::printf("%10.0f %9ld %9.0f %9.3f %9.3f %10.4f %9.3f %8.2f\n", n, long(h.nnz[0]),
+                h.stats.expected_nnz, err.relative_frobenius, err.relative_spectral, worst,
+                t_sketch, t_sketch / t_exact);
     if (first_below == 0 && worst < 0.1) first_below = n;
   }
   std::printf("\nsin-theta (worst mode) below 0.1 from budget n = %.0f on (seed 1)\n", first_below);
@@ -99,8 +103,9 @@ void spectral_curve(const std::string& path) {
             fro += err.relative_frobenius / draws;
             expected = sketch.stats.expected_nnz;
           }
-          out << (flat ? "sign" : "gaussian") << ',' << spikes << ',' << randattn::scheme_name(scheme) << ','
-              << fraction << ',' << expected << ',' << spec << ',' << fro << '\n';
+          out << (flat ? "sign" : "gaussian") << ',' << spikes << ','
+              << randattn::scheme_name(scheme) << ',' << fraction << ',' << expected << ',' << spec
+              << ',' << fro << '\n';
         }
       }
       std::printf("curve: %s factors, %ld spikes done\n", flat ? "sign" : "gaussian", long(spikes));

@@ -48,9 +48,10 @@ RowMatrix<Scalar> clustered(std::uint64_t seed, Index n, Index d, Index clusters
 // Row i of softmax attention restricted to a target set, in double: sum over the targets j of
 // count_j · exp(scale · q_i·k_j) v_j, divided by the same sum without v_j. The reference of
 // every method that attends to a subset of the keys (LSH buckets, LSF filters).
-inline Eigen::RowVectorXd softmax_over_targets(const Eigen::MatrixXd& q, Index i, const Eigen::MatrixXd& keys,
-                                               const Eigen::MatrixXd& v, const std::map<Index, int>& targets,
-                                               double scale) {
+inline Eigen::RowVectorXd softmax_over_targets(const Eigen::MatrixXd& q, Index i,
+                                               const Eigen::MatrixXd& keys,
+                                               const Eigen::MatrixXd& v,
+                                               const std::map<Index, int>& targets, double scale) {
   double top = -INFINITY;
   for (const auto& [j, count] : targets) top = std::max(top, scale * q.row(i).dot(keys.row(j)));
   Eigen::RowVectorXd num = Eigen::RowVectorXd::Zero(v.cols());

@@ -45,7 +45,8 @@ class Workspace {
  public:
   Workspace() {
     std::random_device rd;
-    dir_ = fs::temp_directory_path() / ("randattn_cli_test_" + std::to_string(rd()) + std::to_string(rd()));
+    dir_ = fs::temp_directory_path() /
+           ("randattn_cli_test_" + std::to_string(rd()) + std::to_string(rd()));
     fs::create_directories(dir_);
     fs::create_directories(dir_ / "logs");
   }
@@ -58,8 +59,8 @@ class Workspace {
   // Runs randattn-cli with `args` (already shell-quoted where needed).
   Result run(const std::string& args) const {
     const fs::path out = dir_ / "logs" / "stdout", err = dir_ / "logs" / "stderr";
-    const std::string cmd = quote(RANDATTN_CLI_PATH) + " " + args + " >" + quote(out.string()) + " 2>" +
-                            quote(err.string());
+    const std::string cmd = quote(RANDATTN_CLI_PATH) + " " + args + " >" + quote(out.string()) +
+                            " 2>" + quote(err.string());
     const int status = std::system(cmd.c_str());
     Result r;
     r.exit_code = (status != -1 && WIFEXITED(status)) ? WEXITSTATUS(status) : -1;
@@ -93,7 +94,8 @@ std::vector<T> data(std::size_t n, std::uint64_t seed) {
 }
 
 template <typename T>
-void save(const Workspace& ws, const std::string& name, const std::vector<std::int64_t>& shape, std::uint64_t seed) {
+void save(const Workspace& ws, const std::string& name, const std::vector<std::int64_t>& shape,
+          std::uint64_t seed) {
   std::size_t n = 1;
   for (auto d : shape) n *= static_cast<std::size_t>(d);
   randattn::io::write_npy(ws.path(name), data<T>(n, seed), shape);
@@ -101,9 +103,10 @@ void save(const Workspace& ws, const std::string& name, const std::vector<std::i
 
 // Softmax attention in double, slice by slice, for (batch*heads) row-major slices.
 template <typename T>
-std::vector<double> reference(const std::vector<T>& q, const std::vector<T>& k, const std::vector<T>& v,
-                              std::int64_t slices, std::int64_t nq, std::int64_t nk, std::int64_t d, std::int64_t dv,
-                              double scale, bool causal) {
+std::vector<double> reference(const std::vector<T>& q, const std::vector<T>& k,
+                              const std::vector<T>& v, std::int64_t slices, std::int64_t nq,
+                              std::int64_t nk, std::int64_t d, std::int64_t dv, double scale,
+                              bool causal) {
   std::vector<double> out(static_cast<std::size_t>(slices * nq * dv), 0.0);
   for (std::int64_t s = 0; s < slices; ++s) {
     for (std::int64_t i = 0; i < nq; ++i) {
@@ -112,7 +115,8 @@ std::vector<double> reference(const std::vector<T>& q, const std::vector<T>& k, 
       double mx = -INFINITY;
       for (std::int64_t j = 0; j < lim; ++j) {
         double dot = 0;
-        for (std::int64_t c = 0; c < d; ++c) dot += double(q[(s * nq + i) * d + c]) * double(k[(s * nk + j) * d + c]);
+        for (std::int64_t c = 0; c < d; ++c)
+          dot += double(q[(s * nq + i) * d + c]) * double(k[(s * nk + j) * d + c]);
         logits[j] = scale * dot;
         mx = std::max(mx, logits[j]);
       }
@@ -168,8 +172,10 @@ TEST_CASE("cli: 2-D float32 exact attention", "[cli]") {
   const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));
   CHECK(o.shape == std::vector<std::int64_t>{5, 3});
   REQUIRE(o.is_float32());
-  const auto ref = reference(data<float>(20, 1), data<float>(28, 2), data<float>(21, 3), 1, 5, 7, 4, 3, 0.5, false);
-  for (std::size_t i = 0; i < ref.size(); ++i) CHECK(o.values<float>()[i] == Approx(ref[i]).margin(1e-5));
+  const auto ref = reference(data<float>(20, 1), data<float>(28, 2), data<float>(21, 3), 1, 5, 7, 4,
+                             3, 0.5, false);
+  for (std::size_t i = 0; i < ref.size(); ++i)
+    CHECK(o.values<float>()[i] == Approx(ref[i]).margin(1e-5));
   CHECK(ws.files() == std::vector<std::string>{"k.npy", "o.npy", "q.npy", "v.npy"});
 }
 
@@ -178,9 +184,9 @@ TEST_CASE("cli: 4-D float64 causal attention with --report", "[cli]") {
   save<double>(ws, "q.npy", {2, 3, 6, 4}, 4);
   save<double>(ws, "k.npy", {2, 3, 6, 4}, 5);
   save<double>(ws, "v.npy", {2, 3, 6, 5}, 6);
-  const Result r = ws.run("attention --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
-                          quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy")) +
-                          " --causal --scale 0.3 --threads 2 --report");
+  const Result r = ws.run("attention --q " + quote(ws.path("q.npy")) + " --k " +
+                          quote(ws.path("k.npy")) + " --v " + quote(ws.path("v.npy")) + " --out " +
+                          quote(ws.path("o.npy")) + " --causal --scale 0.3 --threads 2 --report");
   INFO("stderr: " << r.err);
   REQUIRE(r.exit_code == 0);
   CHECK(r.err.empty());
@@ -188,8 +194,10 @@ TEST_CASE("cli: 4-D float64 causal attention with --report", "[cli]") {
   const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));
   CHECK(o.shape == std::vector<std::int64_t>{2, 3, 6, 5});
   REQUIRE(o.is_float64());
-  const auto ref = reference(data<double>(144, 4), data<double>(144, 5), data<double>(180, 6), 6, 6, 6, 4, 5, 0.3, true);
-  for (std::size_t i = 0; i < ref.size(); ++i) CHECK(o.values<double>()[i] == Approx(ref[i]).margin(1e-12));
+  const auto ref = reference(data<double>(144, 4), data<double>(144, 5), data<double>(180, 6), 6, 6,
+                             6, 4, 5, 0.3, true);
+  for (std::size_t i = 0; i < ref.size(); ++i)
+    CHECK(o.values<double>()[i] == Approx(ref[i]).margin(1e-12));
 
   // Exactly one JSON object on one line.
   REQUIRE(std::count(r.out.begin(), r.out.end(), '\n') == 1);
@@ -216,8 +224,9 @@ TEST_CASE("cli: --report shows the default scale 1/sqrt(d)", "[cli]") {
   save<float>(ws, "q.npy", {3, 64}, 7);
   save<float>(ws, "k.npy", {4, 64}, 8);
   save<float>(ws, "v.npy", {4, 2}, 9);
-  const Result r = ws.run("attention --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
-                          quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy")) + " --report");
+  const Result r =
+      ws.run("attention --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) +
+             " --v " + quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy")) + " --report");
   REQUIRE(r.exit_code == 0);
   CHECK(r.out.find(R"("dtype":"float32")") != std::string::npos);
   CHECK(r.out.find(R"("causal":false,"scale":0.125,)") != std::string::npos);
@@ -250,7 +259,8 @@ TEST_CASE("cli: every failure is one stderr line, exit code 2 and no output", "[
   {
     std::ofstream(ws.path("garbage.npy")) << "this is not an npy file";
     // A version 1.0 file written by hand: header dictionary padded to 128 bytes, then payload.
-    auto raw_npy = [&](const std::string& name, const std::string& dict, std::size_t payload_bytes) {
+    auto raw_npy = [&](const std::string& name, const std::string& dict,
+                       std::size_t payload_bytes) {
       std::ofstream f(ws.path(name), std::ios::binary);
       std::string header = dict;
       header.append(128 - 10 - header.size() - 1, ' ');
@@ -262,20 +272,26 @@ TEST_CASE("cli: every failure is one stderr line, exit code 2 and no output", "[
     raw_npy("big_endian.npy", "{'descr': '>f4', 'fortran_order': False, 'shape': (5, 4), }", 80);
     raw_npy("fortran.npy", "{'descr': '<f4', 'fortran_order': True, 'shape': (5, 4), }", 80);
     raw_npy("truncated.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (5, 4), }", 79);
-    std::ofstream(ws.path("short_header.npy"), std::ios::binary) << std::string("\x93NUMPY\x01\x00\x76\x00{'de", 14);
+    std::ofstream(ws.path("short_header.npy"), std::ios::binary)
+        << std::string("\x93NUMPY\x01\x00\x76\x00{'de", 14);
   }
   const std::string q = " --q " + quote(ws.path("q.npy"));
   const std::string k = " --k " + quote(ws.path("k.npy"));
   const std::string v = " --v " + quote(ws.path("v.npy"));
   const std::string out = " --out " + quote(ws.path("o.npy"));
-  auto with = [&](const std::string& flag, const std::string& file) { return " --" + flag + " " + quote(ws.path(file)); };
+  auto with = [&](const std::string& flag, const std::string& file) {
+    return " --" + flag + " " + quote(ws.path(file));
+  };
 
   SECTION("unreadable or malformed input") {
-    require_error(ws, "attention" + with("q", "missing.npy") + k + v + out, "missing.npy: no such file");
+    require_error(ws, "attention" + with("q", "missing.npy") + k + v + out,
+                  "missing.npy: no such file");
     require_error(ws, "attention" + with("q", "garbage.npy") + k + v + out, "bad magic");
     require_error(ws, "attention" + q + with("k", "int.npy") + v + out, "unsupported dtype '<i4'");
-    require_error(ws, "attention" + q + with("k", "big_endian.npy") + v + out, "unsupported dtype '>f4'");
-    require_error(ws, "attention" + with("q", "fortran.npy") + k + v + out, "fortran_order=True is not supported");
+    require_error(ws, "attention" + q + with("k", "big_endian.npy") + v + out,
+                  "unsupported dtype '>f4'");
+    require_error(ws, "attention" + with("q", "fortran.npy") + k + v + out,
+                  "fortran_order=True is not supported");
     require_error(ws, "attention" + with("q", "truncated.npy") + k + v + out, "truncated");
     require_error(ws, "attention" + with("q", "short_header.npy") + k + v + out, "truncated");
     require_error(ws, "attention" + q + k + with("v", "logs") + out, "is a directory");
@@ -283,15 +299,19 @@ TEST_CASE("cli: every failure is one stderr line, exit code 2 and no output", "[
   SECTION("wrong number of dimensions") {
     require_error(ws, "attention" + with("q", "q3d.npy") + k + v + out, "got shape (1, 5, 4)");
     require_error(ws, "attention" + with("q", "q1d.npy") + k + v + out, "got shape (4,)");
-    require_error(ws, "attention" + with("q", "q4d.npy") + k + v + out, "same number of dimensions");
+    require_error(ws, "attention" + with("q", "q4d.npy") + k + v + out,
+                  "same number of dimensions");
   }
   SECTION("mismatched shapes and dtypes") {
     require_error(ws, "attention" + q + with("k", "k_d5.npy") + v + out, "feature dimension");
     require_error(ws, "attention" + q + k + with("v", "v_n6.npy") + out, "number of tokens");
     require_error(ws, "attention" + q + k + with("v", "v_f64.npy") + out, "same dtype");
-    require_error(ws, "attention" + with("q", "q4d.npy") + with("k", "k4d.npy") + with("v", "v4d_b2.npy") + out,
-                  "batch and head");
-    require_error(ws, "attention" + q + with("k", "k0.npy") + with("v", "v0.npy") + out, "at least one key");
+    require_error(
+        ws,
+        "attention" + with("q", "q4d.npy") + with("k", "k4d.npy") + with("v", "v4d_b2.npy") + out,
+        "batch and head");
+    require_error(ws, "attention" + q + with("k", "k0.npy") + with("v", "v0.npy") + out,
+                  "at least one key");
     require_error(ws, "attention --causal" + q + k + v + out);  // causal needs n_q == n_k
   }
   SECTION("non-finite input") {
@@ -324,10 +344,12 @@ TEST_CASE("cli: every failure is one stderr line, exit code 2 and no output", "[
 
 namespace {
 
-// The positive-feature formula of Performer (Lemma 1) with the rows of W as ω, then attention, in double.
+// The positive-feature formula of Performer (Lemma 1) with the rows of W as ω, then attention, in
+// double.
 std::vector<double> favor_reference(const std::vector<double>& q, const std::vector<double>& k,
-                                    const std::vector<double>& v, const std::vector<double>& w, std::int64_t n,
-                                    std::int64_t d, std::int64_t dv, std::int64_t m, double scale) {
+                                    const std::vector<double>& v, const std::vector<double>& w,
+                                    std::int64_t n, std::int64_t d, std::int64_t dv, std::int64_t m,
+                                    double scale) {
   const double c = std::sqrt(scale);
   auto phi = [&](const std::vector<double>& x, std::int64_t i) {
     double sq = 0;
@@ -380,8 +402,8 @@ TEST_CASE("cli: favor with --omega evaluates the Performer formulas with W", "[c
   save<double>(ws, "k.npy", {n, d}, 12);
   save<double>(ws, "v.npy", {n, dv}, 13);
   save<double>(ws, "w.npy", {m, d}, 14);
-  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
-                         quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) +
+                         " --v " + quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
   const Result r = ws.run("attention --method favor --omega " + quote(ws.path("w.npy")) + io +
                           " --scale 0.6 --report");
   INFO("stderr: " << r.err);
@@ -390,17 +412,22 @@ TEST_CASE("cli: favor with --omega evaluates the Performer formulas with W", "[c
   CHECK(r.out.find(R"("features":5,"projection":"user")") != std::string::npos);
   CHECK(r.out.find(R"("feature_dim":5)") != std::string::npos);
   const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));
-  const auto ref = favor_reference(data<double>(n * d, 11), data<double>(n * d, 12), data<double>(n * dv, 13),
-                                   data<double>(m * d, 14), n, d, dv, m, 0.6);
-  for (std::size_t i = 0; i < ref.size(); ++i) CHECK(o.values<double>()[i] == Approx(ref[i]).margin(1e-12));
+  const auto ref =
+      favor_reference(data<double>(n * d, 11), data<double>(n * d, 12), data<double>(n * dv, 13),
+                      data<double>(m * d, 14), n, d, dv, m, 0.6);
+  for (std::size_t i = 0; i < ref.size(); ++i)
+    CHECK(o.values<double>()[i] == Approx(ref[i]).margin(1e-12));
 
   // The shared flags are rejected by methods outside the family and checked against W.
   require_error(ws, "attention --method exact --features 8" + io, "--features");
-  require_error(ws, "attention --method favor --features 4 --omega " + quote(ws.path("w.npy")) + io, "rows of --omega");
-  require_error(ws, "attention --method favor --projection iid --omega " + quote(ws.path("w.npy")) + io,
+  require_error(ws, "attention --method favor --features 4 --omega " + quote(ws.path("w.npy")) + io,
+                "rows of --omega");
+  require_error(ws,
+                "attention --method favor --projection iid --omega " + quote(ws.path("w.npy")) + io,
                 "cannot be combined");
   save<double>(ws, "w_d5.npy", {m, 5}, 14);
-  require_error(ws, "attention --method trig --omega " + quote(ws.path("w_d5.npy")) + io, "expected an (m, 4)");
+  require_error(ws, "attention --method trig --omega " + quote(ws.path("w_d5.npy")) + io,
+                "expected an (m, 4)");
   require_error(ws, "attention --method favor --projection gaussian" + io, "--projection");
   require_error(ws, "attention --method favor --features 0" + io, "--features");
 }
@@ -411,15 +438,16 @@ TEST_CASE("cli: favor, favor-hyp and trig with --compare", "[cli][features]") {
   save<float>(ws, "q.npy", {2, 2, n, d}, 21);
   save<float>(ws, "k.npy", {2, 2, n, d}, 22);
   save<float>(ws, "v.npy", {2, 2, n, dv}, 23);
-  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
-                         quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
-  const auto exact = reference(data<float>(4 * n * d, 21), data<float>(4 * n * d, 22), data<float>(4 * n * dv, 23),
-                               4, n, n, d, dv, 1.0 / std::sqrt(double(d)), true);
+  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) +
+                         " --v " + quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+  const auto exact =
+      reference(data<float>(4 * n * d, 21), data<float>(4 * n * d, 22), data<float>(4 * n * dv, 23),
+                4, n, n, d, dv, 1.0 / std::sqrt(double(d)), true);
   for (const std::string method : {"favor", "favor-hyp", "trig"}) {
     for (const std::string projection : {"iid", "orthogonal", "hadamard"}) {
       INFO(method << " " << projection);
-      const Result r = ws.run("attention --method " + method + " --features 128 --projection " + projection +
-                              " --seed 3 --causal --compare" + io);
+      const Result r = ws.run("attention --method " + method + " --features 128 --projection " +
+                              projection + " --seed 3 --causal --compare" + io);
       INFO("stderr: " << r.err);
       REQUIRE(r.exit_code == 0);
       REQUIRE(std::count(r.out.begin(), r.out.end(), '\n') == 1);
@@ -444,19 +472,25 @@ TEST_CASE("cli: hybrid and hybrid-gaussian", "[cli][hybrid]") {
   save<double>(ws, "q.npy", {n, d}, 31);
   save<double>(ws, "k.npy", {n, d}, 32);
   save<double>(ws, "v.npy", {n, dv}, 33);
-  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
-                         quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
-  Result r = ws.run("attention --method hybrid --features 16 --lambda-features 4 --seed 2 --causal --compare" + io);
+  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) +
+                         " --v " + quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+  Result r = ws.run(
+      "attention --method hybrid --features 16 --lambda-features 4 --seed 2 --causal --compare" +
+      io);
   INFO("stderr: " << r.err);
   REQUIRE(r.exit_code == 0);
   CHECK(json_number(r.out, "feature_dim") == 2 * 5 * 32 + 32);  // 2 (n_lambda + 1) 2m + 2m
   CHECK(json_number(r.out, "lambda_features") == 4);
   CHECK(std::isfinite(json_number(r.out, "rel_error")));
-  r = ws.run("attention --method hybrid-gaussian --features 16 --lambda-features 4 --bandwidth 0.5 --report" + io);
+  r = ws.run(
+      "attention --method hybrid-gaussian --features 16 --lambda-features 4 --bandwidth 0.5 "
+      "--report" +
+      io);
   REQUIRE(r.exit_code == 0);
   CHECK(json_number(r.out, "feature_dim") == 2 * 4 * (32 + 16) + 16);  // 2 n_lambda (2m + m) + m
   CHECK(json_number(r.out, "bandwidth") == 0.5);
-  const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));  // keep the array alive while iterating
+  const NpyArray o =
+      randattn::io::read_npy(ws.path("o.npy"));  // keep the array alive while iterating
   for (double x : o.values<double>()) CHECK(std::isfinite(x));
   save<double>(ws, "w.npy", {4, d}, 34);
   require_error(ws, "attention --method hybrid --omega " + quote(ws.path("w.npy")) + io, "--omega");
@@ -472,19 +506,21 @@ TEST_CASE("cli: oprf and sderf, their fit modes and the predicted kernel MSE", "
   save<float>(ws, "v.npy", {2, 1, n, dv}, 43);
   save<double>(ws, "c.npy", {16, d}, 44);
   save<double>(ws, "c_bad.npy", {16, d + 1}, 45);
-  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
-                         quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) +
+                         " --v " + quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
   const std::string calibration = " --fit given --calibration " + quote(ws.path("c.npy"));
   for (const std::string method : {"oprf", "sderf"}) {
     INFO(method);
-    for (const std::string fit : {std::string(""), std::string(" --fit given --rho 0.4"), calibration,
-                                  " --causal" + calibration}) {
+    for (const std::string fit : {std::string(""), std::string(" --fit given --rho 0.4"),
+                                  calibration, " --causal" + calibration}) {
       INFO(fit);
-      const Result r = ws.run("attention --method " + method + " --features 128 --seed 2 --compare" + fit + io);
+      const Result r =
+          ws.run("attention --method " + method + " --features 128 --seed 2 --compare" + fit + io);
       INFO("stderr: " << r.err);
       REQUIRE(r.exit_code == 0);
       CHECK(json_number(r.out, "feature_dim") == 128);
-      CHECK(r.out.find(fit.empty() ? "\"fit\":\"queries+keys\"" : "\"fit\":\"given\"") != std::string::npos);
+      CHECK(r.out.find(fit.empty() ? "\"fit\":\"queries+keys\"" : "\"fit\":\"given\"") !=
+            std::string::npos);
       // Entries in [-1, 1], d = 8, scale 1/sqrt(8): |q + k|^2 scaled is about 1, a small error.
       CHECK(json_number(r.out, "rel_error") < 0.5);
       CHECK(json_number(r.out, "predicted_rel_mse") > 0);
@@ -493,12 +529,15 @@ TEST_CASE("cli: oprf and sderf, their fit modes and the predicted kernel MSE", "
     const std::string base = "attention --method " + method + io;
     require_error(ws, base + " --causal", "--fit given");
     require_error(ws, base + " --fit given", "exactly one of --rho and --calibration");
-    require_error(ws, base + " --fit given --rho 1" + " --calibration " + quote(ws.path("c.npy")), "exactly one");
+    require_error(ws, base + " --fit given --rho 1" + " --calibration " + quote(ws.path("c.npy")),
+                  "exactly one");
     require_error(ws, base + " --rho 1", "need --fit given");
     require_error(ws, base + " --fit given --rho -1", "--rho");
     require_error(ws, base + " --fit sequence", "--fit");
-    require_error(ws, base + " --fit given --calibration " + quote(ws.path("c_bad.npy")), "--calibration");
-    require_error(ws, base + " --fit given --calibration " + quote(ws.path("missing.npy")), "--calibration");
+    require_error(ws, base + " --fit given --calibration " + quote(ws.path("c_bad.npy")),
+                  "--calibration");
+    require_error(ws, base + " --fit given --calibration " + quote(ws.path("missing.npy")),
+                  "--calibration");
   }
   require_error(ws, "attention --method favor --rho 1" + io, "--rho");
   require_error(ws, "attention --method hybrid --fit given" + io, "--fit");
@@ -527,8 +566,9 @@ namespace {
 
 // Output of the library's LSH attention on the same data, slice by slice.
 template <typename T>
-std::vector<T> lsh_reference(const std::vector<T>& q, const std::vector<T>* k, const std::vector<T>& v,
-                             const randattn::BatchShape& shape, const randattn::CrossPolytopeHash<T>& hash,
+std::vector<T> lsh_reference(const std::vector<T>& q, const std::vector<T>* k,
+                             const std::vector<T>& v, const randattn::BatchShape& shape,
+                             const randattn::CrossPolytopeHash<T>& hash,
                              const randattn::LshOptions& opt) {
   std::vector<T> out(static_cast<std::size_t>(shape.slices() * shape.n_q * shape.dv));
   if (k)
@@ -549,8 +589,8 @@ TEST_CASE("cli: lsh with shared QK, a user rotation file and the --report fields
   shape.n_q = shape.n_k = 40;
   shape.d = 6;
   shape.dv = 3;
-  const std::string io = " --q " + quote(ws.path("q.npy")) + " --v " + quote(ws.path("v.npy")) + " --out " +
-                         quote(ws.path("o.npy"));
+  const std::string io = " --q " + quote(ws.path("q.npy")) + " --v " + quote(ws.path("v.npy")) +
+                         " --out " + quote(ws.path("o.npy"));
 
   SECTION("drawn rotation, defaults: b = 2 ceil(n / 64), r = 4, seed 0, scale 1") {
     const Result r = ws.run("attention --method lsh --threads 1 --report" + io);
@@ -562,15 +602,18 @@ TEST_CASE("cli: lsh with shared QK, a user rotation file and the --report fields
     CHECK(json_field(r.out, "rotation") == "\"dense\"");
     CHECK(json_field(r.out, "dedupe") == "true");
     const auto expected = lsh_reference<float>(
-        q, nullptr, v, shape, randattn::CrossPolytopeHash<float>(randattn::RotationKind::dense, 6, 2, 4, 0), {});
+        q, nullptr, v, shape,
+        randattn::CrossPolytopeHash<float>(randattn::RotationKind::dense, 6, 2, 4, 0), {});
     const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));
     CHECK(o.shape == std::vector<std::int64_t>{40, 3});
-    for (std::size_t i = 0; i < expected.size(); ++i) CHECK(o.values<float>()[i] == Approx(expected[i]).margin(1e-5));
+    for (std::size_t i = 0; i < expected.size(); ++i)
+      CHECK(o.values<float>()[i] == Approx(expected[i]).margin(1e-5));
   }
   SECTION("--rotations R.npy of shape (d, r, b/2) is used as is") {
     save<double>(ws, "R.npy", {6, 3, 4}, 13);
-    const Result r = ws.run("attention --method lsh --chunk 8 --causal --no-dedupe --report --rotations " +
-                            quote(ws.path("R.npy")) + io);
+    const Result r =
+        ws.run("attention --method lsh --chunk 8 --causal --no-dedupe --report --rotations " +
+               quote(ws.path("R.npy")) + io);
     INFO("stderr: " << r.err);
     REQUIRE(r.exit_code == 0);
     CHECK(json_field(r.out, "buckets") == "8");
@@ -583,12 +626,15 @@ TEST_CASE("cli: lsh with shared QK, a user rotation file and the --report fields
     opt.chunk = 8;
     opt.causal = true;
     opt.dedupe = false;
-    const auto expected = lsh_reference<float>(q, nullptr, v, shape, randattn::CrossPolytopeHash<float>(rm, 3), opt);
+    const auto expected =
+        lsh_reference<float>(q, nullptr, v, shape, randattn::CrossPolytopeHash<float>(rm, 3), opt);
     const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));
-    for (std::size_t i = 0; i < expected.size(); ++i) CHECK(o.values<float>()[i] == Approx(expected[i]).margin(1e-5));
+    for (std::size_t i = 0; i < expected.size(); ++i)
+      CHECK(o.values<float>()[i] == Approx(expected[i]).margin(1e-5));
   }
   SECTION("--compare with a single chunk reports exact agreement") {
-    const Result r = ws.run("attention --method lsh --chunk 64 --buckets 4 --rounds 2 --report --compare" + io);
+    const Result r =
+        ws.run("attention --method lsh --chunk 64 --buckets 4 --rounds 2 --report --compare" + io);
     INFO("stderr: " << r.err);
     REQUIRE(r.exit_code == 0);
     CHECK(std::stod(json_field(r.out, "rel_error")) < 1e-5);
@@ -601,10 +647,12 @@ TEST_CASE("cli: lsh with separate keys needs exact buckets, batched float64", "[
   save<double>(ws, "q.npy", {2, 2, 30, 5}, 21);
   save<double>(ws, "k.npy", {2, 2, 30, 5}, 22);
   save<double>(ws, "v.npy", {2, 2, 30, 4}, 23);
-  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
-                         quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
-  const Result r = ws.run("attention --method lsh --exact-buckets --causal --rotation hadamard --buckets 6 --rounds 3 "
-                          "--seed 9 --scale 0.5 --report --compare" + io);
+  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) +
+                         " --v " + quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+  const Result r = ws.run(
+      "attention --method lsh --exact-buckets --causal --rotation hadamard --buckets 6 --rounds 3 "
+      "--seed 9 --scale 0.5 --report --compare" +
+      io);
   INFO("stderr: " << r.err);
   REQUIRE(r.exit_code == 0);
   CHECK(json_field(r.out, "exact_buckets") == "true");
@@ -625,7 +673,8 @@ TEST_CASE("cli: lsh with separate keys needs exact buckets, batched float64", "[
       randattn::CrossPolytopeHash<double>(randattn::RotationKind::hadamard, 5, 6, 3, 9), opt);
   const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));
   CHECK(o.shape == std::vector<std::int64_t>{2, 2, 30, 4});
-  for (std::size_t i = 0; i < expected.size(); ++i) CHECK(o.values<double>()[i] == Approx(expected[i]).margin(1e-12));
+  for (std::size_t i = 0; i < expected.size(); ++i)
+    CHECK(o.values<double>()[i] == Approx(expected[i]).margin(1e-12));
 }
 
 TEST_CASE("cli: lsh errors are one stderr line, exit code 2 and no output", "[cli][lsh]") {
@@ -639,7 +688,8 @@ TEST_CASE("cli: lsh errors are one stderr line, exit code 2 and no output", "[cl
   const std::string out = " --out " + quote(ws.path("o.npy"));
   const std::string lsh = "attention --method lsh" + q + v + out;
   require_error(ws, "attention" + q + v + out, "--k is required for --method exact");
-  require_error(ws, "attention --chunk 8" + q + " --k " + quote(ws.path("q.npy")) + v + out, "belongs to --method lsh");
+  require_error(ws, "attention --chunk 8" + q + " --k " + quote(ws.path("q.npy")) + v + out,
+                "belongs to --method lsh");
   require_error(ws, lsh + " --k " + quote(ws.path("q.npy")), "--exact-buckets");
   require_error(ws, lsh + " --buckets 7", "buckets must be even");
   require_error(ws, lsh + " --rounds 0", "rounds");
@@ -648,8 +698,10 @@ TEST_CASE("cli: lsh errors are one stderr line, exit code 2 and no output", "[cl
   require_error(ws, lsh + " --rotations " + quote(ws.path("R2d.npy")), "(d, r, b/2)");
   require_error(ws, lsh + " --rotations " + quote(ws.path("R_d5.npy")), "d = 4");
   require_error(ws, lsh + " --rotations " + quote(ws.path("R.npy")) + " --rounds 3", "--rounds 3");
-  require_error(ws, lsh + " --rotations " + quote(ws.path("R.npy")) + " --buckets 4", "--buckets 4");
-  require_error(ws, lsh + " --rotations " + quote(ws.path("R.npy")) + " --rotation dense", "exclude");
+  require_error(ws, lsh + " --rotations " + quote(ws.path("R.npy")) + " --buckets 4",
+                "--buckets 4");
+  require_error(ws, lsh + " --rotations " + quote(ws.path("R.npy")) + " --rotation dense",
+                "exclude");
   require_error(ws, lsh + " --rotations " + quote(ws.path("missing.npy")), "--rotations");
 }
 
@@ -661,9 +713,10 @@ TEST_CASE("cli: lsf matches the library, with the --report and --compare fields"
     save<float>(ws, "q.npy", {40, 6}, 31);
     save<float>(ws, "k.npy", {50, 6}, 32);
     save<float>(ws, "v.npy", {50, 3}, 33);
-    const Result r = ws.run("attention --method lsf --filters 8 --tables 3 --eta 0.5 --threads 1 --report --q " +
-                            quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
-                            quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy")));
+    const Result r =
+        ws.run("attention --method lsf --filters 8 --tables 3 --eta 0.5 --threads 1 --report --q " +
+               quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
+               quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy")));
     INFO("stderr: " << r.err);
     REQUIRE(r.exit_code == 0);
     CHECK(json_field(r.out, "filters") == "8");
@@ -679,8 +732,8 @@ TEST_CASE("cli: lsf matches the library, with the --report and --compare fields"
     opt.eta = 0.5;
     const auto q = data<float>(240, 31), k = data<float>(300, 32), v = data<float>(150, 33);
     using CMap = Eigen::Map<const randattn::RowMatrix<float>>;
-    const randattn::RowMatrix<float> expected = randattn::lsf_attention(f, CMap(q.data(), 40, 6), CMap(k.data(), 50, 6),
-                                                                        CMap(v.data(), 50, 3), opt);
+    const randattn::RowMatrix<float> expected = randattn::lsf_attention(
+        f, CMap(q.data(), 40, 6), CMap(k.data(), 50, 6), CMap(v.data(), 50, 3), opt);
     const randattn::LsfProbeStats st =
         randattn::lsf_probe_stats<float>(f, CMap(q.data(), 40, 6), CMap(k.data(), 50, 6), opt);
     CHECK(pairs == Approx(double(st.target_pairs) / (40.0 * 50.0)));
@@ -693,10 +746,12 @@ TEST_CASE("cli: lsf matches the library, with the --report and --compare fields"
     save<double>(ws, "q.npy", {2, 2, 30, 8}, 41);
     save<double>(ws, "k.npy", {2, 2, 30, 8}, 42);
     save<double>(ws, "v.npy", {2, 2, 30, 4}, 43);
-    const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
-                           quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
-    const Result r = ws.run("attention --method lsf --filters 16 --tables 2 --alpha 0.6 --min-probes 2 --rotation "
-                            "hadamard --causal --seed 9 --scale 0.5 --compare" + io);
+    const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) +
+                           " --v " + quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+    const Result r = ws.run(
+        "attention --method lsf --filters 16 --tables 2 --alpha 0.6 --min-probes 2 --rotation "
+        "hadamard --causal --seed 9 --scale 0.5 --compare" +
+        io);
     INFO("stderr: " << r.err);
     REQUIRE(r.exit_code == 0);
     CHECK(json_field(r.out, "rotation") == "\"hadamard\"");
@@ -714,14 +769,17 @@ TEST_CASE("cli: lsf matches the library, with the --report and --compare fields"
     opt.causal = true;
     opt.scale = 0.5;
     std::vector<double> expected(480);
-    randattn::lsf_attention_batched(randattn::LocalitySensitiveFilters<double>(randattn::RotationKind::hadamard, 8, 16, 2, 9),
-                                    data<double>(960, 41).data(), data<double>(960, 42).data(),
-                                    data<double>(480, 43).data(), expected.data(), shape, opt);
+    randattn::lsf_attention_batched(
+        randattn::LocalitySensitiveFilters<double>(randattn::RotationKind::hadamard, 8, 16, 2, 9),
+        data<double>(960, 41).data(), data<double>(960, 42).data(), data<double>(480, 43).data(),
+        expected.data(), shape, opt);
     const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));
     CHECK(o.shape == std::vector<std::int64_t>{2, 2, 30, 4});
-    for (std::size_t i = 0; i < expected.size(); ++i) CHECK(o.values<double>()[i] == Approx(expected[i]).margin(1e-12));
+    for (std::size_t i = 0; i < expected.size(); ++i)
+      CHECK(o.values<double>()[i] == Approx(expected[i]).margin(1e-12));
     // Every filter opened: exact attention, every pair scored (half of them under causal masking).
-    const Result all = ws.run("attention --method lsf --filters 4 --tables 2 --eta=-100 --compare" + io);
+    const Result all =
+        ws.run("attention --method lsf --filters 4 --tables 2 --eta=-100 --compare" + io);
     REQUIRE(all.exit_code == 0);
     CHECK(std::stod(json_field(all.out, "rel_error")) < 1e-12);
     CHECK(std::stod(json_field(all.out, "pairs_scored")) == 1.0);
@@ -733,14 +791,16 @@ TEST_CASE("cli: lsf errors are one stderr line, exit code 2 and no output", "[cl
   save<float>(ws, "q.npy", {20, 4}, 1);
   save<float>(ws, "k.npy", {20, 4}, 2);
   save<float>(ws, "v.npy", {20, 3}, 3);
-  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
-                         quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) +
+                         " --v " + quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
   const std::string lsf = "attention --method lsf" + io;
-  require_error(ws, "attention --method lsf --eta 1 --q " + quote(ws.path("q.npy")) + " --v " + quote(ws.path("v.npy")) +
-                        " --out " + quote(ws.path("o.npy")),
+  require_error(ws,
+                "attention --method lsf --eta 1 --q " + quote(ws.path("q.npy")) + " --v " +
+                    quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy")),
                 "--k is required for --method lsf");
   require_error(ws, "attention --filters 8" + io, "belongs to --method lsf");
-  require_error(ws, "attention --method lsh --exact-buckets --tables 2" + io, "belongs to --method lsf");
+  require_error(ws, "attention --method lsh --exact-buckets --tables 2" + io,
+                "belongs to --method lsf");
   require_error(ws, lsf, "exactly one of --eta and --alpha");
   require_error(ws, lsf + " --eta 1 --alpha 0.5", "exactly one of --eta and --alpha");
   require_error(ws, lsf + " --eta 1 --filters 0", "--filters");
@@ -766,19 +826,22 @@ TEST_CASE("cli: lsf errors are one stderr line, exit code 2 and no output", "[cl
 TEST_CASE("cli: sparsify an order-3 float32 tensor with --report", "[cli][sketch]") {
   Workspace ws;
   save<float>(ws, "a.npy", {6, 7, 8}, 11);
-  const std::string base = "sparsify --in " + quote(ws.path("a.npy")) + " --budget 60 --seed 5 --out ";
+  const std::string base =
+      "sparsify --in " + quote(ws.path("a.npy")) + " --budget 60 --seed 5 --out ";
   const Result r = ws.run(base + quote(ws.path("ahat.npy")) + " --report");
   INFO("stderr: " << r.err);
   REQUIRE(r.exit_code == 0);
   CHECK(r.err.empty());
-  const NpyArray a = randattn::io::read_npy(ws.path("a.npy")), h = randattn::io::read_npy(ws.path("ahat.npy"));
+  const NpyArray a = randattn::io::read_npy(ws.path("a.npy")),
+                 h = randattn::io::read_npy(ws.path("ahat.npy"));
   CHECK(h.shape == std::vector<std::int64_t>{6, 7, 8});
   REQUIRE(h.is_float32());
   // The output is the library's sketch for the same seed, densified.
   randattn::SparsifyOptions opt;
   opt.budget = 60;
   opt.seed = 5;
-  const auto sk = randattn::sparsify(randattn::tensor_view(a.values<float>().data(), {6, 7, 8}), opt);
+  const auto sk =
+      randattn::sparsify(randattn::tensor_view(a.values<float>().data(), {6, 7, 8}), opt);
   const randattn::Vector<float> dense = randattn::densify(sk);
   CHECK(std::equal(h.values<float>().begin(), h.values<float>().end(), dense.data()));
 
@@ -786,7 +849,8 @@ TEST_CASE("cli: sparsify an order-3 float32 tensor with --report", "[cli][sketch
   CHECK(r.out.rfind(R"({"scheme":"spa","dtype":"float32","shape":[6,7,8],)", 0) == 0);
   CHECK(json_number(r.out, "nnz") == double(sk.nnz()));
   CHECK(json_number(r.out, "expected_nnz") == Approx(sk.stats.expected_nnz));
-  const auto err = randattn::sketch_error(randattn::tensor_view(a.values<float>().data(), {6, 7, 8}), sk);
+  const auto err =
+      randattn::sketch_error(randattn::tensor_view(a.values<float>().data(), {6, 7, 8}), sk);
   CHECK(json_number(r.out, "rel_fro_error") == Approx(err.relative_frobenius));
   CHECK(json_number(r.out, "rel_spectral_error") == Approx(err.relative_spectral));
   CHECK(r.out.find(R"("spectral_exact":false)") != std::string::npos);
@@ -794,7 +858,8 @@ TEST_CASE("cli: sparsify an order-3 float32 tensor with --report", "[cli][sketch
   // Same seed, same bytes; the budget of every entry returns the input itself.
   REQUIRE(ws.run(base + quote(ws.path("again.npy"))).exit_code == 0);
   CHECK(slurp(ws.path("again.npy")) == slurp(ws.path("ahat.npy")));
-  REQUIRE(ws.run("sparsify --in " + quote(ws.path("a.npy")) + " --budget 336 --out " + quote(ws.path("all.npy")))
+  REQUIRE(ws.run("sparsify --in " + quote(ws.path("a.npy")) + " --budget 336 --out " +
+                 quote(ws.path("all.npy")))
               .exit_code == 0);
   CHECK(randattn::io::read_npy(ws.path("all.npy")).values<float>() == a.values<float>());
 }
@@ -803,13 +868,15 @@ TEST_CASE("cli: sparsify a float64 matrix with each scheme", "[cli][sketch]") {
   Workspace ws;
   save<double>(ws, "m.npy", {20, 30}, 12);
   for (const char* scheme : {"spa", "ndt", "l2", "uniform"}) {
-    const Result r = ws.run(std::string("sparsify --in ") + quote(ws.path("m.npy")) + " --budget 100 --scheme " +
-                            scheme + " --out " + quote(ws.path("mhat.npy")) + " --report");
+    const Result r =
+        ws.run(std::string("sparsify --in ") + quote(ws.path("m.npy")) + " --budget 100 --scheme " +
+               scheme + " --out " + quote(ws.path("mhat.npy")) + " --report");
     INFO(scheme << " stderr: " << r.err);
     REQUIRE(r.exit_code == 0);
     CHECK(randattn::io::read_npy(ws.path("mhat.npy")).is_float64());
     CHECK(r.out.find(std::string("\"scheme\":\"") + scheme + "\"") != std::string::npos);
-    CHECK(r.out.find(R"("spectral_exact":true)") != std::string::npos);  // order 2: the exact matrix norm
+    CHECK(r.out.find(R"("spectral_exact":true)") !=
+          std::string::npos);  // order 2: the exact matrix norm
   }
 }
 
@@ -818,11 +885,13 @@ TEST_CASE("cli: hosvd writes orthonormal factors, exact or sketched", "[cli][ske
   save<double>(ws, "a.npy", {5, 6, 7}, 13);
   const NpyArray a = randattn::io::read_npy(ws.path("a.npy"));
   const auto view = randattn::tensor_view(a.values<double>().data(), {5, 6, 7});
-  const Result exact = ws.run("hosvd --in " + quote(ws.path("a.npy")) + " --ranks 2,3,4 --out-prefix " +
-                              quote(ws.path("U")) + " --report");
+  const Result exact = ws.run("hosvd --in " + quote(ws.path("a.npy")) +
+                              " --ranks 2,3,4 --out-prefix " + quote(ws.path("U")) + " --report");
   INFO("stderr: " << exact.err);
   REQUIRE(exact.exit_code == 0);
-  CHECK(exact.out.rfind(R"({"method":"exact","dtype":"float64","shape":[5,6,7],"ranks":[2,3,4],"seconds":)", 0) == 0);
+  CHECK(exact.out.rfind(
+            R"({"method":"exact","dtype":"float64","shape":[5,6,7],"ranks":[2,3,4],"seconds":)",
+            0) == 0);
   const auto reference = randattn::exact_hosvd(view, {2, 3, 4});
   for (int j = 0; j < 3; ++j) {
     const NpyArray u = randattn::io::read_npy(ws.path("U" + std::to_string(j) + ".npy"));
@@ -831,15 +900,18 @@ TEST_CASE("cli: hosvd writes orthonormal factors, exact or sketched", "[cli][ske
     CHECK((m.transpose() * m - Eigen::MatrixXd::Identity(2 + j, 2 + j)).norm() < 1e-12);
     CHECK(randattn::sin_theta_distance(m, reference.factors[std::size_t(j)]) < 1e-10);
   }
-  const Result sketched = ws.run("hosvd --in " + quote(ws.path("a.npy")) + " --ranks 1,1,1 --budget 1000 --seed 2" +
-                                 " --out-prefix " + quote(ws.path("S")) + " --report");
+  const Result sketched =
+      ws.run("hosvd --in " + quote(ws.path("a.npy")) + " --ranks 1,1,1 --budget 1000 --seed 2" +
+             " --out-prefix " + quote(ws.path("S")) + " --report");
   REQUIRE(sketched.exit_code == 0);
   CHECK(sketched.out.find(R"("method":"sketched")") != std::string::npos);
   CHECK(sketched.out.find(R"("nnz":[210,210])") != std::string::npos);  // budget >= D: every entry
-  CHECK(ws.files() == std::vector<std::string>{"S0.npy", "S1.npy", "S2.npy", "U0.npy", "U1.npy", "U2.npy", "a.npy"});
+  CHECK(ws.files() == std::vector<std::string>{"S0.npy", "S1.npy", "S2.npy", "U0.npy", "U1.npy",
+                                               "U2.npy", "a.npy"});
 }
 
-TEST_CASE("cli: sparsify and hosvd failures are one stderr line, exit code 2 and no output", "[cli][sketch]") {
+TEST_CASE("cli: sparsify and hosvd failures are one stderr line, exit code 2 and no output",
+          "[cli][sketch]") {
   Workspace ws;
   save<float>(ws, "a.npy", {4, 5, 6}, 14);
   save<float>(ws, "v.npy", {7}, 15);
@@ -855,20 +927,27 @@ TEST_CASE("cli: sparsify and hosvd failures are one stderr line, exit code 2 and
   require_error(ws, "sparsify" + in + " --budget 0" + out, "budget must be a positive");
   require_error(ws, "sparsify" + in + " --budget -2" + out, "budget");
   require_error(ws, "sparsify" + with("zeros.npy") + " --budget 5" + out, "all zero");
-  require_error(ws, "sparsify" + with("nan.npy") + " --budget 5" + out, "non-finite entry at (1, 2, 3)");
-  require_error(ws, "sparsify" + with("v.npy") + " --budget 5" + out, "order k >= 2, got shape (7,)");
+  require_error(ws, "sparsify" + with("nan.npy") + " --budget 5" + out,
+                "non-finite entry at (1, 2, 3)");
+  require_error(ws, "sparsify" + with("v.npy") + " --budget 5" + out,
+                "order k >= 2, got shape (7,)");
   require_error(ws, "sparsify" + with("missing.npy") + " --budget 5" + out, "no such file");
-  require_error(ws, "sparsify" + in + " --budget 5 --scheme foo" + out, "unknown sparsification scheme 'foo'");
+  require_error(ws, "sparsify" + in + " --budget 5 --scheme foo" + out,
+                "unknown sparsification scheme 'foo'");
   require_error(ws, "sparsify" + in + out);  // --budget missing
-  require_error(ws, "sparsify" + in + " --budget 5 --out " + quote(ws.path("no_dir/o.npy")), "--out");
+  require_error(ws, "sparsify" + in + " --budget 5 --out " + quote(ws.path("no_dir/o.npy")),
+                "--out");
 
-  require_error(ws, "hosvd" + in + " --ranks 2,6,2" + prefix, "rank 6 of mode 1 must be in [1, d_1] = [1, 5]");
+  require_error(ws, "hosvd" + in + " --ranks 2,6,2" + prefix,
+                "rank 6 of mode 1 must be in [1, d_1] = [1, 5]");
   require_error(ws, "hosvd" + in + " --ranks 0,1,1" + prefix, "rank 0 of mode 0");
-  require_error(ws, "hosvd" + in + " --ranks 2,2" + prefix, "2 ranks given for a tensor of order 3");
+  require_error(ws, "hosvd" + in + " --ranks 2,2" + prefix,
+                "2 ranks given for a tensor of order 3");
   require_error(ws, "hosvd" + in + " --ranks 2,2,2 --budget 0" + prefix, "budget");
   require_error(ws, "hosvd" + in + " --ranks 2,2,2 --seed 4" + prefix, "--seed requires --budget");
   require_error(ws, "hosvd" + with("nan.npy") + " --ranks 1,1,1" + prefix, "non-finite");
   require_error(ws, "hosvd" + with("zeros.npy") + " --ranks 1,1,1 --budget 5" + prefix, "all zero");
   require_error(ws, "hosvd" + with("v.npy") + " --ranks 1" + prefix, "order k >= 2");
-  require_error(ws, "hosvd" + in + " --ranks 1,1,1 --out-prefix " + quote(ws.path("no_dir/P")), "--out-prefix");
+  require_error(ws, "hosvd" + in + " --ranks 1,1,1 --out-prefix " + quote(ws.path("no_dir/P")),
+                "--out-prefix");
 }

@@ -27,11 +27,12 @@ RowMatrix<double> explicit_linear(const RowMatrix<Scalar>& qf, const Vector<Scal
   const Index n_q = qf.rows(), n_k = kf.rows();
   Eigen::VectorXd sigma = signs.size() ? Eigen::VectorXd(signs.template cast<double>())
                                        : Eigen::VectorXd::Ones(qf.cols());
-  Eigen::MatrixXd a = qf.template cast<double>() * sigma.asDiagonal() *
-                      kf.template cast<double>().transpose();
+  Eigen::MatrixXd a =
+      qf.template cast<double>() * sigma.asDiagonal() * kf.template cast<double>().transpose();
   for (Index i = 0; i < n_q; ++i) {
     for (Index j = 0; j < n_k; ++j) {
-      const double s = (q_log.size() ? double(q_log(i)) : 0.0) + (k_log.size() ? double(k_log(j)) : 0.0);
+      const double s =
+          (q_log.size() ? double(q_log(i)) : 0.0) + (k_log.size() ? double(k_log(j)) : 0.0);
       a(i, j) *= std::exp(s);
       if (causal && j > i) a(i, j) = 0;
     }
@@ -50,8 +51,8 @@ struct LinearProblem {
 // Positive features, log-scales spread over [-log_spread, log_spread], and (optionally) signs
 // that flip a few small features so the signed denominators stay well away from zero.
 template <typename Scalar>
-LinearProblem<Scalar> make_problem(std::uint64_t seed, Index n, Index m, Index dv, double log_spread,
-                                   bool with_signs) {
+LinearProblem<Scalar> make_problem(std::uint64_t seed, Index n, Index m, Index dv,
+                                   double log_spread, bool with_signs) {
   LinearProblem<Scalar> p;
   p.qf = testing::uniform<Scalar>(seed, n, m, 0.1, 1.0);
   p.kf = testing::uniform<Scalar>(seed + 1, n, m, 0.1, 1.0);
@@ -72,21 +73,23 @@ LinearProblem<Scalar> make_problem(std::uint64_t seed, Index n, Index m, Index d
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("SoftmaxAccumulator merges partial results exactly", "[core][accumulator]", float,
-                   double) {
+TEMPLATE_TEST_CASE("SoftmaxAccumulator merges partial results exactly", "[core][accumulator]",
+                   float, double) {
   using Scalar = TestType;
   const Index n = 5, dv = 3;
   // Two partial sums of the same weights, given relative to very different log-scales.
   RowMatrix<Scalar> w1 = testing::uniform<Scalar>(1, n, 4, 0.0, 1.0);
   RowMatrix<Scalar> w2 = testing::uniform<Scalar>(2, n, 6, 0.0, 1.0);
-  RowMatrix<Scalar> v1 = testing::gaussian<Scalar>(3, 4, dv), v2 = testing::gaussian<Scalar>(4, 6, dv);
+  RowMatrix<Scalar> v1 = testing::gaussian<Scalar>(3, 4, dv),
+                    v2 = testing::gaussian<Scalar>(4, 6, dv);
   auto numden = [&](const RowMatrix<Scalar>& w, const RowMatrix<Scalar>& v) {
     RowMatrix<Scalar> nd(n, dv + 1);
     nd.leftCols(dv) = w * v;
     nd.col(dv) = w.rowwise().sum();
     return nd;
   };
-  const Vector<Scalar> c1 = Vector<Scalar>::Constant(n, Scalar(3)), c2 = Vector<Scalar>::Constant(n, Scalar(-2));
+  const Vector<Scalar> c1 = Vector<Scalar>::Constant(n, Scalar(3)),
+                       c2 = Vector<Scalar>::Constant(n, Scalar(-2));
   // True weights: e^3 w1 and e^-2 w2.
   RowMatrix<double> num = std::exp(3.0) * (w1 * v1).template cast<double>() +
                           std::exp(-2.0) * (w2 * v2).template cast<double>();
@@ -118,10 +121,10 @@ TEMPLATE_TEST_CASE("SoftmaxAccumulator merges partial results exactly", "[core][
 TEMPLATE_TEST_CASE("Denominator guard", "[core][accumulator]", float, double) {
   using Scalar = TestType;
   RowMatrix<Scalar> nd(4, 2);
-  nd << 1, 2,     // ordinary row
-      1, 0,       // den = 0
-      1, -1e-9,   // tiny negative den
-      0, 0;       // no weight at all
+  nd << 1, 2,    // ordinary row
+      1, 0,      // den = 0
+      1, -1e-9,  // tiny negative den
+      0, 0;      // no weight at all
   SoftmaxAccumulator<Scalar> acc(nd, Vector<Scalar>::Zero(4));
   const Scalar eps = Scalar(1e-6);
   const RowMatrix<Scalar> out = acc.finalize(eps);
@@ -159,13 +162,15 @@ TEMPLATE_TEST_CASE("Denominator guard", "[core][accumulator]", float, double) {
   }
 }
 
-TEMPLATE_TEST_CASE("Linear core equals the explicit masked product", "[core][linear]", float, double) {
+TEMPLATE_TEST_CASE("Linear core equals the explicit masked product", "[core][linear]", float,
+                   double) {
   using Scalar = TestType;
   const double tol = testing::tolerance<Scalar>();
   const Index n = 301, m = 24, dv = 7;
   for (bool with_signs : {false, true}) {
     for (double spread : {0.0, 8.0}) {
-      const auto p = make_problem<Scalar>(100 + 10 * with_signs + Index(spread), n, m, dv, spread, with_signs);
+      const auto p =
+          make_problem<Scalar>(100 + 10 * with_signs + Index(spread), n, m, dv, spread, with_signs);
       for (bool causal : {false, true}) {
         const RowMatrix<double> expected =
             explicit_linear(p.qf, p.q_log, p.kf, p.k_log, p.v, p.signs, causal);
@@ -175,10 +180,9 @@ TEMPLATE_TEST_CASE("Linear core equals the explicit masked product", "[core][lin
           LinearOptions opt;
           opt.causal = causal;
           opt.block_size = chunk;
-          const RowMatrix<Scalar> out =
-              randattn::linear_attention_accumulate<Scalar>(p.qf, p.q_log, p.kf, p.k_log, p.v,
-                                                            p.signs, opt)
-                  .finalize(Scalar(opt.denominator_epsilon));
+          const RowMatrix<Scalar> out = randattn::linear_attention_accumulate<Scalar>(
+                                            p.qf, p.q_log, p.kf, p.k_log, p.v, p.signs, opt)
+                                            .finalize(Scalar(opt.denominator_epsilon));
           CHECK(rel_error(out, expected) < tol);
         }
       }
@@ -186,11 +190,13 @@ TEMPLATE_TEST_CASE("Linear core equals the explicit masked product", "[core][lin
   }
 }
 
-TEMPLATE_TEST_CASE("Linear core with ScaledFeatures and plain matrices", "[core][linear]", float, double) {
+TEMPLATE_TEST_CASE("Linear core with ScaledFeatures and plain matrices", "[core][linear]", float,
+                   double) {
   using Scalar = TestType;
   const auto p = make_problem<Scalar>(7, 50, 8, 3, 2.0, false);
   const randattn::ScaledFeatures<Scalar> q{p.qf, p.q_log}, k{p.kf, p.k_log};
-  const RowMatrix<double> expected = explicit_linear(p.qf, p.q_log, p.kf, p.k_log, p.v, p.signs, false);
+  const RowMatrix<double> expected =
+      explicit_linear(p.qf, p.q_log, p.kf, p.k_log, p.v, p.signs, false);
   CHECK(rel_error(randattn::linear_attention(q, k, p.v), expected) < testing::tolerance<Scalar>());
   const RowMatrix<double> plain_expected =
       explicit_linear(p.qf, Vector<Scalar>(), p.kf, Vector<Scalar>(), p.v, p.signs, true);
@@ -200,7 +206,8 @@ TEMPLATE_TEST_CASE("Linear core with ScaledFeatures and plain matrices", "[core]
         testing::tolerance<Scalar>());
 }
 
-TEMPLATE_TEST_CASE("Causal linear core never looks at future keys", "[core][linear][causal]", float, double) {
+TEMPLATE_TEST_CASE("Causal linear core never looks at future keys", "[core][linear][causal]", float,
+                   double) {
   using Scalar = TestType;
   const Index n = 200, m = 16, dv = 5;
   for (bool scaled : {false, true}) {
@@ -211,20 +218,23 @@ TEMPLATE_TEST_CASE("Causal linear core never looks at future keys", "[core][line
       opt.causal = true;
       opt.block_size = chunk;
       const RowMatrix<Scalar> before = randattn::linear_attention_accumulate<Scalar>(
-          p.qf, p.q_log, p.kf, p.k_log, p.v, p.signs, opt).finalize(Scalar(1e-6));
+                                           p.qf, p.q_log, p.kf, p.k_log, p.v, p.signs, opt)
+                                           .finalize(Scalar(1e-6));
       // The last key becomes dominant: far larger features and (when scaled) a log-scale that
       // would underflow every other key if it were used as a shared stabiliser.
       p.kf.row(n - 1).setConstant(Scalar(50));
       if (scaled) p.k_log(n - 1) = Scalar(80);
       const RowMatrix<Scalar> after = randattn::linear_attention_accumulate<Scalar>(
-          p.qf, p.q_log, p.kf, p.k_log, p.v, p.signs, opt).finalize(Scalar(1e-6));
+                                          p.qf, p.q_log, p.kf, p.k_log, p.v, p.signs, opt)
+                                          .finalize(Scalar(1e-6));
       CHECK(testing::rows_bit_identical(before, after, n - 1));
       CHECK_FALSE(testing::rows_bit_identical(before, after, n));
     }
   }
 }
 
-TEMPLATE_TEST_CASE("Streaming decoder equals causal linear attention", "[core][linear][decoder]", float, double) {
+TEMPLATE_TEST_CASE("Streaming decoder equals causal linear attention", "[core][linear][decoder]",
+                   float, double) {
   using Scalar = TestType;
   const Index n = 90, m = 12, dv = 4;
   for (bool scaled : {false, true}) {
@@ -233,14 +243,16 @@ TEMPLATE_TEST_CASE("Streaming decoder equals causal linear attention", "[core][l
     opt.causal = true;
     opt.block_size = 16;
     const RowMatrix<Scalar> causal = randattn::linear_attention_accumulate<Scalar>(
-        p.qf, p.q_log, p.kf, p.k_log, p.v, p.signs, opt).finalize(Scalar(opt.denominator_epsilon));
+                                         p.qf, p.q_log, p.kf, p.k_log, p.v, p.signs, opt)
+                                         .finalize(Scalar(opt.denominator_epsilon));
     randattn::LinearDecoderState<Scalar> state(m, dv, p.signs);
     RowMatrix<Scalar> streamed(n, dv);
     for (Index t = 0; t < n; ++t) {
       state.append(p.kf.row(t), p.v.row(t), scaled ? p.k_log(t) : Scalar(0));
       const Scalar q_log = scaled ? p.q_log(t) : Scalar(0);
       state.query_into(p.qf.row(t), q_log, streamed.row(t));
-      REQUIRE(RowMatrix<Scalar>(streamed.row(t)) == RowMatrix<Scalar>(state.query(p.qf.row(t), q_log)));
+      REQUIRE(RowMatrix<Scalar>(streamed.row(t)) ==
+              RowMatrix<Scalar>(state.query(p.qf.row(t), q_log)));
     }
     CHECK(state.length() == n);
     CHECK(rel_error(streamed, causal) < testing::tolerance<Scalar>());
@@ -270,7 +282,8 @@ TEST_CASE("Linear core validates its arguments", "[core][linear][validation]") {
   CHECK_THROWS_AS(call(q, k, v, Vector<double>::Zero(3), none, none), std::invalid_argument);
   CHECK_THROWS_AS(call(q, k, v, none, Vector<double>::Zero(4), none), std::invalid_argument);
   CHECK_THROWS_AS(call(q, k, v, none, none, Vector<double>::Ones(2)), std::invalid_argument);
-  CHECK_THROWS_AS(call(q, k, v, none, none, Vector<double>::Constant(3, 0.5)), std::invalid_argument);
+  CHECK_THROWS_AS(call(q, k, v, none, none, Vector<double>::Constant(3, 0.5)),
+                  std::invalid_argument);
   LinearOptions causal;
   causal.causal = true;
   CHECK_THROWS_AS(call(q, k, v, none, none, none, causal), std::invalid_argument);
@@ -296,14 +309,16 @@ TEST_CASE("Linear core validates its arguments", "[core][linear][validation]") {
   M inf_q = q;
   inf_q(0, 2) = -std::numeric_limits<double>::infinity();
   CHECK_THROWS_WITH(call(inf_q, k, v, none, none, none), Catch::Contains("q_features (4x3)"));
-  CHECK_THROWS_AS(call(q, k, v, none, Vector<double>::Constant(5, std::nan("")), none), std::invalid_argument);
+  CHECK_THROWS_AS(call(q, k, v, none, Vector<double>::Constant(5, std::nan("")), none),
+                  std::invalid_argument);
   // Finite features whose products overflow: a clear error, never Inf or NaN.
   CHECK_THROWS_WITH(call(M::Constant(4, 3, 1e200), M::Constant(5, 3, 1e200), v, none, none, none),
                     Catch::Contains("overflowed"));
 
   // Edge cases: no queries gives an empty result; one token and one feature work.
   CHECK(call(M(0, 3), k, v, none, none, none).finalize().rows() == 0);
-  const M one_q = M::Constant(1, 1, 2.0), one_k = M::Constant(1, 1, 3.0), one_v = M::Constant(1, 1, -4.0);
+  const M one_q = M::Constant(1, 1, 2.0), one_k = M::Constant(1, 1, 3.0),
+          one_v = M::Constant(1, 1, -4.0);
   CHECK(call(one_q, one_k, one_v, none, none, none, causal).finalize()(0, 0) == -4.0);
 }
 
@@ -329,10 +344,12 @@ TEMPLATE_TEST_CASE("Batched linear attention equals per-slice calls for any thre
     randattn::linear_attention_batched<Scalar>(qf.data(), nullptr, kf.data(), kl.data(), v.data(),
                                                nullptr, out.data(), shape, opt);
     for (Index i = 0; i < s; ++i) {
-      const RowMatrix<Scalar> slice = randattn::linear_attention_accumulate<Scalar>(
-          qf.middleRows(i * shape.n_q, shape.n_q), Vector<Scalar>(),
-          kf.middleRows(i * shape.n_k, shape.n_k), kl.col(0).segment(i * shape.n_k, shape.n_k),
-          v.middleRows(i * shape.n_k, shape.n_k), Vector<Scalar>(), opt).finalize(Scalar(1e-6));
+      const RowMatrix<Scalar> slice =
+          randattn::linear_attention_accumulate<Scalar>(
+              qf.middleRows(i * shape.n_q, shape.n_q), Vector<Scalar>(),
+              kf.middleRows(i * shape.n_k, shape.n_k), kl.col(0).segment(i * shape.n_k, shape.n_k),
+              v.middleRows(i * shape.n_k, shape.n_k), Vector<Scalar>(), opt)
+              .finalize(Scalar(1e-6));
       CHECK((out.middleRows(i * shape.n_q, shape.n_q).array() == slice.array()).all());
     }
 #if defined(_OPENMP)

@@ -27,7 +27,8 @@ TEMPLATE_TEST_CASE("Tiled exact attention equals the naive reference", "[exact]"
     for (Index block : {0, 1, 37, 128, 256}) {
       INFO("causal " << causal << " block " << block);
       opt.block_size = block;
-      CHECK(rel_error(randattn::exact_attention(q, k, v, opt), naive) < testing::tolerance<Scalar>());
+      CHECK(rel_error(randattn::exact_attention(q, k, v, opt), naive) <
+            testing::tolerance<Scalar>());
     }
   }
 }
@@ -35,22 +36,26 @@ TEMPLATE_TEST_CASE("Tiled exact attention equals the naive reference", "[exact]"
 TEMPLATE_TEST_CASE("Exact attention: scale, rectangular shapes and a double-precision reference",
                    "[exact]", float, double) {
   using Scalar = TestType;
-  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(4, 33, 5), k = testing::gaussian<Scalar>(5, 71, 5),
+  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(4, 33, 5),
+                          k = testing::gaussian<Scalar>(5, 71, 5),
                           v = testing::gaussian<Scalar>(6, 71, 3);
   ExactOptions opt;
   opt.scale = 0.7;
   // Independent reference: softmax computed entry by entry in double.
   RowMatrix<double> expected(33, 3);
   for (Index i = 0; i < 33; ++i) {
-    Eigen::VectorXd logits = 0.7 * (k.template cast<double>() * q.row(i).template cast<double>().transpose());
+    Eigen::VectorXd logits =
+        0.7 * (k.template cast<double>() * q.row(i).template cast<double>().transpose());
     const Eigen::VectorXd w = (logits.array() - logits.maxCoeff()).exp();
     expected.row(i) = (w.transpose() * v.template cast<double>()) / w.sum();
   }
-  CHECK(rel_error(randattn::exact_attention(q, k, v, opt), expected) < testing::tolerance<Scalar>());
+  CHECK(rel_error(randattn::exact_attention(q, k, v, opt), expected) <
+        testing::tolerance<Scalar>());
   // Default scale is 1/sqrt(d).
   ExactOptions explicit_default;
   explicit_default.scale = 1.0 / std::sqrt(5.0);
-  CHECK(rel_error(randattn::exact_attention(q, k, v), randattn::exact_attention(q, k, v, explicit_default)) == 0);
+  CHECK(rel_error(randattn::exact_attention(q, k, v),
+                  randattn::exact_attention(q, k, v, explicit_default)) == 0);
 }
 
 TEMPLATE_TEST_CASE("Exact attention edge cases", "[exact][edge]", float, double) {
@@ -64,11 +69,13 @@ TEMPLATE_TEST_CASE("Exact attention edge cases", "[exact][edge]", float, double)
   ExactOptions causal;
   causal.causal = true;
   const M v1 = M::Constant(1, 3, Scalar(2.5));
-  CHECK((randattn::exact_attention(M::Ones(1, 4), M::Ones(1, 4), v1, causal).array() == Scalar(2.5)).all());
+  CHECK((randattn::exact_attention(M::Ones(1, 4), M::Ones(1, 4), v1, causal).array() == Scalar(2.5))
+            .all());
   // d = 1 agrees with the naive reference.
-  const M q = testing::gaussian<Scalar>(8, 20, 1), k = testing::gaussian<Scalar>(9, 20, 1), v = testing::gaussian<Scalar>(10, 20, 2);
-  CHECK(rel_error(randattn::exact_attention(q, k, v, causal), randattn::naive_attention(q, k, v, causal)) <
-        testing::tolerance<Scalar>());
+  const M q = testing::gaussian<Scalar>(8, 20, 1), k = testing::gaussian<Scalar>(9, 20, 1),
+          v = testing::gaussian<Scalar>(10, 20, 2);
+  CHECK(rel_error(randattn::exact_attention(q, k, v, causal),
+                  randattn::naive_attention(q, k, v, causal)) < testing::tolerance<Scalar>());
   // Huge norms: logits of order 1e8 stay finite (the max-subtraction stabilises them) and
   // the output is the value of the single dominant key.
   M big_q = testing::gaussian<Scalar>(11, 16, 8, 1e4), big_k = big_q;
@@ -160,14 +167,17 @@ TEMPLATE_TEST_CASE("Batched exact attention equals per-slice calls for any threa
     // A single slice is parallel over query blocks instead.
     RowMatrix<Scalar> single_one(shape.n_q, shape.dv), single_two(shape.n_q, shape.dv);
     omp_set_num_threads(1);
-    single_one = randattn::exact_attention(q.topRows(shape.n_q), k.topRows(shape.n_k), v.topRows(shape.n_k), opt);
+    single_one = randattn::exact_attention(q.topRows(shape.n_q), k.topRows(shape.n_k),
+                                           v.topRows(shape.n_k), opt);
     omp_set_num_threads(2);
-    single_two = randattn::exact_attention(q.topRows(shape.n_q), k.topRows(shape.n_k), v.topRows(shape.n_k), opt);
+    single_two = randattn::exact_attention(q.topRows(shape.n_q), k.topRows(shape.n_k),
+                                           v.topRows(shape.n_k), opt);
     omp_set_num_threads(saved);
     CHECK((one.array() == two.array()).all());
     CHECK((single_one.array() == single_two.array()).all());
 #endif
   }
-  CHECK_THROWS_AS(randattn::exact_attention_batched<Scalar>(nullptr, nullptr, nullptr, nullptr, shape),
-                  std::invalid_argument);
+  CHECK_THROWS_AS(
+      randattn::exact_attention_batched<Scalar>(nullptr, nullptr, nullptr, nullptr, shape),
+      std::invalid_argument);
 }

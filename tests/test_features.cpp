@@ -63,9 +63,12 @@ double closed_form_mse(MapKind kind, const Pair& p, double m) {
   const double sm = std::exp(xy);
   const double mse_pos = std::exp(sum2) * sm * sm * (1 - std::exp(-sum2)) / m;
   switch (kind) {
-    case MapKind::trig: return std::exp(nx2 + ny2) * std::pow(1 - std::exp(-diff2), 2) / (2 * m);
-    case MapKind::positive: return mse_pos;
-    case MapKind::hyperbolic: return 0.5 * (1 - std::exp(-sum2)) * mse_pos;
+    case MapKind::trig:
+      return std::exp(nx2 + ny2) * std::pow(1 - std::exp(-diff2), 2) / (2 * m);
+    case MapKind::positive:
+      return mse_pos;
+    case MapKind::hyperbolic:
+      return 0.5 * (1 - std::exp(-sum2)) * mse_pos;
   }
   return 0;
 }
@@ -105,9 +108,8 @@ void check_unbiased(Map map, MapKind kind, const std::vector<Pair>& pairs, int d
   for (std::size_t p = 0; p < pairs.size(); ++p) {
     const double truth = std::exp(pairs[p].rx * pairs[p].ry * std::cos(pairs[p].theta));
     INFO("pair " << p << ": |x| = " << pairs[p].rx << ", |y| = " << pairs[p].ry
-                 << ", theta = " << pairs[p].theta << ", mean " << mean[p].mean << " vs "
-                 << truth << " (se " << mean[p].standard_error() << "), mse "
-                 << sq_error[p].mean << " vs "
+                 << ", theta = " << pairs[p].theta << ", mean " << mean[p].mean << " vs " << truth
+                 << " (se " << mean[p].standard_error() << "), mse " << sq_error[p].mean << " vs "
                  << closed_form_mse(kind, pairs[p], double(map.projections())) << " (se "
                  << sq_error[p].standard_error() << ")");
     // Where an estimator has zero variance (trig at x = y) it is exact up to rounding: the
@@ -123,8 +125,9 @@ void check_unbiased(Map map, MapKind kind, const std::vector<Pair>& pairs, int d
   }
 }
 
-const std::vector<Pair> kPairs = {{0.5, 0.5, 0.0},      {0.5, 0.5, kPi / 2}, {0.8, 0.6, kPi / 3},
-                                  {0.8, 0.8, 2 * kPi / 3}, {1.0, 0.7, kPi},     {0.3, 1.0, kPi / 4}};
+const std::vector<Pair> kPairs = {{0.5, 0.5, 0.0},     {0.5, 0.5, kPi / 2},
+                                  {0.8, 0.6, kPi / 3}, {0.8, 0.8, 2 * kPi / 3},
+                                  {1.0, 0.7, kPi},     {0.3, 1.0, kPi / 4}};
 
 // The Performer feature formulas evaluated directly (no stabiliser) in long double for a given ω,
 // then attention D⁻¹ A V with A_ij = φ(q_i)ᵀφ(k_j) (masked when causal).
@@ -188,8 +191,8 @@ RowMatrix<typename Map::Scalar> attend(const Map& map, const RowMatrix<typename 
 // Projections
 // ---------------------------------------------------------------------------------------------
 
-TEMPLATE_TEST_CASE("projection: reproducible draws, redraw, scalar-independent", "[features]", float,
-                   double) {
+TEMPLATE_TEST_CASE("projection: reproducible draws, redraw, scalar-independent", "[features]",
+                   float, double) {
   const GaussianProjection<TestType> g(10, 6, 5);
   CHECK(g.matrix() == GaussianProjection<TestType>(10, 6, 5).matrix());
   CHECK(g.matrix() == GaussianProjection<double>(10, 6, 5).matrix().template cast<TestType>());
@@ -311,13 +314,26 @@ TEMPLATE_TEST_CASE("features: unbiased, and i.i.d. MSE matches the closed forms"
   const Index d = 3, m = 8;
   const int draws = 20000;
   const GaussianProjection<TestType> iid(m, d, 1);
-  SECTION("trig") { check_unbiased(TrigFeatures<TestType, GaussianProjection<TestType>>(iid), MapKind::trig, kPairs, draws, true); }
-  SECTION("positive") { check_unbiased(PositiveFeatures<TestType, GaussianProjection<TestType>>(iid), MapKind::positive, kPairs, draws, true); }
-  SECTION("hyperbolic") { check_unbiased(HyperbolicFeatures<TestType, GaussianProjection<TestType>>(iid), MapKind::hyperbolic, kPairs, draws, true); }
+  SECTION("trig") {
+    check_unbiased(TrigFeatures<TestType, GaussianProjection<TestType>>(iid), MapKind::trig, kPairs,
+                   draws, true);
+  }
+  SECTION("positive") {
+    check_unbiased(PositiveFeatures<TestType, GaussianProjection<TestType>>(iid), MapKind::positive,
+                   kPairs, draws, true);
+  }
+  SECTION("hyperbolic") {
+    check_unbiased(HyperbolicFeatures<TestType, GaussianProjection<TestType>>(iid),
+                   MapKind::hyperbolic, kPairs, draws, true);
+  }
   // Orthogonal rows with χ(d) norms are marginally N(0, I_d): still unbiased.
   const OrthogonalProjection<TestType> orth(m, d, 1);
-  SECTION("positive, orthogonal") { check_unbiased(PositiveFeatures<TestType>(orth), MapKind::positive, kPairs, draws, false); }
-  SECTION("trig, orthogonal") { check_unbiased(TrigFeatures<TestType>(orth), MapKind::trig, kPairs, draws, false); }
+  SECTION("positive, orthogonal") {
+    check_unbiased(PositiveFeatures<TestType>(orth), MapKind::positive, kPairs, draws, false);
+  }
+  SECTION("trig, orthogonal") {
+    check_unbiased(TrigFeatures<TestType>(orth), MapKind::trig, kPairs, draws, false);
+  }
 }
 
 TEMPLATE_TEST_CASE("features: orthogonal projections beat i.i.d. at m = d", "[features]", float,
@@ -341,14 +357,16 @@ TEMPLATE_TEST_CASE("features: orthogonal projections beat i.i.d. at m = d", "[fe
     }
   };
   SECTION("positive") {
-    compare(PositiveFeatures<TestType, GaussianProjection<TestType>>(GaussianProjection<TestType>(m, d)),
+    compare(PositiveFeatures<TestType, GaussianProjection<TestType>>(
+                GaussianProjection<TestType>(m, d)),
             PositiveFeatures<TestType>(OrthogonalProjection<TestType>(m, d)),
             {{0.5, 0.5, 0.5}, {0.5, 0.5, 1.0}}, 16000);
   }
   SECTION("trig") {
-    compare(TrigFeatures<TestType, GaussianProjection<TestType>>(GaussianProjection<TestType>(m, d)),
-            TrigFeatures<TestType>(OrthogonalProjection<TestType>(m, d)),
-            {{0.8, 0.8, 1.0}, {1.0, 1.0, 2.0}}, 3000);
+    compare(
+        TrigFeatures<TestType, GaussianProjection<TestType>>(GaussianProjection<TestType>(m, d)),
+        TrigFeatures<TestType>(OrthogonalProjection<TestType>(m, d)),
+        {{0.8, 0.8, 1.0}, {1.0, 1.0, 2.0}}, 3000);
   }
 }
 
@@ -400,13 +418,16 @@ TEMPLATE_TEST_CASE("attention: a user omega gives exactly the Performer formulas
     INFO("causal " << causal);
     // A few hundred float operations per entry, each within 2^-24 relative: rel. errors well
     // below 1e-5 (float) and 1e-12 (double) unless the formulas differ.
-    CHECK(rel_error(attend(PositiveFeatures<TestType, UserProjection<TestType>>(user), q, k, v, causal, scale),
+    CHECK(rel_error(attend(PositiveFeatures<TestType, UserProjection<TestType>>(user), q, k, v,
+                           causal, scale),
                     direct_attention(MapKind::positive, omega, q, k, v, scale, causal)) <
           testing::tolerance<TestType>());
-    CHECK(rel_error(attend(HyperbolicFeatures<TestType, UserProjection<TestType>>(user), q, k, v, causal, scale),
+    CHECK(rel_error(attend(HyperbolicFeatures<TestType, UserProjection<TestType>>(user), q, k, v,
+                           causal, scale),
                     direct_attention(MapKind::hyperbolic, omega, q, k, v, scale, causal)) <
           testing::tolerance<TestType>());
-    CHECK(rel_error(attend(TrigFeatures<TestType, UserProjection<TestType>>(user), q, k, v, causal, scale),
+    CHECK(rel_error(attend(TrigFeatures<TestType, UserProjection<TestType>>(user), q, k, v, causal,
+                           scale),
                     direct_attention(MapKind::trig, omega, q, k, v, scale, causal)) <
           testing::tolerance<TestType>());
   }
@@ -424,7 +445,8 @@ TEMPLATE_TEST_CASE("attention: causal outputs never see a changed future key", "
                             v = testing::gaussian<TestType>(35, n, dv);
   const OrthogonalProjection<TestType> proj(m, d, 36);
   // The changed key points along ω₀ with norm 10: it has the largest projection of all keys.
-  const RowMatrix<TestType> spike = (TestType(10) / proj.matrix().row(0).norm()) * proj.matrix().row(0);
+  const RowMatrix<TestType> spike =
+      (TestType(10) / proj.matrix().row(0).norm()) * proj.matrix().row(0);
   for (Index j0 : {Index(130), Index(250)}) {  // inside a chunk and at a later one
     RowMatrix<TestType> k2 = k;
     k2.row(j0) = spike;
@@ -450,9 +472,8 @@ TEMPLATE_TEST_CASE("attention: causal outputs never see a changed future key", "
           (fk.log_scale.array() - top).exp().matrix().asDiagonal() * fk.values;
       randattn::LinearOptions opt;
       opt.causal = true;
-      return randattn::linear_attention_accumulate<TestType>(fq.values, fq.log_scale, vals,
-                                                             Vector<TestType>(), v,
-                                                             Vector<TestType>(), opt)
+      return randattn::linear_attention_accumulate<TestType>(
+                 fq.values, fq.log_scale, vals, Vector<TestType>(), v, Vector<TestType>(), opt)
           .finalize();
     };
     CHECK_FALSE(testing::rows_bit_identical(global(k), global(k2), j0));
@@ -471,8 +492,9 @@ TEMPLATE_TEST_CASE("attention: no NaN or Inf for norms up to 20", "[features]", 
     INFO("causal " << causal);
     // Positive maps give convex combinations of the values (or a zero row if a denominator
     // underflows to 0): every output lies within the range of v's column.
-    for (const RowMatrix<TestType>& o : {attend(PositiveFeatures<TestType>(proj), q, k, v, causal),
-                                         attend(HyperbolicFeatures<TestType>(proj), q, k, v, causal)}) {
+    for (const RowMatrix<TestType>& o :
+         {attend(PositiveFeatures<TestType>(proj), q, k, v, causal),
+          attend(HyperbolicFeatures<TestType>(proj), q, k, v, causal)}) {
       REQUIRE(o.allFinite());
       CHECK(testing::within_value_ranges(o, v));
     }
@@ -494,7 +516,8 @@ TEMPLATE_TEST_CASE("attention: batched, decoder and thread count agree with the 
     opt.causal = causal;
     RowMatrix<TestType> out(slices * n, dv);
     randattn::random_feature_attention_batched(map, q.data(), k.data(), v.data(), out.data(),
-                                               randattn::BatchShape{batch, heads, n, n, d, dv}, opt);
+                                               randattn::BatchShape{batch, heads, n, n, d, dv},
+                                               opt);
     for (Index s = 0; s < slices; ++s) {
       const RowMatrix<TestType> single = randattn::random_feature_attention(
           map, q.middleRows(s * n, n), k.middleRows(s * n, n), v.middleRows(s * n, n), opt);
@@ -515,8 +538,8 @@ TEMPLATE_TEST_CASE("attention: batched, decoder and thread count agree with the 
   // Streaming decoding reproduces causal attention up to rounding.
   RandomFeatureOptions opt;
   opt.causal = true;
-  const RowMatrix<TestType> causal = randattn::random_feature_attention(
-      map, q.topRows(n), k.topRows(n), v.topRows(n), opt);
+  const RowMatrix<TestType> causal =
+      randattn::random_feature_attention(map, q.topRows(n), k.topRows(n), v.topRows(n), opt);
   randattn::RandomFeatureDecoder<PositiveFeatures<TestType>> decoder(map, dv);
   RowMatrix<TestType> streamed(n, dv);
   for (Index t = 0; t < n; ++t) {
@@ -530,24 +553,29 @@ TEMPLATE_TEST_CASE("attention: batched, decoder and thread count agree with the 
 TEMPLATE_TEST_CASE("attention: edge cases and argument errors", "[features]", float, double) {
   const PositiveFeatures<TestType> map(OrthogonalProjection<TestType>(4, 3, 1));
   const TrigFeatures<TestType> trig(OrthogonalProjection<TestType>(4, 3, 1));
-  const RowMatrix<TestType> q = testing::gaussian<TestType>(1, 5, 3), k = testing::gaussian<TestType>(2, 6, 3),
+  const RowMatrix<TestType> q = testing::gaussian<TestType>(1, 5, 3),
+                            k = testing::gaussian<TestType>(2, 6, 3),
                             v = testing::gaussian<TestType>(3, 6, 2);
   // n = 0 gives an empty result; n = 1 and d = 1 work.
   CHECK(randattn::random_feature_attention(map, RowMatrix<TestType>(0, 3), k, v).rows() == 0);
-  const PositiveFeatures one_d(GaussianProjection<TestType>(3, 1, 1));  // deduced from the projection
+  const PositiveFeatures one_d(
+      GaussianProjection<TestType>(3, 1, 1));  // deduced from the projection
   const RowMatrix<TestType> x1 = testing::gaussian<TestType>(4, 1, 1);
   const RowMatrix<TestType> o1 = randattn::random_feature_attention(one_d, x1, x1, v.topRows(1));
   CHECK(rel_error(o1, v.topRows(1)) < testing::tolerance<TestType>());  // one key: weight 1
   RandomFeatureOptions opt;
-  CHECK_THROWS_WITH(randattn::random_feature_attention(map, testing::gaussian<TestType>(1, 5, 4), k, v),
-                    Catch::Contains("input dimension 3"));
+  CHECK_THROWS_WITH(
+      randattn::random_feature_attention(map, testing::gaussian<TestType>(1, 5, 4), k, v),
+      Catch::Contains("input dimension 3"));
   CHECK_THROWS_WITH(randattn::random_feature_attention(map, q, k, v.topRows(5)),
                     Catch::Contains("same number of rows"));
   opt.causal = true;
-  CHECK_THROWS_WITH(randattn::random_feature_attention(map, q, k, v, opt), Catch::Contains("causal"));
+  CHECK_THROWS_WITH(randattn::random_feature_attention(map, q, k, v, opt),
+                    Catch::Contains("causal"));
   opt = RandomFeatureOptions();
   opt.scale = -1.0;
-  CHECK_THROWS_WITH(randattn::random_feature_attention(map, q, k, v, opt), Catch::Contains("scale"));
+  CHECK_THROWS_WITH(randattn::random_feature_attention(map, q, k, v, opt),
+                    Catch::Contains("scale"));
   opt = RandomFeatureOptions();
   opt.denominator_epsilon = 0.0;
   CHECK_NOTHROW(randattn::random_feature_attention(map, q, k, v, opt));

@@ -28,7 +28,8 @@ constexpr double kPi = 3.141592653589793238462643383279502884;
 
 // (φ(x)ᵀ diag(σ) φ(y)) · e^{ℓ(x) + ℓ(y)} for rows a, b of features f, in double.
 template <typename Scalar>
-double signed_product(const ScaledFeatures<Scalar>& f, const Vector<Scalar>& signs, Index a, Index b) {
+double signed_product(const ScaledFeatures<Scalar>& f, const Vector<Scalar>& signs, Index a,
+                      Index b) {
   const Eigen::VectorXd s = signs.size() ? Eigen::VectorXd(signs.template cast<double>())
                                          : Eigen::VectorXd::Ones(f.dim());
   const double dot = (f.values.row(a).template cast<double>().array() * s.transpose().array() *
@@ -42,12 +43,14 @@ template <typename Scalar>
 double term_by_term(const HybridFeatures<Scalar>& h, const RowMatrix<Scalar>& x, Index a, Index b) {
   std::vector<double> lambda, base;
   for (const auto& w : h.weights()) {
-    ScaledFeatures<Scalar> f{RowMatrix<Scalar>(x.rows(), w.feature_dim()), Vector<Scalar>(x.rows())};
+    ScaledFeatures<Scalar> f{RowMatrix<Scalar>(x.rows(), w.feature_dim()),
+                             Vector<Scalar>(x.rows())};
     w.features_into(x, 1, f.values, f.log_scale);
     lambda.push_back(signed_product(f, w.signs(), a, b));
   }
   for (const auto& c : h.bases()) {
-    ScaledFeatures<Scalar> f{RowMatrix<Scalar>(x.rows(), c.feature_dim()), Vector<Scalar>(x.rows())};
+    ScaledFeatures<Scalar> f{RowMatrix<Scalar>(x.rows(), c.feature_dim()),
+                             Vector<Scalar>(x.rows())};
     c.features_into(x, 1, f.values, f.log_scale);
     base.push_back(signed_product(f, c.signs(), a, b));
   }
@@ -71,8 +74,10 @@ RowMatrix<Scalar> unit_pair(double theta, Index d) {
 
 // Mean and squared error of the kernel estimates of a map over `draws` redraws.
 template <typename Map>
-void sample(Map map, const RowMatrix<typename Map::Scalar>& x, int draws, Moments& mean, Moments& sq) {
-  const double truth = std::exp(x.row(0).template cast<double>().dot(x.row(1).template cast<double>()));
+void sample(Map map, const RowMatrix<typename Map::Scalar>& x, int draws, Moments& mean,
+            Moments& sq) {
+  const double truth =
+      std::exp(x.row(0).template cast<double>().dot(x.row(1).template cast<double>()));
   for (int r = 1; r <= draws; ++r) {
     map.redraw(std::uint64_t(r));
     const auto f = map.features(x);
@@ -107,8 +112,9 @@ TEMPLATE_TEST_CASE("hybrid: signed inner product equals the estimate term by ter
         const double expected = term_by_term(*h, x, a, b);
         // Rounding: a few hundred products of numbers of size O(1) relative to the row scale.
         CHECK(signed_product(f, h->signs(), a, b) ==
-              Approx(expected).epsilon(100 * testing::tolerance<TestType>()).margin(
-                  100 * testing::tolerance<TestType>()));
+              Approx(expected)
+                  .epsilon(100 * testing::tolerance<TestType>())
+                  .margin(100 * testing::tolerance<TestType>()));
       }
     }
   }
@@ -130,19 +136,25 @@ TEMPLATE_TEST_CASE("hybrid: unbiased over angles, MSE = (λ²+v)MSE_hyp + ((1−
     const double mse_pos = std::exp(sum2) * sm * sm * (1 - std::exp(-sum2)) / m;
     const double mse_hyp = 0.5 * (1 - std::exp(-sum2)) * mse_pos;
     const double mse_trig = std::exp(2.0) * std::pow(1 - std::exp(-diff2), 2) / (2 * m);
-    const double expected = (lambda * lambda + v) * mse_hyp + ((1 - lambda) * (1 - lambda) + v) * mse_trig;
+    const double expected =
+        (lambda * lambda + v) * mse_hyp + ((1 - lambda) * (1 - lambda) + v) * mse_trig;
     Moments mean, sq;
-    sample(randattn::angular_hybrid<TestType, GaussianProjection<TestType>>(m, n_lambda, d), x, draws, mean, sq);
+    sample(randattn::angular_hybrid<TestType, GaussianProjection<TestType>>(m, n_lambda, d), x,
+           draws, mean, sq);
     const double rounding = testing::tolerance<TestType>() * sm;
-    INFO("theta " << theta << ": mean " << mean.mean << " vs " << sm << " (se " << mean.standard_error()
-                  << "), mse " << sq.mean << " vs " << expected << " (se " << sq.standard_error() << ")");
+    INFO("theta " << theta << ": mean " << mean.mean << " vs " << sm << " (se "
+                  << mean.standard_error() << "), mse " << sq.mean << " vs " << expected << " (se "
+                  << sq.standard_error() << ")");
     CHECK(std::abs(mean.mean - sm) <= 4 * mean.standard_error() + rounding);
     CHECK(std::abs(sq.mean - expected) <= 4 * sq.standard_error() + rounding * rounding);
     if (theta == 0.0 || theta == kPi) CHECK(sq.mean <= rounding * rounding);  // exact to rounding
     // The bases alone, with the same m, on the same pair.
     Moments hm, hs, tm, ts;
-    sample(HyperbolicFeatures<TestType, GaussianProjection<TestType>>(GaussianProjection<TestType>(m, d)), x, draws, hm, hs);
-    sample(TrigFeatures<TestType, GaussianProjection<TestType>>(GaussianProjection<TestType>(m, d)), x, draws, tm, ts);
+    sample(HyperbolicFeatures<TestType, GaussianProjection<TestType>>(
+               GaussianProjection<TestType>(m, d)),
+           x, draws, hm, hs);
+    sample(TrigFeatures<TestType, GaussianProjection<TestType>>(GaussianProjection<TestType>(m, d)),
+           x, draws, tm, ts);
     hybrid_rel.push_back(std::sqrt(sq.mean) / sm);
     hyp_rel.push_back(std::sqrt(hs.mean) / sm);
     trig_rel.push_back(std::sqrt(ts.mean) / sm);
@@ -150,18 +162,20 @@ TEMPLATE_TEST_CASE("hybrid: unbiased over angles, MSE = (λ²+v)MSE_hyp + ((1−
   const double worst_hybrid = *std::max_element(hybrid_rel.begin(), hybrid_rel.end());
   const double worst_hyp = *std::max_element(hyp_rel.begin(), hyp_rel.end());
   const double worst_trig = *std::max_element(trig_rel.begin(), trig_rel.end());
-  INFO("worst relative RMSE: hybrid " << worst_hybrid << ", hyperbolic " << worst_hyp << ", trig " << worst_trig);
+  INFO("worst relative RMSE: hybrid " << worst_hybrid << ", hyperbolic " << worst_hyp << ", trig "
+                                      << worst_trig);
   CHECK(worst_hybrid < worst_hyp);
   CHECK(worst_hybrid < worst_trig);
 }
 
-TEMPLATE_TEST_CASE("hybrid attention: finite, causal without leaks, batched, clipped", "[hybrid]", float,
-                   double) {
+TEMPLATE_TEST_CASE("hybrid attention: finite, causal without leaks, batched, clipped", "[hybrid]",
+                   float, double) {
   const Index n = 160, d = 8, dv = 3;
   const auto h = randattn::angular_hybrid<TestType>(16, 4, d, 9);
   const RowMatrix<TestType> v = testing::gaussian<TestType>(63, n, dv);
   for (double sd : {0.3, 5.0}) {  // ‖x‖ ≈ 1 and ‖x‖ ≈ 14 (norms up to 20)
-    const RowMatrix<TestType> q = testing::gaussian<TestType>(61, n, d, sd), k = testing::gaussian<TestType>(62, n, d, sd);
+    const RowMatrix<TestType> q = testing::gaussian<TestType>(61, n, d, sd),
+                              k = testing::gaussian<TestType>(62, n, d, sd);
     for (bool causal : {false, true}) {
       INFO("sd " << sd << ", causal " << causal);
       RandomFeatureOptions opt;
@@ -175,39 +189,47 @@ TEMPLATE_TEST_CASE("hybrid attention: finite, causal without leaks, batched, cli
       if (causal) {
         RowMatrix<TestType> k2 = k;
         k2.row(100) *= TestType(3);
-        CHECK(testing::rows_bit_identical(o, randattn::random_feature_attention(h, q, k2, v, opt), 100));
+        CHECK(testing::rows_bit_identical(o, randattn::random_feature_attention(h, q, k2, v, opt),
+                                          100));
       }
     }
   }
   // Without negative estimates clipping changes nothing: positive features, clipped or not.
   const PositiveFeatures<TestType> pos(OrthogonalProjection<TestType>(16, d, 1));
-  const RowMatrix<TestType> q = testing::gaussian<TestType>(64, n, d, 0.5), k = testing::gaussian<TestType>(65, n, d, 0.5);
+  const RowMatrix<TestType> q = testing::gaussian<TestType>(64, n, d, 0.5),
+                            k = testing::gaussian<TestType>(65, n, d, 0.5);
   for (bool causal : {false, true}) {
     RandomFeatureOptions opt;
     opt.causal = causal;
     CHECK(rel_error(randattn::random_feature_attention_clipped(pos, q, k, v, opt),
-                    randattn::random_feature_attention(pos, q, k, v, opt)) < 10 * testing::tolerance<TestType>());
+                    randattn::random_feature_attention(pos, q, k, v, opt)) <
+          10 * testing::tolerance<TestType>());
   }
   // Batched over (2, 1) slices equals the single calls.
-  RowMatrix<TestType> qq = testing::gaussian<TestType>(66, 2 * n, d, 0.5), kk = testing::gaussian<TestType>(67, 2 * n, d, 0.5),
+  RowMatrix<TestType> qq = testing::gaussian<TestType>(66, 2 * n, d, 0.5),
+                      kk = testing::gaussian<TestType>(67, 2 * n, d, 0.5),
                       vv = testing::gaussian<TestType>(68, 2 * n, dv), out(2 * n, dv);
   randattn::random_feature_attention_batched(h, qq.data(), kk.data(), vv.data(), out.data(),
                                              randattn::BatchShape{2, 1, n, n, d, dv});
   for (Index s = 0; s < 2; ++s)
     CHECK(RowMatrix<TestType>(out.middleRows(s * n, n)) ==
-          randattn::random_feature_attention(h, qq.middleRows(s * n, n), kk.middleRows(s * n, n), vv.middleRows(s * n, n)));
+          randattn::random_feature_attention(h, qq.middleRows(s * n, n), kk.middleRows(s * n, n),
+                                             vv.middleRows(s * n, n)));
 }
 
 TEST_CASE("hybrid: argument errors", "[hybrid]") {
   using H = HybridFeatures<double>;
-  const PositiveFeatures<double> a(OrthogonalProjection<double>(4, 3)), b(OrthogonalProjection<double>(4, 5));
+  const PositiveFeatures<double> a(OrthogonalProjection<double>(4, 3)),
+      b(OrthogonalProjection<double>(4, 5));
   const AngularWeight<double> w(GaussianProjection<double>(4, 3));
   CHECK_THROWS_WITH(H({w}, {a}), Catch::Contains("p + 1 bases"));
   CHECK_THROWS_WITH(H({w}, {a, b}), Catch::Contains("dimension 3"));
-  CHECK_THROWS_WITH(GaussianWeight<double>(GaussianProjection<double>(4, 3), 0.0), Catch::Contains("bandwidth"));
+  CHECK_THROWS_WITH(GaussianWeight<double>(GaussianProjection<double>(4, 3), 0.0),
+                    Catch::Contains("bandwidth"));
   RandomFeatureOptions opt;
   opt.denominator_epsilon = 0.0;
   const RowMatrix<double> x = testing::gaussian<double>(1, 4, 3);
-  CHECK_THROWS_WITH(randattn::random_feature_attention(randattn::angular_hybrid<double>(4, 2, 3), x, x, x, opt),
-                    Catch::Contains("denominator_epsilon must be > 0"));
+  CHECK_THROWS_WITH(
+      randattn::random_feature_attention(randattn::angular_hybrid<double>(4, 2, 3), x, x, x, opt),
+      Catch::Contains("denominator_epsilon must be > 0"));
 }

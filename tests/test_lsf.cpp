@@ -58,8 +58,8 @@ std::set<Index> opened_in_table(const RowMatrix<Scalar>& s, Index i, double eta,
 // valid keys, softmax in double.
 template <typename Scalar>
 Eigen::MatrixXd reference(const LocalitySensitiveFilters<Scalar>& f, const RowMatrix<Scalar>& q,
-                          const RowMatrix<Scalar>& k, const RowMatrix<Scalar>& v, double eta, Index min_probes,
-                          double scale, bool causal, Index* pairs = nullptr) {
+                          const RowMatrix<Scalar>& k, const RowMatrix<Scalar>& v, double eta,
+                          Index min_probes, double scale, bool causal, Index* pairs = nullptr) {
   const Index L = f.tables(), m = f.filters();
   const Scores<Scalar> qs = all_scores(f, q);
   const randattn::HashCodes codes = f.assign(k);
@@ -68,7 +68,8 @@ Eigen::MatrixXd reference(const LocalitySensitiveFilters<Scalar>& f, const RowMa
   Eigen::MatrixXd out(q.rows(), v.cols());
   for (Index i = 0; i < q.rows(); ++i) {
     std::vector<std::set<Index>> open;
-    for (Index t = 0; t < L; ++t) open.push_back(opened_in_table(qs[std::size_t(t)], i, eta, min_probes));
+    for (Index t = 0; t < L; ++t)
+      open.push_back(opened_in_table(qs[std::size_t(t)], i, eta, min_probes));
     const auto keys_of = [&](Index t, Index filter) {
       std::set<Index> keys;
       for (Index j = 0; j < k.rows(); ++j)
@@ -116,7 +117,8 @@ using testing::clustered;
 // Filters
 // ---------------------------------------------------------------------------------------------
 
-TEMPLATE_TEST_CASE("Filter scores are <a_i, x/|x|> with unit variance, keys go to the argmax", "[lsf]", float, double) {
+TEMPLATE_TEST_CASE("Filter scores are <a_i, x/|x|> with unit variance, keys go to the argmax",
+                   "[lsf]", float, double) {
   using Scalar = TestType;
   const Index d = 12, n = 70;
   const RowMatrix<Scalar> x = testing::gaussian<Scalar>(1, n, d, 3.0);
@@ -142,7 +144,8 @@ TEMPLATE_TEST_CASE("Filter scores are <a_i, x/|x|> with unit variance, keys go t
     }
   }
   // Dense filters are the Philox Gaussians of their stream; tables are prefixes of one draw.
-  const LocalitySensitiveFilters<Scalar> dense(RotationKind::dense, d, 8, 2, 99), one(RotationKind::dense, d, 8, 1, 99);
+  const LocalitySensitiveFilters<Scalar> dense(RotationKind::dense, d, 8, 2, 99),
+      one(RotationKind::dense, d, 8, 1, 99);
   const randattn::Philox rng(99, randattn::streams::lsf_dense_filters);
   CHECK(dense.matrix()(13, 5) == static_cast<Scalar>(rng.gaussian(13, 5)));
   CHECK(dense.matrix().topRows(8) == one.matrix());
@@ -168,8 +171,10 @@ TEMPLATE_TEST_CASE("Filter scores are <a_i, x/|x|> with unit variance, keys go t
 TEST_CASE("Threshold for a target cosine: η = α √(2 ln m) − √(2 (1 − α²) ln ln m)", "[lsf]") {
   const double m = 1024, a = 0.8;
   CHECK(randattn::filter_threshold(a, 1024) ==
-        Approx(a * std::sqrt(2 * std::log(m)) - std::sqrt(2 * (1 - a * a) * std::log(std::log(m)))).epsilon(1e-15));
-  CHECK(randattn::filter_threshold(0.5, 2) == Approx(0.5 * std::sqrt(2 * std::log(2.0))));  // ln ln 2 < 0 taken as 0
+        Approx(a * std::sqrt(2 * std::log(m)) - std::sqrt(2 * (1 - a * a) * std::log(std::log(m))))
+            .epsilon(1e-15));
+  CHECK(randattn::filter_threshold(0.5, 2) ==
+        Approx(0.5 * std::sqrt(2 * std::log(2.0))));  // ln ln 2 < 0 taken as 0
   CHECK(randattn::filter_threshold(0.5, 1) == 0.0);
   CHECK(randattn::filter_threshold(0.9, 256) > randattn::filter_threshold(0.5, 256));
   CHECK_THROWS_AS(randattn::filter_threshold(0.0, 16), std::invalid_argument);
@@ -184,7 +189,8 @@ TEST_CASE("Threshold for a target cosine: η = α √(2 ln m) − √(2 (1 − �
 TEMPLATE_TEST_CASE("η = −inf opens every filter: exact attention", "[lsf]", float, double) {
   using Scalar = TestType;
   const Index n = 150, d = 16, dv = 5;
-  const RowMatrix<Scalar> q = clustered<Scalar>(11, n, d, 6, 0.4), k = clustered<Scalar>(12, n, d, 6, 0.4);
+  const RowMatrix<Scalar> q = clustered<Scalar>(11, n, d, 6, 0.4),
+                          k = clustered<Scalar>(12, n, d, 6, 0.4);
   const RowMatrix<Scalar> v = testing::gaussian<Scalar>(13, n, dv);
   for (RotationKind kind : {RotationKind::dense, RotationKind::hadamard}) {
     for (Index L : {1, 3}) {
@@ -196,8 +202,8 @@ TEMPLATE_TEST_CASE("η = −inf opens every filter: exact attention", "[lsf]", f
         opt.causal = causal;
         randattn::ExactOptions eopt;
         eopt.causal = causal;
-        CHECK(rel_error(randattn::lsf_attention(f, q, k, v, opt), randattn::exact_attention(q, k, v, eopt)) <
-              testing::tolerance<Scalar>());
+        CHECK(rel_error(randattn::lsf_attention(f, q, k, v, opt),
+                        randattn::exact_attention(q, k, v, eopt)) < testing::tolerance<Scalar>());
         const randattn::LsfProbeStats st = randattn::lsf_probe_stats<Scalar>(f, q, k, opt);
         CHECK(st.opened == n * 9 * L);
         CHECK(st.target_pairs == (causal ? n * (n + 1) / 2 : n * n));
@@ -207,7 +213,8 @@ TEMPLATE_TEST_CASE("η = −inf opens every filter: exact attention", "[lsf]", f
   }
 }
 
-TEMPLATE_TEST_CASE("LSF attention equals softmax over the explicit union of opened filters", "[lsf]", float, double) {
+TEMPLATE_TEST_CASE("LSF attention equals softmax over the explicit union of opened filters",
+                   "[lsf]", float, double) {
   using Scalar = TestType;
   const Index d = 10, dv = 4;
   for (RotationKind kind : {RotationKind::dense, RotationKind::hadamard}) {
@@ -221,8 +228,8 @@ TEMPLATE_TEST_CASE("LSF attention equals softmax over the explicit union of open
           const RowMatrix<Scalar> v = testing::gaussian<Scalar>(51, n_k, dv);
           const LocalitySensitiveFilters<Scalar> f(kind, d, m, L, 61);
           for (double eta : {0.8, 1.6}) {
-            INFO("kind " << int(kind) << " L " << L << " causal " << causal << " min_probes " << min_probes << " eta "
-                         << eta);
+            INFO("kind " << int(kind) << " L " << L << " causal " << causal << " min_probes "
+                         << min_probes << " eta " << eta);
             LsfOptions opt;
             opt.eta = eta;
             opt.causal = causal;
@@ -230,7 +237,8 @@ TEMPLATE_TEST_CASE("LSF attention equals softmax over the explicit union of open
             opt.scale = 0.7;
             Index pairs = 0;
             CHECK(rel_error(randattn::lsf_attention(f, q, k, v, opt),
-                            reference<Scalar>(f, q, k, v, eta, min_probes, 0.7, causal, &pairs)) < 1e-6);
+                            reference<Scalar>(f, q, k, v, eta, min_probes, 0.7, causal, &pairs)) <
+                  1e-6);
             CHECK(randattn::lsf_probe_stats<Scalar>(f, q, k, opt).target_pairs == pairs);
           }
         }
@@ -238,23 +246,28 @@ TEMPLATE_TEST_CASE("LSF attention equals softmax over the explicit union of open
     }
   }
   // α gives the same result as its η; the union counts a key once (not once per table).
-  const RowMatrix<double> q = testing::gaussian<double>(1, 40, d), k = testing::gaussian<double>(2, 40, d);
+  const RowMatrix<double> q = testing::gaussian<double>(1, 40, d),
+                          k = testing::gaussian<double>(2, 40, d);
   const RowMatrix<double> v = testing::gaussian<double>(3, 40, dv);
   const LocalitySensitiveFilters<double> f(RotationKind::dense, d, 16, 4, 5);
   LsfOptions by_alpha, by_eta;
   by_alpha.alpha = 0.7;
   by_eta.eta = randattn::filter_threshold(0.7, 16);
-  CHECK(randattn::lsf_attention(f, q, k, v, by_alpha) == randattn::lsf_attention(f, q, k, v, by_eta));
+  CHECK(randattn::lsf_attention(f, q, k, v, by_alpha) ==
+        randattn::lsf_attention(f, q, k, v, by_eta));
   CHECK(rel_error(randattn::lsf_attention(f, q, k, v, by_eta),
-                  reference<double>(f, q, k, v, *by_eta.eta, 1, 1 / std::sqrt(double(d)), false)) < 1e-12);
+                  reference<double>(f, q, k, v, *by_eta.eta, 1, 1 / std::sqrt(double(d)), false)) <
+        1e-12);
 }
 
-TEMPLATE_TEST_CASE("Fallback: a query whose opened filters hold no valid key opens more", "[lsf]", float, double) {
+TEMPLATE_TEST_CASE("Fallback: a query whose opened filters hold no valid key opens more", "[lsf]",
+                   float, double) {
   using Scalar = TestType;
   // Causal, few keys per filter, high threshold: early queries find no past key in their best
   // filters and must fall back; every output is still a convex combination of past values.
   const Index n = 64, d = 8, m = 32;
-  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(7, n, d), k = testing::gaussian<Scalar>(8, n, d);
+  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(7, n, d),
+                          k = testing::gaussian<Scalar>(8, n, d);
   const RowMatrix<Scalar> v = testing::gaussian<Scalar>(9, n, 3);
   for (Index L : {1, 3}) {
     const LocalitySensitiveFilters<Scalar> f(RotationKind::hadamard, d, m, L, 4);
@@ -263,10 +276,13 @@ TEMPLATE_TEST_CASE("Fallback: a query whose opened filters hold no valid key ope
     opt.causal = true;
     const randattn::LsfProbeStats st = randattn::lsf_probe_stats<Scalar>(f, q, k, opt);
     CHECK(st.fallback_queries > 0);
-    CHECK(st.opened == n * L + st.fallback_queries);  // one best filter per table, one fallback filter
+    CHECK(st.opened ==
+          n * L + st.fallback_queries);  // one best filter per table, one fallback filter
     const RowMatrix<Scalar> out = randattn::lsf_attention(f, q, k, v, opt);
-    CHECK(rel_error(out.row(0), v.row(0)) < testing::tolerance<Scalar>());  // position 0 has key 0 only
-    CHECK(rel_error(out, reference<Scalar>(f, q, k, v, 10.0, 1, 1 / std::sqrt(double(d)), true)) < 1e-6);
+    CHECK(rel_error(out.row(0), v.row(0)) <
+          testing::tolerance<Scalar>());  // position 0 has key 0 only
+    CHECK(rel_error(out, reference<Scalar>(f, q, k, v, 10.0, 1, 1 / std::sqrt(double(d)), true)) <
+          1e-6);
   }
 }
 
@@ -275,7 +291,8 @@ TEMPLATE_TEST_CASE("Accumulators merge with other partial results", "[lsf]", flo
   // LSF over the first half of the keys (every filter opened) merged with exact attention over
   // the second half is exact attention over all keys.
   const Index n_q = 40, n_k = 100, d = 8, dv = 3;
-  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(1, n_q, d), k = testing::gaussian<Scalar>(2, n_k, d);
+  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(1, n_q, d),
+                          k = testing::gaussian<Scalar>(2, n_k, d);
   const RowMatrix<Scalar> v = testing::gaussian<Scalar>(3, n_k, dv);
   const LocalitySensitiveFilters<Scalar> f(RotationKind::dense, d, 6, 2, 1);
   LsfOptions opt;
@@ -283,14 +300,17 @@ TEMPLATE_TEST_CASE("Accumulators merge with other partial results", "[lsf]", flo
   randattn::SoftmaxAccumulator<Scalar> acc =
       randattn::lsf_attention_accumulate<Scalar>(f, q, k.topRows(50), v.topRows(50), opt);
   acc.merge(randattn::exact_attention_accumulate<Scalar>(q, k.bottomRows(50), v.bottomRows(50)));
-  CHECK(rel_error(acc.finalize(), randattn::exact_attention(q, k, v)) < testing::tolerance<Scalar>());
+  CHECK(rel_error(acc.finalize(), randattn::exact_attention(q, k, v)) <
+        testing::tolerance<Scalar>());
 }
 
 // ---------------------------------------------------------------------------------------------
 // Recall of planted neighbours
 // ---------------------------------------------------------------------------------------------
 
-TEST_CASE("Recall of planted neighbours rises with L, falls with η, matches the collision probability", "[lsf]") {
+TEST_CASE(
+    "Recall of planted neighbours rises with L, falls with η, matches the collision probability",
+    "[lsf]") {
   // Unit queries q_i and keys with k_i at cosine α from q_i (the planted neighbour), the other keys
   // random: at d = 128 a random cosine is about N(0, 1/128), so k_i is the true top-1 of q_i.
   // With values v_j = j and a large scale the output is the index of the best key scored, so
@@ -343,7 +363,8 @@ TEST_CASE("Recall of planted neighbours rises with L, falls with η, matches the
   };
   // Queries are independent given the filters, and so are the Monte-Carlo pairs: both rates are
   // binomial means of the same collision probability P of these filters, and their difference has
-  // variance P(1 − P)(1/n + 1/trials). Four standard deviations: a false alarm has probability 6e-5.
+  // variance P(1 − P)(1/n + 1/trials). Four standard deviations: a false alarm has probability
+  // 6e-5.
   const auto agrees = [&](double r, double p) {
     const double sd = std::sqrt(std::max(p * (1 - p), 1.0 / trials) * (1.0 / n + 1.0 / trials));
     INFO("recall " << r << " Monte-Carlo " << p << " sd " << sd);
@@ -372,10 +393,12 @@ TEST_CASE("Recall of planted neighbours rises with L, falls with η, matches the
 // Causality, batching, threads, edge cases
 // ---------------------------------------------------------------------------------------------
 
-TEMPLATE_TEST_CASE("Causal: changing key j leaves outputs 0 … j−1 bit-identical", "[lsf]", float, double) {
+TEMPLATE_TEST_CASE("Causal: changing key j leaves outputs 0 … j−1 bit-identical", "[lsf]", float,
+                   double) {
   using Scalar = TestType;
   const Index n = 300, d = 16, dv = 6;
-  const RowMatrix<Scalar> q = clustered<Scalar>(71, n, d, 5, 0.5), k = clustered<Scalar>(72, n, d, 5, 0.5);
+  const RowMatrix<Scalar> q = clustered<Scalar>(71, n, d, 5, 0.5),
+                          k = clustered<Scalar>(72, n, d, 5, 0.5);
   const RowMatrix<Scalar> v = testing::gaussian<Scalar>(73, n, dv);
   for (RotationKind kind : {RotationKind::dense, RotationKind::hadamard}) {
     const LocalitySensitiveFilters<Scalar> f(kind, d, 16, 3, 12);
@@ -396,8 +419,8 @@ TEMPLATE_TEST_CASE("Causal: changing key j leaves outputs 0 … j−1 bit-identi
   }
 }
 
-TEMPLATE_TEST_CASE("Batched LSF attention equals per-slice calls, for any thread count", "[lsf][threads]", float,
-                   double) {
+TEMPLATE_TEST_CASE("Batched LSF attention equals per-slice calls, for any thread count",
+                   "[lsf][threads]", float, double) {
   using Scalar = TestType;
   const randattn::BatchShape shape{2, 3, 120, 130, 16, 7};  // batch, heads, n_q, n_k, d, dv
   const Index s = shape.slices();
@@ -410,11 +433,13 @@ TEMPLATE_TEST_CASE("Batched LSF attention equals per-slice calls, for any thread
   RowMatrix<Scalar> out(s * shape.n_q, shape.dv);
   randattn::lsf_attention_batched<Scalar>(f, q.data(), k.data(), v.data(), out.data(), shape, opt);
   for (Index i = 0; i < s; ++i) {
-    const auto rows = [&](const RowMatrix<Scalar>& x, Index n) { return RowMatrix<Scalar>(x.middleRows(i * n, n)); };
-    CHECK(testing::rows_bit_identical(rows(out, shape.n_q),
-                                      randattn::lsf_attention(f, rows(q, shape.n_q), rows(k, shape.n_k),
-                                                              rows(v, shape.n_k), opt),
-                                      shape.n_q));
+    const auto rows = [&](const RowMatrix<Scalar>& x, Index n) {
+      return RowMatrix<Scalar>(x.middleRows(i * n, n));
+    };
+    CHECK(testing::rows_bit_identical(
+        rows(out, shape.n_q),
+        randattn::lsf_attention(f, rows(q, shape.n_q), rows(k, shape.n_k), rows(v, shape.n_k), opt),
+        shape.n_q));
   }
 #if defined(_OPENMP)
   // Blocks of queries (several attention tasks) and of scores run in parallel; the result must
@@ -443,20 +468,24 @@ TEMPLATE_TEST_CASE("LSF attention edge cases and argument checks", "[lsf]", floa
   LsfOptions opt;
   opt.eta = 1.0;
   // n = 0: empty; n = 1: the query attends to the one key.
-  CHECK(randattn::lsf_attention(f, RowMatrix<Scalar>(0, d), RowMatrix<Scalar>(0, d), RowMatrix<Scalar>(0, 3), opt)
+  CHECK(randattn::lsf_attention(f, RowMatrix<Scalar>(0, d), RowMatrix<Scalar>(0, d),
+                                RowMatrix<Scalar>(0, 3), opt)
             .rows() == 0);
-  const RowMatrix<Scalar> q1 = testing::gaussian<Scalar>(1, 1, d), v1 = testing::gaussian<Scalar>(2, 1, 3);
+  const RowMatrix<Scalar> q1 = testing::gaussian<Scalar>(1, 1, d),
+                          v1 = testing::gaussian<Scalar>(2, 1, 3);
   CHECK(rel_error(randattn::lsf_attention(f, q1, q1, v1, opt), v1) < testing::tolerance<Scalar>());
   // d = 1 (both kinds): every score is ±|a_i|.
   for (RotationKind kind : {RotationKind::dense, RotationKind::hadamard}) {
     const LocalitySensitiveFilters<Scalar> f1(kind, 1, 4, 2, 3);
-    const RowMatrix<Scalar> qd = testing::gaussian<Scalar>(3, 40, 1), kd = testing::gaussian<Scalar>(4, 40, 1);
+    const RowMatrix<Scalar> qd = testing::gaussian<Scalar>(3, 40, 1),
+                            kd = testing::gaussian<Scalar>(4, 40, 1);
     const RowMatrix<Scalar> vd = testing::gaussian<Scalar>(5, 40, 2);
-    CHECK(rel_error(randattn::lsf_attention(f1, qd, kd, vd, opt), reference<Scalar>(f1, qd, kd, vd, 1.0, 1, 1.0, false)) <
-          1e-6);
+    CHECK(rel_error(randattn::lsf_attention(f1, qd, kd, vd, opt),
+                    reference<Scalar>(f1, qd, kd, vd, 1.0, 1, 1.0, false)) < 1e-6);
   }
   // Zero rows and huge rows: filters see directions, the output stays finite.
-  RowMatrix<Scalar> q = testing::gaussian<Scalar>(5, 50, d), k = testing::gaussian<Scalar>(6, 50, d);
+  RowMatrix<Scalar> q = testing::gaussian<Scalar>(5, 50, d),
+                    k = testing::gaussian<Scalar>(6, 50, d);
   q.row(3).setZero();
   k.row(3).setZero();
   q.row(4) *= Scalar(1e30);
@@ -503,13 +532,18 @@ TEMPLATE_TEST_CASE("LSF attention edge cases and argument checks", "[lsf]", floa
   // Shapes and values.
   opt = LsfOptions();
   opt.eta = 1.0;
-  CHECK_THROWS_AS(randattn::lsf_attention(f, testing::gaussian<Scalar>(1, 5, d + 1), k, v, opt), std::invalid_argument);
-  CHECK_THROWS_AS(randattn::lsf_attention(f, q, testing::gaussian<Scalar>(1, 50, d + 1), v, opt), std::invalid_argument);
-  CHECK_THROWS_AS(randattn::lsf_attention(f, q, k, RowMatrix<Scalar>(v.topRows(10)), opt), std::invalid_argument);
-  CHECK_THROWS_AS(randattn::lsf_attention(f, q, RowMatrix<Scalar>(0, d), RowMatrix<Scalar>(0, 3), opt),
+  CHECK_THROWS_AS(randattn::lsf_attention(f, testing::gaussian<Scalar>(1, 5, d + 1), k, v, opt),
                   std::invalid_argument);
+  CHECK_THROWS_AS(randattn::lsf_attention(f, q, testing::gaussian<Scalar>(1, 50, d + 1), v, opt),
+                  std::invalid_argument);
+  CHECK_THROWS_AS(randattn::lsf_attention(f, q, k, RowMatrix<Scalar>(v.topRows(10)), opt),
+                  std::invalid_argument);
+  CHECK_THROWS_AS(
+      randattn::lsf_attention(f, q, RowMatrix<Scalar>(0, d), RowMatrix<Scalar>(0, 3), opt),
+      std::invalid_argument);
   opt.causal = true;
-  CHECK_THROWS_AS(randattn::lsf_attention(f, q, RowMatrix<Scalar>(k.topRows(49)), RowMatrix<Scalar>(v.topRows(49)), opt),
+  CHECK_THROWS_AS(randattn::lsf_attention(f, q, RowMatrix<Scalar>(k.topRows(49)),
+                                          RowMatrix<Scalar>(v.topRows(49)), opt),
                   std::invalid_argument);
   opt.causal = false;
   RowMatrix<Scalar> nan_k = k;
@@ -521,10 +555,14 @@ TEMPLATE_TEST_CASE("LSF attention edge cases and argument checks", "[lsf]", floa
     CHECK(std::string(e.what()).find("non-finite") != std::string::npos);
   }
   // Filters: m < 1, L < 1, d < 1, a filter matrix that is not tables * m rows or not finite.
-  CHECK_THROWS_AS(LocalitySensitiveFilters<Scalar>(RotationKind::dense, d, 0, 2, 1), std::invalid_argument);
-  CHECK_THROWS_AS(LocalitySensitiveFilters<Scalar>(RotationKind::hadamard, d, 8, 0, 1), std::invalid_argument);
-  CHECK_THROWS_AS(LocalitySensitiveFilters<Scalar>(RotationKind::dense, 0, 8, 2, 1), std::invalid_argument);
-  CHECK_THROWS_AS(LocalitySensitiveFilters<Scalar>(RowMatrix<Scalar>::Ones(7, d), 2), std::invalid_argument);
+  CHECK_THROWS_AS(LocalitySensitiveFilters<Scalar>(RotationKind::dense, d, 0, 2, 1),
+                  std::invalid_argument);
+  CHECK_THROWS_AS(LocalitySensitiveFilters<Scalar>(RotationKind::hadamard, d, 8, 0, 1),
+                  std::invalid_argument);
+  CHECK_THROWS_AS(LocalitySensitiveFilters<Scalar>(RotationKind::dense, 0, 8, 2, 1),
+                  std::invalid_argument);
+  CHECK_THROWS_AS(LocalitySensitiveFilters<Scalar>(RowMatrix<Scalar>::Ones(7, d), 2),
+                  std::invalid_argument);
   RowMatrix<Scalar> a = RowMatrix<Scalar>::Ones(8, d);
   a(1, 1) = std::numeric_limits<Scalar>::infinity();
   CHECK_THROWS_AS(LocalitySensitiveFilters<Scalar>(a, 2), std::invalid_argument);
@@ -533,11 +571,13 @@ TEMPLATE_TEST_CASE("LSF attention edge cases and argument checks", "[lsf]", floa
   CHECK(randattn::lsf_attention(user, q, k, v, opt) == randattn::lsf_attention(f, q, k, v, opt));
   // Batched: a bad slice throws before any output is written.
   const randattn::BatchShape shape{1, 2, 50, 50, d, 3};
-  RowMatrix<Scalar> qq(100, d), kk(100, d), vv(100, 3), oo = RowMatrix<Scalar>::Constant(100, 3, Scalar(7));
+  RowMatrix<Scalar> qq(100, d), kk(100, d), vv(100, 3),
+      oo = RowMatrix<Scalar>::Constant(100, 3, Scalar(7));
   qq << q, q;
   kk << k, nan_k;
   vv << v, v;
-  CHECK_THROWS_AS(randattn::lsf_attention_batched<Scalar>(f, qq.data(), kk.data(), vv.data(), oo.data(), shape, opt),
+  CHECK_THROWS_AS(randattn::lsf_attention_batched<Scalar>(f, qq.data(), kk.data(), vv.data(),
+                                                          oo.data(), shape, opt),
                   std::invalid_argument);
   CHECK((oo.array() == Scalar(7)).all());
 }

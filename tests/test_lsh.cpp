@@ -36,7 +36,8 @@ Targets chunk_targets(const HashCodes& codes, Index c) {
   for (Index rho = 0; rho < codes.cols(); ++rho) {
     std::vector<Index> order(static_cast<std::size_t>(n));
     std::iota(order.begin(), order.end(), Index(0));
-    std::stable_sort(order.begin(), order.end(), [&](Index a, Index b) { return codes(a, rho) < codes(b, rho); });
+    std::stable_sort(order.begin(), order.end(),
+                     [&](Index a, Index b) { return codes(a, rho) < codes(b, rho); });
     const auto members = [&](Index g) {
       return std::vector<Index>(order.begin() + g * c, order.begin() + std::min(n, (g + 1) * c));
     };
@@ -74,8 +75,9 @@ Eigen::MatrixXd unit_rows(const Eigen::MatrixXd& x) {
 // and token i sees itself only when it has no other valid target. Separate keys: a query without
 // valid targets attends to all valid keys. dedupe: each target once; otherwise weighted by count.
 template <typename Scalar>
-Eigen::MatrixXd reference(const RowMatrix<Scalar>& q_, const RowMatrix<Scalar>* k_, const RowMatrix<Scalar>& v_,
-                          const Targets& targets, double scale, bool causal, bool dedupe) {
+Eigen::MatrixXd reference(const RowMatrix<Scalar>& q_, const RowMatrix<Scalar>* k_,
+                          const RowMatrix<Scalar>& v_, const Targets& targets, double scale,
+                          bool causal, bool dedupe) {
   const Eigen::MatrixXd q = q_.template cast<double>(), v = v_.template cast<double>();
   const Eigen::MatrixXd keys = k_ ? Eigen::MatrixXd(k_->template cast<double>()) : unit_rows(q);
   Eigen::MatrixXd out = Eigen::MatrixXd::Zero(q.rows(), v.cols());
@@ -104,7 +106,8 @@ using testing::clustered;
 // Rotations and hashing
 // ---------------------------------------------------------------------------------------------
 
-TEMPLATE_TEST_CASE("Hadamard rotation equals H D3 H D2 H D1 / p^{3/2} and preserves norms", "[lsh]", float, double) {
+TEMPLATE_TEST_CASE("Hadamard rotation equals H D3 H D2 H D1 / p^{3/2} and preserves norms", "[lsh]",
+                   float, double) {
   using Scalar = TestType;
   struct Case {
     Index d, buckets;
@@ -117,12 +120,14 @@ TEMPLATE_TEST_CASE("Hadamard rotation equals H D3 H D2 H D1 / p^{3/2} and preser
     // Explicit Sylvester matrix H_p: H(a, b) = (-1)^popcount(a & b).
     Eigen::MatrixXd h(p, p);
     for (Index a = 0; a < p; ++a)
-      for (Index b = 0; b < p; ++b) h(a, b) = (__builtin_popcountll(std::uint64_t(a & b)) % 2) ? -1.0 : 1.0;
+      for (Index b = 0; b < p; ++b)
+        h(a, b) = (__builtin_popcountll(std::uint64_t(a & b)) % 2) ? -1.0 : 1.0;
     const RowMatrix<Scalar> x = testing::gaussian<Scalar>(3, 37, c.d, 3.0);
     for (Index round = 0; round < 2; ++round) {
       const Eigen::MatrixXd diag = rot.diagonals().template cast<double>();
-      const Eigen::MatrixXd m = h * diag.row(3 * round + 2).asDiagonal() * h * diag.row(3 * round + 1).asDiagonal() *
-                                h * diag.row(3 * round).asDiagonal() / std::pow(double(p), 1.5);
+      const Eigen::MatrixXd m = h * diag.row(3 * round + 2).asDiagonal() * h *
+                                diag.row(3 * round + 1).asDiagonal() * h *
+                                diag.row(3 * round).asDiagonal() / std::pow(double(p), 1.5);
       Eigen::MatrixXd xp = Eigen::MatrixXd::Zero(x.rows(), p);
       xp.leftCols(c.d) = x.template cast<double>();
       const Eigen::MatrixXd expected = xp * m.transpose();
@@ -131,7 +136,8 @@ TEMPLATE_TEST_CASE("Hadamard rotation equals H D3 H D2 H D1 / p^{3/2} and preser
       // Norm preservation, row by row.
       for (Index i = 0; i < x.rows(); ++i) {
         const double nx = x.row(i).template cast<double>().norm();
-        CHECK(std::abs(y.row(i).template cast<double>().norm() - nx) <= testing::tolerance<Scalar>() * nx);
+        CHECK(std::abs(y.row(i).template cast<double>().norm() - nx) <=
+              testing::tolerance<Scalar>() * nx);
       }
       // The projection used by the hash (first h coordinates, folded transform) agrees.
       RowMatrix<Scalar> work;
@@ -142,21 +148,23 @@ TEMPLATE_TEST_CASE("Hadamard rotation equals H D3 H D2 H D1 / p^{3/2} and preser
   }
 }
 
-TEMPLATE_TEST_CASE("Fused hash argmax equals a scalar argmax over the rotation's projections, ties included",
-                   "[lsh]", float, double) {
+TEMPLATE_TEST_CASE(
+    "Fused hash argmax equals a scalar argmax over the rotation's projections, ties included",
+    "[lsh]", float, double) {
   using Scalar = TestType;
   struct Case {
     Index d, buckets;
   };
   // Shapes with h below, at and above one SIMD packet, h not a power of two, folded Hadamard
   // rounds (h < p) and n not a multiple of the tile or packet widths.
-  for (const Case c : {Case{64, 128}, Case{24, 10}, Case{5, 6}, Case{64, 16}, Case{3, 200}, Case{1, 2}}) {
+  for (const Case c :
+       {Case{64, 128}, Case{24, 10}, Case{5, 6}, Case{64, 16}, Case{3, 200}, Case{1, 2}}) {
     INFO("d " << c.d << " buckets " << c.buckets);
     const Index n = 1000, rounds = 2, half = c.buckets / 2;
     RowMatrix<Scalar> x = testing::gaussian<Scalar>(8, n, c.d);
-    x.row(3).setZero();                    // all coordinates tie: bucket 0
-    x.row(17) = x.row(16).cwiseAbs();      // nonnegative input
-    x.row(18).setConstant(Scalar(0.5));    // repeated entries: ties in the dense projections
+    x.row(3).setZero();                  // all coordinates tie: bucket 0
+    x.row(17) = x.row(16).cwiseAbs();    // nonnegative input
+    x.row(18).setConstant(Scalar(0.5));  // repeated entries: ties in the dense projections
     for (RotationKind kind : {RotationKind::dense, RotationKind::hadamard}) {
       const CrossPolytopeHash<Scalar> hash(kind, c.d, c.buckets, rounds, 21);
       const HashCodes codes = hash.hash(x);
@@ -197,8 +205,9 @@ TEST_CASE("Default rotation: dense while d h <= 6 p log2 p, Hadamard beyond", "[
   CHECK(default_rotation(64, 128) == RotationKind::hadamard);  // 4096 > 2304
   CHECK(default_rotation(256, 64) == RotationKind::dense);     // 8192 <= 6 * 256 * 8
   CHECK(default_rotation(256, 512) == RotationKind::hadamard);
-  CHECK(default_rotation(4, 4) == RotationKind::dense);       // 8 <= 6 * 4 * 2
-  const CrossPolytopeHash<float> by_default(64, 128, 2, 5), explicit_kind(RotationKind::hadamard, 64, 128, 2, 5);
+  CHECK(default_rotation(4, 4) == RotationKind::dense);  // 8 <= 6 * 4 * 2
+  const CrossPolytopeHash<float> by_default(64, 128, 2, 5),
+      explicit_kind(RotationKind::hadamard, 64, 128, 2, 5);
   CHECK(by_default.kind() == RotationKind::hadamard);
   const RowMatrix<float> x = testing::gaussian<float>(2, 100, 64);
   CHECK(by_default.hash(x) == explicit_kind.hash(x));
@@ -223,8 +232,9 @@ TEMPLATE_TEST_CASE("Cross-polytope codes are argmax([xR; -xR])", "[lsh]", float,
       // Reference projections in double.
       Eigen::MatrixXd y;
       if (kind == RotationKind::dense) {
-        y = x.template cast<double>() * hash.dense_rotation()->matrix().template cast<double>().middleCols(
-                                            rho * buckets / 2, buckets / 2);
+        y = x.template cast<double>() *
+            hash.dense_rotation()->matrix().template cast<double>().middleCols(rho * buckets / 2,
+                                                                               buckets / 2);
       } else {
         y = hash.hadamard_rotation()->rotate(x, rho).template cast<double>().leftCols(buckets / 2);
       }
@@ -244,7 +254,8 @@ TEMPLATE_TEST_CASE("Cross-polytope codes are argmax([xR; -xR])", "[lsh]", float,
   }
 }
 
-TEMPLATE_TEST_CASE("Cross-polytope hash: ranges, scaling, zero vector, seeds, blocks", "[lsh]", float, double) {
+TEMPLATE_TEST_CASE("Cross-polytope hash: ranges, scaling, zero vector, seeds, blocks", "[lsh]",
+                   float, double) {
   using Scalar = TestType;
   const Index n = 300, d = 20, buckets = 12, rounds = 4;
   RowMatrix<Scalar> x = testing::gaussian<Scalar>(8, n, d);
@@ -256,12 +267,14 @@ TEMPLATE_TEST_CASE("Cross-polytope hash: ranges, scaling, zero vector, seeds, bl
     CHECK(codes.minCoeff() >= 0);
     CHECK(codes.maxCoeff() < buckets);
     CHECK((codes.row(7).array() == 0).all());  // zero vector: first entry of the tie
-    // Positive scaling by a power of two is exact, so the codes are identical; negation flips the half.
+    // Positive scaling by a power of two is exact, so the codes are identical; negation flips the
+    // half.
     CHECK(hash.hash(RowMatrix<Scalar>(Scalar(4) * x)) == codes);
     const HashCodes neg = hash.hash(RowMatrix<Scalar>(-x));
     for (Index i = 0; i < n; ++i)
       if (i != 7)
-        for (Index rho = 0; rho < rounds; ++rho) CHECK(neg(i, rho) == (codes(i, rho) + buckets / 2) % buckets);
+        for (Index rho = 0; rho < rounds; ++rho)
+          CHECK(neg(i, rho) == (codes(i, rho) + buckets / 2) % buckets);
     // Same seed, same codes; another seed, other codes; any sub-block hashes alike.
     CHECK(CrossPolytopeHash<Scalar>(kind, d, buckets, rounds, 5).hash(x) == codes);
     CHECK(CrossPolytopeHash<Scalar>(kind, d, buckets, rounds, 6).hash(x) != codes);
@@ -281,10 +294,14 @@ TEMPLATE_TEST_CASE("Cross-polytope hash: ranges, scaling, zero vector, seeds, bl
   const CrossPolytopeHash<Scalar> given(drawn.dense_rotation()->matrix(), rounds);
   CHECK(given.hash(x) == drawn.hash(x));
   CHECK(given.hadamard_rotation() == nullptr);
-  CHECK_THROWS_AS(CrossPolytopeHash<Scalar>(RowMatrix<Scalar>::Ones(d, 7), 2), std::invalid_argument);
-  CHECK_THROWS_AS(CrossPolytopeHash<Scalar>(RotationKind::dense, d, 7, 2, 0), std::invalid_argument);
-  CHECK_THROWS_AS(CrossPolytopeHash<Scalar>(RotationKind::hadamard, d, 8, 0, 0), std::invalid_argument);
-  CHECK_THROWS_AS(CrossPolytopeHash<Scalar>(RotationKind::hadamard, 0, 8, 1, 0), std::invalid_argument);
+  CHECK_THROWS_AS(CrossPolytopeHash<Scalar>(RowMatrix<Scalar>::Ones(d, 7), 2),
+                  std::invalid_argument);
+  CHECK_THROWS_AS(CrossPolytopeHash<Scalar>(RotationKind::dense, d, 7, 2, 0),
+                  std::invalid_argument);
+  CHECK_THROWS_AS(CrossPolytopeHash<Scalar>(RotationKind::hadamard, d, 8, 0, 0),
+                  std::invalid_argument);
+  CHECK_THROWS_AS(CrossPolytopeHash<Scalar>(RotationKind::hadamard, 0, 8, 1, 0),
+                  std::invalid_argument);
 }
 
 TEST_CASE("Collision rate of two unit vectors falls as their angle grows", "[lsh]") {
@@ -311,13 +328,15 @@ TEST_CASE("Collision rate of two unit vectors falls as their angle grows", "[lsh
     const HashCodes codes = hash.hash(x);
     std::vector<double> rate;
     for (std::size_t a = 0; a < degrees.size(); ++a)
-      rate.push_back((codes.row(0).array() == codes.row(Index(a) + 1).array()).template cast<double>().mean());
-    INFO("kind " << int(kind) << " rates " << rate[0] << " " << rate[1] << " " << rate[2] << " " << rate[3] << " "
-                 << rate[4] << " " << rate[5] << " " << rate[6]);
+      rate.push_back(
+          (codes.row(0).array() == codes.row(Index(a) + 1).array()).template cast<double>().mean());
+    INFO("kind " << int(kind) << " rates " << rate[0] << " " << rate[1] << " " << rate[2] << " "
+                 << rate[3] << " " << rate[4] << " " << rate[5] << " " << rate[6]);
     CHECK(rate.front() == 1.0);  // same vector
     CHECK(rate.back() == 0.0);   // antipodal: the sign flips the half
     for (std::size_t a = 0; a + 2 < degrees.size(); ++a) {
-      const double se = std::sqrt(rate[a] * (1 - rate[a]) / rounds + rate[a + 1] * (1 - rate[a + 1]) / rounds);
+      const double se =
+          std::sqrt(rate[a] * (1 - rate[a]) / rounds + rate[a + 1] * (1 - rate[a + 1]) / rounds);
       CHECK(rate[a] - rate[a + 1] > 4 * se);
     }
   }
@@ -327,11 +346,12 @@ TEST_CASE("Collision rate of two unit vectors falls as their angle grows", "[lsh
 // Attention against brute force
 // ---------------------------------------------------------------------------------------------
 
-TEMPLATE_TEST_CASE("Single chunk (c >= n) equals exact shared-QK attention with the self rule", "[lsh]", float,
-                   double) {
+TEMPLATE_TEST_CASE("Single chunk (c >= n) equals exact shared-QK attention with the self rule",
+                   "[lsh]", float, double) {
   using Scalar = TestType;
   const Index n = 150, d = 16, dv = 5;
-  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(21, n, d), v = testing::gaussian<Scalar>(22, n, dv);
+  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(21, n, d),
+                          v = testing::gaussian<Scalar>(22, n, dv);
   Targets all(static_cast<std::size_t>(n));
   for (Index i = 0; i < n; ++i)
     for (Index j = 0; j < n; ++j) all[static_cast<std::size_t>(i)][j] = 1;
@@ -344,22 +364,25 @@ TEMPLATE_TEST_CASE("Single chunk (c >= n) equals exact shared-QK attention with 
       for (Index chunk : {n, n + 1, Index(1) << 40}) {
         for (Index rounds : {1, 3}) {
           for (bool dedupe : {true, false}) {
-            INFO("causal " << causal << " scale " << scale << " chunk " << chunk << " rounds " << rounds << " dedupe "
-                           << dedupe);
+            INFO("causal " << causal << " scale " << scale << " chunk " << chunk << " rounds "
+                           << rounds << " dedupe " << dedupe);
             opt.chunk = chunk;
             opt.dedupe = dedupe;
             const CrossPolytopeHash<Scalar> hash(RotationKind::dense, d, 8, rounds, 3);
-            CHECK(rel_error(randattn::lsh_attention(hash, q, v, opt), expected) < testing::tolerance<Scalar>());
+            CHECK(rel_error(randattn::lsh_attention(hash, q, v, opt), expected) <
+                  testing::tolerance<Scalar>());
           }
         }
       }
-      CHECK(rel_error(randattn::shared_qk_attention(q, v, opt), expected) < testing::tolerance<Scalar>());
+      CHECK(rel_error(randattn::shared_qk_attention(q, v, opt), expected) <
+            testing::tolerance<Scalar>());
     }
   }
 }
 
-TEMPLATE_TEST_CASE("Sort-and-chunk equals softmax over the union (multiset) of targets from the same hashes", "[lsh]",
-                   float, double) {
+TEMPLATE_TEST_CASE(
+    "Sort-and-chunk equals softmax over the union (multiset) of targets from the same hashes",
+    "[lsh]", float, double) {
   using Scalar = TestType;
   const Index d = 12, dv = 6;
   struct Case {
@@ -376,15 +399,17 @@ TEMPLATE_TEST_CASE("Sort-and-chunk equals softmax over the union (multiset) of t
         const Targets targets = chunk_targets(hash.hash(q), c.chunk);
         for (bool causal : {false, true}) {
           for (bool dedupe : {true, false}) {
-            INFO("n " << c.n << " chunk " << c.chunk << " rounds " << rounds << " kind " << int(kind) << " causal "
-                      << causal << " dedupe " << dedupe);
+            INFO("n " << c.n << " chunk " << c.chunk << " rounds " << rounds << " kind "
+                      << int(kind) << " causal " << causal << " dedupe " << dedupe);
             LshOptions opt;
             opt.chunk = c.chunk;
             opt.causal = causal;
             opt.dedupe = dedupe;
             opt.scale = 0.8;
-            const Eigen::MatrixXd expected = reference<Scalar>(q, nullptr, v, targets, 0.8, causal, dedupe);
-            CHECK(rel_error(randattn::lsh_attention(hash, q, v, opt), expected) < testing::tolerance<Scalar>());
+            const Eigen::MatrixXd expected =
+                reference<Scalar>(q, nullptr, v, targets, 0.8, causal, dedupe);
+            CHECK(rel_error(randattn::lsh_attention(hash, q, v, opt), expected) <
+                  testing::tolerance<Scalar>());
           }
         }
       }
@@ -392,19 +417,22 @@ TEMPLATE_TEST_CASE("Sort-and-chunk equals softmax over the union (multiset) of t
   }
 }
 
-TEMPLATE_TEST_CASE("The correction matters: union and multiset differ once rounds overlap", "[lsh]", float, double) {
+TEMPLATE_TEST_CASE("The correction matters: union and multiset differ once rounds overlap", "[lsh]",
+                   float, double) {
   using Scalar = TestType;
   const Index n = 96, d = 12;
-  const RowMatrix<Scalar> q = clustered<Scalar>(41, n, d, 4, 0.5), v = testing::gaussian<Scalar>(42, n, 4);
+  const RowMatrix<Scalar> q = clustered<Scalar>(41, n, d, 4, 0.5),
+                          v = testing::gaussian<Scalar>(42, n, 4);
   const CrossPolytopeHash<Scalar> hash(RotationKind::dense, d, 8, 4, 7);
   LshOptions with, without;
   with.chunk = without.chunk = 16;
   without.dedupe = false;
-  CHECK(rel_error(randattn::lsh_attention(hash, q, v, with), randattn::lsh_attention(hash, q, v, without)) > 1e-3);
+  CHECK(rel_error(randattn::lsh_attention(hash, q, v, with),
+                  randattn::lsh_attention(hash, q, v, without)) > 1e-3);
 }
 
-TEMPLATE_TEST_CASE("Exact buckets equal softmax over the union of bucket mates, with the fallback", "[lsh]", float,
-                   double) {
+TEMPLATE_TEST_CASE("Exact buckets equal softmax over the union of bucket mates, with the fallback",
+                   "[lsh]", float, double) {
   using Scalar = TestType;
   const Index n_q = 90, n_k = 90, d = 10, dv = 4;
   const RowMatrix<Scalar> q = clustered<Scalar>(51, n_q, d, 6, 0.7);
@@ -420,8 +448,8 @@ TEMPLATE_TEST_CASE("Exact buckets equal softmax over the union of bucket mates, 
       const Targets targets = bucket_targets(qc, hash.hash(*keys));
       for (bool causal : {false, true}) {
         for (bool dedupe : {true, false}) {
-          INFO("rounds " << rounds << " crowded " << (keys == &crowded) << " causal " << causal << " dedupe "
-                         << dedupe);
+          INFO("rounds " << rounds << " crowded " << (keys == &crowded) << " causal " << causal
+                         << " dedupe " << dedupe);
           LshOptions opt;
           opt.exact_buckets = true;
           opt.causal = causal;
@@ -441,7 +469,8 @@ TEMPLATE_TEST_CASE("Exact buckets equal softmax over the union of bucket mates, 
       LshOptions opt;
       opt.exact_buckets = true;
       opt.causal = causal;
-      CHECK(rel_error(randattn::lsh_attention(hash, q, vq, opt), reference<Scalar>(q, nullptr, vq, shared, 1.0, causal, true)) <
+      CHECK(rel_error(randattn::lsh_attention(hash, q, vq, opt),
+                      reference<Scalar>(q, nullptr, vq, shared, 1.0, causal, true)) <
             testing::tolerance<Scalar>());
     }
   }
@@ -451,7 +480,8 @@ TEMPLATE_TEST_CASE("Large buckets and chunks are tiled and still exact", "[lsh]"
   using Scalar = TestType;
   // Few buckets and c > tile: buckets of hundreds of tokens and chunk pairs of 600 keys.
   const Index n = 700, d = 8, dv = 3;
-  const RowMatrix<Scalar> q = clustered<Scalar>(61, n, d, 3, 0.4), v = testing::gaussian<Scalar>(62, n, dv);
+  const RowMatrix<Scalar> q = clustered<Scalar>(61, n, d, 3, 0.4),
+                          v = testing::gaussian<Scalar>(62, n, dv);
   const CrossPolytopeHash<Scalar> hash(RotationKind::dense, d, 4, 2, 8);
   const HashCodes codes = hash.hash(q);
   for (bool causal : {false, true}) {
@@ -459,12 +489,12 @@ TEMPLATE_TEST_CASE("Large buckets and chunks are tiled and still exact", "[lsh]"
     opt.causal = causal;
     opt.chunk = 300;
     CHECK(rel_error(randattn::lsh_attention(hash, q, v, opt),
-                    reference<Scalar>(q, nullptr, v, chunk_targets(codes, 300), 1.0, causal, true)) <
-          testing::tolerance<Scalar>());
+                    reference<Scalar>(q, nullptr, v, chunk_targets(codes, 300), 1.0, causal,
+                                      true)) < testing::tolerance<Scalar>());
     opt.exact_buckets = true;
     CHECK(rel_error(randattn::lsh_attention(hash, q, v, opt),
-                    reference<Scalar>(q, nullptr, v, bucket_targets(codes, codes), 1.0, causal, true)) <
-          testing::tolerance<Scalar>());
+                    reference<Scalar>(q, nullptr, v, bucket_targets(codes, codes), 1.0, causal,
+                                      true)) < testing::tolerance<Scalar>());
   }
 }
 
@@ -472,10 +502,12 @@ TEMPLATE_TEST_CASE("Large buckets and chunks are tiled and still exact", "[lsh]"
 // Causality, batching, threads, edge cases
 // ---------------------------------------------------------------------------------------------
 
-TEMPLATE_TEST_CASE("Causal: changing the last token leaves earlier outputs bit-identical", "[lsh]", float, double) {
+TEMPLATE_TEST_CASE("Causal: changing the last token leaves earlier outputs bit-identical", "[lsh]",
+                   float, double) {
   using Scalar = TestType;
   const Index n = 200, d = 16, dv = 8;
-  const RowMatrix<Scalar> q = clustered<Scalar>(71, n, d, 5, 0.5), k = clustered<Scalar>(72, n, d, 5, 0.5);
+  const RowMatrix<Scalar> q = clustered<Scalar>(71, n, d, 5, 0.5),
+                          k = clustered<Scalar>(72, n, d, 5, 0.5);
   const RowMatrix<Scalar> v = testing::gaussian<Scalar>(73, n, dv);
   const CrossPolytopeHash<Scalar> hash(RotationKind::dense, d, 8, 3, 12);
   LshOptions opt;
@@ -489,7 +521,8 @@ TEMPLATE_TEST_CASE("Causal: changing the last token leaves earlier outputs bit-i
   v2.row(n - 1) = testing::gaussian<Scalar>(76, 1, dv, 3.0);
   REQUIRE(hash.hash(q2).row(n - 1) != hash.hash(q).row(n - 1));
   opt.exact_buckets = true;
-  RowMatrix<Scalar> a = randattn::lsh_attention(hash, q, k, v, opt), b = randattn::lsh_attention(hash, q2, k2, v2, opt);
+  RowMatrix<Scalar> a = randattn::lsh_attention(hash, q, k, v, opt),
+                    b = randattn::lsh_attention(hash, q2, k2, v2, opt);
   CHECK(testing::rows_bit_identical(a, b, n - 1));
   CHECK(!testing::rows_bit_identical(a, b, n));
   a = randattn::lsh_attention(hash, q, v, opt);
@@ -518,8 +551,8 @@ TEMPLATE_TEST_CASE("Causal: changing the last token leaves earlier outputs bit-i
   CHECK(!testing::rows_bit_identical(a, b, n));
 }
 
-TEMPLATE_TEST_CASE("Batched multi-head LSH attention equals per-slice calls, for any thread count", "[lsh][threads]", float,
-                   double) {
+TEMPLATE_TEST_CASE("Batched multi-head LSH attention equals per-slice calls, for any thread count",
+                   "[lsh][threads]", float, double) {
   using Scalar = TestType;
   const randattn::BatchShape shape{2, 3, 130, 130, 16, 7};  // batch, heads, n_q, n_k, d, dv
   const Index s = shape.slices();
@@ -537,13 +570,18 @@ TEMPLATE_TEST_CASE("Batched multi-head LSH attention equals per-slice calls, for
       RowMatrix<Scalar> out(s * shape.n_q, shape.dv), out_k(s * shape.n_q, shape.dv);
       randattn::lsh_attention_batched<Scalar>(hash, q.data(), v.data(), out.data(), shape, opt);
       if (exact_buckets)
-        randattn::lsh_attention_batched<Scalar>(hash, q.data(), k.data(), v.data(), out_k.data(), shape, opt);
+        randattn::lsh_attention_batched<Scalar>(hash, q.data(), k.data(), v.data(), out_k.data(),
+                                                shape, opt);
       for (Index i = 0; i < s; ++i) {
-        const auto rows = [&](const RowMatrix<Scalar>& m) { return RowMatrix<Scalar>(m.middleRows(i * shape.n_q, shape.n_q)); };
-        CHECK(testing::rows_bit_identical(rows(out), randattn::lsh_attention(hash, rows(q), rows(v), opt), shape.n_q));
+        const auto rows = [&](const RowMatrix<Scalar>& m) {
+          return RowMatrix<Scalar>(m.middleRows(i * shape.n_q, shape.n_q));
+        };
+        CHECK(testing::rows_bit_identical(
+            rows(out), randattn::lsh_attention(hash, rows(q), rows(v), opt), shape.n_q));
         if (exact_buckets)
-          CHECK(testing::rows_bit_identical(rows(out_k), randattn::lsh_attention(hash, rows(q), rows(k), rows(v), opt),
-                                            shape.n_q));
+          CHECK(testing::rows_bit_identical(
+              rows(out_k), randattn::lsh_attention(hash, rows(q), rows(k), rows(v), opt),
+              shape.n_q));
       }
 #if defined(_OPENMP)
       // Chunks and buckets of one long slice run in parallel; the result must not change.
@@ -567,16 +605,20 @@ TEMPLATE_TEST_CASE("LSH attention edge cases and argument checks", "[lsh]", floa
   const CrossPolytopeHash<Scalar> hash(RotationKind::dense, d, 4, 2, 1);
   LshOptions opt;
   // n = 0: empty; n = 1: the token attends to itself.
-  CHECK(randattn::lsh_attention(hash, RowMatrix<Scalar>(0, d), RowMatrix<Scalar>(0, 3), opt).rows() == 0);
-  const RowMatrix<Scalar> q1 = testing::gaussian<Scalar>(1, 1, d), v1 = testing::gaussian<Scalar>(2, 1, 3);
+  CHECK(
+      randattn::lsh_attention(hash, RowMatrix<Scalar>(0, d), RowMatrix<Scalar>(0, 3), opt).rows() ==
+      0);
+  const RowMatrix<Scalar> q1 = testing::gaussian<Scalar>(1, 1, d),
+                          v1 = testing::gaussian<Scalar>(2, 1, 3);
   CHECK(rel_error(randattn::lsh_attention(hash, q1, v1, opt), v1) == 0.0);
   // d = 1.
   const CrossPolytopeHash<Scalar> hash1(RotationKind::hadamard, 1, 2, 2, 1);
-  const RowMatrix<Scalar> qd = testing::gaussian<Scalar>(3, 40, 1), vd = testing::gaussian<Scalar>(4, 40, 2);
+  const RowMatrix<Scalar> qd = testing::gaussian<Scalar>(3, 40, 1),
+                          vd = testing::gaussian<Scalar>(4, 40, 2);
   opt.chunk = 8;
   CHECK(rel_error(randattn::lsh_attention(hash1, qd, vd, opt),
-                  reference<Scalar>(qd, nullptr, vd, chunk_targets(hash1.hash(qd), 8), 1.0, false, true)) <
-        testing::tolerance<Scalar>());
+                  reference<Scalar>(qd, nullptr, vd, chunk_targets(hash1.hash(qd), 8), 1.0, false,
+                                    true)) < testing::tolerance<Scalar>());
   // Zero rows and huge rows: the normalised key stays finite, the output too.
   RowMatrix<Scalar> q = testing::gaussian<Scalar>(5, 50, d);
   q.row(3).setZero();
@@ -588,18 +630,23 @@ TEMPLATE_TEST_CASE("LSH attention edge cases and argument checks", "[lsh]", floa
   opt.scale.reset();
   // Errors name the problem.
   const RowMatrix<Scalar> k = testing::gaussian<Scalar>(7, 50, d);
-  CHECK_THROWS_AS(randattn::lsh_attention(hash, q, k, v, opt), std::invalid_argument);  // needs exact_buckets
+  CHECK_THROWS_AS(randattn::lsh_attention(hash, q, k, v, opt),
+                  std::invalid_argument);  // needs exact_buckets
   opt.exact_buckets = true;
   CHECK_NOTHROW(randattn::lsh_attention(hash, q, k, v, opt));
-  CHECK_THROWS_AS(randattn::lsh_attention(hash, q, RowMatrix<Scalar>(0, d), RowMatrix<Scalar>(0, 3), opt),
-                  std::invalid_argument);
+  CHECK_THROWS_AS(
+      randattn::lsh_attention(hash, q, RowMatrix<Scalar>(0, d), RowMatrix<Scalar>(0, 3), opt),
+      std::invalid_argument);
   opt.causal = true;
-  CHECK_THROWS_AS(randattn::lsh_attention(hash, q, RowMatrix<Scalar>(k.topRows(49)), RowMatrix<Scalar>(v.topRows(49)), opt),
+  CHECK_THROWS_AS(randattn::lsh_attention(hash, q, RowMatrix<Scalar>(k.topRows(49)),
+                                          RowMatrix<Scalar>(v.topRows(49)), opt),
                   std::invalid_argument);
   opt = LshOptions();
-  CHECK_THROWS_AS(randattn::lsh_attention(hash, testing::gaussian<Scalar>(1, 5, d + 1), testing::gaussian<Scalar>(1, 5, 2), opt),
+  CHECK_THROWS_AS(randattn::lsh_attention(hash, testing::gaussian<Scalar>(1, 5, d + 1),
+                                          testing::gaussian<Scalar>(1, 5, 2), opt),
                   std::invalid_argument);
-  CHECK_THROWS_AS(randattn::lsh_attention(hash, q, RowMatrix<Scalar>(v.topRows(10)), opt), std::invalid_argument);
+  CHECK_THROWS_AS(randattn::lsh_attention(hash, q, RowMatrix<Scalar>(v.topRows(10)), opt),
+                  std::invalid_argument);
   opt.chunk = 0;
   CHECK_THROWS_AS(randattn::lsh_attention(hash, q, v, opt), std::invalid_argument);
   opt.chunk = 8;

@@ -27,7 +27,8 @@ struct TempDir {
   fs::path path;
   TempDir() {
     std::random_device rd;
-    path = fs::temp_directory_path() / ("randattn_npy_test_" + std::to_string(rd()) + std::to_string(rd()));
+    path = fs::temp_directory_path() /
+           ("randattn_npy_test_" + std::to_string(rd()) + std::to_string(rd()));
     fs::create_directories(path);
   }
   ~TempDir() {
@@ -37,7 +38,8 @@ struct TempDir {
   fs::path operator/(const std::string& name) const { return path / name; }
   std::vector<std::string> entries() const {
     std::vector<std::string> names;
-    for (const auto& e : fs::directory_iterator(path)) names.push_back(e.path().filename().string());
+    for (const auto& e : fs::directory_iterator(path))
+      names.push_back(e.path().filename().string());
     return names;
   }
 };
@@ -53,7 +55,8 @@ std::string read_bytes(const fs::path& p) {
 }
 
 // A .npy image with an arbitrary header dictionary (padded like NumPy) followed by `payload`.
-std::string npy_image(const std::string& dict, const std::string& payload, int major = 1, int minor = 0) {
+std::string npy_image(const std::string& dict, const std::string& payload, int major = 1,
+                      int minor = 0) {
   const std::size_t len_bytes = major == 1 ? 2 : 4;
   std::string header = dict;
   const std::size_t unpadded = 8 + len_bytes + header.size() + 1;
@@ -62,7 +65,8 @@ std::string npy_image(const std::string& dict, const std::string& payload, int m
   std::string out("\x93NUMPY", 6);
   out += static_cast<char>(major);
   out += static_cast<char>(minor);
-  for (std::size_t i = 0; i < len_bytes; ++i) out += static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  for (std::size_t i = 0; i < len_bytes; ++i)
+    out += static_cast<char>((header.size() >> (8 * i)) & 0xff);
   return out + header + payload;
 }
 
@@ -82,11 +86,13 @@ std::string le_payload(const std::vector<T>& values) {
 template <typename T>
 std::vector<T> ramp(std::size_t n) {
   std::vector<T> v(n);
-  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<T>(0.1) * static_cast<T>(i) - static_cast<T>(1.5);
+  for (std::size_t i = 0; i < n; ++i)
+    v[i] = static_cast<T>(0.1) * static_cast<T>(i) - static_cast<T>(1.5);
   return v;
 }
 
-// Reading `bytes` from a file must throw NpyError whose one-line message names the file and contains `phrase`.
+// Reading `bytes` from a file must throw NpyError whose one-line message names the file and
+// contains `phrase`.
 void require_rejected(const TempDir& dir, const std::string& bytes, const std::string& phrase) {
   const fs::path p = dir / "bad.npy";
   write_bytes(p, bytes);
@@ -110,8 +116,9 @@ TEMPLATE_TEST_CASE("npy round trip preserves shape, dtype and bits", "[npy]", fl
   TempDir dir;
   const fs::path p = dir / "a.npy";
   for (const std::vector<std::int64_t>& shape :
-       {std::vector<std::int64_t>{5, 3}, std::vector<std::int64_t>{2, 3, 4, 5}, std::vector<std::int64_t>{7},
-        std::vector<std::int64_t>{}, std::vector<std::int64_t>{0, 4}, std::vector<std::int64_t>{2, 0, 3, 1}}) {
+       {std::vector<std::int64_t>{5, 3}, std::vector<std::int64_t>{2, 3, 4, 5},
+        std::vector<std::int64_t>{7}, std::vector<std::int64_t>{}, std::vector<std::int64_t>{0, 4},
+        std::vector<std::int64_t>{2, 0, 3, 1}}) {
     std::size_t n = 1;
     for (auto d : shape) n *= static_cast<std::size_t>(d);
     std::vector<TestType> values = ramp<TestType>(n);
@@ -139,12 +146,14 @@ TEST_CASE("npy writer emits NumPy's version 1.0 layout", "[npy]") {
   const std::string bytes = read_bytes(p);
   REQUIRE(bytes.size() == 128 + 6 * 4);
   CHECK(bytes.compare(0, 8, std::string("\x93NUMPY\x01\x00", 8)) == 0);
-  const std::size_t header_len = static_cast<unsigned char>(bytes[8]) | (static_cast<unsigned char>(bytes[9]) << 8);
+  const std::size_t header_len =
+      static_cast<unsigned char>(bytes[8]) | (static_cast<unsigned char>(bytes[9]) << 8);
   CHECK(header_len == 118);
   const std::string dict = "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }";
   CHECK(bytes.compare(10, dict.size(), dict) == 0);
   CHECK(bytes[127] == '\n');
-  CHECK(bytes.substr(10 + dict.size(), 127 - 10 - dict.size()) == std::string(127 - 10 - dict.size(), ' '));
+  CHECK(bytes.substr(10 + dict.size(), 127 - 10 - dict.size()) ==
+        std::string(127 - 10 - dict.size(), ' '));
 
   write_npy(p, ramp<double>(3), {3});
   const std::string one_d = read_bytes(p);
@@ -187,7 +196,8 @@ TEST_CASE("npy reader accepts the header variants NumPy and other writers produc
     }
   }
   SECTION("double quotes, other key order, no trailing comma, extra spaces, Python 2 long suffix") {
-    write_bytes(p, npy_image("{ \"shape\" : (2L,2L) ,\"fortran_order\":False, \"descr\":\"<f4\"}", le_payload(f4)));
+    write_bytes(p, npy_image("{ \"shape\" : (2L,2L) ,\"fortran_order\":False, \"descr\":\"<f4\"}",
+                             le_payload(f4)));
     const NpyArray a = read_npy(p);
     CHECK(a.shape == std::vector<std::int64_t>{2, 2});
     CHECK(a.values<float>() == f4);
@@ -195,7 +205,8 @@ TEST_CASE("npy reader accepts the header variants NumPy and other writers produc
   SECTION("native and not-applicable byte-order characters") {
     if (randattn::io::detail::host_is_little_endian()) {
       for (const char* descr : {"=f4", "|f4"}) {
-        write_bytes(p, npy_image(std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': (4,), }",
+        write_bytes(p, npy_image(std::string("{'descr': '") + descr +
+                                     "', 'fortran_order': False, 'shape': (4,), }",
                                  le_payload(f4)));
         CHECK(read_npy(p).values<float>() == f4);
       }
@@ -206,7 +217,8 @@ TEST_CASE("npy reader accepts the header variants NumPy and other writers produc
     CHECK(read_npy(p).values<double>() == d4);
   }
   SECTION("zero-dimensional array holds one value") {
-    write_bytes(p, npy_image("{'descr': '<f8', 'fortran_order': False, 'shape': (), }", le_payload(std::vector<double>{7.0})));
+    write_bytes(p, npy_image("{'descr': '<f8', 'fortran_order': False, 'shape': (), }",
+                             le_payload(std::vector<double>{7.0})));
     const NpyArray a = read_npy(p);
     CHECK(a.shape.empty());
     CHECK(a.values<double>() == std::vector<double>{7.0});
@@ -253,7 +265,8 @@ TEST_CASE("npy reader rejects malformed files with a one-line error naming the f
   }
   SECTION("unparsable header dictionary") {
     for (const std::string& dict :
-         {std::string("descr: <f8"), std::string("{'descr': '<f8', 'fortran_order': False, 'shape': (2, 2)"),
+         {std::string("descr: <f8"),
+          std::string("{'descr': '<f8', 'fortran_order': False, 'shape': (2, 2)"),
           std::string("{'descr': '<f8', 'fortran_order': False}"),
           std::string("{'descr': '<f8', 'fortran_order': False, 'shape': (2, 2), 'extra': 1}"),
           std::string("{'descr': '<f8', 'fortran_order': 0, 'shape': (2, 2)}"),
@@ -274,33 +287,46 @@ TEST_CASE("npy reader rejects malformed files with a one-line error naming the f
     for (const char* descr : {"<i4", "<f2", "<c16", "|u1", "<f16", "O", "<f"}) {
       INFO("descr: " << descr);
       require_rejected(dir,
-                       npy_image(std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': (2, 2), }",
+                       npy_image(std::string("{'descr': '") + descr +
+                                     "', 'fortran_order': False, 'shape': (2, 2), }",
                                  payload),
                        std::string("unsupported dtype '") + descr + "'");
     }
-    require_rejected(dir, npy_image("{'descr': '>f8', 'fortran_order': False, 'shape': (2, 2), }", payload),
-                     "(big-endian)");
-    require_rejected(dir,
-                     npy_image("{'descr': [('a', '<f8')], 'fortran_order': False, 'shape': (2,), }", payload),
-                     "unsupported dtype");
+    require_rejected(
+        dir, npy_image("{'descr': '>f8', 'fortran_order': False, 'shape': (2, 2), }", payload),
+        "(big-endian)");
+    require_rejected(
+        dir,
+        npy_image("{'descr': [('a', '<f8')], 'fortran_order': False, 'shape': (2,), }", payload),
+        "unsupported dtype");
   }
   SECTION("Fortran order") {
-    require_rejected(dir, npy_image("{'descr': '<f8', 'fortran_order': True, 'shape': (2, 2), }", payload),
-                     "fortran_order=True");
+    require_rejected(
+        dir, npy_image("{'descr': '<f8', 'fortran_order': True, 'shape': (2, 2), }", payload),
+        "fortran_order=True");
   }
   SECTION("truncated data") {
-    require_rejected(dir, npy_image(kF8_2x2, payload.substr(0, 31)), "truncated data (expected 32 bytes, found 31)");
+    require_rejected(dir, npy_image(kF8_2x2, payload.substr(0, 31)),
+                     "truncated data (expected 32 bytes, found 31)");
     require_rejected(dir, npy_image(kF8_2x2, ""), "truncated data");
     // A huge shape with a tiny file is reported as truncated without allocating the claimed size.
-    require_rejected(dir, npy_image("{'descr': '<f4', 'fortran_order': False, 'shape': (1000000000, 1000), }", payload),
-                     "truncated data");
+    require_rejected(
+        dir,
+        npy_image("{'descr': '<f4', 'fortran_order': False, 'shape': (1000000000, 1000), }",
+                  payload),
+        "truncated data");
   }
   SECTION("shape product overflow") {
     require_rejected(
-        dir, npy_image("{'descr': '<f8', 'fortran_order': False, 'shape': (4294967296, 4294967296, 16), }", payload),
+        dir,
+        npy_image(
+            "{'descr': '<f8', 'fortran_order': False, 'shape': (4294967296, 4294967296, 16), }",
+            payload),
         "overflows");
     require_rejected(
-        dir, npy_image("{'descr': '<f4', 'fortran_order': False, 'shape': (9223372036854775807, 2), }", payload),
+        dir,
+        npy_image("{'descr': '<f4', 'fortran_order': False, 'shape': (9223372036854775807, 2), }",
+                  payload),
         "overflows");
   }
 }

@@ -51,8 +51,9 @@ std::vector<std::vector<std::vector<double>>> relative_estimates(const RowMatrix
       map.redraw(std::uint64_t(r));
       const auto fx = map.features(x), fy = map.features(y);
       for (Index p = 0; p < pairs; ++p) {
-        const double est = std::exp(double(fx.log_scale(p)) + double(fy.log_scale(p))) *
-                           fx.values.row(p).template cast<double>().dot(fy.values.row(p).template cast<double>());
+        const double est =
+            std::exp(double(fx.log_scale(p)) + double(fy.log_scale(p))) *
+            fx.values.row(p).template cast<double>().dot(fy.values.row(p).template cast<double>());
         ratio[which][std::size_t(p)].push_back(est / std::exp(xd.row(p).dot(yd.row(p))));
       }
       ++which;
@@ -128,7 +129,8 @@ TEMPLATE_TEST_CASE("oprf: pair statistics equal their definitions", "[oprf]", fl
   CHECK(std::abs(got.trace() - rho) <= 1e-12 * rho);
   CHECK_THROWS_WITH(randattn::pair_sum_sq_norm<TestType>(q, RowMatrix<TestType>(0, 5)),
                     Catch::Contains("pair_sum_sq_norm"));
-  CHECK_THROWS_WITH(randattn::pair_sum_second_moment<TestType>(q, k, 0.0), Catch::Contains("normaliser"));
+  CHECK_THROWS_WITH(randattn::pair_sum_second_moment<TestType>(q, k, 0.0),
+                    Catch::Contains("normaliser"));
 }
 
 TEMPLATE_TEST_CASE("oprf: parameters, FAVOR+ and OPRF as special cases, argument errors", "[oprf]",
@@ -165,7 +167,8 @@ TEMPLATE_TEST_CASE("oprf: parameters, FAVOR+ and OPRF as special cases, argument
           10 * testing::tolerance<TestType>());
   }
   SECTION("features are positive, at most 1, with maximum 1 per row, for norms up to 20") {
-    const RowMatrix<TestType> big = testing::gaussian<TestType>(5, 9, d, 20.0 / std::sqrt(double(d)));
+    const RowMatrix<TestType> big =
+        testing::gaussian<TestType>(5, 9, d, 20.0 / std::sqrt(double(d)));
     DenseExponentialFeatures<TestType> sderf(proj);
     sderf.fit(big, big, 1.0);
     for (const auto& f : {oprf.features(big), sderf.features(big)}) {
@@ -176,7 +179,8 @@ TEMPLATE_TEST_CASE("oprf: parameters, FAVOR+ and OPRF as special cases, argument
   }
   SECTION("argument errors") {
     CHECK_THROWS_WITH(OptimalPositiveFeatures<TestType>(proj, -1.0), Catch::Contains("rho"));
-    CHECK_THROWS_WITH(OptimalPositiveFeatures<TestType>(proj, std::nan("")), Catch::Contains("rho"));
+    CHECK_THROWS_WITH(OptimalPositiveFeatures<TestType>(proj, std::nan("")),
+                      Catch::Contains("rho"));
     CHECK_THROWS_WITH(DenseExponentialFeatures<TestType>(proj, Eigen::MatrixXd::Identity(3, 3)),
                       Catch::Contains("6x6"));
     Eigen::MatrixXd asym = Eigen::MatrixXd::Identity(d, d);
@@ -185,7 +189,8 @@ TEMPLATE_TEST_CASE("oprf: parameters, FAVOR+ and OPRF as special cases, argument
     CHECK_THROWS_WITH(DenseExponentialFeatures<TestType>(proj, -Eigen::MatrixXd::Identity(d, d)),
                       Catch::Contains("semidefinite"));
     OptimalPositiveFeatures<TestType> fit(proj);
-    CHECK_THROWS_WITH(fit.fit(testing::gaussian<TestType>(1, 3, d + 1), x, 1.0), Catch::Contains("columns"));
+    CHECK_THROWS_WITH(fit.fit(testing::gaussian<TestType>(1, 3, d + 1), x, 1.0),
+                      Catch::Contains("columns"));
   }
 }
 
@@ -207,9 +212,11 @@ TEMPLATE_TEST_CASE("oprf: unbiased, closed-form MSE, never above FAVOR+", "[oprf
     const RowMatrix<TestType> xp = x.row(Index(p)), yp = y.row(Index(p));
     const Eigen::VectorXd xv = xp.row(0).transpose().template cast<double>();
     const Eigen::VectorXd yv = yp.row(0).transpose().template cast<double>();
-    const OptimalPositiveFeatures<TestType, Iid<TestType>> oprf(Iid<TestType>(m, d), (xv + yv).squaredNorm());
+    const OptimalPositiveFeatures<TestType, Iid<TestType>> oprf(Iid<TestType>(m, d),
+                                                                (xv + yv).squaredNorm());
     const PositiveFeatures<TestType, Iid<TestType>> favor(Iid<TestType>(m, d));
-    const DenseExponentialFeatures<TestType, Iid<TestType>> sderf(Iid<TestType>(m, d), anisotropic_moment());
+    const DenseExponentialFeatures<TestType, Iid<TestType>> sderf(Iid<TestType>(m, d),
+                                                                  anisotropic_moment());
     const auto ratio = relative_estimates<TestType>(xp, yp, draws, oprf, favor, sderf);
     const double closed[3] = {randattn::kernel_relative_mse(oprf, xv, yv),
                               randattn::kernel_relative_mse(favor, xv, yv),
@@ -259,7 +266,8 @@ TEMPLATE_TEST_CASE("oprf: mean predicted relative MSE matches Monte Carlo for ev
       for (const auto& pair : ratio) sum += sq_error(pair[std::size_t(r)]);
       mc.add(sum / 9);
     }
-    INFO("predicted " << predicted << ", Monte Carlo " << mc.mean << " (se " << mc.standard_error() << ")");
+    INFO("predicted " << predicted << ", Monte Carlo " << mc.mean << " (se " << mc.standard_error()
+                      << ")");
     CHECK(std::abs(mc.mean - predicted) <= 4 * mc.standard_error());
   };
   SECTION("positive") { check(PositiveFeatures<TestType, Iid<TestType>>(Iid<TestType>(m, d))); }
@@ -275,8 +283,10 @@ TEMPLATE_TEST_CASE("oprf: mean predicted relative MSE matches Monte Carlo for ev
     map.fit(q, k, c);
     check(map);
   }
-  CHECK_THROWS_WITH(randattn::mean_kernel_relative_mse(PositiveFeatures<TestType>(OrthogonalProjection<TestType>(m, d)), q, k, c, 0),
-                    Catch::Contains("pairs"));
+  CHECK_THROWS_WITH(
+      randattn::mean_kernel_relative_mse(
+          PositiveFeatures<TestType>(OrthogonalProjection<TestType>(m, d)), q, k, c, 0),
+      Catch::Contains("pairs"));
 }
 
 TEMPLATE_TEST_CASE("oprf: causal attention with given parameters never sees a changed future key",
@@ -316,7 +326,8 @@ TEMPLATE_TEST_CASE("oprf: causal attention with given parameters never sees a ch
   }
 }
 
-TEMPLATE_TEST_CASE("oprf: attention error on Gaussian data at realistic norms", "[oprf]", float, double) {
+TEMPLATE_TEST_CASE("oprf: attention error on Gaussian data at realistic norms", "[oprf]", float,
+                   double) {
   // Q, K ~ s·N(0, I), V ~ N(0, I), n = 4096 keys, d = 64, m = 256, scale 1/8 (scale·‖q‖² ≈ 8s²),
   // 512 queries (each output row depends on its query and all keys only), 3 seeds; OPRF and
   // SDERF fitted on all 4096 queries and keys, FAVOR+ on the same ω. Tolerance: the seed-to-seed
@@ -340,14 +351,18 @@ TEMPLATE_TEST_CASE("oprf: attention error on Gaussian data at realistic norms", 
       DenseExponentialFeatures<TestType> sderf(proj);
       oprf.fit(q, k, c);
       sderf.fit(q, k, c);
-      const double favor = rel_error(randattn::random_feature_attention(PositiveFeatures<TestType>(proj), qs, k, v), exact);
-      diff_oprf.push_back(rel_error(randattn::random_feature_attention(oprf, qs, k, v), exact) - favor);
-      diff_sderf.push_back(rel_error(randattn::random_feature_attention(sderf, qs, k, v), exact) - favor);
+      const double favor = rel_error(
+          randattn::random_feature_attention(PositiveFeatures<TestType>(proj), qs, k, v), exact);
+      diff_oprf.push_back(rel_error(randattn::random_feature_attention(oprf, qs, k, v), exact) -
+                          favor);
+      diff_sderf.push_back(rel_error(randattn::random_feature_attention(sderf, qs, k, v), exact) -
+                           favor);
     }
     for (const auto& diff : {diff_oprf, diff_sderf}) {
       Moments md;
       for (double x : diff) md.add(x);
-      INFO("s = " << s << ": mean error difference to FAVOR+ " << md.mean << " (se " << md.standard_error() << ")");
+      INFO("s = " << s << ": mean error difference to FAVOR+ " << md.mean << " (se "
+                  << md.standard_error() << ")");
       if (s < 0.4)
         CHECK(md.mean <= 4 * md.standard_error());
       else

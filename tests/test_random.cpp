@@ -41,7 +41,8 @@ TEST_CASE("Philox stream matches Random123's published known-answer vectors", "[
   }
 }
 
-TEMPLATE_TEST_CASE("Fills are pure functions of (seed, stream, i, j)", "[random][threads]", float, double) {
+TEMPLATE_TEST_CASE("Fills are pure functions of (seed, stream, i, j)", "[random][threads]", float,
+                   double) {
   const Philox rng(20261130, 3);
   RowMatrix<TestType> row_major(37, 23);
   Eigen::Matrix<TestType, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor> col_major(37, 23);
@@ -89,14 +90,14 @@ TEST_CASE("Gaussian fill has the moments of a standard normal", "[random][statis
   const Eigen::ArrayXd x = Eigen::Map<const Eigen::ArrayXd>(z.data(), z.size());
   const double m1 = x.mean(), m2 = x.square().mean(), m3 = x.cube().mean(),
                m4 = x.square().square().mean();
-  CHECK(std::abs(m1) < 4 * std::sqrt(1.0 / n));             // Var z = 1
-  CHECK(std::abs(m2 - 1) < 4 * std::sqrt(2.0 / n));         // Var z^2 = 3 - 1
-  CHECK(std::abs(m3) < 4 * std::sqrt(15.0 / n));            // Var z^3 = 15
-  CHECK(std::abs(m4 - 3) < 4 * std::sqrt(96.0 / n));        // Var z^4 = 105 - 9
-  const double p = 0.6826894921370859;                      // P(|z| <= 1)
+  CHECK(std::abs(m1) < 4 * std::sqrt(1.0 / n));       // Var z = 1
+  CHECK(std::abs(m2 - 1) < 4 * std::sqrt(2.0 / n));   // Var z^2 = 3 - 1
+  CHECK(std::abs(m3) < 4 * std::sqrt(15.0 / n));      // Var z^3 = 15
+  CHECK(std::abs(m4 - 3) < 4 * std::sqrt(96.0 / n));  // Var z^4 = 105 - 9
+  const double p = 0.6826894921370859;                // P(|z| <= 1)
   const double frac = (x.abs() <= 1.0).cast<double>().mean();
   CHECK(std::abs(frac - p) < 4 * std::sqrt(p * (1 - p) / n));
-  const double p2 = 0.9544997361036416;                     // P(|z| <= 2)
+  const double p2 = 0.9544997361036416;  // P(|z| <= 2)
   const double frac2 = (x.abs() <= 2.0).cast<double>().mean();
   CHECK(std::abs(frac2 - p2) < 4 * std::sqrt(p2 * (1 - p2) / n));
   CHECK(x.allFinite());
@@ -131,7 +132,8 @@ namespace {
 Eigen::MatrixXd sylvester(Index p) {
   Eigen::MatrixXd h(p, p);
   for (Index a = 0; a < p; ++a)
-    for (Index b = 0; b < p; ++b) h(a, b) = (__builtin_popcountll(std::uint64_t(a & b)) % 2) ? -1.0 : 1.0;
+    for (Index b = 0; b < p; ++b)
+      h(a, b) = (__builtin_popcountll(std::uint64_t(a & b)) % 2) ? -1.0 : 1.0;
   return h;
 }
 
@@ -143,7 +145,8 @@ constexpr int log2_of(Index p) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("Batched Walsh-Hadamard transform equals the Hadamard matrix product", "[linalg]", float, double) {
+TEMPLATE_TEST_CASE("Batched Walsh-Hadamard transform equals the Hadamard matrix product",
+                   "[linalg]", float, double) {
   using Scalar = TestType;
   const double eps = std::numeric_limits<Scalar>::epsilon();
   for (Index p : {1, 2, 4, 8, 16, 32, 64, 256}) {
@@ -206,8 +209,9 @@ TEMPLATE_TEST_CASE("Batched Walsh-Hadamard transform equals the Hadamard matrix 
   CHECK_THROWS_AS(randattn::fwht_rows<Scalar>(not_pow2), std::invalid_argument);
 }
 
-TEMPLATE_TEST_CASE("Structured rotation: documented draws, explicit product, orthogonality, threads",
-                   "[linalg][threads]", float, double) {
+TEMPLATE_TEST_CASE(
+    "Structured rotation: documented draws, explicit product, orthogonality, threads",
+    "[linalg][threads]", float, double) {
   using Scalar = TestType;
   using randattn::SignIndexing;
   using randattn::StructuredRotation;
@@ -216,9 +220,10 @@ TEMPLATE_TEST_CASE("Structured rotation: documented draws, explicit product, ort
     Index dim, blocks, min_padded;
     SignIndexing indexing;
   };
-  for (const Case c : {Case{5, 3, 1, SignIndexing::by_block}, Case{8, 2, 1, SignIndexing::by_diagonal},
-                       Case{50, 2, 16, SignIndexing::by_diagonal}, Case{3, 2, 64, SignIndexing::by_diagonal},
-                       Case{1, 1, 1, SignIndexing::by_block}, Case{64, 1, 64, SignIndexing::by_diagonal}}) {
+  for (const Case c :
+       {Case{5, 3, 1, SignIndexing::by_block}, Case{8, 2, 1, SignIndexing::by_diagonal},
+        Case{50, 2, 16, SignIndexing::by_diagonal}, Case{3, 2, 64, SignIndexing::by_diagonal},
+        Case{1, 1, 1, SignIndexing::by_block}, Case{64, 1, 64, SignIndexing::by_diagonal}}) {
     INFO("dim " << c.dim << " blocks " << c.blocks << " min_padded " << c.min_padded);
     const Philox signs(42, 9);
     const StructuredRotation<Scalar> rot(c.dim, c.blocks, signs, c.indexing, c.min_padded);
@@ -239,15 +244,17 @@ TEMPLATE_TEST_CASE("Structured rotation: documented draws, explicit product, ort
     // Explicit product in long double (its rounding is negligible next to the tested type's):
     // block b is p^{-3/2} H D3 H D2 H D1 applied to [x; 0].
     using MatrixL = Eigen::Matrix<long double, Eigen::Dynamic, Eigen::Dynamic>;
-    const MatrixL h = sylvester(p).cast<long double>(), diag = rot.diagonals().template cast<long double>();
+    const MatrixL h = sylvester(p).cast<long double>(),
+                  diag = rot.diagonals().template cast<long double>();
     const Index n = 70;
     const RowMatrix<Scalar> x = testing::gaussian<Scalar>(3, n, c.dim, 2.0);
     MatrixL xp = MatrixL::Zero(n, p);
     xp.leftCols(c.dim) = x.template cast<long double>();
     MatrixL expected(n, c.blocks * p);
     for (Index b = 0; b < c.blocks; ++b) {
-      const MatrixL r = h * diag.row(3 * b + 2).asDiagonal() * h * diag.row(3 * b + 1).asDiagonal() * h *
-                        diag.row(3 * b).asDiagonal() / std::pow((long double)p, 1.5L);
+      const MatrixL r = h * diag.row(3 * b + 2).asDiagonal() * h *
+                        diag.row(3 * b + 1).asDiagonal() * h * diag.row(3 * b).asDiagonal() /
+                        std::pow((long double)p, 1.5L);
       expected.middleCols(b * p, p) = xp * r.transpose();
     }
     RowMatrix<Scalar> y(n, rot.outputs());
@@ -262,7 +269,9 @@ TEMPLATE_TEST_CASE("Structured rotation: documented draws, explicit product, ort
       const double nx = norm_l(x.row(i));
       for (Index b = 0; b < c.blocks; ++b) {
         const auto yb = y.row(i).segment(b * p, p);
-        CHECK(double((yb.template cast<long double>() - expected.row(i).segment(b * p, p)).norm()) <= per_unit * nx);
+        CHECK(
+            double((yb.template cast<long double>() - expected.row(i).segment(b * p, p)).norm()) <=
+            per_unit * nx);
         CHECK(std::abs(norm_l(yb) - nx) <= per_unit * nx);
       }
     }
@@ -319,9 +328,12 @@ TEMPLATE_TEST_CASE("Structured rotation: documented draws, explicit product, ort
   RowMatrix<Scalar> too_wide(4, 17);
   CHECK_THROWS_AS(rot.apply(RowMatrix<Scalar>::Zero(4, 6), too_wide), std::invalid_argument);
   RowMatrix<Scalar> block_out(4, 8);
-  CHECK_THROWS_AS(rot.apply_block(RowMatrix<Scalar>::Zero(4, 6), 2, block_out), std::invalid_argument);
-  CHECK_THROWS_AS(rot.apply(RowMatrix<Scalar>::Zero(4, 6), Vector<Scalar>::Ones(3), out), std::invalid_argument);
+  CHECK_THROWS_AS(rot.apply_block(RowMatrix<Scalar>::Zero(4, 6), 2, block_out),
+                  std::invalid_argument);
+  CHECK_THROWS_AS(rot.apply(RowMatrix<Scalar>::Zero(4, 6), Vector<Scalar>::Ones(3), out),
+                  std::invalid_argument);
   CHECK_THROWS_AS(StructuredRotation<Scalar>(0, 1, Philox(1)), std::invalid_argument);
   CHECK_THROWS_AS(StructuredRotation<Scalar>(4, 0, Philox(1)), std::invalid_argument);
-  CHECK_THROWS_AS(StructuredRotation<Scalar>(4, 1, Philox(1), SignIndexing::by_diagonal, 0), std::invalid_argument);
+  CHECK_THROWS_AS(StructuredRotation<Scalar>(4, 1, Philox(1), SignIndexing::by_diagonal, 0),
+                  std::invalid_argument);
 }

@@ -37,15 +37,16 @@ void check_concurrent_calls(F f) {
   const auto reference = f();
   std::vector<decltype(f())> results(3);
   std::vector<std::thread> threads;
-  for (std::size_t t = 0; t < results.size(); ++t) threads.emplace_back([&, t] { results[t] = f(); });
+  for (std::size_t t = 0; t < results.size(); ++t)
+    threads.emplace_back([&, t] { results[t] = f(); });
   for (std::thread& t : threads) t.join();
   for (const auto& r : results) CHECK(r == reference);
 }
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("robustness: hybrid maps and LSH stay finite for norms up to 20", "[robustness][edge]", float,
-                   double) {
+TEMPLATE_TEST_CASE("robustness: hybrid maps and LSH stay finite for norms up to 20",
+                   "[robustness][edge]", float, double) {
   using Scalar = TestType;
   const Index n = 160, d = 16, dv = 3;
   const RowMatrix<Scalar> q = testing::rows_with_norms<Scalar>(1, norms_up_to_20(2, n), d),
@@ -60,8 +61,9 @@ TEMPLATE_TEST_CASE("robustness: hybrid maps and LSH stay finite for norms up to 
     CHECK(randattn::random_feature_attention(angular, q, k, v, opt).allFinite());
     CHECK(randattn::random_feature_attention(gaussian, q, k, v, opt).allFinite());
     // Clipped estimates are nonnegative weights: convex combinations of v (or zero rows).
-    for (const RowMatrix<Scalar>& o : {randattn::random_feature_attention_clipped(angular, q, k, v, opt),
-                                       randattn::random_feature_attention_clipped(gaussian, q, k, v, opt)}) {
+    for (const RowMatrix<Scalar>& o :
+         {randattn::random_feature_attention_clipped(angular, q, k, v, opt),
+          randattn::random_feature_attention_clipped(gaussian, q, k, v, opt)}) {
       REQUIRE(o.allFinite());
       CHECK(testing::within_value_ranges(o, v));
     }
@@ -84,17 +86,19 @@ TEMPLATE_TEST_CASE("robustness: hybrid maps and LSH stay finite for norms up to 
   }
 }
 
-TEMPLATE_TEST_CASE("robustness: objects shared between threads give identical results", "[robustness][threads]",
-                   float, double) {
+TEMPLATE_TEST_CASE("robustness: objects shared between threads give identical results",
+                   "[robustness][threads]", float, double) {
   using Scalar = TestType;
   const Index n = 300, d = 16, dv = 4;
-  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(11, n, d, 0.4), k = testing::gaussian<Scalar>(12, n, d, 0.4),
+  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(11, n, d, 0.4),
+                          k = testing::gaussian<Scalar>(12, n, d, 0.4),
                           v = testing::gaussian<Scalar>(13, n, dv);
   RandomFeatureOptions causal;
   causal.causal = true;
   const PositiveFeatures<Scalar> favor(OrthogonalProjection<Scalar>(64, d, 14));
   const auto hybrid = randattn::angular_hybrid<Scalar>(8, 2, d, 15);
-  check_concurrent_calls([&] { return randattn::random_feature_attention(favor, q, k, v, causal); });
+  check_concurrent_calls(
+      [&] { return randattn::random_feature_attention(favor, q, k, v, causal); });
   check_concurrent_calls([&] { return randattn::random_feature_attention(hybrid, q, k, v); });
   check_concurrent_calls([&] { return randattn::exact_attention(q, k, v); });
 
@@ -120,10 +124,12 @@ TEMPLATE_TEST_CASE("robustness: objects shared between threads give identical re
   check_concurrent_calls([&] { return randattn::sketched_hosvd(tensor, {3, 3}, sopt).factors; });
 }
 
-TEMPLATE_TEST_CASE("robustness: reuse across calls, decoder reset and redraw", "[robustness][edge]", float, double) {
+TEMPLATE_TEST_CASE("robustness: reuse across calls, decoder reset and redraw", "[robustness][edge]",
+                   float, double) {
   using Scalar = TestType;
   const Index n = 64, d = 8, dv = 3;
-  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(21, n, d, 0.5), k = testing::gaussian<Scalar>(22, n, d, 0.5),
+  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(21, n, d, 0.5),
+                          k = testing::gaussian<Scalar>(22, n, d, 0.5),
                           v = testing::gaussian<Scalar>(23, n, dv);
   PositiveFeatures<Scalar> map(OrthogonalProjection<Scalar>(32, d, 24));
   const RowMatrix<Scalar> first = randattn::random_feature_attention(map, q, k, v);
@@ -147,8 +153,8 @@ TEMPLATE_TEST_CASE("robustness: reuse across calls, decoder reset and redraw", "
   CHECK(decoder.length() == n);
 }
 
-TEMPLATE_TEST_CASE("robustness: unit-size inputs of the sketching entry points", "[robustness][edge]", float,
-                   double) {
+TEMPLATE_TEST_CASE("robustness: unit-size inputs of the sketching entry points",
+                   "[robustness][edge]", float, double) {
   using Scalar = TestType;
   // A 1 x 1 tensor: its single entry is the whole norm, so it is kept exactly.
   const Vector<Scalar> one = Vector<Scalar>::Constant(1, Scalar(-2.5));
@@ -165,7 +171,9 @@ TEMPLATE_TEST_CASE("robustness: unit-size inputs of the sketching entry points",
   // Sparse-score attention: no query gives an empty result; one token attends to itself.
   randattn::SparseScoreOptions so;
   so.budget = 4;
-  const RowMatrix<Scalar> x = testing::gaussian<Scalar>(32, 1, 5), vx = testing::gaussian<Scalar>(33, 1, 2);
+  const RowMatrix<Scalar> x = testing::gaussian<Scalar>(32, 1, 5),
+                          vx = testing::gaussian<Scalar>(33, 1, 2);
   CHECK(randattn::sparse_score_attention(RowMatrix<Scalar>(0, 5), x, vx, so).rows() == 0);
-  CHECK(testing::rel_error(randattn::sparse_score_attention(x, x, vx, so), vx) < testing::tolerance<Scalar>());
+  CHECK(testing::rel_error(randattn::sparse_score_attention(x, x, vx, so), vx) <
+        testing::tolerance<Scalar>());
 }

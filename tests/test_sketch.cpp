@@ -27,7 +27,8 @@ namespace {
 // Test tensor with entries in all three regimes of Algorithm 1: a low-rank signal, noise and a
 // few spikes.
 template <typename Scalar>
-randattn::SyntheticTensor<Scalar> mixed_tensor(std::vector<Index> dims, std::uint64_t seed, Index spikes = 3) {
+randattn::SyntheticTensor<Scalar> mixed_tensor(std::vector<Index> dims, std::uint64_t seed,
+                                               Index spikes = 3) {
   randattn::SyntheticOptions opt;
   opt.noise = 0.5;
   opt.spikes = spikes;
@@ -35,7 +36,8 @@ randattn::SyntheticTensor<Scalar> mixed_tensor(std::vector<Index> dims, std::uin
   return randattn::low_rank_plus_noise<Scalar>(dims, std::vector<Index>(dims.size(), 2), opt, seed);
 }
 
-SparsifyOptions options(double budget, std::uint64_t seed = 1, SparsifyScheme scheme = SparsifyScheme::spa) {
+SparsifyOptions options(double budget, std::uint64_t seed = 1,
+                        SparsifyScheme scheme = SparsifyScheme::spa) {
   SparsifyOptions opt;
   opt.budget = budget;
   opt.seed = seed;
@@ -52,7 +54,8 @@ std::vector<double> spa_probabilities(const Vector<Scalar>& a, double budget) {
   std::vector<double> p(std::size_t(a.size()));
   for (Index i = 0; i < a.size(); ++i) {
     const double x = double(a(i));
-    p[std::size_t(i)] = x == 0 ? 0 : std::min(1.0, std::max(budget * x * x / fro2, budget / double(a.size())));
+    p[std::size_t(i)] =
+        x == 0 ? 0 : std::min(1.0, std::max(budget * x * x / fro2, budget / double(a.size())));
   }
   return p;
 }
@@ -60,8 +63,10 @@ std::vector<double> spa_probabilities(const Vector<Scalar>& a, double budget) {
 template <typename Scalar>
 bool same_sketch(const randattn::SparseSketch<Scalar>& x, const randattn::SparseSketch<Scalar>& y) {
   return x.dims() == y.dims() && x.indices() == y.indices() && x.nnz() == y.nnz() &&
-         std::memcmp(x.values().data(), y.values().data(), sizeof(Scalar) * std::size_t(x.nnz())) == 0 &&
-         x.stats.expected_nnz == y.stats.expected_nnz && x.stats.frobenius_norm == y.stats.frobenius_norm;
+         std::memcmp(x.values().data(), y.values().data(), sizeof(Scalar) * std::size_t(x.nnz())) ==
+             0 &&
+         x.stats.expected_nnz == y.stats.expected_nnz &&
+         x.stats.frobenius_norm == y.stats.frobenius_norm;
 }
 
 // Moments of one sketched entry X = (a / p) B, B ~ Bernoulli(p): mean a, variance
@@ -115,7 +120,8 @@ TEMPLATE_TEST_CASE("sketch: every tensor layout gives the same sketch", "[sketch
   Eigen::Tensor<S, 3, Eigen::ColMajor> col_major(4, 5, 6);
   for (Index i = 0; i < 4; ++i)
     for (Index j = 0; j < 5; ++j)
-      for (Index k = 0; k < 6; ++k) row_major(i, j, k) = col_major(i, j, k) = t.data((i * 5 + j) * 6 + k);
+      for (Index k = 0; k < 6; ++k)
+        row_major(i, j, k) = col_major(i, j, k) = t.data((i * 5 + j) * 6 + k);
   const Eigen::TensorMap<const Eigen::Tensor<S, 3, Eigen::RowMajor>> map(t.data.data(), 4, 5, 6);
   CHECK(same_sketch(ref, randattn::sparsify(row_major, opt)));
   CHECK(same_sketch(ref, randattn::sparsify(col_major, opt)));
@@ -124,20 +130,24 @@ TEMPLATE_TEST_CASE("sketch: every tensor layout gives the same sketch", "[sketch
   // Strided: the same tensor inside a larger buffer (every entry followed by a gap).
   std::vector<S> gapped(std::size_t(2 * t.data.size()), S(99));
   for (Index i = 0; i < t.data.size(); ++i) gapped[std::size_t(2 * i)] = t.data(i);
-  CHECK(same_sketch(ref, randattn::sparsify(randattn::TensorView<S>(gapped.data(), {4, 5, 6}, {60, 12, 2}), opt)));
+  CHECK(same_sketch(ref, randattn::sparsify(
+                             randattn::TensorView<S>(gapped.data(), {4, 5, 6}, {60, 12, 2}), opt)));
 
   // Order 2 from Eigen matrices of either storage order, a Map and a block.
   const RowMatrix<S> m = testing::gaussian<S>(5, 9, 11);
   const Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic> cm = m;
   const auto mref = randattn::sparsify(m, opt);
   CHECK(same_sketch(mref, randattn::sparsify(cm, opt)));
-  CHECK(same_sketch(mref, randattn::sparsify(Eigen::Map<const RowMatrix<S>>(m.data(), 9, 11), opt)));
+  CHECK(
+      same_sketch(mref, randattn::sparsify(Eigen::Map<const RowMatrix<S>>(m.data(), 9, 11), opt)));
   const RowMatrix<S> big = testing::gaussian<S>(6, 12, 15);
   const RowMatrix<S> inner = big.block(2, 3, 9, 11);
-  CHECK(same_sketch(randattn::sparsify(inner, opt), randattn::sparsify(big.block(2, 3, 9, 11), opt)));
+  CHECK(
+      same_sketch(randattn::sparsify(inner, opt), randattn::sparsify(big.block(2, 3, 9, 11), opt)));
 }
 
-TEMPLATE_TEST_CASE("sketch: Algorithm 1 probabilities, values and thresholds", "[sketch]", float, double) {
+TEMPLATE_TEST_CASE("sketch: Algorithm 1 probabilities, values and thresholds", "[sketch]", float,
+                   double) {
   using S = TestType;
   const auto t = mixed_tensor<S>({6, 7, 8}, 11);
   const double n = 60;
@@ -162,7 +172,8 @@ TEMPLATE_TEST_CASE("sketch: Algorithm 1 probabilities, values and thresholds", "
       CHECK(stored);
     }
     if (stored) {
-      CHECK(double(sk.values()[e]) == Approx(double(t.data(i)) / pi).epsilon(testing::tolerance<S>()));
+      CHECK(double(sk.values()[e]) ==
+            Approx(double(t.data(i)) / pi).epsilon(testing::tolerance<S>()));
       ++e;
     }
   }
@@ -202,8 +213,8 @@ TEST_CASE("sketch: sixteen-lane Philox equals the scalar blocks", "[sketch]") {
   }
 }
 
-TEMPLATE_TEST_CASE("sketch: entry omega is kept when (r + v) / 256 < p, with the documented draws", "[sketch]",
-                   float, double) {
+TEMPLATE_TEST_CASE("sketch: entry omega is kept when (r + v) / 256 < p, with the documented draws",
+                   "[sketch]", float, double) {
   using S = TestType;
   // 9240 entries: 36 full tiles of 256 and a partial one; every regime occurs at this budget, and
   // about one entry in 256 with 0 < p < 1 needs its fine draw.
@@ -220,7 +231,8 @@ TEMPLATE_TEST_CASE("sketch: entry omega is kept when (r + v) / 256 < p, with the
   for (Index omega = 0; omega < t.data.size(); ++omega) {
     const double p = sk.stats.rule.probability(double(t.data(omega)));
     const Index o = omega % 256;
-    const std::uint32_t word = rng.bits(std::uint64_t(16 * (omega / 256) + o % 16))[std::size_t(o / 64)];
+    const std::uint32_t word =
+        rng.bits(std::uint64_t(16 * (omega / 256) + o % 16))[std::size_t(o / 64)];
     const double r = double((word >> (8 * ((o / 16) % 4))) & 0xFFu), floor256 = std::floor(256 * p);
     bool keep = r < floor256;
     if (r == floor256 && p > 0) {
@@ -237,8 +249,8 @@ TEMPLATE_TEST_CASE("sketch: entry omega is kept when (r + v) / 256 < p, with the
   }
 }
 
-TEMPLATE_TEST_CASE("sketch: Algorithm 1 is unbiased (mean of many sketches)", "[sketch][statistical]", float,
-                   double) {
+TEMPLATE_TEST_CASE("sketch: Algorithm 1 is unbiased (mean of many sketches)",
+                   "[sketch][statistical]", float, double) {
   using S = TestType;
   // 120 entries, budget 30: large entries kept, moderate ones a^2-sampled, small ones uniform.
   const auto t = mixed_tensor<S>({6, 5, 4}, 21, 2);
@@ -248,7 +260,8 @@ TEMPLATE_TEST_CASE("sketch: Algorithm 1 is unbiased (mean of many sketches)", "[
   Eigen::VectorXd sum = Eigen::VectorXd::Zero(t.data.size());
   for (int r = 0; r < draws; ++r) {
     const auto sk = randattn::sparsify(t.view(), options(n, 1000 + std::uint64_t(r)));
-    for (Index e = 0; e < sk.nnz(); ++e) sum(sk.indices()[std::size_t(e)]) += double(sk.values()[std::size_t(e)]);
+    for (Index e = 0; e < sk.nnz(); ++e)
+      sum(sk.indices()[std::size_t(e)]) += double(sk.values()[std::size_t(e)]);
   }
   const Eigen::VectorXd mean = sum / draws;
   ChiSquare entries, slices;
@@ -286,8 +299,8 @@ TEMPLATE_TEST_CASE("sketch: Algorithm 1 is unbiased (mean of many sketches)", "[
   CHECK(slices.passes());
 }
 
-TEMPLATE_TEST_CASE("sketch: E[nnz] <= 2n and the realised nnz lies in a Chernoff band", "[sketch][statistical]",
-                   float, double) {
+TEMPLATE_TEST_CASE("sketch: E[nnz] <= 2n and the realised nnz lies in a Chernoff band",
+                   "[sketch][statistical]", float, double) {
   using S = TestType;
   const auto t = mixed_tensor<S>({30, 40, 50}, 31, 10);
   for (double n : {300.0, 3000.0}) {
@@ -295,8 +308,8 @@ TEMPLATE_TEST_CASE("sketch: E[nnz] <= 2n and the realised nnz lies in a Chernoff
     const double mu = std::accumulate(p.begin(), p.end(), 0.0);
     CHECK(mu <= 2 * n);
     CHECK(mu >= n * 0.5);
-    // nnz is a sum of independent Bernoulli(p_i): P(|nnz - mu| >= delta mu) <= 2 exp(-delta^2 mu / 3)
-    // for delta <= 1. delta below makes that 1e-6 per check (40 checks: 4e-5 in all).
+    // nnz is a sum of independent Bernoulli(p_i): P(|nnz - mu| >= delta mu) <= 2 exp(-delta^2 mu /
+    // 3) for delta <= 1. delta below makes that 1e-6 per check (40 checks: 4e-5 in all).
     const double delta = std::sqrt(3 * std::log(2 / 1e-6) / mu);
     REQUIRE(delta <= 1);
     for (std::uint64_t seed = 1; seed <= 20; ++seed) {
@@ -308,8 +321,9 @@ TEMPLATE_TEST_CASE("sketch: E[nnz] <= 2n and the realised nnz lies in a Chernoff
   }
 }
 
-TEMPLATE_TEST_CASE("sketch: the same seed gives the identical sketch in memory, streamed, on 1 or 2 threads",
-                   "[sketch][threads]", float, double) {
+TEMPLATE_TEST_CASE(
+    "sketch: the same seed gives the identical sketch in memory, streamed, on 1 or 2 threads",
+    "[sketch][threads]", float, double) {
   using S = TestType;
   // 120000 entries: several chunks of 32768, so the parallel path splits the work.
   const auto t = mixed_tensor<S>({40, 50, 60}, 41, 20);
@@ -327,8 +341,10 @@ TEMPLATE_TEST_CASE("sketch: the same seed gives the identical sketch in memory, 
     for (int pass = 0; pass < 2; ++pass) {
       for (Index pos = 0, b = 0; pos < D; ++b) {
         const Index len = std::min(next_block(b + pass * 1000003), D - pos);
-        if (pass == 0) s.add_norm_block(t.data.data() + pos, len);
-        else s.add_sample_block(t.data.data() + pos, len);
+        if (pass == 0)
+          s.add_norm_block(t.data.data() + pos, len);
+        else
+          s.add_sample_block(t.data.data() + pos, len);
         pos += len;
       }
     }
@@ -340,7 +356,8 @@ TEMPLATE_TEST_CASE("sketch: the same seed gives the identical sketch in memory, 
   }
   // Irregular block sizes, different in the two passes.
   const randattn::Philox sizes(5);
-  CHECK(same_sketch(one, streamed([&](Index b) { return Index(1 + sizes.bits(std::uint64_t(b))[0] % 9000); })));
+  CHECK(same_sketch(
+      one, streamed([&](Index b) { return Index(1 + sizes.bits(std::uint64_t(b))[0] % 9000); })));
 
   // Other seeds and streams give other sketches.
   SparsifyOptions other = opt;
@@ -351,7 +368,8 @@ TEMPLATE_TEST_CASE("sketch: the same seed gives the identical sketch in memory, 
   CHECK_FALSE(same_sketch(one, randattn::sparsify(t.view(), other)));
 }
 
-TEMPLATE_TEST_CASE("sketch: mode-j matricisation, coordinates and densify", "[sketch]", float, double) {
+TEMPLATE_TEST_CASE("sketch: mode-j matricisation, coordinates and densify", "[sketch]", float,
+                   double) {
   using S = TestType;
   const std::vector<Index> dims{2, 3, 4};
   Vector<S> a(24);
@@ -417,7 +435,8 @@ TEMPLATE_TEST_CASE("sketch: baselines at matched expected nnz", "[sketch]", floa
     for (Index e = 0; e < b.nnz(); ++e) {
       const double a = double(t.data(b.indices()[std::size_t(e)]));
       CHECK(std::abs(a) >= rule.cutoff);
-      CHECK(double(b.values()[std::size_t(e)]) == Approx(a / rule.probability(a)).epsilon(testing::tolerance<S>()));
+      CHECK(double(b.values()[std::size_t(e)]) ==
+            Approx(a / rule.probability(a)).epsilon(testing::tolerance<S>()));
     }
     if (scheme == SparsifyScheme::uniform) {
       CHECK(rule.scale == 0);
@@ -431,12 +450,13 @@ TEMPLATE_TEST_CASE("sketch: baselines at matched expected nnz", "[sketch]", floa
   // above the noise level most entries are never kept.
   const auto ndt = randattn::sparsify(t.view(), options(n, 3, SparsifyScheme::ndt));
   Index zeroed = 0;
-  for (Index i = 0; i < t.data.size(); ++i) zeroed += std::abs(double(t.data(i))) < ndt.stats.rule.cutoff;
+  for (Index i = 0; i < t.data.size(); ++i)
+    zeroed += std::abs(double(t.data(i))) < ndt.stats.rule.cutoff;
   CHECK(zeroed > t.data.size() / 2);
 }
 
-TEMPLATE_TEST_CASE("sketch: Algorithm 1 beats NDT-style and uniform sampling at matched nnz", "[sketch][statistical]",
-                   float, double) {
+TEMPLATE_TEST_CASE("sketch: Algorithm 1 beats NDT-style and uniform sampling at matched nnz",
+                   "[sketch][statistical]", float, double) {
   using S = TestType;
   // Order 3, d = 64, Tucker rank 3, noise 0.3, at budgets D/30 and D/10 (relative errors 0.1 to
   // 0.5, the useful range), mean of 3 draws. The spectral norms are power-method estimates.
@@ -464,14 +484,16 @@ TEMPLATE_TEST_CASE("sketch: Algorithm 1 beats NDT-style and uniform sampling at 
     const randattn::SpectralNormEstimate norm = randattn::spectral_norm(t.view(), est);
     for (double fraction : {1.0 / 30, 1.0 / 10}) {
       double err[3] = {0, 0, 0};
-      const SparsifyScheme schemes[3] = {SparsifyScheme::spa, SparsifyScheme::ndt, SparsifyScheme::uniform};
+      const SparsifyScheme schemes[3] = {SparsifyScheme::spa, SparsifyScheme::ndt,
+                                         SparsifyScheme::uniform};
       for (int s = 0; s < 3; ++s) {
         for (std::uint64_t seed = 1; seed <= 3; ++seed) {
           const auto sk = randattn::sparsify(t.view(), options(fraction * D, seed, schemes[s]));
           err[s] += randattn::sketch_error(t.view(), sk, est, norm).relative_spectral / 3;
         }
       }
-      INFO(c.name << ", n = D * " << fraction << ": spa " << err[0] << ", ndt " << err[1] << ", uniform " << err[2]);
+      INFO(c.name << ", n = D * " << fraction << ": spa " << err[0] << ", ndt " << err[1]
+                  << ", uniform " << err[2]);
       CHECK(err[0] < 0.5);
       CHECK(err[0] <= err[1]);
       CHECK(err[0] <= err[2]);
@@ -479,7 +501,8 @@ TEMPLATE_TEST_CASE("sketch: Algorithm 1 beats NDT-style and uniform sampling at 
   }
 }
 
-TEMPLATE_TEST_CASE("sketch: exact HOSVD matches the SVD of the unfoldings", "[sketch][hosvd]", float, double) {
+TEMPLATE_TEST_CASE("sketch: exact HOSVD matches the SVD of the unfoldings", "[sketch][hosvd]",
+                   float, double) {
   using S = TestType;
   const auto t = mixed_tensor<S>({5, 6, 7}, 61);
   const std::vector<Index> ranks{2, 3, 4};
@@ -493,22 +516,26 @@ TEMPLATE_TEST_CASE("sketch: exact HOSVD matches the SVD of the unfoldings", "[sk
     CHECK(u.rows() == t.dims[std::size_t(j)]);
     CHECK(u.cols() == r);
     const Eigen::MatrixXd ud = u.template cast<double>();
-    CHECK((ud.transpose() * ud - Eigen::MatrixXd::Identity(r, r)).norm() < 100 * testing::tolerance<S>());
-    CHECK(randattn::sin_theta_distance(svd.matrixU().leftCols(r), ud) < 1000 * testing::tolerance<S>());
+    CHECK((ud.transpose() * ud - Eigen::MatrixXd::Identity(r, r)).norm() <
+          100 * testing::tolerance<S>());
+    CHECK(randattn::sin_theta_distance(svd.matrixU().leftCols(r), ud) <
+          1000 * testing::tolerance<S>());
     for (Index i = 0; i < r; ++i) {
       CHECK(double(h.eigenvalues[std::size_t(j)](i)) ==
-            Approx(svd.singularValues()(i) * svd.singularValues()(i)).epsilon(100 * testing::tolerance<S>()));
+            Approx(svd.singularValues()(i) * svd.singularValues()(i))
+                .epsilon(100 * testing::tolerance<S>()));
     }
   }
   // Full budget: both sketches equal A, so N_j = M_j M_j^T and the subspaces agree with exact.
   const auto s = randattn::sketched_hosvd(t.view(), ranks, options(1e9, 4));
   CHECK(s.nnz[0] == t.data.size());
   for (std::size_t j = 0; j < 3; ++j)
-    CHECK(randattn::sin_theta_distance(h.factors[j], s.factors[j]) < 1000 * testing::tolerance<S>());
+    CHECK(randattn::sin_theta_distance(h.factors[j], s.factors[j]) <
+          1000 * testing::tolerance<S>());
 }
 
-TEMPLATE_TEST_CASE("sketch: sketched HOSVD approaches the exact subspaces as the budget grows", "[sketch][hosvd]",
-                   float, double) {
+TEMPLATE_TEST_CASE("sketch: sketched HOSVD approaches the exact subspaces as the budget grows",
+                   "[sketch][hosvd]", float, double) {
   using S = TestType;
   // Order 3, d = 100, Tucker rank 3, noise 0.3; worst mode's sin-Theta, mean of 3 seeds.
   randattn::SyntheticOptions so;
@@ -517,14 +544,16 @@ TEMPLATE_TEST_CASE("sketch: sketched HOSVD approaches the exact subspaces as the
   const std::vector<Index> ranks{3, 3, 3};
   const auto exact = randattn::exact_hosvd(t.view(), ranks);
   // The exact subspaces are close to the planted ones at this noise level.
-  for (std::size_t j = 0; j < 3; ++j) CHECK(randattn::sin_theta_distance(t.factors[j], exact.factors[j]) < 0.2);
+  for (std::size_t j = 0; j < 3; ++j)
+    CHECK(randattn::sin_theta_distance(t.factors[j], exact.factors[j]) < 0.2);
   double previous = 2;
   for (double n : {1e4, 3e4, 1e5, 3e5}) {
     double worst = 0;
     for (std::uint64_t seed = 1; seed <= 3; ++seed) {
       const auto h = randattn::sketched_hosvd(t.view(), ranks, options(n, seed));
       double w = 0;
-      for (std::size_t j = 0; j < 3; ++j) w = std::max(w, randattn::sin_theta_distance(exact.factors[j], h.factors[j]));
+      for (std::size_t j = 0; j < 3; ++j)
+        w = std::max(w, randattn::sin_theta_distance(exact.factors[j], h.factors[j]));
       worst += w / 3;
     }
     INFO("budget " << n << ": sin-theta " << worst);
@@ -534,13 +563,15 @@ TEMPLATE_TEST_CASE("sketch: sketched HOSVD approaches the exact subspaces as the
   CHECK(previous < 0.1);
 }
 
-TEMPLATE_TEST_CASE("sketch: spectral norm estimate and sin-theta distance", "[sketch]", float, double) {
+TEMPLATE_TEST_CASE("sketch: spectral norm estimate and sin-theta distance", "[sketch]", float,
+                   double) {
   using S = TestType;
   // Order 2: exact, equal to the largest singular value.
   const RowMatrix<S> m = testing::gaussian<S>(71, 13, 8);
   const auto e2 = randattn::spectral_norm(m);
   CHECK(e2.exact);
-  const double sigma = Eigen::JacobiSVD<Eigen::MatrixXd>(m.template cast<double>()).singularValues()(0);
+  const double sigma =
+      Eigen::JacobiSVD<Eigen::MatrixXd>(m.template cast<double>()).singularValues()(0);
   CHECK(e2.lower == Approx(sigma).epsilon(100 * testing::tolerance<S>()));
   CHECK(e2.upper == e2.lower);
 
@@ -556,7 +587,8 @@ TEMPLATE_TEST_CASE("sketch: spectral norm estimate and sin-theta distance", "[sk
   CHECK(ed.upper == Approx(3).epsilon(1e-5));
 
   // Rank one a o b o c: lower = upper = |a| |b| |c|.
-  const Vector<S> a = testing::gaussian<S>(72, 5, 1).col(0), b = testing::gaussian<S>(73, 6, 1).col(0),
+  const Vector<S> a = testing::gaussian<S>(72, 5, 1).col(0),
+                  b = testing::gaussian<S>(73, 6, 1).col(0),
                   c = testing::gaussian<S>(74, 7, 1).col(0);
   Vector<S> r1(5 * 6 * 7);
   for (Index i = 0; i < 5; ++i)
@@ -586,20 +618,22 @@ TEMPLATE_TEST_CASE("sketch: spectral norm estimate and sin-theta distance", "[sk
   CHECK(randattn::sin_theta_distance(v, plane) == Approx(1).epsilon(1e-14));
 }
 
-TEMPLATE_TEST_CASE("sketch: sparse-score attention through the softmax accumulator", "[sketch][attention]", float,
-                   double) {
+TEMPLATE_TEST_CASE("sketch: sparse-score attention through the softmax accumulator",
+                   "[sketch][attention]", float, double) {
   using S = TestType;
   const RowMatrix<S> q = testing::gaussian<S>(81, 37, 8), k = testing::gaussian<S>(82, 45, 8),
                      v = testing::gaussian<S>(83, 45, 5);
   randattn::SparseScoreOptions opt;
   opt.budget = 1e9;  // keeps every score: exact attention up to rounding
   for (bool causal : {false, true}) {
-    const RowMatrix<S> kk = causal ? RowMatrix<S>(k.topRows(37)) : k, vv = causal ? RowMatrix<S>(v.topRows(37)) : v;
+    const RowMatrix<S> kk = causal ? RowMatrix<S>(k.topRows(37)) : k,
+                       vv = causal ? RowMatrix<S>(v.topRows(37)) : v;
     opt.causal = causal;
     randattn::ExactOptions eo;
     eo.causal = causal;
     const RowMatrix<S> exact = randattn::naive_attention(q, kk, vv, eo);
-    CHECK(testing::rel_error(randattn::sparse_score_attention(q, kk, vv, opt), exact) < 100 * testing::tolerance<S>());
+    CHECK(testing::rel_error(randattn::sparse_score_attention(q, kk, vv, opt), exact) <
+          100 * testing::tolerance<S>());
   }
   opt.causal = false;
 
@@ -615,7 +649,8 @@ TEMPLATE_TEST_CASE("sketch: sparse-score attention through the softmax accumulat
   const RowMatrix<S> dense = Eigen::Map<const RowMatrix<S>>(randattn::densify(w).data(), 37, 45);
   RowMatrix<S> ve(45, 6);
   ve << v, RowMatrix<S>::Ones(45, 1);
-  CHECK(testing::rel_error(res.accumulator.numden(), RowMatrix<S>(dense * ve)) < 10 * testing::tolerance<S>());
+  CHECK(testing::rel_error(res.accumulator.numden(), RowMatrix<S>(dense * ve)) <
+        10 * testing::tolerance<S>());
   // Block size does not change the sketch beyond the rounding of the score products.
   opt.block_size = 5;
   const auto res5 = randattn::sparse_score_attention_accumulate<S>(q, k, v, opt);
@@ -624,12 +659,16 @@ TEMPLATE_TEST_CASE("sketch: sparse-score attention through the softmax accumulat
   // Unbiased [num | den]: the mean over draws of the denominators (row sums of W_hat) against
   // the row sums of W = exp(s - c), chi-square-style as for the tensor entries.
   const double scale = 1 / std::sqrt(8.0);
-  const Eigen::MatrixXd logits = scale * q.template cast<double>() * k.template cast<double>().transpose();
+  const Eigen::MatrixXd logits =
+      scale * q.template cast<double>() * k.template cast<double>().transpose();
   const int draws = 400;
   Eigen::MatrixXd mean = Eigen::MatrixXd::Zero(37, 6);
   for (int r = 0; r < draws; ++r) {
     opt.seed = 100 + std::uint64_t(r);
-    mean += randattn::sparse_score_attention_accumulate<S>(q, k, v, opt).accumulator.numden().template cast<double>() / draws;
+    mean += randattn::sparse_score_attention_accumulate<S>(q, k, v, opt)
+                .accumulator.numden()
+                .template cast<double>() /
+            draws;
   }
   ChiSquare den;
   for (Index i = 0; i < 37; ++i) {
@@ -642,16 +681,18 @@ TEMPLATE_TEST_CASE("sketch: sparse-score attention through the softmax accumulat
     }
     den.add(mean(i, 5), truth, c, draws);
   }
-  INFO("sum z^2 = " << den.sum_z2 << ", expected " << den.expected << " +- " << 4 * std::sqrt(den.variance));
+  INFO("sum z^2 = " << den.sum_z2 << ", expected " << den.expected << " +- "
+                    << 4 * std::sqrt(den.variance));
   CHECK(den.passes());
 }
 
-TEMPLATE_TEST_CASE("sketch: invalid input throws std::invalid_argument with a clear message", "[sketch]", float,
-                   double) {
+TEMPLATE_TEST_CASE("sketch: invalid input throws std::invalid_argument with a clear message",
+                   "[sketch]", float, double) {
   using S = TestType;
   const auto t = mixed_tensor<S>({4, 5, 6}, 3);
   using Catch::Matchers::Contains;
-  CHECK_THROWS_WITH(randattn::sparsify(t.view(), options(0)), Contains("budget must be a positive"));
+  CHECK_THROWS_WITH(randattn::sparsify(t.view(), options(0)),
+                    Contains("budget must be a positive"));
   CHECK_THROWS_WITH(randattn::sparsify(t.view(), options(-3)), Contains("budget"));
   CHECK_THROWS_WITH(randattn::sparsify(t.view(), options(std::nan(""))), Contains("budget"));
   const Vector<S> zeros = Vector<S>::Zero(24);
@@ -663,20 +704,27 @@ TEMPLATE_TEST_CASE("sketch: invalid input throws std::invalid_argument with a cl
                     Contains("non-finite entry at (3, 2, 1)"));
   CHECK_THROWS_WITH(randattn::exact_hosvd(randattn::tensor_view(bad.data(), {4, 5, 6}), {1, 1, 1}),
                     Contains("non-finite"));
-  CHECK_THROWS_WITH(randattn::spectral_norm(randattn::tensor_view(bad.data(), {4, 5, 6})), Contains("non-finite"));
+  CHECK_THROWS_WITH(randattn::spectral_norm(randattn::tensor_view(bad.data(), {4, 5, 6})),
+                    Contains("non-finite"));
   CHECK_THROWS_WITH(randattn::tensor_view(t.data.data(), {120}), Contains("order k >= 2"));
-  CHECK_THROWS_AS(randattn::sparsify(randattn::tensor_view(t.data.data(), {120}), options(5)), std::invalid_argument);
+  CHECK_THROWS_AS(randattn::sparsify(randattn::tensor_view(t.data.data(), {120}), options(5)),
+                  std::invalid_argument);
   CHECK_THROWS_WITH(randattn::SparseTensor<S>({5}, {}, {}), Contains("order k >= 2"));
-  CHECK_THROWS_WITH(randattn::SparseTensor<S>({2, 2}, {3, 1}, {S(1), S(2)}), Contains("strictly increasing"));
+  CHECK_THROWS_WITH(randattn::SparseTensor<S>({2, 2}, {3, 1}, {S(1), S(2)}),
+                    Contains("strictly increasing"));
   CHECK_THROWS_WITH(randattn::parse_scheme("foo"), Contains("unknown sparsification scheme 'foo'"));
 
   // Ranks: one per mode, each in [1, d_j].
-  CHECK_THROWS_WITH(randattn::exact_hosvd(t.view(), {2, 6, 2}), Contains("rank 6 of mode 1 must be in [1, d_1] = [1, 5]"));
+  CHECK_THROWS_WITH(randattn::exact_hosvd(t.view(), {2, 6, 2}),
+                    Contains("rank 6 of mode 1 must be in [1, d_1] = [1, 5]"));
   CHECK_THROWS_WITH(randattn::exact_hosvd(t.view(), {0, 1, 1}), Contains("rank 0 of mode 0"));
-  CHECK_THROWS_WITH(randattn::exact_hosvd(t.view(), {1, 1}), Contains("2 ranks given for a tensor of order 3"));
-  CHECK_THROWS_WITH(randattn::sketched_hosvd(t.view(), {2, 2, 7}, options(10)), Contains("rank 7 of mode 2"));
+  CHECK_THROWS_WITH(randattn::exact_hosvd(t.view(), {1, 1}),
+                    Contains("2 ranks given for a tensor of order 3"));
+  CHECK_THROWS_WITH(randattn::sketched_hosvd(t.view(), {2, 2, 7}, options(10)),
+                    Contains("rank 7 of mode 2"));
   CHECK_THROWS_WITH(randattn::sketched_hosvd(t.view(), {2, 2, 2}, options(0)), Contains("budget"));
-  CHECK_THROWS_WITH(randattn::sketched_hosvd(randattn::tensor_view(zeros.data(), {2, 3, 4}), {1, 1, 1}, options(5)),
+  CHECK_THROWS_WITH(randattn::sketched_hosvd(randattn::tensor_view(zeros.data(), {2, 3, 4}),
+                                             {1, 1, 1}, options(5)),
                     Contains("all zero"));
 
   // Streaming misuse.
@@ -700,7 +748,8 @@ TEMPLATE_TEST_CASE("sketch: invalid input throws std::invalid_argument with a cl
   {
     randattn::StreamingSparsifier<S> s({4, 5, 6}, opt);
     s.add_norm_block(bad.data(), 60);
-    CHECK_THROWS_WITH(s.add_norm_block(bad.data() + 60, 60), Contains("non-finite entry at (3, 2, 1)"));
+    CHECK_THROWS_WITH(s.add_norm_block(bad.data() + 60, 60),
+                      Contains("non-finite entry at (3, 2, 1)"));
   }
   {
     randattn::StreamingSparsifier<S> s({2, 3, 4}, opt);
@@ -711,12 +760,14 @@ TEMPLATE_TEST_CASE("sketch: invalid input throws std::invalid_argument with a cl
   randattn::SpectralNormOptions so;
   so.max_iterations = 0;
   CHECK_THROWS_WITH(randattn::spectral_norm(t.view(), so), Contains("max_iterations"));
-  CHECK_THROWS_WITH(randattn::sin_theta_distance(Eigen::MatrixXd::Identity(3, 1), Eigen::MatrixXd::Identity(4, 1)),
+  CHECK_THROWS_WITH(randattn::sin_theta_distance(Eigen::MatrixXd::Identity(3, 1),
+                                                 Eigen::MatrixXd::Identity(4, 1)),
                     Contains("same number of rows"));
   const randattn::SparseTensor<S> negative({2, 3}, {1, 4}, {S(1), S(-1)});
-  CHECK_THROWS_WITH(randattn::sparse_score_accumulate(negative, RowMatrix<S>::Ones(3, 2)), Contains("nonnegative"));
-  CHECK_THROWS_WITH(randattn::sparse_score_accumulate(randattn::SparseTensor<S>({2, 3}, {1}, {S(1)}),
-                                                      RowMatrix<S>::Ones(4, 2)),
+  CHECK_THROWS_WITH(randattn::sparse_score_accumulate(negative, RowMatrix<S>::Ones(3, 2)),
+                    Contains("nonnegative"));
+  CHECK_THROWS_WITH(randattn::sparse_score_accumulate(
+                        randattn::SparseTensor<S>({2, 3}, {1}, {S(1)}), RowMatrix<S>::Ones(4, 2)),
                     Contains("v has 4 rows"));
   randattn::SparseScoreOptions sso;
   const RowMatrix<S> q = RowMatrix<S>::Ones(3, 2);

@@ -30,22 +30,29 @@ class AttentionCommand {
     std::string names;
     for (const auto& m : methods_) names += std::string(names.empty() ? "" : ", ") + m->name();
     cmd_ = app.add_subcommand("attention", "Compute attention of Q, K, V given as .npy files");
-    cmd_->add_option("--method", method_, "Attention method (" + names + ")")->capture_default_str();
-    cmd_->add_option("--q", q_path_, "Queries .npy: (n_q, d) or (batch, heads, n_q, d)")->required();
-    k_opt_ = cmd_->add_option("--k", k_path_,
-                              "Keys .npy: (n_k, d) or (batch, heads, n_k, d); methods that share queries and keys "
-                              "(lsh) use the queries when omitted");
-    cmd_->add_option("--v", v_path_, "Values .npy: (n_k, dv) or (batch, heads, n_k, dv)")->required();
-    cmd_->add_option("--out", out_path_, "Output .npy: (n_q, dv) or (batch, heads, n_q, dv), dtype of the inputs")
+    cmd_->add_option("--method", method_, "Attention method (" + names + ")")
+        ->capture_default_str();
+    cmd_->add_option("--q", q_path_, "Queries .npy: (n_q, d) or (batch, heads, n_q, d)")
         ->required();
-    cmd_->add_flag("--causal", settings_.causal, "Query i attends to keys j <= i only (needs n_q == n_k)");
+    k_opt_ = cmd_->add_option(
+        "--k", k_path_,
+        "Keys .npy: (n_k, d) or (batch, heads, n_k, d); methods that share queries and keys "
+        "(lsh) use the queries when omitted");
+    cmd_->add_option("--v", v_path_, "Values .npy: (n_k, dv) or (batch, heads, n_k, dv)")
+        ->required();
+    cmd_->add_option("--out", out_path_,
+                     "Output .npy: (n_q, dv) or (batch, heads, n_q, dv), dtype of the inputs")
+        ->required();
+    cmd_->add_flag("--causal", settings_.causal,
+                   "Query i attends to keys j <= i only (needs n_q == n_k)");
     scale_opt_ = cmd_->add_option("--scale", scale_, "Logit scale (default 1/sqrt(d))");
     threads_opt_ = cmd_->add_option("--threads", threads_, "Number of OpenMP threads");
     cmd_->add_flag("--report", report_, "Print one JSON line describing the run to stdout");
     cmd_->add_option("--seed", settings_.seed, "Seed of the method's random draws (default 0)");
-    cmd_->add_flag("--compare", compare_,
-                   "Also compute exact attention and add \"rel_error\" (relative Frobenius error) to the "
-                   "--report line (implies --report)");
+    cmd_->add_flag(
+        "--compare", compare_,
+        "Also compute exact attention and add \"rel_error\" (relative Frobenius error) to the "
+        "--report line (implies --report)");
     for (auto& m : methods_) m->add_options(*cmd_);
   }
 
@@ -54,7 +61,8 @@ class AttentionCommand {
   int run() {
     const AttentionMethod& method = prepare();
     const randattn::io::NpyArray q = load("--q", q_path_);
-    const randattn::io::NpyArray k_file = settings_.shared_qk ? randattn::io::NpyArray() : load("--k", k_path_);
+    const randattn::io::NpyArray k_file =
+        settings_.shared_qk ? randattn::io::NpyArray() : load("--k", k_path_);
     const randattn::io::NpyArray& k = settings_.shared_qk ? q : k_file;
     const randattn::io::NpyArray v = load("--v", v_path_);
     const randattn::BatchShape shape = check_shapes(info(q), info(k), info(v));
@@ -93,7 +101,8 @@ class AttentionCommand {
       settings_.scale = scale_;
     }
     if (threads_opt_->count() > 0) {
-      if (threads_ < 1) throw CliError("--threads must be at least 1, got " + std::to_string(threads_));
+      if (threads_ < 1)
+        throw CliError("--threads must be at least 1, got " + std::to_string(threads_));
 #ifdef _OPENMP
       omp_set_num_threads(threads_);
 #endif
@@ -116,8 +125,8 @@ class AttentionCommand {
   }
 
   // The --report line without the timing fields.
-  JsonObject report_json(const AttentionMethod& method, const InputInfo& q, const InputInfo& k, const InputInfo& v,
-                         const Shape& out_shape, double scale) const {
+  JsonObject report_json(const AttentionMethod& method, const InputInfo& q, const InputInfo& k,
+                         const InputInfo& v, const Shape& out_shape, double scale) const {
     JsonObject json;
     json.add("method", method.name())
         .add("dtype", randattn::io::dtype_name(q.dtype))
@@ -144,7 +153,8 @@ class AttentionCommand {
       if (m.get() == chosen) continue;
       for (const CLI::Option* opt : m->own_options())
         if (opt->count() > 0 && !chosen->owns(opt))
-          throw CliError("option " + opt->get_name() + " belongs to --method " + m->name() + ", not " + method_);
+          throw CliError("option " + opt->get_name() + " belongs to --method " + m->name() +
+                         ", not " + method_);
     }
     return *chosen;
   }
@@ -157,23 +167,28 @@ class AttentionCommand {
 #endif
   }
 
-  static randattn::io::NpyArray load(const char* flag, const std::string& path) { return read_input(flag, path); }
+  static randattn::io::NpyArray load(const char* flag, const std::string& path) {
+    return read_input(flag, path);
+  }
 
-  static randattn::BatchShape check_shapes(const InputInfo& q, const InputInfo& k, const InputInfo& v) {
+  static randattn::BatchShape check_shapes(const InputInfo& q, const InputInfo& k,
+                                           const InputInfo& v) {
     const struct {
       const char* flag;
       const InputInfo& a;
     } inputs[] = {{"--q", q}, {"--k", k}, {"--v", v}};
     for (const auto& in : inputs) {
       if (in.a.ndim() != 2 && in.a.ndim() != 4)
-        throw CliError(std::string(in.flag) + ": expected a 2-D (n, d) or 4-D (batch, heads, n, d) array, got shape " +
+        throw CliError(std::string(in.flag) +
+                       ": expected a 2-D (n, d) or 4-D (batch, heads, n, d) array, got shape " +
                        shape_str(in.a.shape));
     }
     const std::string shapes =
         "q " + shape_str(q.shape) + ", k " + shape_str(k.shape) + ", v " + shape_str(v.shape);
     if (q.dtype != k.dtype || q.dtype != v.dtype)
       throw CliError(std::string("--q, --k and --v must have the same dtype, got q ") +
-                     randattn::io::dtype_name(q.dtype) + ", k " + randattn::io::dtype_name(k.dtype) + ", v " +
+                     randattn::io::dtype_name(q.dtype) + ", k " +
+                     randattn::io::dtype_name(k.dtype) + ", v " +
                      randattn::io::dtype_name(v.dtype));
     if (q.ndim() != k.ndim() || q.ndim() != v.ndim())
       throw CliError("--q, --k and --v must have the same number of dimensions, got " + shapes);
@@ -202,9 +217,10 @@ class AttentionCommand {
 
  private:
   template <typename Scalar>
-  double compute(const AttentionMethod& method, const randattn::io::NpyArray& q, const randattn::io::NpyArray& k,
-                 const randattn::io::NpyArray& v, const randattn::BatchShape& shape, const Shape& out_shape,
-                 double scale, double& rel_error) const {
+  double compute(const AttentionMethod& method, const randattn::io::NpyArray& q,
+                 const randattn::io::NpyArray& k, const randattn::io::NpyArray& v,
+                 const randattn::BatchShape& shape, const Shape& out_shape, double scale,
+                 double& rel_error) const {
     std::uint64_t count = 1;
     for (std::int64_t dim : out_shape) {
       const auto u = static_cast<std::uint64_t>(dim);
@@ -222,10 +238,11 @@ class AttentionCommand {
     }
 
     const auto start = std::chrono::steady_clock::now();
-    method.run(q.values<Scalar>().data(), k.values<Scalar>().data(), v.values<Scalar>().data(), out.data(), shape,
-               settings_);
+    method.run(q.values<Scalar>().data(), k.values<Scalar>().data(), v.values<Scalar>().data(),
+               out.data(), shape, settings_);
     const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
-    if (compare_ && !method.own_comparison()) rel_error = compare_with_exact(q, k, v, out, shape, scale);
+    if (compare_ && !method.own_comparison())
+      rel_error = compare_with_exact(q, k, v, out, shape, scale);
 
     try {
       randattn::io::write_npy(out_path_, out.data(), out_shape);

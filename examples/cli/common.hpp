@@ -60,10 +60,14 @@ class JsonObject {
   JsonObject& add(const std::string& key, const std::string& value) {
     return raw(key, quote(value));
   }
-  JsonObject& add(const std::string& key, const char* value) { return add(key, std::string(value)); }
+  JsonObject& add(const std::string& key, const char* value) {
+    return add(key, std::string(value));
+  }
   JsonObject& add(const std::string& key, bool value) { return raw(key, value ? "true" : "false"); }
   JsonObject& add(const std::string& key, int value) { return raw(key, std::to_string(value)); }
-  JsonObject& add(const std::string& key, std::int64_t value) { return raw(key, std::to_string(value)); }
+  JsonObject& add(const std::string& key, std::int64_t value) {
+    return raw(key, std::to_string(value));
+  }
   JsonObject& add(const std::string& key, double value) {
     if (!std::isfinite(value)) return raw(key, "null");
     // Shortest "%g" representation that reads back as the same double.

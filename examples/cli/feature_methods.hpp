@@ -19,8 +19,8 @@
 
 #include <cstdint>
 #include <map>
-#include <optional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -50,38 +50,49 @@ class FeatureFlags {
     const std::string tag = "[random features] ";
     CLI::Option* opt = nullptr;
     if (name == "features") {
-      opt = cmd.add_option("--features", features, tag + "number m of random projections (default 256)")
+      opt = cmd.add_option("--features", features,
+                           tag + "number m of random projections (default 256)")
                 ->check(CLI::PositiveNumber);
     } else if (name == "projection") {
-      opt = cmd.add_option("--projection", projection,
-                           tag + "iid, orthogonal (default; Haar blocks, chi row norms) or hadamard")
-                ->check(CLI::IsMember({"iid", "orthogonal", "hadamard"}));
+      opt =
+          cmd.add_option("--projection", projection,
+                         tag + "iid, orthogonal (default; Haar blocks, chi row norms) or hadamard")
+              ->check(CLI::IsMember({"iid", "orthogonal", "hadamard"}));
     } else if (name == "lambda-features") {
-      opt = cmd.add_option("--lambda-features", lambda_features,
-                           tag + "hybrids: random features n_lambda of the weight estimator (default 16)")
+      opt = cmd.add_option(
+                   "--lambda-features", lambda_features,
+                   tag + "hybrids: random features n_lambda of the weight estimator (default 16)")
                 ->check(CLI::PositiveNumber);
     } else if (name == "bandwidth") {
-      opt = cmd.add_option("--bandwidth", bandwidth,
-                           tag + "hybrid-gaussian: bandwidth s of lambda = exp(-s^2 |x - y|^2 / 2) on "
-                                 "normalised rows (default 1)")
-                ->check(CLI::PositiveNumber);
+      opt =
+          cmd.add_option("--bandwidth", bandwidth,
+                         tag +
+                             "hybrid-gaussian: bandwidth s of lambda = exp(-s^2 |x - y|^2 / 2) on "
+                             "normalised rows (default 1)")
+              ->check(CLI::PositiveNumber);
     } else if (name == "fit") {
       opt = cmd.add_option("--fit", fit,
-                           tag + "oprf, sderf: fit the parameters to queries+keys (default; not with "
-                                 "--causal) or to given values (--rho or --calibration)")
+                           tag +
+                               "oprf, sderf: fit the parameters to queries+keys (default; not with "
+                               "--causal) or to given values (--rho or --calibration)")
                 ->check(CLI::IsMember({"queries+keys", "given"}));
     } else if (name == "rho") {
-      opt = cmd.add_option("--rho", rho,
-                           tag + "oprf, sderf with --fit given: mean of scale*|q_i + k_j|^2 over query-key "
-                                 "pairs (sderf: isotropic second moment rho/d I)")
+      opt = cmd.add_option(
+                   "--rho", rho,
+                   tag +
+                       "oprf, sderf with --fit given: mean of scale*|q_i + k_j|^2 over query-key "
+                       "pairs (sderf: isotropic second moment rho/d I)")
                 ->check(CLI::NonNegativeNumber);
     } else if (name == "calibration") {
-      opt = cmd.add_option("--calibration", calibration_path,
-                           tag + "oprf, sderf with --fit given: C.npy (r, d), rows of sample queries/keys "
-                                 "to fit to");
+      opt = cmd.add_option(
+          "--calibration", calibration_path,
+          tag +
+              "oprf, sderf with --fit given: C.npy (r, d), rows of sample queries/keys "
+              "to fit to");
     } else if (name == "omega") {
-      opt = cmd.add_option("--omega", omega_path,
-                           tag + "W.npy (m, d): use its rows as the projections omega_i (m = rows of W)");
+      opt = cmd.add_option(
+          "--omega", omega_path,
+          tag + "W.npy (m, d): use its rows as the projections omega_i (m = rows of W)");
     }
     options_[name] = opt;
     return opt;
@@ -105,8 +116,8 @@ class FeatureFlags {
         throw CliError(std::string("--omega: ") + e.what());
       }
       if (w.ndim() != 2 || w.shape[1] != d || w.shape[0] < 1)
-        throw CliError("--omega: expected an (m, " + std::to_string(d) + ") array with m >= 1, got shape " +
-                       shape_str(w.shape));
+        throw CliError("--omega: expected an (m, " + std::to_string(d) +
+                       ") array with m >= 1, got shape " + shape_str(w.shape));
       if (given("features") && w.shape[0] != features)
         throw CliError("--features " + std::to_string(features) + " disagrees with the " +
                        std::to_string(w.shape[0]) + " rows of --omega");
@@ -178,24 +189,29 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
   }
 
   template <typename Scalar>
-  void compute(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out, const randattn::BatchShape& shape,
-               const CommonSettings& settings) const {
+  void compute(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out,
+               const randattn::BatchShape& shape, const CommonSettings& settings) const {
     const SliceView<Scalar> data{q, k, shape};
-    with_map<Scalar>(shape.d, settings, &data, [&](const auto& map, const randattn::RandomFeatureOptions& opt) {
-      randattn::random_feature_attention_batched(map, q, k, v, out, shape, opt);
-    });
+    with_map<Scalar>(shape.d, settings, &data,
+                     [&](const auto& map, const randattn::RandomFeatureOptions& opt) {
+                       randattn::random_feature_attention_batched(map, q, k, v, out, shape, opt);
+                     });
   }
 
 #ifdef RANDATTN_CLI_MPI
   // Every rank draws the same map from the seed; only key summaries move.
   template <typename Scalar>
-  void compute_sharded(const Shards& shards, const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out,
-                       const randattn::BatchShape& local, const CommonSettings& settings) const {
-    with_map<Scalar>(local.d, settings, nullptr, [&](const auto& map, const randattn::RandomFeatureOptions& opt) {
-      for_each_local_slice(q, k, v, out, local, [&](const auto& qs, const auto& ks, const auto& vs, auto& os) {
-        os = randattn::mpi::random_feature_attention(shards.comm, map, qs, ks, vs, opt);
-      });
-    });
+  void compute_sharded(const Shards& shards, const Scalar* q, const Scalar* k, const Scalar* v,
+                       Scalar* out, const randattn::BatchShape& local,
+                       const CommonSettings& settings) const {
+    with_map<Scalar>(
+        local.d, settings, nullptr,
+        [&](const auto& map, const randattn::RandomFeatureOptions& opt) {
+          for_each_local_slice(
+              q, k, v, out, local, [&](const auto& qs, const auto& ks, const auto& vs, auto& os) {
+                os = randattn::mpi::random_feature_attention(shards.comm, map, qs, ks, vs, opt);
+              });
+        });
   }
 #endif
 
@@ -209,30 +225,40 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
   template <typename Map, typename = void>
   struct has_closed_form_mse : std::false_type {};
   template <typename Map>
-  struct has_closed_form_mse<Map, std::void_t<decltype(randattn::kernel_relative_mse(
-                                      std::declval<const Map&>(), Eigen::VectorXd(), Eigen::VectorXd()))>>
+  struct has_closed_form_mse<
+      Map, std::void_t<decltype(randattn::kernel_relative_mse(
+               std::declval<const Map&>(), Eigen::VectorXd(), Eigen::VectorXd()))>>
       : std::true_type {};
 
   // Rows of the fitted statistic: every (batch, heads) slice, or the calibration rows.
   template <typename Map>
-  void fit_map(Map& map, const SliceView<typename Map::Scalar>* sequence, double normaliser, bool causal) const {
+  void fit_map(Map& map, const SliceView<typename Map::Scalar>* sequence, double normaliser,
+               bool causal) const {
     using Scalar = typename Map::Scalar;
     const FeatureFlags& f = *flags_;
     if (f.fit == "queries+keys") {
       if (!sequence)
-        throw CliError("--fit queries+keys needs every query and key in one process; use --fit given with "
-                       "--rho or --calibration");
+        throw CliError(
+            "--fit queries+keys needs every query and key in one process; use --fit given with "
+            "--rho or --calibration");
       const SliceView<Scalar>& data = *sequence;
       if (causal)
-        throw CliError("--fit queries+keys would let every causal output depend on every key; use --fit given "
-                       "with --rho or --calibration");
-      if (f.given("rho") || f.given("calibration")) throw CliError("--rho and --calibration need --fit given");
-      if (data.shape.slices() == 0 || data.shape.n_q == 0) return;  // no output rows: nothing to fit
-      Family::fit(map, [&](auto statistic) {
-        auto sum = statistic(data.q(0), data.k(0));
-        for (randattn::Index s = 1; s < data.shape.slices(); ++s) sum += statistic(data.q(s), data.k(s));
-        return decltype(sum)(sum / double(data.shape.slices()));
-      }, normaliser);
+        throw CliError(
+            "--fit queries+keys would let every causal output depend on every key; use --fit given "
+            "with --rho or --calibration");
+      if (f.given("rho") || f.given("calibration"))
+        throw CliError("--rho and --calibration need --fit given");
+      if (data.shape.slices() == 0 || data.shape.n_q == 0)
+        return;  // no output rows: nothing to fit
+      Family::fit(
+          map,
+          [&](auto statistic) {
+            auto sum = statistic(data.q(0), data.k(0));
+            for (randattn::Index s = 1; s < data.shape.slices(); ++s)
+              sum += statistic(data.q(s), data.k(s));
+            return decltype(sum)(sum / double(data.shape.slices()));
+          },
+          normaliser);
       return;
     }
     if (f.given("rho") == f.given("calibration"))
@@ -263,7 +289,8 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
 
   // Mean closed-form relative kernel MSE over 1024 sampled pairs of each slice, averaged.
   template <typename Map>
-  static double predicted_rel_mse(const Map& map, const SliceView<typename Map::Scalar>& data, double normaliser) {
+  static double predicted_rel_mse(const Map& map, const SliceView<typename Map::Scalar>& data,
+                                  double normaliser) {
     double sum = 0;
     for (randattn::Index s = 0; s < data.shape.slices(); ++s)
       sum += randattn::mean_kernel_relative_mse(map, data.q(s), data.k(s), normaliser);
@@ -274,7 +301,8 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
   // `data` or to the given statistic. data == nullptr: the rows are sharded across processes, so
   // only a given statistic fits, and no predicted error is computed.
   template <typename Scalar, typename Fn>
-  void with_map(std::int64_t d, const CommonSettings& settings, const SliceView<Scalar>* data, Fn&& fn) const {
+  void with_map(std::int64_t d, const CommonSettings& settings, const SliceView<Scalar>* data,
+                Fn&& fn) const {
     randattn::RandomFeatureOptions opt;
     opt.causal = settings.causal;
     opt.scale = settings.scale;
@@ -282,7 +310,8 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
     const double normaliser = std::sqrt(settings.scale ? *settings.scale : this->default_scale(d));
     flags_->with_projection<Scalar>(d, [&](auto projection) {
       auto map = Family::template make<Scalar>(std::move(projection), *flags_, d);
-      if constexpr (is_fitted<decltype(map)>::value) fit_map(map, data, normaliser, settings.causal);
+      if constexpr (is_fitted<decltype(map)>::value)
+        fit_map(map, data, normaliser, settings.causal);
       feature_dim_ = map.feature_dim();
       if constexpr (has_closed_form_mse<decltype(map)>::value)
         if (data && settings.report && data->shape.slices() > 0 && data->shape.n_q > 0)
@@ -319,14 +348,16 @@ struct FavorHypFamily : SingleMap<randattn::HyperbolicFeatures> {
 
 struct TrigFamily : SingleMap<randattn::TrigFeatures> {
   static constexpr const char* name = "trig";
-  static constexpr const char* summary = "trigonometric random features (2m features, guarded denominator)";
+  static constexpr const char* summary =
+      "trigonometric random features (2m features, guarded denominator)";
 };
 
 // Maps fitted to a statistic of the queries and keys (see the header comment). `fit` receives
 // a callable that averages a pair statistic over the slices.
 template <template <typename, typename> class Map>
 struct FittedMap : SingleMap<Map> {
-  static constexpr const char* flags[] = {"features", "projection", "omega", "fit", "rho", "calibration"};
+  static constexpr const char* flags[] = {"features", "projection", "omega",
+                                          "fit",      "rho",        "calibration"};
   static void report(const FeatureFlags& f, JsonObject& json) {
     json.add("fit", f.fit);
     if (f.given("rho")) json.add("rho", f.rho);
@@ -336,7 +367,8 @@ struct FittedMap : SingleMap<Map> {
 
 struct OprfFamily : FittedMap<randattn::OptimalPositiveFeatures> {
   static constexpr const char* name = "oprf";
-  static constexpr const char* summary = "optimal positive random features, A fitted to the data (m features)";
+  static constexpr const char* summary =
+      "optimal positive random features, A fitted to the data (m features)";
   template <typename Map, typename Average>
   static void fit(Map& map, Average&& average, double c) {
     using Scalar = typename Map::Scalar;
@@ -347,13 +379,16 @@ struct OprfFamily : FittedMap<randattn::OptimalPositiveFeatures> {
     })(0));
   }
   template <typename Map>
-  static void set_rho(Map& map, double rho) { map.set_rho(rho); }
+  static void set_rho(Map& map, double rho) {
+    map.set_rho(rho);
+  }
 };
 
 struct SderfFamily : FittedMap<randattn::DenseExponentialFeatures> {
   static constexpr const char* name = "sderf";
   static constexpr const char* summary =
-      "symmetric dense-exponential random features, fitted to the data's second moment (m features)";
+      "symmetric dense-exponential random features, fitted to the data's second moment (m "
+      "features)";
   template <typename Map, typename Average>
   static void fit(Map& map, Average&& average, double c) {
     using Scalar = typename Map::Scalar;
@@ -381,19 +416,24 @@ struct HybridFamily {
   static constexpr const char* flags[] = {"features", "projection", "lambda-features"};
   template <typename Scalar, typename Projection>
   static randattn::HybridFeatures<Scalar> make(Projection, const FeatureFlags& f, std::int64_t d) {
-    return randattn::angular_hybrid<Scalar, DrawnProjection<Scalar, Projection>>(f.features, f.lambda_features, d, f.seed);
+    return randattn::angular_hybrid<Scalar, DrawnProjection<Scalar, Projection>>(
+        f.features, f.lambda_features, d, f.seed);
   }
-  static void report(const FeatureFlags& f, JsonObject& json) { json.add("lambda_features", f.lambda_features); }
+  static void report(const FeatureFlags& f, JsonObject& json) {
+    json.add("lambda_features", f.lambda_features);
+  }
 };
 
 struct HybridGaussianFamily {
   static constexpr const char* name = "hybrid-gaussian";
   static constexpr const char* summary =
-      "Gaussian hybrid lambda*trig + (1-lambda)*positive, lambda = exp(-s^2|x-y|^2/2) (guarded denominator)";
+      "Gaussian hybrid lambda*trig + (1-lambda)*positive, lambda = exp(-s^2|x-y|^2/2) (guarded "
+      "denominator)";
   static constexpr const char* flags[] = {"features", "projection", "lambda-features", "bandwidth"};
   template <typename Scalar, typename Projection>
   static randattn::HybridFeatures<Scalar> make(Projection, const FeatureFlags& f, std::int64_t d) {
-    return randattn::gaussian_hybrid<Scalar, DrawnProjection<Scalar, Projection>>(f.features, f.lambda_features, d, f.bandwidth, f.seed);
+    return randattn::gaussian_hybrid<Scalar, DrawnProjection<Scalar, Projection>>(
+        f.features, f.lambda_features, d, f.bandwidth, f.seed);
   }
   static void report(const FeatureFlags& f, JsonObject& json) {
     json.add("lambda_features", f.lambda_features).add("bandwidth", f.bandwidth);

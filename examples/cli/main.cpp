@@ -2,8 +2,9 @@
 //
 //   randattn-cli attention --method exact --q q.npy --k k.npy --v v.npy --out o.npy
 //                          [--causal] [--scale s] [--threads t] [--report]
-//   randattn-cli sparsify --in A.npy --budget n [--scheme spa|ndt|l2|uniform] [--seed s] --out Ahat.npy [--report]
-//   randattn-cli hosvd --in A.npy --ranks r1,r2,... [--budget n [--seed s]] --out-prefix P [--report]
+//   randattn-cli sparsify --in A.npy --budget n [--scheme spa|ndt|l2|uniform] [--seed s] --out
+//   Ahat.npy [--report] randattn-cli hosvd --in A.npy --ranks r1,r2,... [--budget n [--seed s]]
+//   --out-prefix P [--report]
 //
 // Exit codes: 0 on success (and for --help), 2 on any error, reported as one line on stderr
 // starting with "randattn-cli: error: ". Outputs are written atomically: on error no output file
@@ -38,8 +39,10 @@ int report_error(const std::string& what) {
 
 int main(int argc, char** argv) {
   try {
-    CLI::App app{"randattn command-line interface: randomized and exact attention and tensor sketching on .npy files",
-                 "randattn-cli"};
+    CLI::App app{
+        "randattn command-line interface: randomized and exact attention and tensor sketching on "
+        ".npy files",
+        "randattn-cli"};
     app.set_version_flag("--version", std::string("randattn-cli ") + RANDATTN_CLI_VERSION);
     app.require_subcommand(1);
     randattn_cli::AttentionCommand attention(app);

@@ -11,7 +11,8 @@
 //      so that they are rejected when another method is selected), default_scale() and
 //      report() (extra fields of the --report JSON line);
 //   2. append it in make_methods() below.
-// Inputs are contiguous row-major (batch, heads, n, d) buffers; the output is (batch, heads, n_q, dv).
+// Inputs are contiguous row-major (batch, heads, n, d) buffers; the output is (batch, heads, n_q,
+// dv).
 
 #include <randattn/io/npy.hpp>
 #include <randattn/randattn.hpp>
@@ -60,7 +61,9 @@ class AttentionMethod {
   virtual void add_options(CLI::App& /*cmd*/) {}
 
   // Logit scale used when --scale is not given (d = query/key feature dimension).
-  virtual double default_scale(std::int64_t d) const { return 1.0 / std::sqrt(static_cast<double>(d)); }
+  virtual double default_scale(std::int64_t d) const {
+    return 1.0 / std::sqrt(static_cast<double>(d));
+  }
 
   // True when the method adds its own "rel_error" for --compare (e.g. against a reference
   // other than plain exact attention); otherwise the command compares with exact attention.
@@ -79,10 +82,12 @@ class AttentionMethod {
 #ifdef RANDATTN_CLI_MPI
   // The same method on this rank's rows of every (batch, head) slice (randattn-mpi); `local` has
   // the local row counts, the other dimensions global.
-  virtual void run_sharded(const Shards& shards, const float* q, const float* k, const float* v, float* out,
-                           const randattn::BatchShape& local, const CommonSettings& settings) const = 0;
-  virtual void run_sharded(const Shards& shards, const double* q, const double* k, const double* v, double* out,
-                           const randattn::BatchShape& local, const CommonSettings& settings) const = 0;
+  virtual void run_sharded(const Shards& shards, const float* q, const float* k, const float* v,
+                           float* out, const randattn::BatchShape& local,
+                           const CommonSettings& settings) const = 0;
+  virtual void run_sharded(const Shards& shards, const double* q, const double* k, const double* v,
+                           double* out, const randattn::BatchShape& local,
+                           const CommonSettings& settings) const = 0;
 #endif
 
   // Options registered by add_options(); giving any of them with a method that does not own
@@ -96,14 +101,16 @@ class AttentionMethod {
 
  protected:
   template <typename T>
-  CLI::Option* add_method_option(CLI::App& cmd, const std::string& flag, T& target, const std::string& help) {
+  CLI::Option* add_method_option(CLI::App& cmd, const std::string& flag, T& target,
+                                 const std::string& help) {
     CLI::Option* opt = cmd.add_option(flag, target, std::string("[") + name() + "] " + help);
     own_options_.push_back(opt);
     return opt;
   }
   // Claims an option registered elsewhere (a flag shared by a family of methods).
   void share_option(CLI::Option* opt) { own_options_.push_back(opt); }
-  CLI::Option* add_method_flag(CLI::App& cmd, const std::string& flag, bool& target, const std::string& help) {
+  CLI::Option* add_method_flag(CLI::App& cmd, const std::string& flag, bool& target,
+                               const std::string& help) {
     CLI::Option* opt = cmd.add_flag(flag, target, std::string("[") + name() + "] " + help);
     own_options_.push_back(opt);
     return opt;
@@ -117,22 +124,25 @@ class AttentionMethod {
 template <typename Derived>
 class TypedMethod : public AttentionMethod {
  public:
-  void run(const float* q, const float* k, const float* v, float* out, const randattn::BatchShape& shape,
-           const CommonSettings& settings) const final {
+  void run(const float* q, const float* k, const float* v, float* out,
+           const randattn::BatchShape& shape, const CommonSettings& settings) const final {
     static_cast<const Derived&>(*this).template compute<float>(q, k, v, out, shape, settings);
   }
-  void run(const double* q, const double* k, const double* v, double* out, const randattn::BatchShape& shape,
-           const CommonSettings& settings) const final {
+  void run(const double* q, const double* k, const double* v, double* out,
+           const randattn::BatchShape& shape, const CommonSettings& settings) const final {
     static_cast<const Derived&>(*this).template compute<double>(q, k, v, out, shape, settings);
   }
 #ifdef RANDATTN_CLI_MPI
   void run_sharded(const Shards& shards, const float* q, const float* k, const float* v, float* out,
                    const randattn::BatchShape& local, const CommonSettings& settings) const final {
-    static_cast<const Derived&>(*this).template compute_sharded<float>(shards, q, k, v, out, local, settings);
+    static_cast<const Derived&>(*this).template compute_sharded<float>(shards, q, k, v, out, local,
+                                                                       settings);
   }
-  void run_sharded(const Shards& shards, const double* q, const double* k, const double* v, double* out,
-                   const randattn::BatchShape& local, const CommonSettings& settings) const final {
-    static_cast<const Derived&>(*this).template compute_sharded<double>(shards, q, k, v, out, local, settings);
+  void run_sharded(const Shards& shards, const double* q, const double* k, const double* v,
+                   double* out, const randattn::BatchShape& local,
+                   const CommonSettings& settings) const final {
+    static_cast<const Derived&>(*this).template compute_sharded<double>(shards, q, k, v, out, local,
+                                                                        settings);
   }
 #endif
 };
@@ -144,22 +154,24 @@ class ExactMethod final : public TypedMethod<ExactMethod> {
   const char* summary() const override { return "exact softmax attention"; }
 
   template <typename Scalar>
-  void compute(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out, const randattn::BatchShape& shape,
-               const CommonSettings& settings) const {
+  void compute(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out,
+               const randattn::BatchShape& shape, const CommonSettings& settings) const {
     randattn::exact_attention_batched(q, k, v, out, shape, options(settings));
   }
 
 #ifdef RANDATTN_CLI_MPI
   // Ring attention, in the layout chosen with --layout.
   template <typename Scalar>
-  void compute_sharded(const Shards& shards, const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out,
-                       const randattn::BatchShape& local, const CommonSettings& settings) const {
+  void compute_sharded(const Shards& shards, const Scalar* q, const Scalar* k, const Scalar* v,
+                       Scalar* out, const randattn::BatchShape& local,
+                       const CommonSettings& settings) const {
     randattn::mpi::RingOptions opt;
     static_cast<randattn::ExactOptions&>(opt) = options(settings);
     opt.layout = shards.layout;
-    for_each_local_slice(q, k, v, out, local, [&](const auto& qs, const auto& ks, const auto& vs, auto& os) {
-      os = randattn::mpi::ring_attention<Scalar>(shards.comm, qs, ks, vs, opt);
-    });
+    for_each_local_slice(q, k, v, out, local,
+                         [&](const auto& qs, const auto& ks, const auto& vs, auto& os) {
+                           os = randattn::mpi::ring_attention<Scalar>(shards.comm, qs, ks, vs, opt);
+                         });
   }
 #endif
 
@@ -180,27 +192,33 @@ inline void add_feature_methods(std::vector<std::unique_ptr<AttentionMethod>>& m
 class LshMethod final : public TypedMethod<LshMethod> {
  public:
   const char* name() const override { return "lsh"; }
-  const char* summary() const override { return "LSH attention (Reformer, cross-polytope buckets)"; }
+  const char* summary() const override {
+    return "LSH attention (Reformer, cross-polytope buckets)";
+  }
   bool keys_optional() const override { return true; }
   // Shared QK compares with exact shared-QK attention (normalised keys, self rule).
   bool own_comparison() const override { return true; }
   double default_scale(std::int64_t /*d*/) const override { return 1.0; }
 
   void add_options(CLI::App& cmd) override {
-    buckets_opt_ = add_method_option(cmd, "--buckets", buckets_, "Number of buckets b, even (default 2*ceil(n/chunk))");
+    buckets_opt_ = add_method_option(cmd, "--buckets", buckets_,
+                                     "Number of buckets b, even (default 2*ceil(n/chunk))");
     add_method_option(cmd, "--chunk", chunk_, "Chunk length c of sort-and-chunk (default 64)");
     rounds_opt_ = add_method_option(cmd, "--rounds", rounds_, "Hash rounds r (default 4)");
     add_method_option(cmd, "--rotations", rotations_path_,
                       "Dense rotations .npy of shape (d, r, b/2), used as is");
-    rotation_opt_ = add_method_option(cmd, "--rotation", rotation_, "Random rotation: dense or hadamard (default dense)")
+    rotation_opt_ = add_method_option(cmd, "--rotation", rotation_,
+                                      "Random rotation: dense or hadamard (default dense)")
                         ->check(CLI::IsMember({"dense", "hadamard"}));
-    add_method_flag(cmd, "--no-dedupe", no_dedupe_, "Count a key once per round that sees it (trax/HF), not once");
-    add_method_flag(cmd, "--exact-buckets", exact_buckets_, "Attend to whole buckets instead of sorted chunks");
+    add_method_flag(cmd, "--no-dedupe", no_dedupe_,
+                    "Count a key once per round that sees it (trax/HF), not once");
+    add_method_flag(cmd, "--exact-buckets", exact_buckets_,
+                    "Attend to whole buckets instead of sorted chunks");
   }
 
   template <typename Scalar>
-  void compute(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out, const randattn::BatchShape& shape,
-               const CommonSettings& settings) const {
+  void compute(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out,
+               const randattn::BatchShape& shape, const CommonSettings& settings) const {
     const randattn::CrossPolytopeHash<Scalar> hash = make_hash<Scalar>(shape, settings.seed);
     const randattn::LshOptions opt = options(hash, settings);
 
@@ -218,16 +236,19 @@ class LshMethod final : public TypedMethod<LshMethod> {
 #ifdef RANDATTN_CLI_MPI
   // Sort-and-chunk shared-QK attention across ranks (the hash is drawn from the seed on each rank).
   template <typename Scalar>
-  void compute_sharded(const Shards& shards, const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out,
-                       const randattn::BatchShape& local, const CommonSettings& settings) const {
-    if (!settings.shared_qk) throw CliError("randattn-mpi: --method lsh shares queries and keys; omit --k");
+  void compute_sharded(const Shards& shards, const Scalar* q, const Scalar* k, const Scalar* v,
+                       Scalar* out, const randattn::BatchShape& local,
+                       const CommonSettings& settings) const {
+    if (!settings.shared_qk)
+      throw CliError("randattn-mpi: --method lsh shares queries and keys; omit --k");
     randattn::BatchShape global = local;
     global.n_q = global.n_k = shards.rows;
     const randattn::CrossPolytopeHash<Scalar> hash = make_hash<Scalar>(global, settings.seed);
     const randattn::LshOptions opt = options(hash, settings);
-    for_each_local_slice(q, k, v, out, local, [&](const auto& qs, const auto&, const auto& vs, auto& os) {
-      os = randattn::mpi::lsh_attention<Scalar>(shards.comm, hash, qs, vs, opt);
-    });
+    for_each_local_slice(
+        q, k, v, out, local, [&](const auto& qs, const auto&, const auto& vs, auto& os) {
+          os = randattn::mpi::lsh_attention<Scalar>(shards.comm, hash, qs, vs, opt);
+        });
   }
 #endif
 
@@ -250,9 +271,11 @@ class LshMethod final : public TypedMethod<LshMethod> {
  private:
   // Checks the flags and records what the report shows.
   template <typename Scalar>
-  randattn::LshOptions options(const randattn::CrossPolytopeHash<Scalar>& hash, const CommonSettings& settings) const {
+  randattn::LshOptions options(const randattn::CrossPolytopeHash<Scalar>& hash,
+                               const CommonSettings& settings) const {
     if (!settings.shared_qk && !exact_buckets_)
-      throw CliError("--k needs --exact-buckets (sort-and-chunk attention shares queries and keys; omit --k)");
+      throw CliError(
+          "--k needs --exact-buckets (sort-and-chunk attention shares queries and keys; omit --k)");
     randattn::LshOptions opt;
     opt.chunk = chunk_;
     opt.exact_buckets = exact_buckets_;
@@ -265,12 +288,15 @@ class LshMethod final : public TypedMethod<LshMethod> {
   }
 
   template <typename Scalar>
-  randattn::CrossPolytopeHash<Scalar> make_hash(const randattn::BatchShape& shape, std::uint64_t seed) const {
+  randattn::CrossPolytopeHash<Scalar> make_hash(const randattn::BatchShape& shape,
+                                                std::uint64_t seed) const {
     // The default bucket count depends on the chunk: check it first.
     if (chunk_ < 1) throw CliError("--chunk must be at least 1, got " + std::to_string(chunk_));
     if (rotations_path_.empty()) {
-      const std::int64_t buckets = buckets_opt_->count() ? buckets_ : randattn::reformer_buckets(shape.n_k, chunk_);
-      const auto kind = rotation_ == "hadamard" ? randattn::RotationKind::hadamard : randattn::RotationKind::dense;
+      const std::int64_t buckets =
+          buckets_opt_->count() ? buckets_ : randattn::reformer_buckets(shape.n_k, chunk_);
+      const auto kind = rotation_ == "hadamard" ? randattn::RotationKind::hadamard
+                                                : randattn::RotationKind::dense;
       return randattn::CrossPolytopeHash<Scalar>(kind, shape.d, buckets, rounds_, seed);
     }
     if (rotation_opt_->count()) throw CliError("--rotation and --rotations exclude each other");
@@ -281,13 +307,14 @@ class LshMethod final : public TypedMethod<LshMethod> {
       throw CliError(std::string("--rotations: ") + e.what());
     }
     if (r.ndim() != 3 || r.shape[0] != shape.d || r.shape[1] < 1 || r.shape[2] < 1)
-      throw CliError("--rotations: expected shape (d, r, b/2) with d = " + std::to_string(shape.d) + ", got " +
-                     shape_str(r.shape));
+      throw CliError("--rotations: expected shape (d, r, b/2) with d = " + std::to_string(shape.d) +
+                     ", got " + shape_str(r.shape));
     if (rounds_opt_->count() && rounds_ != r.shape[1])
-      throw CliError("--rounds " + std::to_string(rounds_) + " disagrees with --rotations of shape " + shape_str(r.shape));
+      throw CliError("--rounds " + std::to_string(rounds_) +
+                     " disagrees with --rotations of shape " + shape_str(r.shape));
     if (buckets_opt_->count() && buckets_ != 2 * r.shape[2])
-      throw CliError("--buckets " + std::to_string(buckets_) + " disagrees with --rotations of shape " +
-                     shape_str(r.shape));
+      throw CliError("--buckets " + std::to_string(buckets_) +
+                     " disagrees with --rotations of shape " + shape_str(r.shape));
     randattn::RowMatrix<Scalar> m(r.shape[0], r.shape[1] * r.shape[2]);
     std::visit([&](const auto& data) { std::copy(data.begin(), data.end(), m.data()); }, r.data);
     return randattn::CrossPolytopeHash<Scalar>(std::move(m), r.shape[1]);
@@ -295,15 +322,18 @@ class LshMethod final : public TypedMethod<LshMethod> {
 
   template <typename Scalar>
   void compare_with_exact(const Scalar* q, const Scalar* k, const Scalar* v, const Scalar* out,
-                          const randattn::BatchShape& shape, const randattn::LshOptions& opt, bool shared_qk) const {
+                          const randattn::BatchShape& shape, const randattn::LshOptions& opt,
+                          bool shared_qk) const {
     std::vector<Scalar> exact(static_cast<std::size_t>(shape.slices() * shape.n_q * shape.dv));
     const auto start = std::chrono::steady_clock::now();
     if (shared_qk) {
       using CMap = Eigen::Map<const randattn::RowMatrix<Scalar>>;
       for (randattn::Index s = 0; s < shape.slices(); ++s) {
-        Eigen::Map<randattn::RowMatrix<Scalar>>(exact.data() + s * shape.n_q * shape.dv, shape.n_q, shape.dv) =
+        Eigen::Map<randattn::RowMatrix<Scalar>>(exact.data() + s * shape.n_q * shape.dv, shape.n_q,
+                                                shape.dv) =
             randattn::shared_qk_attention(CMap(q + s * shape.n_q * shape.d, shape.n_q, shape.d),
-                                          CMap(v + s * shape.n_k * shape.dv, shape.n_k, shape.dv), opt);
+                                          CMap(v + s * shape.n_k * shape.dv, shape.n_k, shape.dv),
+                                          opt);
       }
     } else {
       randattn::ExactOptions eopt;
@@ -340,16 +370,21 @@ class LshMethod final : public TypedMethod<LshMethod> {
 class LsfMethod final : public TypedMethod<LsfMethod> {
  public:
   const char* name() const override { return "lsf"; }
-  const char* summary() const override { return "locality-sensitive-filter attention (asymmetric filters)"; }
+  const char* summary() const override {
+    return "locality-sensitive-filter attention (asymmetric filters)";
+  }
   bool own_comparison() const override { return true; }
 
   void add_options(CLI::App& cmd) override {
     add_method_option(cmd, "--filters", filters_, "Filters m per table (default 256)");
     add_method_option(cmd, "--tables", tables_, "Independent filter tables L (default 4)");
-    eta_opt_ = add_method_option(cmd, "--eta", eta_, "Threshold on normalised filter scores (or --alpha)");
-    alpha_opt_ = add_method_option(cmd, "--alpha", alpha_,
-                                   "Target cosine in (0, 1): eta = alpha sqrt(2 ln m) - sqrt(2 (1 - alpha^2) ln ln m)");
-    add_method_option(cmd, "--min-probes", min_probes_, "Best filters opened per table whatever eta (default 1)");
+    eta_opt_ =
+        add_method_option(cmd, "--eta", eta_, "Threshold on normalised filter scores (or --alpha)");
+    alpha_opt_ = add_method_option(
+        cmd, "--alpha", alpha_,
+        "Target cosine in (0, 1): eta = alpha sqrt(2 ln m) - sqrt(2 (1 - alpha^2) ln ln m)");
+    add_method_option(cmd, "--min-probes", min_probes_,
+                      "Best filters opened per table whatever eta (default 1)");
     rotation_opt_ = cmd.get_option("--rotation");  // registered by lsh: dense or hadamard
     share_option(rotation_opt_);
   }
@@ -357,16 +392,17 @@ class LsfMethod final : public TypedMethod<LsfMethod> {
 #ifdef RANDATTN_CLI_MPI
   // Filter attention is not distributed: its key filters would have to be gathered on every rank.
   template <typename Scalar>
-  void compute_sharded(const Shards&, const Scalar*, const Scalar*, const Scalar*, Scalar*, const randattn::BatchShape&,
-                       const CommonSettings&) const {
+  void compute_sharded(const Shards&, const Scalar*, const Scalar*, const Scalar*, Scalar*,
+                       const randattn::BatchShape&, const CommonSettings&) const {
     throw CliError("randattn-mpi: --method lsf is not distributed; run it with randattn-cli");
   }
 #endif
 
   template <typename Scalar>
-  void compute(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out, const randattn::BatchShape& shape,
-               const CommonSettings& settings) const {
-    if (filters_ < 1) throw CliError("--filters must be at least 1, got " + std::to_string(filters_));
+  void compute(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out,
+               const randattn::BatchShape& shape, const CommonSettings& settings) const {
+    if (filters_ < 1)
+      throw CliError("--filters must be at least 1, got " + std::to_string(filters_));
     if (tables_ < 1) throw CliError("--tables must be at least 1, got " + std::to_string(tables_));
     if (eta_opt_->count() == alpha_opt_->count())
       throw CliError("give exactly one of --eta and --alpha");
@@ -374,11 +410,13 @@ class LsfMethod final : public TypedMethod<LsfMethod> {
     if (alpha_opt_->count() && !(alpha_ > 0 && alpha_ < 1))
       throw CliError("--alpha must be in (0, 1), got " + std::to_string(alpha_));
     if (min_probes_ < 1 || min_probes_ > filters_)
-      throw CliError("--min-probes must be in [1, --filters = " + std::to_string(filters_) + "], got " +
-                     std::to_string(min_probes_));
+      throw CliError("--min-probes must be in [1, --filters = " + std::to_string(filters_) +
+                     "], got " + std::to_string(min_probes_));
     rotation_ = rotation_opt_->count() ? rotation_opt_->as<std::string>() : std::string("dense");
-    const auto kind = rotation_ == "hadamard" ? randattn::RotationKind::hadamard : randattn::RotationKind::dense;
-    const randattn::LocalitySensitiveFilters<Scalar> filters(kind, shape.d, filters_, tables_, settings.seed);
+    const auto kind =
+        rotation_ == "hadamard" ? randattn::RotationKind::hadamard : randattn::RotationKind::dense;
+    const randattn::LocalitySensitiveFilters<Scalar> filters(kind, shape.d, filters_, tables_,
+                                                             settings.seed);
     randattn::LsfOptions opt;
     if (eta_opt_->count()) opt.eta = eta_;
     if (alpha_opt_->count()) opt.alpha = alpha_;
@@ -396,8 +434,8 @@ class LsfMethod final : public TypedMethod<LsfMethod> {
     double scored = 0;
     for (randattn::Index s = 0; s < shape.slices(); ++s) {
       const randattn::LsfProbeStats st = randattn::lsf_probe_stats<Scalar>(
-          filters, randattn::detail::slice_of(q, s, shape.n_q, shape.d), randattn::detail::slice_of(k, s, shape.n_k, shape.d),
-          opt);
+          filters, randattn::detail::slice_of(q, s, shape.n_q, shape.d),
+          randattn::detail::slice_of(k, s, shape.n_k, shape.d), opt);
       scored += double(st.target_pairs);
       eta_used_ = st.eta;
     }
@@ -441,7 +479,8 @@ class LsfMethod final : public TypedMethod<LsfMethod> {
   mutable std::string rotation_ = "dense";
   mutable std::uint64_t seed_ = 0;
   mutable bool compare_ = false;
-  mutable double eta_used_ = 0, pairs_scored_ = 0, lsf_seconds_ = 0, exact_seconds_ = 0, rel_error_ = 0;
+  mutable double eta_used_ = 0, pairs_scored_ = 0, lsf_seconds_ = 0, exact_seconds_ = 0,
+                 rel_error_ = 0;
 };
 
 inline std::vector<std::unique_ptr<AttentionMethod>> make_methods() {
@@ -456,4 +495,3 @@ inline std::vector<std::unique_ptr<AttentionMethod>> make_methods() {
 }  // namespace randattn_cli
 
 #include "feature_methods.hpp"
-

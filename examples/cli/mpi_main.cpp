@@ -1,10 +1,12 @@
 // randattn-mpi: randattn-cli's commands over MPI ranks (sequence-parallel attention, sharded
 // sketching). Same subcommands and flags, run with mpirun:
 //
-//   mpirun -np P randattn-mpi attention --method exact|favor|...|lsh --q q.npy --k k.npy --v v.npy --out o.npy
+//   mpirun -np P randattn-mpi attention --method exact|favor|...|lsh --q q.npy --k k.npy --v v.npy
+//   --out o.npy
 //                                       [--causal] [--layout contiguous|zigzag] [--report] ...
 //   mpirun -np P randattn-mpi sparsify --in A.npy --budget n [--seed s] --out Ahat.npy [--report]
-//   mpirun -np P randattn-mpi hosvd --in A.npy --ranks r1,r2,... --budget n [--seed s] --out-prefix P [--report]
+//   mpirun -np P randattn-mpi hosvd --in A.npy --ranks r1,r2,... --budget n [--seed s] --out-prefix
+//   P [--report]
 //
 // Each rank reads only its own rows of the inputs (its token rows of every (batch, head) slice;
 // for tensors its range of the flat index) and writes them into the one output file with MPI-IO
@@ -56,10 +58,12 @@ void collectively(Communicator& comm, Fn&& fn) {
 // writes the header, every rank its runs; the file appears under `path` only when complete.
 template <typename Scalar>
 void write_npy_sharded(Communicator& comm, const std::string& path, const Shape& shape,
-                       const std::vector<std::pair<std::int64_t, std::vector<Scalar>>>& runs, const char* flag) {
+                       const std::vector<std::pair<std::int64_t, std::vector<Scalar>>>& runs,
+                       const char* flag) {
   std::string tmp;
   collectively(comm, [&] {
-    if (!randattn::io::detail::host_is_little_endian()) throw CliError("randattn-mpi writes on little-endian hosts only");
+    if (!randattn::io::detail::host_is_little_endian())
+      throw CliError("randattn-mpi writes on little-endian hosts only");
     if (comm.rank() == 0) tmp = randattn::io::detail::temporary_sibling(path).string();
   });
   std::uint64_t len = tmp.size();
@@ -67,19 +71,24 @@ void write_npy_sharded(Communicator& comm, const std::string& path, const Shape&
   tmp.resize(len);
   MPI_Bcast(tmp.data(), int(len), MPI_CHAR, 0, comm.get());
   MPI_File file;
-  const int opened = MPI_File_open(comm.get(), tmp.c_str(), MPI_MODE_CREATE | MPI_MODE_EXCL | MPI_MODE_WRONLY,
-                                   MPI_INFO_NULL, &file);
-  if (opened != MPI_SUCCESS) throw CliError(std::string(flag) + ": " + path + ": cannot create output file");
+  const int opened =
+      MPI_File_open(comm.get(), tmp.c_str(), MPI_MODE_CREATE | MPI_MODE_EXCL | MPI_MODE_WRONLY,
+                    MPI_INFO_NULL, &file);
+  if (opened != MPI_SUCCESS)
+    throw CliError(std::string(flag) + ": " + path + ": cannot create output file");
   const std::string header = randattn::io::detail::header_bytes<Scalar>(shape);
   bool ok = true;
   if (comm.rank() == 0)
-    ok = MPI_File_write_at(file, 0, header.data(), int(header.size()), MPI_CHAR, MPI_STATUS_IGNORE) == MPI_SUCCESS;
+    ok = MPI_File_write_at(file, 0, header.data(), int(header.size()), MPI_CHAR,
+                           MPI_STATUS_IGNORE) == MPI_SUCCESS;
   constexpr std::size_t kMaxRun = std::size_t(1) << 28;  // elements per call (int counts)
   for (const auto& [offset, values] : runs) {
     for (std::size_t done = 0; ok && done < values.size(); done += kMaxRun) {
       const std::size_t n = std::min(kMaxRun, values.size() - done);
-      const MPI_Offset at = MPI_Offset(header.size() + (std::size_t(offset) + done) * sizeof(Scalar));
-      ok = MPI_File_write_at(file, at, values.data() + done, int(n), randattn::mpi::detail::datatype<Scalar>(),
+      const MPI_Offset at =
+          MPI_Offset(header.size() + (std::size_t(offset) + done) * sizeof(Scalar));
+      ok = MPI_File_write_at(file, at, values.data() + done, int(n),
+                             randattn::mpi::detail::datatype<Scalar>(),
                              MPI_STATUS_IGNORE) == MPI_SUCCESS;
     }
   }
@@ -92,7 +101,9 @@ void write_npy_sharded(Communicator& comm, const std::string& path, const Shape&
     collectively(comm, [&] {
       if (comm.rank() == 0) {
         std::filesystem::rename(tmp, path, ec);
-        if (ec) throw CliError(std::string(flag) + ": " + path + ": cannot replace output file: " + ec.message());
+        if (ec)
+          throw CliError(std::string(flag) + ": " + path +
+                         ": cannot replace output file: " + ec.message());
       }
     });
   } catch (...) {
@@ -103,7 +114,8 @@ void write_npy_sharded(Communicator& comm, const std::string& path, const Shape&
 
 // The "ranks" and "bytes_sent" fields of the report (bytes_sent gathered from every rank).
 inline void add_traffic(Communicator& comm, JsonObject& json) {
-  const std::vector<std::uint64_t> bytes = comm.allgatherv(std::vector<std::uint64_t>{comm.bytes_sent()});
+  const std::vector<std::uint64_t> bytes =
+      comm.allgatherv(std::vector<std::uint64_t>{comm.bytes_sent()});
   json.add("ranks", comm.size()).add("bytes_sent", Shape(bytes.begin(), bytes.end()));
 }
 
@@ -122,15 +134,18 @@ class ShardedAttentionCommand : public AttentionCommand {
  public:
   explicit ShardedAttentionCommand(CLI::App& app) : AttentionCommand(app) {
     cmd_->add_option("--layout", layout_,
-                     "Rows per rank: contiguous (default) or zigzag (exact: rank p holds chunks p and 2P-1-p of 2P, "
+                     "Rows per rank: contiguous (default) or zigzag (exact: rank p holds chunks p "
+                     "and 2P-1-p of 2P, "
                      "balancing causal work)")
         ->check(CLI::IsMember({"contiguous", "zigzag"}));
   }
 
   int run(Communicator& comm) {
     const AttentionMethod& method = prepare();
-    if (compare_) throw CliError("--compare is not available in randattn-mpi (compare with randattn-cli)");
-    const auto layout = layout_ == "zigzag" ? randattn::mpi::RowLayout::zigzag : randattn::mpi::RowLayout::contiguous;
+    if (compare_)
+      throw CliError("--compare is not available in randattn-mpi (compare with randattn-cli)");
+    const auto layout = layout_ == "zigzag" ? randattn::mpi::RowLayout::zigzag
+                                            : randattn::mpi::RowLayout::contiguous;
     if (layout == randattn::mpi::RowLayout::zigzag && std::string(method.name()) != "exact")
       throw CliError("--layout zigzag is for --method exact (the others need contiguous rows)");
     InputInfo q, k, v;
@@ -142,7 +157,8 @@ class ShardedAttentionCommand : public AttentionCommand {
     const randattn::BatchShape shape = check_shapes(q, k, v);
     const double scale = settings_.scale ? *settings_.scale : method.default_scale(shape.d);
     const Shape out_shape = output_shape(q.ndim(), shape);
-    const randattn::mpi::RowPartition q_rows(shape.n_q, comm.size(), layout), k_rows(shape.n_k, comm.size(), layout);
+    const randattn::mpi::RowPartition q_rows(shape.n_q, comm.size(), layout),
+        k_rows(shape.n_k, comm.size(), layout);
     randattn::BatchShape local = shape;
     local.n_q = q_rows.local_rows(comm.rank());
     local.n_k = k_rows.local_rows(comm.rank());
@@ -162,7 +178,8 @@ class ShardedAttentionCommand : public AttentionCommand {
       comm.reset_bytes_sent();
       try {
         seconds = timed(comm, [&] {
-          method.run_sharded(shards, ql.data(), keys.data(), vl.data(), out.data(), local, settings_);
+          method.run_sharded(shards, ql.data(), keys.data(), vl.data(), out.data(), local,
+                             settings_);
         });
       } catch (const std::invalid_argument& e) {  // thrown on every rank by the distributed methods
         throw CliError(e.what());
@@ -207,15 +224,18 @@ class ShardedAttentionCommand : public AttentionCommand {
 
   // This rank's token rows (axis ndim − 2) of every slice, segments concatenated per slice.
   template <typename Scalar>
-  static std::vector<Scalar> read_rows(const char* flag, const std::string& path, const InputInfo& in,
-                                       const randattn::mpi::RowPartition& rows, int rank) {
+  static std::vector<Scalar> read_rows(const char* flag, const std::string& path,
+                                       const InputInfo& in, const randattn::mpi::RowPartition& rows,
+                                       int rank) {
     const std::size_t axis = in.ndim() - 2;
-    const std::int64_t slices = axis == 2 ? in.shape[0] * in.shape[1] : 1, cols = in.shape[axis + 1];
+    const std::int64_t slices = axis == 2 ? in.shape[0] * in.shape[1] : 1,
+                       cols = in.shape[axis + 1];
     const auto segments = rows.segments(rank);
     std::vector<std::vector<Scalar>> blocks;
     try {
       for (const auto& seg : segments)
-        blocks.push_back(randattn::io::read_npy_block(path, axis, seg.first, seg.count).values<Scalar>());
+        blocks.push_back(
+            randattn::io::read_npy_block(path, axis, seg.first, seg.count).values<Scalar>());
     } catch (const std::exception& e) {
       throw CliError(std::string(flag) + ": " + e.what());
     }
@@ -223,7 +243,8 @@ class ShardedAttentionCommand : public AttentionCommand {
     for (std::int64_t s = 0; s < slices; ++s)
       for (std::size_t b = 0; b < segments.size(); ++b) {
         const std::size_t len = std::size_t(segments[b].count * cols);
-        out.insert(out.end(), blocks[b].begin() + std::ptrdiff_t(s * len), blocks[b].begin() + std::ptrdiff_t((s + 1) * len));
+        out.insert(out.end(), blocks[b].begin() + std::ptrdiff_t(s * len),
+                   blocks[b].begin() + std::ptrdiff_t((s + 1) * len));
       }
     return out;
   }
@@ -234,7 +255,8 @@ class ShardedAttentionCommand : public AttentionCommand {
 // Loads this rank's range of the flat index of --in (sketch_range) and calls
 // fn(dims, local values, range).
 template <typename Fn>
-void with_local_range(Communicator& comm, const std::string& path, std::string& dtype, Shape& shape, Fn&& fn) {
+void with_local_range(Communicator& comm, const std::string& path, std::string& dtype, Shape& shape,
+                      Fn&& fn) {
   randattn::io::NpyArray local;
   randattn::mpi::Segment range;
   collectively(comm, [&] {
@@ -245,7 +267,8 @@ void with_local_range(Communicator& comm, const std::string& path, std::string& 
     } catch (const std::exception& e) {
       throw CliError(std::string("--in: ") + e.what());
     }
-    if (h.shape.size() < 2) throw CliError("--in: expected an array of order k >= 2, got shape " + shape_str(h.shape));
+    if (h.shape.size() < 2)
+      throw CliError("--in: expected an array of order k >= 2, got shape " + shape_str(h.shape));
     shape = h.shape;
     dtype = randattn::io::dtype_name(h.dtype);
     range = randattn::mpi::sketch_range(randattn::Index(h.count), comm.rank(), comm.size());
@@ -268,43 +291,48 @@ class ShardedSparsifyCommand : public SparsifyCommand {
 
   int run(Communicator& comm) {
     options_.scheme = randattn::parse_scheme(scheme_);
-    with_local_range(comm, in_path_, dtype_, shape_, [&](const auto& dims, const auto& values, const auto& range) {
-      using Scalar = typename std::decay_t<decltype(values)>::value_type;
-      randattn::SparseSketch<Scalar> sketch;
-      comm.reset_bytes_sent();
-      const double seconds = timed(comm, [&] {
-        try {
-          sketch = randattn::mpi::sparsify(comm, dims, values.data(), randattn::Index(values.size()), options_);
-        } catch (const std::invalid_argument& e) {
-          throw CliError(e.what());
-        }
-      });
-      std::vector<Scalar> dense(values.size(), Scalar(0));
-      for (randattn::Index e = 0; e < sketch.nnz(); ++e)
-        dense[std::size_t(sketch.indices()[std::size_t(e)] - range.first)] = sketch.values()[std::size_t(e)];
-      // ||A − Â||_F² and ||A||_F² summed over ranks.
-      double sums[3] = {0, 0, double(sketch.nnz())};
-      for (std::size_t t = 0; t < values.size(); ++t) {
-        sums[0] += (double(values[t]) - double(dense[t])) * (double(values[t]) - double(dense[t]));
-        sums[1] += double(values[t]) * double(values[t]);
-      }
-      MPI_Allreduce(MPI_IN_PLACE, sums, 3, MPI_DOUBLE, MPI_SUM, comm.get());
-      JsonObject json;
-      json.add("scheme", randattn::scheme_name(options_.scheme))
-          .add("dtype", dtype_)
-          .add("shape", shape_)
-          .add("budget", options_.budget)
-          .add("seed", std::int64_t(options_.seed))
-          .add("nnz", std::int64_t(sums[2]))
-          .add("expected_nnz", sketch.stats.expected_nnz)
-          .add("keep_threshold", sketch.stats.keep_threshold())
-          .add("uniform_threshold", sketch.stats.uniform_threshold())
-          .add("rel_fro_error", std::sqrt(sums[0] / sums[1]))
-          .add("seconds", seconds);
-      add_traffic(comm, json);
-      write_npy_sharded<Scalar>(comm, out_path_, shape_, {{range.first, std::move(dense)}}, "--out");
-      if (report_ && comm.rank() == 0) std::cout << json.str() << std::endl;
-    });
+    with_local_range(comm, in_path_, dtype_, shape_,
+                     [&](const auto& dims, const auto& values, const auto& range) {
+                       using Scalar = typename std::decay_t<decltype(values)>::value_type;
+                       randattn::SparseSketch<Scalar> sketch;
+                       comm.reset_bytes_sent();
+                       const double seconds = timed(comm, [&] {
+                         try {
+                           sketch = randattn::mpi::sparsify(
+                               comm, dims, values.data(), randattn::Index(values.size()), options_);
+                         } catch (const std::invalid_argument& e) {
+                           throw CliError(e.what());
+                         }
+                       });
+                       std::vector<Scalar> dense(values.size(), Scalar(0));
+                       for (randattn::Index e = 0; e < sketch.nnz(); ++e)
+                         dense[std::size_t(sketch.indices()[std::size_t(e)] - range.first)] =
+                             sketch.values()[std::size_t(e)];
+                       // ||A − Â||_F² and ||A||_F² summed over ranks.
+                       double sums[3] = {0, 0, double(sketch.nnz())};
+                       for (std::size_t t = 0; t < values.size(); ++t) {
+                         sums[0] += (double(values[t]) - double(dense[t])) *
+                                    (double(values[t]) - double(dense[t]));
+                         sums[1] += double(values[t]) * double(values[t]);
+                       }
+                       MPI_Allreduce(MPI_IN_PLACE, sums, 3, MPI_DOUBLE, MPI_SUM, comm.get());
+                       JsonObject json;
+                       json.add("scheme", randattn::scheme_name(options_.scheme))
+                           .add("dtype", dtype_)
+                           .add("shape", shape_)
+                           .add("budget", options_.budget)
+                           .add("seed", std::int64_t(options_.seed))
+                           .add("nnz", std::int64_t(sums[2]))
+                           .add("expected_nnz", sketch.stats.expected_nnz)
+                           .add("keep_threshold", sketch.stats.keep_threshold())
+                           .add("uniform_threshold", sketch.stats.uniform_threshold())
+                           .add("rel_fro_error", std::sqrt(sums[0] / sums[1]))
+                           .add("seconds", seconds);
+                       add_traffic(comm, json);
+                       write_npy_sharded<Scalar>(comm, out_path_, shape_,
+                                                 {{range.first, std::move(dense)}}, "--out");
+                       if (report_ && comm.rank() == 0) std::cout << json.str() << std::endl;
+                     });
     return 0;
   }
 };
@@ -315,35 +343,39 @@ class ShardedHosvdCommand : public HosvdCommand {
 
   int run(Communicator& comm) {
     if (budget_opt_->count() == 0)
-      throw CliError("randattn-mpi hosvd needs --budget (the sketched HOSVD is distributed, the exact one is not)");
-    with_local_range(comm, in_path_, dtype_, shape_, [&](const auto& dims, const auto& values, const auto&) {
-      using Scalar = typename std::decay_t<decltype(values)>::value_type;
-      const std::vector<randattn::Index> ranks(ranks_.begin(), ranks_.end());
-      randattn::SketchedHosvd<Scalar> s;
-      comm.reset_bytes_sent();
-      const double seconds = timed(comm, [&] {
-        try {
-          s = randattn::mpi::sketched_hosvd(comm, dims, values.data(), randattn::Index(values.size()), ranks, options_);
-        } catch (const std::invalid_argument& e) {
-          throw CliError(e.what());
-        }
-      });
-      JsonObject json;
-      json.add("method", "sketched")
-          .add("dtype", dtype_)
-          .add("shape", shape_)
-          .add("ranks", ranks_)
-          .add("budget", options_.budget)
-          .add("seed", std::int64_t(options_.seed))
-          .add("nnz", Shape{s.nnz[0], s.nnz[1]})
-          .add("expected_nnz", s.stats.expected_nnz)
-          .add("seconds", seconds);
-      add_traffic(comm, json);
-      collectively(comm, [&] {
-        if (comm.rank() == 0) write_factors(s.factors);
-      });
-      if (report_ && comm.rank() == 0) std::cout << json.str() << std::endl;
-    });
+      throw CliError(
+          "randattn-mpi hosvd needs --budget (the sketched HOSVD is distributed, the exact one is "
+          "not)");
+    with_local_range(
+        comm, in_path_, dtype_, shape_, [&](const auto& dims, const auto& values, const auto&) {
+          using Scalar = typename std::decay_t<decltype(values)>::value_type;
+          const std::vector<randattn::Index> ranks(ranks_.begin(), ranks_.end());
+          randattn::SketchedHosvd<Scalar> s;
+          comm.reset_bytes_sent();
+          const double seconds = timed(comm, [&] {
+            try {
+              s = randattn::mpi::sketched_hosvd(comm, dims, values.data(),
+                                                randattn::Index(values.size()), ranks, options_);
+            } catch (const std::invalid_argument& e) {
+              throw CliError(e.what());
+            }
+          });
+          JsonObject json;
+          json.add("method", "sketched")
+              .add("dtype", dtype_)
+              .add("shape", shape_)
+              .add("ranks", ranks_)
+              .add("budget", options_.budget)
+              .add("seed", std::int64_t(options_.seed))
+              .add("nnz", Shape{s.nnz[0], s.nnz[1]})
+              .add("expected_nnz", s.stats.expected_nnz)
+              .add("seconds", seconds);
+          add_traffic(comm, json);
+          collectively(comm, [&] {
+            if (comm.rank() == 0) write_factors(s.factors);
+          });
+          if (report_ && comm.rank() == 0) std::cout << json.str() << std::endl;
+        });
     return 0;
   }
 };
@@ -364,7 +396,8 @@ int report_error(const randattn_cli::Communicator& comm, const std::string& what
 
 int run(int argc, char** argv, randattn_cli::Communicator& comm) {
   try {
-    CLI::App app{"randattn over MPI: distributed attention and tensor sketching on .npy files", "randattn-mpi"};
+    CLI::App app{"randattn over MPI: distributed attention and tensor sketching on .npy files",
+                 "randattn-mpi"};
     app.set_version_flag("--version", std::string("randattn-mpi ") + RANDATTN_CLI_VERSION);
     app.require_subcommand(1);
     randattn_cli::ShardedAttentionCommand attention(app);

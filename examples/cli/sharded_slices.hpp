@@ -26,7 +26,8 @@ void for_each_local_slice(const Scalar* q, const Scalar* k, const Scalar* v, Sca
   using CMap = Eigen::Map<const RowMatrix<Scalar>>;
   for (randattn::Index s = 0; s < local.slices(); ++s) {
     Eigen::Map<RowMatrix<Scalar>> o(out + s * local.n_q * local.dv, local.n_q, local.dv);
-    fn(CMap(q + s * local.n_q * local.d, local.n_q, local.d), CMap(k + s * local.n_k * local.d, local.n_k, local.d),
+    fn(CMap(q + s * local.n_q * local.d, local.n_q, local.d),
+       CMap(k + s * local.n_k * local.d, local.n_k, local.d),
        CMap(v + s * local.n_k * local.dv, local.n_k, local.dv), o);
   }
 }

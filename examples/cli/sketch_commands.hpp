@@ -2,7 +2,8 @@
 // `randattn-cli sparsify` and `randattn-cli hosvd`: tensor sketching of a .npy array of any order
 // k >= 2 (float32 or float64; outputs keep the input's dtype).
 //
-//   sparsify --in A.npy --budget n [--scheme spa|ndt|l2|uniform] [--seed s] --out Ahat.npy [--report]
+//   sparsify --in A.npy --budget n [--scheme spa|ndt|l2|uniform] [--seed s] --out Ahat.npy
+//   [--report]
 //       Ahat: the sketch, dense, with A's shape. The report holds nnz, expected_nnz, rel_fro_error
 //       and rel_spectral_error (exact for k = 2, the power-method estimate otherwise).
 //   hosvd --in A.npy --ranks r1,r2,... [--budget n [--seed s]] --out-prefix P [--report]
@@ -36,14 +37,19 @@ class TensorCommand {
   bool selected() const { return cmd_->parsed(); }
 
  protected:
-  TensorCommand(CLI::App& app, const char* name, const char* help) : cmd_(app.add_subcommand(name, help)) {
-    cmd_->add_option("--in", in_path_, "Input tensor .npy of order k >= 2 (float32 or float64)")->required();
+  TensorCommand(CLI::App& app, const char* name, const char* help)
+      : cmd_(app.add_subcommand(name, help)) {
+    cmd_->add_option("--in", in_path_, "Input tensor .npy of order k >= 2 (float32 or float64)")
+        ->required();
     cmd_->add_flag("--report", report_, "Print one JSON line describing the run to stdout");
   }
 
-  CLI::Option* add_budget(const std::string& help) { return cmd_->add_option("--budget", options_.budget, help); }
+  CLI::Option* add_budget(const std::string& help) {
+    return cmd_->add_option("--budget", options_.budget, help);
+  }
   CLI::Option* add_seed() {
-    return cmd_->add_option("--seed", options_.seed, "Seed of the sampling draws")->capture_default_str();
+    return cmd_->add_option("--seed", options_.seed, "Seed of the sampling draws")
+        ->capture_default_str();
   }
 
   // Loads --in and calls fn(view, shape) with a TensorView of the input's dtype.
@@ -76,11 +82,15 @@ class TensorCommand {
 class SparsifyCommand : public TensorCommand {
  public:
   explicit SparsifyCommand(CLI::App& app)
-      : TensorCommand(app, "sparsify", "Sparsify a tensor (.npy of order k >= 2) and write the sketch densely") {
-    add_budget("Sampling budget n > 0 (Algorithm 1's parameter; baselines match its expected nnz)")->required();
-    cmd_->add_option("--scheme", scheme_, "Scheme: spa (Algorithm 1), ndt, l2 or uniform")->capture_default_str();
+      : TensorCommand(app, "sparsify",
+                      "Sparsify a tensor (.npy of order k >= 2) and write the sketch densely") {
+    add_budget("Sampling budget n > 0 (Algorithm 1's parameter; baselines match its expected nnz)")
+        ->required();
+    cmd_->add_option("--scheme", scheme_, "Scheme: spa (Algorithm 1), ndt, l2 or uniform")
+        ->capture_default_str();
     add_seed();
-    cmd_->add_option("--out", out_path_, "Output .npy: the sketch, dense, with the shape and dtype of --in")
+    cmd_->add_option("--out", out_path_,
+                     "Output .npy: the sketch, dense, with the shape and dtype of --in")
         ->required();
   }
 
@@ -129,13 +139,17 @@ class SparsifyCommand : public TensorCommand {
 class HosvdCommand : public TensorCommand {
  public:
   explicit HosvdCommand(CLI::App& app)
-      : TensorCommand(app, "hosvd", "HOSVD subspaces of a tensor (.npy of order k >= 2), exact or sketched") {
-    cmd_->add_option("--ranks", ranks_, "Comma-separated ranks r_1,...,r_k, one per mode, 1 <= r_j <= d_j")
+      : TensorCommand(app, "hosvd",
+                      "HOSVD subspaces of a tensor (.npy of order k >= 2), exact or sketched") {
+    cmd_->add_option("--ranks", ranks_,
+                     "Comma-separated ranks r_1,...,r_k, one per mode, 1 <= r_j <= d_j")
         ->required()
         ->delimiter(',');
-    budget_opt_ = add_budget("Sketch with this budget (two Algorithm 1 sketches); exact HOSVD when absent");
+    budget_opt_ =
+        add_budget("Sketch with this budget (two Algorithm 1 sketches); exact HOSVD when absent");
     add_seed()->needs(budget_opt_);
-    cmd_->add_option("--out-prefix", prefix_, "Factor j is written to <prefix>j.npy (d_j x r_j)")->required();
+    cmd_->add_option("--out-prefix", prefix_, "Factor j is written to <prefix>j.npy (d_j x r_j)")
+        ->required();
   }
 
   int run() {
@@ -149,7 +163,10 @@ class HosvdCommand : public TensorCommand {
     const std::vector<randattn::Index> ranks(ranks_.begin(), ranks_.end());
     const bool sketched = budget_opt_->count() > 0;
     JsonObject json;
-    json.add("method", sketched ? "sketched" : "exact").add("dtype", dtype_).add("shape", shape_).add("ranks", ranks_);
+    json.add("method", sketched ? "sketched" : "exact")
+        .add("dtype", dtype_)
+        .add("shape", shape_)
+        .add("ranks", ranks_);
     const auto start = std::chrono::steady_clock::now();
     randattn::Hosvd<Scalar> result;
     if (sketched) {
@@ -178,7 +195,8 @@ class HosvdCommand : public TensorCommand {
         finals.emplace_back(prefix_ + std::to_string(j) + ".npy");
         temps.push_back(randattn::io::detail::temporary_sibling(finals.back()));
         const auto& u = factors[j];
-        randattn::io::write_npy(temps.back(), u.data(), {std::int64_t(u.rows()), std::int64_t(u.cols())});
+        randattn::io::write_npy(temps.back(), u.data(),
+                                {std::int64_t(u.rows()), std::int64_t(u.cols())});
       }
       for (; renamed < finals.size(); ++renamed) {
         std::error_code ec;
@@ -187,7 +205,8 @@ class HosvdCommand : public TensorCommand {
       }
     } catch (const std::exception& e) {
       std::error_code ignored;
-      for (std::size_t j = 0; j < temps.size(); ++j) fs::remove(j < renamed ? finals[j] : temps[j], ignored);
+      for (std::size_t j = 0; j < temps.size(); ++j)
+        fs::remove(j < renamed ? finals[j] : temps[j], ignored);
       throw CliError(std::string("--out-prefix: ") + e.what());
     }
   }

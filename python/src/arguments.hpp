@@ -35,7 +35,9 @@ enum class Dtype { float32, float64 };
 
 inline const char* dtype_name(Dtype t) { return t == Dtype::float32 ? "float32" : "float64"; }
 
-inline std::string type_name(py::handle h) { return py::str(py::type::handle_of(h).attr("__name__")); }
+inline std::string type_name(py::handle h) {
+  return py::str(py::type::handle_of(h).attr("__name__"));
+}
 
 // "(2, 3)": Python tuple notation.
 inline std::string shape_str(const std::vector<Index>& s) {
@@ -56,11 +58,14 @@ inline py::array as_float_array(py::handle obj, const std::string& name) {
   auto a = py::reinterpret_borrow<py::array>(obj);
   const py::dtype t = a.dtype();
   if (t.kind() != 'f' || (t.itemsize() != 4 && t.itemsize() != 8))
-    throw py::type_error(name + " must have dtype float32 or float64, got " + std::string(py::str(py::handle(t))));
+    throw py::type_error(name + " must have dtype float32 or float64, got " +
+                         std::string(py::str(py::handle(t))));
   return a;
 }
 
-inline Dtype dtype_of(const py::array& a) { return a.dtype().itemsize() == 4 ? Dtype::float32 : Dtype::float64; }
+inline Dtype dtype_of(const py::array& a) {
+  return a.dtype().itemsize() == 4 ? Dtype::float32 : Dtype::float64;
+}
 
 // A float array read as a C-contiguous buffer of Scalar: the caller's memory when it already is
 // one, otherwise a single converted copy (counted by input_copies()). Never written to.
@@ -102,7 +107,8 @@ inline std::uint64_t to_seed(py::handle h, const std::string& name) {
   const unsigned long long v = PyLong_AsUnsignedLongLong(i.ptr());
   if (PyErr_Occurred()) {
     PyErr_Clear();
-    throw py::value_error(name + " must be an integer in [0, 2**64), got " + std::string(py::str(i)));
+    throw py::value_error(name + " must be an integer in [0, 2**64), got " +
+                          std::string(py::str(i)));
   }
   return v;
 }
@@ -122,7 +128,8 @@ inline bool to_flag(py::handle h, const std::string& name) {
 }
 
 inline std::string to_text(py::handle h, const std::string& name) {
-  if (!py::isinstance<py::str>(h)) throw py::type_error(name + " must be a string, got " + type_name(h));
+  if (!py::isinstance<py::str>(h))
+    throw py::type_error(name + " must be a string, got " + type_name(h));
   return h.cast<std::string>();
 }
 
@@ -157,7 +164,8 @@ class ThreadCount {
 inline std::optional<int> to_threads(py::handle h) {
   if (h.is_none()) return std::nullopt;
   const std::int64_t t = to_integer(h, "threads");
-  if (t < 1 || t > 1 << 16) throw py::value_error("threads must be at least 1, got " + std::to_string(t));
+  if (t < 1 || t > 1 << 16)
+    throw py::value_error("threads must be at least 1, got " + std::to_string(t));
   return int(t);
 }
 

@@ -25,10 +25,12 @@ OptionSpec projection_option() {
           "'iid', 'orthogonal' (Haar blocks, chi row norms) or 'hadamard'"};
 }
 OptionSpec omega_option() {
-  return {"omega", std::monostate{}, "an (m, d) array whose rows are the projections (m = its rows)"};
+  return {"omega", std::monostate{},
+          "an (m, d) array whose rows are the projections (m = its rows)"};
 }
 OptionSpec lambda_features_option() {
-  return {"lambda_features", std::int64_t(16), "random features n_lambda of the hybrid's weight estimator"};
+  return {"lambda_features", std::int64_t(16),
+          "random features n_lambda of the hybrid's weight estimator"};
 }
 OptionSpec bandwidth_option() {
   return {"bandwidth", 1.0, "bandwidth s of lambda = exp(-s^2 |x - y|^2 / 2) on normalised rows"};
@@ -52,7 +54,8 @@ ProjectionKind parse_projection(const std::string& name) {
 template <typename Scalar>
 randattn::RowMatrix<Scalar> dense_omega(const MapSpec& s) {
   if (s.omega) return s.omega->cast<Scalar>();
-  if (s.projection == ProjectionKind::iid) return randattn::GaussianProjection<Scalar>(s.features, s.dim, s.seed).matrix();
+  if (s.projection == ProjectionKind::iid)
+    return randattn::GaussianProjection<Scalar>(s.features, s.dim, s.seed).matrix();
   return randattn::OrthogonalProjection<Scalar>(s.features, s.dim, s.seed).matrix();
 }
 
@@ -67,8 +70,10 @@ AnyMap<Scalar> plain_map(const MapSpec& s) {
 template <typename Scalar, typename Projection>
 randattn::HybridFeatures<Scalar> hybrid_map(const MapSpec& s) {
   if (s.kind == MapKind::angular_hybrid)
-    return randattn::angular_hybrid<Scalar, Projection>(s.features, s.lambda_features, s.dim, s.seed);
-  return randattn::gaussian_hybrid<Scalar, Projection>(s.features, s.lambda_features, s.dim, s.bandwidth, s.seed);
+    return randattn::angular_hybrid<Scalar, Projection>(s.features, s.lambda_features, s.dim,
+                                                        s.seed);
+  return randattn::gaussian_hybrid<Scalar, Projection>(s.features, s.lambda_features, s.dim,
+                                                       s.bandwidth, s.seed);
 }
 
 }  // namespace
@@ -78,8 +83,11 @@ const std::vector<MapKindInfo>& map_kinds() {
       {"positive", MapKind::positive, {features_option(), projection_option(), omega_option()}},
       {"hyperbolic", MapKind::hyperbolic, {features_option(), projection_option(), omega_option()}},
       {"trig", MapKind::trig, {features_option(), projection_option(), omega_option()}},
-      {"hybrid", MapKind::angular_hybrid, {features_option(), projection_option(), lambda_features_option()}},
-      {"hybrid-gaussian", MapKind::gaussian_hybrid,
+      {"hybrid",
+       MapKind::angular_hybrid,
+       {features_option(), projection_option(), lambda_features_option()}},
+      {"hybrid-gaussian",
+       MapKind::gaussian_hybrid,
        {features_option(), projection_option(), lambda_features_option(), bandwidth_option()}},
   };
   return kinds;
@@ -98,14 +106,15 @@ MapSpec map_spec(MapKind kind, Index dim, std::uint64_t seed, const KeywordOptio
   s.dim = dim;
   s.seed = seed;
   s.features = o.integer("features");
-  if (s.features < 1) throw py::value_error("features must be at least 1, got " + std::to_string(s.features));
+  if (s.features < 1)
+    throw py::value_error("features must be at least 1, got " + std::to_string(s.features));
   s.projection = parse_projection(o.text("projection"));
   if (owns(info, "omega") && o.given("omega")) {
     if (o.given("projection")) throw py::value_error("omega and projection cannot be combined");
     const py::array w = as_float_array(o.value("omega"), "omega");
     if (w.ndim() != 2 || w.shape(1) != dim || w.shape(0) < 1)
-      throw py::value_error("omega: expected an (m, " + std::to_string(dim) + ") array with m >= 1, got shape " +
-                            shape_str(shape_of(w)));
+      throw py::value_error("omega: expected an (m, " + std::to_string(dim) +
+                            ") array with m >= 1, got shape " + shape_str(shape_of(w)));
     if (o.given("features") && s.features != w.shape(0))
       throw py::value_error("features=" + std::to_string(s.features) + " disagrees with the " +
                             std::to_string(w.shape(0)) + " rows of omega");
@@ -116,12 +125,14 @@ MapSpec map_spec(MapKind kind, Index dim, std::uint64_t seed, const KeywordOptio
   if (owns(info, "lambda_features")) {
     s.lambda_features = o.integer("lambda_features");
     if (s.lambda_features < 1)
-      throw py::value_error("lambda_features must be at least 1, got " + std::to_string(s.lambda_features));
+      throw py::value_error("lambda_features must be at least 1, got " +
+                            std::to_string(s.lambda_features));
   }
   if (owns(info, "bandwidth")) {
     s.bandwidth = o.real("bandwidth");
     if (!(s.bandwidth > 0) || !std::isfinite(s.bandwidth))
-      throw py::value_error("bandwidth must be positive and finite, got " + std::to_string(s.bandwidth));
+      throw py::value_error("bandwidth must be positive and finite, got " +
+                            std::to_string(s.bandwidth));
   }
   return s;
 }
@@ -129,15 +140,21 @@ MapSpec map_spec(MapKind kind, Index dim, std::uint64_t seed, const KeywordOptio
 template <typename Scalar>
 AnyMap<Scalar> build_map(const MapSpec& s) {
   switch (s.kind) {
-    case MapKind::positive: return plain_map<randattn::PositiveFeatures, Scalar>(s);
-    case MapKind::hyperbolic: return plain_map<randattn::HyperbolicFeatures, Scalar>(s);
-    case MapKind::trig: return plain_map<randattn::TrigFeatures, Scalar>(s);
+    case MapKind::positive:
+      return plain_map<randattn::PositiveFeatures, Scalar>(s);
+    case MapKind::hyperbolic:
+      return plain_map<randattn::HyperbolicFeatures, Scalar>(s);
+    case MapKind::trig:
+      return plain_map<randattn::TrigFeatures, Scalar>(s);
     case MapKind::angular_hybrid:
     case MapKind::gaussian_hybrid:
       switch (s.projection) {
-        case ProjectionKind::iid: return hybrid_map<Scalar, randattn::GaussianProjection<Scalar>>(s);
-        case ProjectionKind::hadamard: return hybrid_map<Scalar, randattn::HadamardProjection<Scalar>>(s);
-        case ProjectionKind::orthogonal: return hybrid_map<Scalar, randattn::OrthogonalProjection<Scalar>>(s);
+        case ProjectionKind::iid:
+          return hybrid_map<Scalar, randattn::GaussianProjection<Scalar>>(s);
+        case ProjectionKind::hadamard:
+          return hybrid_map<Scalar, randattn::HadamardProjection<Scalar>>(s);
+        case ProjectionKind::orthogonal:
+          return hybrid_map<Scalar, randattn::OrthogonalProjection<Scalar>>(s);
       }
   }
   throw std::logic_error("unhandled feature-map kind");
@@ -166,7 +183,8 @@ randattn::FeatureSide parse_side(const std::string& side) {
 // A map of each scalar type, built together from one spec. Immutable: redraw() replaces it, so a
 // computation running without the GIL keeps the maps it started with.
 struct MapPair {
-  explicit MapPair(const MapSpec& spec) : single(build_map<float>(spec)), dual(build_map<double>(spec)) {}
+  explicit MapPair(const MapSpec& spec)
+      : single(build_map<float>(spec)), dual(build_map<double>(spec)) {}
   AnyMap<float> single;
   AnyMap<double> dual;
 
@@ -184,11 +202,13 @@ class FeatureMap {
  public:
   FeatureMap(const std::string& kind, py::handle dim, py::handle seed, const py::dict& options) {
     const MapKindInfo& info = map_kind(parse_kind(kind));
-    check_keywords(options, info.options, "FeatureMap", "kind '" + kind + "'", [&](const std::string& name) {
-      for (const MapKindInfo& other : map_kinds())
-        if (owns(other, name.c_str())) return std::string("kind '") + other.name + "'";
-      return std::string();
-    });
+    check_keywords(options, info.options, "FeatureMap", "kind '" + kind + "'",
+                   [&](const std::string& name) {
+                     for (const MapKindInfo& other : map_kinds())
+                       if (owns(other, name.c_str()))
+                         return std::string("kind '") + other.name + "'";
+                     return std::string();
+                   });
     const Index d = to_integer(dim, "d");
     if (d < 1) throw py::value_error("d must be at least 1, got " + std::to_string(d));
     spec_ = map_spec(info.kind, d, to_seed(seed, "seed"), KeywordOptions(info.options, options));
@@ -196,19 +216,22 @@ class FeatureMap {
   }
 
   // (values (n, M), log_scale (n,)): row i of x maps to exp(log_scale[i]) * values[i].
-  py::tuple features(py::handle x_obj, py::handle normaliser_obj, const std::string& side_name) const {
+  py::tuple features(py::handle x_obj, py::handle normaliser_obj,
+                     const std::string& side_name) const {
     const py::array x = as_float_array(x_obj, "x");
     const double normaliser = to_real(normaliser_obj, "normaliser");
     const randattn::FeatureSide side = parse_side(side_name);
     if (x.ndim() != 2 || x.shape(1) != spec_.dim)
-      throw py::value_error("x: expected an (n, " + std::to_string(spec_.dim) + ") array, got shape " +
-                            shape_str(shape_of(x)));
+      throw py::value_error("x: expected an (n, " + std::to_string(spec_.dim) +
+                            ") array, got shape " + shape_str(shape_of(x)));
     return dtype_of(x) == Dtype::float32 ? typed_features<float>(x, normaliser, side)
                                          : typed_features<double>(x, normaliser, side);
   }
 
   void redraw(py::handle seed) {
-    if (spec_.omega) throw py::value_error("FeatureMap.redraw: this map has a given omega, which cannot be redrawn");
+    if (spec_.omega)
+      throw py::value_error(
+          "FeatureMap.redraw: this map has a given omega, which cannot be redrawn");
     MapSpec next = spec_;
     next.seed = to_seed(seed, "seed");
     maps_ = std::make_shared<const MapPair>(next);
@@ -224,7 +247,8 @@ class FeatureMap {
 
   // ±1 per feature: the kernel estimate is φ(q)ᵀ diag(signs) φ(k).
   py::array_t<double> signs() const {
-    const randattn::Vector<double> s = std::visit([](const auto& m) { return randattn::Vector<double>(m.signs()); }, maps_->dual);
+    const randattn::Vector<double> s =
+        std::visit([](const auto& m) { return randattn::Vector<double>(m.signs()); }, maps_->dual);
     py::array_t<double> out(feature_dim());
     for (Index i = 0; i < feature_dim(); ++i) out.mutable_at(i) = s.size() ? s(i) : 1.0;
     return out;
@@ -249,7 +273,8 @@ class FeatureMap {
 
  private:
   template <typename Scalar>
-  py::tuple typed_features(const py::array& x, double normaliser, randattn::FeatureSide side) const {
+  py::tuple typed_features(const py::array& x, double normaliser,
+                           randattn::FeatureSide side) const {
     const RowMajorInput<Scalar> in(x);
     const Index n = x.shape(0), dim = feature_dim();
     py::array_t<Scalar> values({n, dim}), log_scale(n);
@@ -262,9 +287,13 @@ class FeatureMap {
       // last bit of some entries, so results written straight into NumPy's buffer would depend
       // on where NumPy put it.
       const Eigen::Map<const randattn::RowMatrix<Scalar>> xm(in.data(), n, spec_.dim);
-      randattn::ScaledFeatures<Scalar> f{randattn::RowMatrix<Scalar>(n, dim), randattn::Vector<Scalar>(n)};
-      std::visit([&](const auto& m) { m.features_into(xm, static_cast<Scalar>(normaliser), f.values, f.log_scale, side); },
-                 maps->template get<Scalar>());
+      randattn::ScaledFeatures<Scalar> f{randattn::RowMatrix<Scalar>(n, dim),
+                                         randattn::Vector<Scalar>(n)};
+      std::visit(
+          [&](const auto& m) {
+            m.features_into(xm, static_cast<Scalar>(normaliser), f.values, f.log_scale, side);
+          },
+          maps->template get<Scalar>());
       std::copy(f.values.data(), f.values.data() + f.values.size(), values_data);
       std::copy(f.log_scale.data(), f.log_scale.data() + n, log_scale_data);
     });
@@ -288,7 +317,8 @@ class TypedDecoder {
  public:
   using RowVector = Eigen::Matrix<Scalar, 1, Eigen::Dynamic>;
 
-  TypedDecoder(const AnyMap<Scalar>& map, Index value_dim, const randattn::RandomFeatureOptions& opt)
+  TypedDecoder(const AnyMap<Scalar>& map, Index value_dim,
+               const randattn::RandomFeatureOptions& opt)
       : decoder_(std::visit(
             [&](const auto& m) -> Any {
               return randattn::RandomFeatureDecoder<std::decay_t<decltype(m)>>(m, value_dim, opt);
@@ -296,12 +326,18 @@ class TypedDecoder {
             map)) {}
 
   void append(const Scalar* k, Index dim, const Scalar* v, Index value_dim) {
-    std::visit([&](auto& d) { d.append(Eigen::Map<const RowVector>(k, dim), Eigen::Map<const RowVector>(v, value_dim)); },
-               decoder_);
+    std::visit(
+        [&](auto& d) {
+          d.append(Eigen::Map<const RowVector>(k, dim), Eigen::Map<const RowVector>(v, value_dim));
+        },
+        decoder_);
   }
   void query(const Scalar* q, Index dim, Scalar* out, Index value_dim) {
-    std::visit([&](auto& d) { d.query_into(Eigen::Map<const RowVector>(q, dim), Eigen::Map<RowVector>(out, value_dim)); },
-               decoder_);
+    std::visit(
+        [&](auto& d) {
+          d.query_into(Eigen::Map<const RowVector>(q, dim), Eigen::Map<RowVector>(out, value_dim));
+        },
+        decoder_);
   }
   Index length() const {
     return std::visit([](const auto& d) { return d.length(); }, decoder_);
@@ -320,11 +356,13 @@ class Decoder {
   Decoder(const FeatureMap& map, py::handle value_dim, const std::string& dtype, py::handle scale,
           py::handle denominator_epsilon, py::handle check_finite)
       : dim_(map.spec().dim), value_dim_(to_integer(value_dim, "value_dim")) {
-    if (value_dim_ < 0) throw py::value_error("value_dim must be >= 0, got " + std::to_string(value_dim_));
+    if (value_dim_ < 0)
+      throw py::value_error("value_dim must be >= 0, got " + std::to_string(value_dim_));
     randattn::RandomFeatureOptions opt;
     opt.causal = true;
     if (!scale.is_none()) opt.scale = to_real(scale, "scale");
-    if (!denominator_epsilon.is_none()) opt.denominator_epsilon = to_real(denominator_epsilon, "denominator_epsilon");
+    if (!denominator_epsilon.is_none())
+      opt.denominator_epsilon = to_real(denominator_epsilon, "denominator_epsilon");
     opt.check_finite = to_flag(check_finite, "check_finite");
     const auto maps = map.maps();
     if (dtype == "float32") {
@@ -377,11 +415,12 @@ class Decoder {
   py::array token(py::handle obj, const std::string& name, Index size) const {
     const py::array a = as_float_array(obj, name);
     if (dtype_of(a) != dtype_)
-      throw py::type_error(name + " has dtype " + dtype_name(dtype_of(a)) + " but the decoder works in " +
-                           dtype_name(dtype_));
+      throw py::type_error(name + " has dtype " + dtype_name(dtype_of(a)) +
+                           " but the decoder works in " + dtype_name(dtype_));
     const bool row = a.ndim() == 1 || (a.ndim() == 2 && a.shape(0) == 1);
     if (!row || a.size() != size)
-      throw py::value_error(name + ": expected shape (" + std::to_string(size) + ",), got " + shape_str(shape_of(a)));
+      throw py::value_error(name + ": expected shape (" + std::to_string(size) + ",), got " +
+                            shape_str(shape_of(a)));
     return a;
   }
 
@@ -414,8 +453,8 @@ class Decoder {
 void bind_feature_maps(py::module_& m) {
   using namespace pybind11::literals;
   py::class_<FeatureMap>(m, "FeatureMap")
-      .def(py::init<const std::string&, py::handle, py::handle, const py::dict&>(), "kind"_a, "d"_a, "seed"_a,
-           "options"_a)
+      .def(py::init<const std::string&, py::handle, py::handle, const py::dict&>(), "kind"_a, "d"_a,
+           "seed"_a, "options"_a)
       .def("features", &FeatureMap::features, "x"_a, "normaliser"_a, "side"_a)
       .def("redraw", &FeatureMap::redraw, "seed"_a)
       .def_property_readonly("kind", &FeatureMap::kind)
@@ -427,8 +466,9 @@ void bind_feature_maps(py::module_& m) {
       .def_property_readonly("omega", &FeatureMap::omega);
 
   py::class_<Decoder>(m, "Decoder")
-      .def(py::init<const FeatureMap&, py::handle, const std::string&, py::handle, py::handle, py::handle>(), "map"_a,
-           "value_dim"_a, "dtype"_a, "scale"_a, "denominator_epsilon"_a, "check_finite"_a)
+      .def(py::init<const FeatureMap&, py::handle, const std::string&, py::handle, py::handle,
+                    py::handle>(),
+           "map"_a, "value_dim"_a, "dtype"_a, "scale"_a, "denominator_epsilon"_a, "check_finite"_a)
       .def("append", &Decoder::append, "k"_a, "v"_a)
       .def("query", &Decoder::query, "q"_a)
       .def("reset", &Decoder::reset)

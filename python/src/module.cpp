@@ -23,13 +23,18 @@ PYBIND11_MODULE(_core, m) {
   rp::bind_attention(m);
   rp::bind_feature_maps(m);
   rp::bind_sketch(m);
-  m.def("input_copies", [] { return rp::input_copies().load(); },
-        "Number of inputs copied because they were not C-contiguous (arrays that are used in place are not counted)");
-  m.def("max_threads", [] {
+  m.def(
+      "input_copies", [] { return rp::input_copies().load(); },
+      "Number of inputs copied because they were not C-contiguous (arrays that are used in place "
+      "are not counted)");
+  m.def(
+      "max_threads",
+      [] {
 #ifdef _OPENMP
-    return omp_get_max_threads();
+        return omp_get_max_threads();
 #else
-    return 1;
+        return 1;
 #endif
-  }, "OpenMP threads a call uses when threads=None");
+      },
+      "OpenMP threads a call uses when threads=None");
 }

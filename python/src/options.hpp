@@ -47,9 +47,12 @@ inline py::dict defaults_of(const std::vector<OptionSpec>& specs) {
 // check_keywords). Values are converted on access, with messages naming the option.
 class KeywordOptions {
  public:
-  KeywordOptions(std::vector<OptionSpec> specs, py::dict given) : specs_(std::move(specs)), given_(std::move(given)) {}
+  KeywordOptions(std::vector<OptionSpec> specs, py::dict given)
+      : specs_(std::move(specs)), given_(std::move(given)) {}
 
-  bool given(const std::string& name) const { return given_.contains(py::str(name)) && !value(name).is_none(); }
+  bool given(const std::string& name) const {
+    return given_.contains(py::str(name)) && !value(name).is_none();
+  }
 
   // The given value, or the default; None when neither is set.
   py::object value(const std::string& name) const {
@@ -72,8 +75,8 @@ class KeywordOptions {
 // TypeError for a keyword that `specs` does not hold. `owner` ("method 'exact'") and
 // `belongs_to(name)` (the owners of an option elsewhere, or "") make the message precise.
 template <typename BelongsTo>
-void check_keywords(const py::dict& given, const std::vector<OptionSpec>& specs, const std::string& where,
-                    const std::string& owner, BelongsTo&& belongs_to) {
+void check_keywords(const py::dict& given, const std::vector<OptionSpec>& specs,
+                    const std::string& where, const std::string& owner, BelongsTo&& belongs_to) {
   for (const auto& item : given) {
     const std::string name = py::str(item.first);
     bool known = false;
@@ -81,7 +84,8 @@ void check_keywords(const py::dict& given, const std::vector<OptionSpec>& specs,
     if (known) continue;
     const std::string elsewhere = belongs_to(name);
     if (!elsewhere.empty())
-      throw py::type_error(where + "() got option '" + name + "', which belongs to " + elsewhere + ", not " + owner);
+      throw py::type_error(where + "() got option '" + name + "', which belongs to " + elsewhere +
+                           ", not " + owner);
     throw py::type_error(where + "() got an unexpected keyword argument '" + name + "'");
   }
 }

@@ -55,7 +55,8 @@ py::array_t<Scalar> to_numpy(const std::vector<Scalar>& v) {
   return out;
 }
 
-randattn::SparsifyOptions sparsify_options(py::handle budget, const std::string& scheme, py::handle seed) {
+randattn::SparsifyOptions sparsify_options(py::handle budget, const std::string& scheme,
+                                           py::handle seed) {
   randattn::SparsifyOptions opt;
   opt.budget = to_real(budget, "budget");
   opt.scheme = randattn::parse_scheme(scheme);
@@ -87,10 +88,13 @@ py::list hosvd(py::handle a, py::handle ranks_obj, py::handle budget, py::handle
   std::vector<Index> ranks;
   if (!py::isinstance<py::sequence>(ranks_obj) || py::isinstance<py::str>(ranks_obj))
     throw py::type_error("ranks must be a sequence of integers, got " + type_name(ranks_obj));
-  for (py::handle r : py::reinterpret_borrow<py::sequence>(ranks_obj)) ranks.push_back(to_integer(r, "ranks"));
+  for (py::handle r : py::reinterpret_borrow<py::sequence>(ranks_obj))
+    ranks.push_back(to_integer(r, "ranks"));
   std::optional<randattn::SparsifyOptions> opt;
-  if (!budget.is_none()) opt = sparsify_options(budget, "spa", seed);
-  else to_seed(seed, "seed");
+  if (!budget.is_none())
+    opt = sparsify_options(budget, "spa", seed);
+  else
+    to_seed(seed, "seed");
   return with_tensor(a, [&](const auto& view) {
     using Scalar = typename std::decay_t<decltype(view)>::Scalar;
     randattn::Hosvd<Scalar> result;
@@ -113,12 +117,14 @@ py::list hosvd(py::handle a, py::handle ranks_obj, py::handle budget, py::handle
 // The mode-`mode` unfolding of a sparse tensor as CSR arrays (data, indices, indptr, shape),
 // columns running over the remaining indices in row-major order.
 template <typename Scalar>
-py::tuple typed_unfold(const std::vector<Index>& dims, const py::array& flat, const py::array& values, Index mode) {
+py::tuple typed_unfold(const std::vector<Index>& dims, const py::array& flat,
+                       const py::array& values, Index mode) {
   const auto f = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>::ensure(flat);
   const RowMajorInput<Scalar> vals(values);
   const Index nnz = f.size();
   if (values.size() != nnz)
-    throw py::value_error(std::to_string(nnz) + " indices but " + std::to_string(values.size()) + " values");
+    throw py::value_error(std::to_string(nnz) + " indices but " + std::to_string(values.size()) +
+                          " values");
   randattn::SparseTensor<Scalar> s(dims, std::vector<Index>(f.data(), f.data() + nnz),
                                    std::vector<Scalar>(vals.data(), vals.data() + nnz));
   const auto m = randattn::unfold<Eigen::RowMajor>(s, mode);
@@ -132,7 +138,8 @@ py::tuple typed_unfold(const std::vector<Index>& dims, const py::array& flat, co
 
 py::tuple unfold(py::handle dims_obj, py::handle flat_obj, py::handle values_obj, py::handle mode) {
   std::vector<Index> dims;
-  for (py::handle d : py::reinterpret_borrow<py::sequence>(dims_obj)) dims.push_back(to_integer(d, "shape"));
+  for (py::handle d : py::reinterpret_borrow<py::sequence>(dims_obj))
+    dims.push_back(to_integer(d, "shape"));
   if (!py::isinstance<py::array>(flat_obj)) throw py::type_error("indices must be a NumPy array");
   const auto flat = py::reinterpret_borrow<py::array>(flat_obj);
   const py::array values = as_float_array(values_obj, "values");

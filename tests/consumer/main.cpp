@@ -7,24 +7,16 @@
 
 int main() {
   randattn::RowMatrix<double> q(4, 3), k(4, 3), v(4, 3);
-  q << 0.5, -1.0, 0.25,
-       1.5, 0.0, -0.5,
-       -0.75, 0.5, 1.0,
-       0.0, 2.0, 0.5;
-  k << 1.0, 0.5, -0.5,
-       -1.0, 0.25, 0.75,
-       0.5, -1.5, 0.0,
-       0.25, 1.0, 1.25;
+  q << 0.5, -1.0, 0.25, 1.5, 0.0, -0.5, -0.75, 0.5, 1.0, 0.0, 2.0, 0.5;
+  k << 1.0, 0.5, -0.5, -1.0, 0.25, 0.75, 0.5, -1.5, 0.0, 0.25, 1.0, 1.25;
   // The last row lies inside the simplex spanned by the first three, so "convex combination of
   // the rows of V" means: entries in [0, 1] summing to 1.
-  v << 1.0, 0.0, 0.0,
-       0.0, 1.0, 0.0,
-       0.0, 0.0, 1.0,
-       1.0 / 3, 1.0 / 3, 1.0 / 3;
+  v << 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0 / 3, 1.0 / 3, 1.0 / 3;
 
   const randattn::RowMatrix<double> out = randattn::exact_attention(q, k, v);
   if (out.rows() != 4 || out.cols() != 3) {
-    std::printf("unexpected output shape %ldx%ld\n", static_cast<long>(out.rows()), static_cast<long>(out.cols()));
+    std::printf("unexpected output shape %ldx%ld\n", static_cast<long>(out.rows()),
+                static_cast<long>(out.cols()));
     return 1;
   }
 

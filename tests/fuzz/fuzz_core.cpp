@@ -102,7 +102,8 @@ void run(FuzzedDataProvider& in) {
         randattn::ExactOptions opt;
         opt.causal = causal;
         RowMatrix<Scalar> out(shape.slices() * shape.n_q, dv);
-        randattn::exact_attention_batched<Scalar>(q.data(), k.data(), v.data(), out.data(), shape, opt);
+        randattn::exact_attention_batched<Scalar>(q.data(), k.data(), v.data(), out.data(), shape,
+                                                  opt);
         FUZZ_REQUIRE(out.allFinite());
         break;
       }

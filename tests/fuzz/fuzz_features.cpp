@@ -23,23 +23,28 @@ using randattn::RowMatrix;
 using fuzzing::consume_matrix;
 
 template <typename Map, typename Scalar = typename Map::Scalar>
-void attend(FuzzedDataProvider& in, const Map& map, const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k,
-            const RowMatrix<Scalar>& v) {
+void attend(FuzzedDataProvider& in, const Map& map, const RowMatrix<Scalar>& q,
+            const RowMatrix<Scalar>& k, const RowMatrix<Scalar>& v) {
   randattn::RandomFeatureOptions opt;
   opt.causal = in.ConsumeBool();
   if (in.ConsumeBool()) opt.scale = in.ConsumeFloatingPoint<double>();
-  if (in.ConsumeBool()) opt.denominator_epsilon = in.ConsumeFloatingPointInRange<double>(-1e-3, 1e-3);
+  if (in.ConsumeBool())
+    opt.denominator_epsilon = in.ConsumeFloatingPointInRange<double>(-1e-3, 1e-3);
   opt.block_size = in.ConsumeIntegralInRange<Index>(-1, 40);
   {
     std::ostringstream c;
     c << "causal " << opt.causal << " scale " << (opt.scale ? *opt.scale : -1.0) << " eps "
       << (opt.denominator_epsilon ? *opt.denominator_epsilon : -1.0) << " block " << opt.block_size
-      << "\nq\n" << q << "\nk\n" << k << "\nv\n" << v;
+      << "\nq\n"
+      << q << "\nk\n"
+      << k << "\nv\n"
+      << v;
     fuzzing::context += c.str();
   }
   const RowMatrix<Scalar> out = randattn::random_feature_attention(map, q, k, v, opt);
   FUZZ_REQUIRE(out.rows() == q.rows() && out.cols() == v.cols() && out.allFinite());
-  if (Map::nonnegative && !opt.denominator_epsilon) fuzzing::require_convex(out, v, /*zero_rows_allowed=*/true);
+  if (Map::nonnegative && !opt.denominator_epsilon)
+    fuzzing::require_convex(out, v, /*zero_rows_allowed=*/true);
 }
 
 template <typename Scalar>
@@ -50,28 +55,43 @@ void run(FuzzedDataProvider& in) {
   const Index n = in.ConsumeIntegralInRange(0, 24), d = in.ConsumeIntegralInRange(0, 9);
   const Index dv = in.ConsumeIntegralInRange(0, 4), m = in.ConsumeIntegralInRange(0, 12);
   const std::uint64_t seed = in.ConsumeIntegral<std::uint32_t>();
-  fuzzing::context = "map " + std::to_string(map_kind) + " projection " + std::to_string(projection_kind) +
-            " m " + std::to_string(m) + " seed " + std::to_string(seed) + " " +
-            (sizeof(Scalar) == 4 ? "float " : "double ");
+  fuzzing::context = "map " + std::to_string(map_kind) + " projection " +
+                     std::to_string(projection_kind) + " m " + std::to_string(m) + " seed " +
+                     std::to_string(seed) + " " + (sizeof(Scalar) == 4 ? "float " : "double ");
   const RowMatrix<Scalar> q = consume_matrix<Scalar>(in, n, d, mode);
   const RowMatrix<Scalar> k = consume_matrix<Scalar>(in, n, d, mode);
   const RowMatrix<Scalar> v = consume_matrix<Scalar>(in, n, dv, mode);
   try {
     auto with_projection = [&](auto make_map) {
       switch (projection_kind) {
-        case 0: return attend(in, make_map(randattn::GaussianProjection<Scalar>(m, d, seed)), q, k, v);
-        case 1: return attend(in, make_map(randattn::OrthogonalProjection<Scalar>(m, d, seed)), q, k, v);
-        default: return attend(in, make_map(randattn::HadamardProjection<Scalar>(m, d, seed)), q, k, v);
+        case 0:
+          return attend(in, make_map(randattn::GaussianProjection<Scalar>(m, d, seed)), q, k, v);
+        case 1:
+          return attend(in, make_map(randattn::OrthogonalProjection<Scalar>(m, d, seed)), q, k, v);
+        default:
+          return attend(in, make_map(randattn::HadamardProjection<Scalar>(m, d, seed)), q, k, v);
       }
     };
     switch (map_kind) {
-      case 0: with_projection([](auto p) { return randattn::PositiveFeatures(std::move(p)); }); break;
-      case 1: with_projection([](auto p) { return randattn::HyperbolicFeatures(std::move(p)); }); break;
-      case 2: with_projection([](auto p) { return randattn::TrigFeatures(std::move(p)); }); break;
-      case 3: attend(in, randattn::angular_hybrid<Scalar>(m, in.ConsumeIntegralInRange<Index>(0, 4), d, seed), q, k, v); break;
+      case 0:
+        with_projection([](auto p) { return randattn::PositiveFeatures(std::move(p)); });
+        break;
+      case 1:
+        with_projection([](auto p) { return randattn::HyperbolicFeatures(std::move(p)); });
+        break;
+      case 2:
+        with_projection([](auto p) { return randattn::TrigFeatures(std::move(p)); });
+        break;
+      case 3:
+        attend(in,
+               randattn::angular_hybrid<Scalar>(m, in.ConsumeIntegralInRange<Index>(0, 4), d, seed),
+               q, k, v);
+        break;
       case 4:
-        attend(in, randattn::gaussian_hybrid<Scalar>(m, in.ConsumeIntegralInRange<Index>(0, 4), d,
-                                                     in.ConsumeFloatingPoint<double>(), seed), q, k, v);
+        attend(in,
+               randattn::gaussian_hybrid<Scalar>(m, in.ConsumeIntegralInRange<Index>(0, 4), d,
+                                                 in.ConsumeFloatingPoint<double>(), seed),
+               q, k, v);
         break;
       default: {  // streaming decoder of a positive map
         randattn::RandomFeatureDecoder decoder(

@@ -15,13 +15,13 @@ namespace fuzzing {
 
 inline std::string context;  // what the current input exercises, printed when a check fails
 
-#define FUZZ_REQUIRE(cond)                                                                       \
-  do {                                                                                           \
-    if (!(cond)) {                                                                               \
+#define FUZZ_REQUIRE(cond)                                                                     \
+  do {                                                                                         \
+    if (!(cond)) {                                                                             \
       std::fprintf(stderr, "fuzz check failed: %s (%s:%d) in %s\n", #cond, __FILE__, __LINE__, \
-                   fuzzing::context.c_str());                                                    \
-      std::abort();                                                                              \
-    }                                                                                            \
+                   fuzzing::context.c_str());                                                  \
+      std::abort();                                                                            \
+    }                                                                                          \
   } while (0)
 
 template <typename Scalar>
@@ -55,20 +55,21 @@ void require_convex(const randattn::RowMatrix<Scalar>& out, const randattn::RowM
   for (randattn::Index i = 0; i < out.rows(); ++i) {
     if (zero_rows_allowed && (out.row(i).array() == 0).all()) continue;
     for (randattn::Index c = 0; c < v.cols(); ++c)
-      FUZZ_REQUIRE(out(i, c) >= v.col(c).minCoeff() - slack && out(i, c) <= v.col(c).maxCoeff() + slack);
+      FUZZ_REQUIRE(out(i, c) >= v.col(c).minCoeff() - slack &&
+                   out(i, c) <= v.col(c).maxCoeff() + slack);
   }
 }
 
 }  // namespace fuzzing
 
 // Defines the libFuzzer entry point: the first decoded bool picks float or double for run<Scalar>.
-#define RANDATTN_FUZZ_FLOAT_AND_DOUBLE(run)                                         \
+#define RANDATTN_FUZZ_FLOAT_AND_DOUBLE(run)                                           \
   extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) { \
-    FuzzedDataProvider in(data, size);                                              \
-    if (in.ConsumeBool()) {                                                         \
-      run<float>(in);                                                               \
-    } else {                                                                        \
-      run<double>(in);                                                              \
-    }                                                                               \
-    return 0;                                                                       \
+    FuzzedDataProvider in(data, size);                                                \
+    if (in.ConsumeBool()) {                                                           \
+      run<float>(in);                                                                 \
+    } else {                                                                          \
+      run<double>(in);                                                                \
+    }                                                                                 \
+    return 0;                                                                         \
   }

@@ -28,12 +28,13 @@ void run(FuzzedDataProvider& in) {
     size *= dim;
   }
   randattn::SparsifyOptions opt;
-  opt.budget = in.ConsumeBool() ? in.ConsumeFloatingPoint<double>() : in.ConsumeFloatingPointInRange<double>(0, 400);
+  opt.budget = in.ConsumeBool() ? in.ConsumeFloatingPoint<double>()
+                                : in.ConsumeFloatingPointInRange<double>(0, 400);
   opt.scheme = static_cast<randattn::SparsifyScheme>(in.ConsumeIntegralInRange(0, 3));
   opt.seed = in.ConsumeIntegral<std::uint32_t>();
   const int entry = in.ConsumeIntegralInRange(0, 2);
-  fuzzing::context = "order " + std::to_string(order) + " size " + std::to_string(size) + " budget " +
-                     std::to_string(opt.budget) + " entry " + std::to_string(entry);
+  fuzzing::context = "order " + std::to_string(order) + " size " + std::to_string(size) +
+                     " budget " + std::to_string(opt.budget) + " entry " + std::to_string(entry);
   std::vector<Scalar> data(static_cast<std::size_t>(size));
   for (Scalar& x : data) x = fuzzing::consume_value<Scalar>(in, mode);
   try {
@@ -52,24 +53,30 @@ void run(FuzzedDataProvider& in) {
           for (int pass = 0; pass < 2; ++pass) {
             for (Index pos = 0; pos < size; pos += block) {
               const Index len = std::min(block, size - pos);
-              pass == 0 ? stream.add_norm_block(data.data() + pos, len) : stream.add_sample_block(data.data() + pos, len);
+              pass == 0 ? stream.add_norm_block(data.data() + pos, len)
+                        : stream.add_sample_block(data.data() + pos, len);
             }
           }
           const auto streamed = stream.finish();
-          FUZZ_REQUIRE(streamed.indices() == sketch.indices() && streamed.values() == sketch.values());
+          FUZZ_REQUIRE(streamed.indices() == sketch.indices() &&
+                       streamed.values() == sketch.values());
           FUZZ_REQUIRE(streamed.stats.expected_nnz == sketch.stats.expected_nnz);
         }
         break;
       }
       case 1: {
         std::vector<Index> ranks;
-        for (std::size_t j = 0; j < dims.size(); ++j) ranks.push_back(in.ConsumeIntegralInRange<Index>(0, 4));
+        for (std::size_t j = 0; j < dims.size(); ++j)
+          ranks.push_back(in.ConsumeIntegralInRange<Index>(0, 4));
         opt.scheme = randattn::SparsifyScheme::spa;
         const auto h = randattn::sketched_hosvd(view, ranks, opt);
         for (const auto& u : h.factors) {
           FUZZ_REQUIRE(u.allFinite());
-          const randattn::RowMatrix<double> gram = u.template cast<double>().transpose() * u.template cast<double>();
-          FUZZ_REQUIRE((gram - randattn::RowMatrix<double>::Identity(gram.rows(), gram.cols())).cwiseAbs().maxCoeff() < 1e-3);
+          const randattn::RowMatrix<double> gram =
+              u.template cast<double>().transpose() * u.template cast<double>();
+          FUZZ_REQUIRE((gram - randattn::RowMatrix<double>::Identity(gram.rows(), gram.cols()))
+                           .cwiseAbs()
+                           .maxCoeff() < 1e-3);
         }
         break;
       }

@@ -52,7 +52,8 @@ RowMatrix<Scalar> gather_rows(Communicator& comm, const RowMatrix<Scalar>& local
   for (int r = 0; r < comm.size(); ++r) {
     for (const auto& s : part.segments(r)) {
       for (Index i = 0; i < s.count; ++i, ++at)
-        for (Index j = 0; j < local.cols(); ++j) out(s.first + i, j) = all[std::size_t(at * local.cols() + j)];
+        for (Index j = 0; j < local.cols(); ++j)
+          out(s.first + i, j) = all[std::size_t(at * local.cols() + j)];
     }
   }
   return out;

@@ -49,12 +49,13 @@ std::string collective_error(Communicator& comm, Fn&& fn) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("Ring attention equals exact attention, contiguous and zig-zag, causal or not", "[mpi][ring]",
-                   float, double) {
+TEMPLATE_TEST_CASE("Ring attention equals exact attention, contiguous and zig-zag, causal or not",
+                   "[mpi][ring]", float, double) {
   using Scalar = TestType;
   Communicator comm;
   const Index n = 37, d = 8, dv = 5;
-  const RowMatrix<Scalar> q = gaussian<Scalar>(1, n, d), k = gaussian<Scalar>(2, n, d), v = gaussian<Scalar>(3, n, dv);
+  const RowMatrix<Scalar> q = gaussian<Scalar>(1, n, d), k = gaussian<Scalar>(2, n, d),
+                          v = gaussian<Scalar>(3, n, dv);
   for (const RowLayout layout : {RowLayout::contiguous, RowLayout::zigzag}) {
     for (const bool causal : {false, true}) {
       CAPTURE(int(layout), causal);
@@ -66,21 +67,23 @@ TEMPLATE_TEST_CASE("Ring attention equals exact attention, contiguous and zig-za
       ref_opt.causal = causal;
       const RowMatrix<Scalar> ref = randattn::exact_attention(q, k, v, ref_opt);
       const RowMatrix<Scalar> mine = randattn::mpi::ring_attention<Scalar>(
-          comm, local_rows(q, comm, layout), local_rows(k, comm, layout), local_rows(v, comm, layout), opt);
+          comm, local_rows(q, comm, layout), local_rows(k, comm, layout),
+          local_rows(v, comm, layout), opt);
       REQUIRE(relative_error(comm, gather_rows(comm, mine, n, layout), ref) <= tolerance<Scalar>());
     }
   }
 }
 
-TEMPLATE_TEST_CASE("Ring attention with more keys than queries (bidirectional)", "[mpi][ring]", float, double) {
+TEMPLATE_TEST_CASE("Ring attention with more keys than queries (bidirectional)", "[mpi][ring]",
+                   float, double) {
   using Scalar = TestType;
   Communicator comm;
   const Index n_q = 11, n_k = 29, d = 6, dv = 3;
   const RowMatrix<Scalar> q = gaussian<Scalar>(4, n_q, d), k = gaussian<Scalar>(5, n_k, d),
                           v = gaussian<Scalar>(6, n_k, dv);
   const RowMatrix<Scalar> ref = randattn::exact_attention(q, k, v);
-  const RowMatrix<Scalar> mine =
-      randattn::mpi::ring_attention<Scalar>(comm, local_rows(q, comm), local_rows(k, comm), local_rows(v, comm));
+  const RowMatrix<Scalar> mine = randattn::mpi::ring_attention<Scalar>(
+      comm, local_rows(q, comm), local_rows(k, comm), local_rows(v, comm));
   REQUIRE(relative_error(comm, gather_rows(comm, mine, n_q), ref) <= tolerance<Scalar>());
 }
 
@@ -91,8 +94,8 @@ void check_feature_map(const Map& map, Index n_q, Index n_k) {
   using Scalar = typename Map::Scalar;
   Communicator comm;
   const Index d = map.input_dim(), dv = 4;
-  const RowMatrix<Scalar> q = gaussian<Scalar>(7, n_q, d, 0.5), k = gaussian<Scalar>(8, n_k, d, 0.5),
-                          v = gaussian<Scalar>(9, n_k, dv);
+  const RowMatrix<Scalar> q = gaussian<Scalar>(7, n_q, d, 0.5),
+                          k = gaussian<Scalar>(8, n_k, d, 0.5), v = gaussian<Scalar>(9, n_k, dv);
   for (const bool causal : {false, true}) {
     if (causal && n_q != n_k) continue;
     CAPTURE(causal);
@@ -108,19 +111,31 @@ void check_feature_map(const Map& map, Index n_q, Index n_k) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("Random-feature attention equals the single-process result for every map", "[mpi][features]",
-                   float, double) {
+TEMPLATE_TEST_CASE("Random-feature attention equals the single-process result for every map",
+                   "[mpi][features]", float, double) {
   using Scalar = TestType;
   const Index d = 8, m = 16;
-  SECTION("positive") { check_feature_map(randattn::PositiveFeatures(randattn::OrthogonalProjection<Scalar>(m, d, 3)), 31, 31); }
-  SECTION("hyperbolic") {
-    check_feature_map(randattn::HyperbolicFeatures(randattn::GaussianProjection<Scalar>(m, d, 4)), 31, 31);
+  SECTION("positive") {
+    check_feature_map(randattn::PositiveFeatures(randattn::OrthogonalProjection<Scalar>(m, d, 3)),
+                      31, 31);
   }
-  SECTION("trig") { check_feature_map(randattn::TrigFeatures(randattn::HadamardProjection<Scalar>(m, d, 5)), 31, 31); }
-  SECTION("angular hybrid") { check_feature_map(randattn::angular_hybrid<Scalar>(m, 4, d, 6), 31, 31); }
-  SECTION("gaussian hybrid") { check_feature_map(randattn::gaussian_hybrid<Scalar>(m, 4, d, 1.0, 7), 31, 31); }
+  SECTION("hyperbolic") {
+    check_feature_map(randattn::HyperbolicFeatures(randattn::GaussianProjection<Scalar>(m, d, 4)),
+                      31, 31);
+  }
+  SECTION("trig") {
+    check_feature_map(randattn::TrigFeatures(randattn::HadamardProjection<Scalar>(m, d, 5)), 31,
+                      31);
+  }
+  SECTION("angular hybrid") {
+    check_feature_map(randattn::angular_hybrid<Scalar>(m, 4, d, 6), 31, 31);
+  }
+  SECTION("gaussian hybrid") {
+    check_feature_map(randattn::gaussian_hybrid<Scalar>(m, 4, d, 1.0, 7), 31, 31);
+  }
   SECTION("more keys than queries") {
-    check_feature_map(randattn::PositiveFeatures(randattn::OrthogonalProjection<Scalar>(m, d, 8)), 7, 23);
+    check_feature_map(randattn::PositiveFeatures(randattn::OrthogonalProjection<Scalar>(m, d, 8)),
+                      7, 23);
   }
 }
 
@@ -129,9 +144,11 @@ TEST_CASE("Ranks holding different feature maps fail together", "[mpi][features]
   const Index n = 13, d = 4;
   const RowMatrix<float> x = gaussian<float>(10, n, d);
   // A seed that depends on the rank: the maps differ as soon as there are two ranks.
-  const randattn::PositiveFeatures map(randattn::OrthogonalProjection<float>(8, d, 100 + comm.rank()));
+  const randattn::PositiveFeatures map(
+      randattn::OrthogonalProjection<float>(8, d, 100 + comm.rank()));
   const std::string error = collective_error(comm, [&] {
-    randattn::mpi::random_feature_attention(comm, map, local_rows(x, comm), local_rows(x, comm), local_rows(x, comm));
+    randattn::mpi::random_feature_attention(comm, map, local_rows(x, comm), local_rows(x, comm),
+                                            local_rows(x, comm));
   });
   if (comm.size() == 1) {
     REQUIRE(error.empty());
@@ -140,22 +157,26 @@ TEST_CASE("Ranks holding different feature maps fail together", "[mpi][features]
   }
 }
 
-TEST_CASE("A non-finite entry on the last rank's slice fails every rank with one message", "[mpi][errors]") {
+TEST_CASE("A non-finite entry on the last rank's slice fails every rank with one message",
+          "[mpi][errors]") {
   Communicator comm;
   const Index n = 17, d = 4;
   RowMatrix<double> q = gaussian<double>(11, n, d);
   q(n - 1, 2) = std::numeric_limits<double>::quiet_NaN();  // held by the last rank
-  const RowMatrix<double> ql = local_rows(q, comm), kl = local_rows(q, comm), vl = local_rows(q, comm);
-  const std::string ring = collective_error(comm, [&] { randattn::mpi::ring_attention<double>(comm, ql, kl, vl); });
+  const RowMatrix<double> ql = local_rows(q, comm), kl = local_rows(q, comm),
+                          vl = local_rows(q, comm);
+  const std::string ring =
+      collective_error(comm, [&] { randattn::mpi::ring_attention<double>(comm, ql, kl, vl); });
   REQUIRE(ring.find("non-finite") != std::string::npos);
   const randattn::PositiveFeatures map(randattn::OrthogonalProjection<double>(8, d, 1));
-  const std::string features =
-      collective_error(comm, [&] { randattn::mpi::random_feature_attention(comm, map, ql, kl, vl); });
+  const std::string features = collective_error(
+      comm, [&] { randattn::mpi::random_feature_attention(comm, map, ql, kl, vl); });
   REQUIRE(features.find("non-finite") != std::string::npos);
   const randattn::CrossPolytopeHash<double> hash(randattn::RotationKind::dense, d, 4, 2, 1);
   randattn::LshOptions lopt;
   lopt.chunk = 4;
-  const std::string lsh = collective_error(comm, [&] { randattn::mpi::lsh_attention<double>(comm, hash, ql, vl, lopt); });
+  const std::string lsh = collective_error(
+      comm, [&] { randattn::mpi::lsh_attention<double>(comm, hash, ql, vl, lopt); });
   REQUIRE(lsh.find("non-finite") != std::string::npos);
 }
 
@@ -164,7 +185,8 @@ TEST_CASE("Local row counts that do not match the layout fail every rank", "[mpi
   // Rank 0 holds one row too many for the contiguous layout (when there are two ranks or more).
   const Index rows = comm.rank() == 0 && comm.size() > 1 ? 6 : 5;
   const RowMatrix<float> x = gaussian<float>(12 + comm.rank(), rows, 3);
-  const std::string error = collective_error(comm, [&] { randattn::mpi::ring_attention<float>(comm, x, x, x); });
+  const std::string error =
+      collective_error(comm, [&] { randattn::mpi::ring_attention<float>(comm, x, x, x); });
   if (comm.size() == 1) {
     REQUIRE(error.empty());
   } else {
@@ -172,7 +194,8 @@ TEST_CASE("Local row counts that do not match the layout fail every rank", "[mpi
   }
 }
 
-TEMPLATE_TEST_CASE("LSH attention equals the single-process result for the same seed", "[mpi][lsh]", float, double) {
+TEMPLATE_TEST_CASE("LSH attention equals the single-process result for the same seed", "[mpi][lsh]",
+                   float, double) {
   using Scalar = TestType;
   Communicator comm;
   const Index n = 53, d = 8, dv = 4;
@@ -188,8 +211,8 @@ TEMPLATE_TEST_CASE("LSH attention equals the single-process result for the same 
         opt.causal = causal;
         opt.dedupe = dedupe;
         const RowMatrix<Scalar> ref = randattn::lsh_attention(hash, qk, v, opt);
-        const RowMatrix<Scalar> mine =
-            randattn::mpi::lsh_attention<Scalar>(comm, hash, local_rows(qk, comm), local_rows(v, comm), opt);
+        const RowMatrix<Scalar> mine = randattn::mpi::lsh_attention<Scalar>(
+            comm, hash, local_rows(qk, comm), local_rows(v, comm), opt);
         REQUIRE(relative_error(comm, gather_rows(comm, mine, n), ref) <= tolerance<Scalar>());
       }
     }

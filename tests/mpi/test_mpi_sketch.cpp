@@ -50,7 +50,8 @@ TEMPLATE_TEST_CASE("Sharded sparsify equals sparsify bit for bit", "[mpi][sketch
   REQUIRE(mine.stats.expected_nnz == ref.stats.expected_nnz);
 }
 
-TEMPLATE_TEST_CASE("Sharded sketched HOSVD matches sketched_hosvd", "[mpi][sketch]", float, double) {
+TEMPLATE_TEST_CASE("Sharded sketched HOSVD matches sketched_hosvd", "[mpi][sketch]", float,
+                   double) {
   using Scalar = TestType;
   Communicator comm;
   // A clear spectral gap: weak noise and a budget that keeps most entries.
@@ -63,8 +64,8 @@ TEMPLATE_TEST_CASE("Sharded sketched HOSVD matches sketched_hosvd", "[mpi][sketc
   opt.seed = 4;
   const randattn::SketchedHosvd<Scalar> ref = randattn::sketched_hosvd(a.view(), ranks, opt);
   const auto range = randattn::mpi::sketch_range(a.data.size(), comm.rank(), comm.size());
-  const randattn::SketchedHosvd<Scalar> mine =
-      randattn::mpi::sketched_hosvd(comm, kDims, a.data.data() + range.first, range.count, ranks, opt);
+  const randattn::SketchedHosvd<Scalar> mine = randattn::mpi::sketched_hosvd(
+      comm, kDims, a.data.data() + range.first, range.count, ranks, opt);
   REQUIRE(mine.nnz == ref.nnz);
   for (std::size_t j = 0; j < kDims.size(); ++j) {
     // The mode products differ only by the order of their sums (over ranks, then columns): an

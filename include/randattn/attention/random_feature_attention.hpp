@@ -20,16 +20,16 @@
 #include <cmath>
 #include <optional>
 #include <tuple>
-#include <utility>
 #include <type_traits>
+#include <utility>
 
 #include <Eigen/Core>
 
 #include "../core/linear_attention.hpp"
 #include "../core/linear_decoder.hpp"
 #include "../core/options.hpp"
-#include "../core/score_tile.hpp"
 #include "../core/scaled_features.hpp"
+#include "../core/score_tile.hpp"
 #include "../core/softmax_accumulator.hpp"
 #include "../core/types.hpp"
 #include "../detail/batch.hpp"
@@ -64,8 +64,8 @@ FeatureAttentionSettings<typename Map::Scalar> feature_attention_settings(
   const double eps = opt.denominator_epsilon ? *opt.denominator_epsilon
                      : Map::nonnegative      ? 0.0
                                              : LinearOptions{}.denominator_epsilon;
-  require(eps >= 0 && std::isfinite(eps), where, "denominator_epsilon must be finite and >= 0, got ",
-          eps);
+  require(eps >= 0 && std::isfinite(eps), where,
+          "denominator_epsilon must be finite and >= 0, got ", eps);
   require(Map::nonnegative || eps > 0, where,
           "this feature map is not positive: denominator_epsilon must be > 0 so that ",
           "denominators near zero are guarded");
@@ -86,7 +86,8 @@ void check_feature_slice(const char* where, const Map& map,
                          const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
                          const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
                          const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
-                         const FeatureAttentionSettings<typename Map::Scalar>& s, bool check_finite) {
+                         const FeatureAttentionSettings<typename Map::Scalar>& s,
+                         bool check_finite) {
   require(q.cols() == map.input_dim() && k.cols() == map.input_dim(), where, "q (", shape_of(q),
           ") and k (", shape_of(k), ") must have the feature map's input dimension ",
           map.input_dim());
@@ -103,11 +104,11 @@ void check_feature_slice(const char* where, const Map& map,
 
 // Validates one (q, k, v) slice and maps q and k to features.
 template <typename Map>
-std::pair<ScaledFeatures<typename Map::Scalar>, ScaledFeatures<typename Map::Scalar>>
-map_slice(const char* where, const Map& map, const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
-          const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
-          const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
-          const FeatureAttentionSettings<typename Map::Scalar>& s, bool check_finite) {
+std::pair<ScaledFeatures<typename Map::Scalar>, ScaledFeatures<typename Map::Scalar>> map_slice(
+    const char* where, const Map& map, const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
+    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
+    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
+    const FeatureAttentionSettings<typename Map::Scalar>& s, bool check_finite) {
   using Scalar = typename Map::Scalar;
   check_feature_slice(where, map, q, k, v, s, check_finite);
   const Index dim = map.feature_dim();
@@ -153,8 +154,7 @@ class MappedFeatureRows {
 
 template <typename Map>
 SoftmaxAccumulator<typename Map::Scalar> feature_attention_slice(
-    const char* where, const Map& map,
-    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
+    const char* where, const Map& map, const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
     const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
     const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
     const FeatureAttentionSettings<typename Map::Scalar>& s, bool check_finite) {
@@ -207,9 +207,9 @@ RowMatrix<typename Map::Scalar> random_feature_attention(const Map& map,
 // depend on the thread count.
 template <typename Map>
 void random_feature_attention_batched(const Map& map, const typename Map::Scalar* q,
-                                      const typename Map::Scalar* k,
-                                      const typename Map::Scalar* v, typename Map::Scalar* out,
-                                      const BatchShape& shape, const RandomFeatureOptions& opt = {}) {
+                                      const typename Map::Scalar* k, const typename Map::Scalar* v,
+                                      typename Map::Scalar* out, const BatchShape& shape,
+                                      const RandomFeatureOptions& opt = {}) {
   using Scalar = typename Map::Scalar;
   const char* where = "random_feature_attention_batched";
   detail::require(shape.d == map.input_dim(), where, "shape.d = ", shape.d,

@@ -43,8 +43,8 @@ Scalar check_exact_inputs(const char* where, const Eigen::Ref<const RowMatrix<Sc
   require(opt.block_size >= 0 && opt.block_size <= kMaxGemmDepth, where,
           "block_size must be in [0, ", kMaxGemmDepth, "], got ", opt.block_size);
   if (q.rows() > 0) {
-    require(k.rows() > 0, where, "attention over zero keys is undefined (q ", shape_of(q),
-            ", k ", shape_of(k), ")");
+    require(k.rows() > 0, where, "attention over zero keys is undefined (q ", shape_of(q), ", k ",
+            shape_of(k), ")");
     require(q.cols() > 0, where, "d must be >= 1 (q ", shape_of(q), ")");
   }
   return resolve_scale<Scalar>(where, opt, inverse_sqrt_dim(q.cols()));

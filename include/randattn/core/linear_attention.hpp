@@ -55,10 +55,10 @@ void check_linear_inputs(const char* where, const Eigen::Ref<const RowMatrix<Sca
           shape_of(kf), ") must have the same feature dimension");
   require(kf.rows() == v.rows(), where, "k_features (", shape_of(kf), ") and v (", shape_of(v),
           ") must have the same number of rows");
-  require(q_log.size() == 0 || q_log.size() == qf.rows(), where, "q_log_scale has ",
-          q_log.size(), " entries, expected 0 or ", qf.rows());
-  require(k_log.size() == 0 || k_log.size() == kf.rows(), where, "k_log_scale has ",
-          k_log.size(), " entries, expected 0 or ", kf.rows());
+  require(q_log.size() == 0 || q_log.size() == qf.rows(), where, "q_log_scale has ", q_log.size(),
+          " entries, expected 0 or ", qf.rows());
+  require(k_log.size() == 0 || k_log.size() == kf.rows(), where, "k_log_scale has ", k_log.size(),
+          " entries, expected 0 or ", kf.rows());
   require(signs.size() == 0 || signs.size() == qf.cols(), where, "signs has ", signs.size(),
           " entries, expected 0 or the feature dimension ", qf.cols());
   for (Index i = 0; i < signs.size(); ++i) {
@@ -73,8 +73,7 @@ void check_linear_inputs(const char* where, const Eigen::Ref<const RowMatrix<Sca
   if (qf.rows() > 0) {
     require(kf.rows() > 0, where, "attention over zero keys is undefined (q_features ",
             shape_of(qf), ", k_features ", shape_of(kf), ")");
-    require(qf.cols() > 0, where, "feature dimension must be >= 1 (q_features ", shape_of(qf),
-            ")");
+    require(qf.cols() > 0, where, "feature dimension must be >= 1 (q_features ", shape_of(qf), ")");
   }
   // The feature matrices are checked through the result (check_result_finite); the log-scales
   // feed maxima and exponentials, so they are checked now.
@@ -213,7 +212,8 @@ struct KeySummaries {
   RowMatrix<Scalar> blocks;
   Vector<Scalar> log_scale;
   Index m = 0;
-  KeySummaries(Index chunks, Index m, Index width) : blocks(chunks * m, width), log_scale(chunks), m(m) {}
+  KeySummaries(Index chunks, Index m, Index width)
+      : blocks(chunks * m, width), log_scale(chunks), m(m) {}
 
   auto block(Index t) { return blocks.middleRows(t * m, m); }
   auto block(Index t) const { return blocks.middleRows(t * m, m); }
@@ -238,8 +238,8 @@ RowMatrix<typename In::Scalar> key_state(const In& in, typename In::Scalar& c) {
         [&](Index t, ChunkScratch<Scalar>& s) {
           const Index j0 = (first + t) * chunk, len = std::min(chunk, n_k - j0);
           const auto keys = in.k.view(j0, len, s.features);
-          sums.log_scale(t) = summarise_keys(in, keys, s.features.log_scale.head(len), j0, s.values,
-                                             sums.block(t));
+          sums.log_scale(t) =
+              summarise_keys(in, keys, s.features.log_scale.head(len), j0, s.values, sums.block(t));
           // diag(σ) K'ᵀ = (K' diag(σ))ᵀ: the signs flip rows of the summary (exact).
           if (in.signs.size() > 0) sums.block(t).array().colwise() *= in.signs.array();
         });
@@ -257,13 +257,12 @@ SoftmaxAccumulator<typename In::Scalar> query_key_state(const In& in,
   const Index n_q = in.q.rows(), m = in.features(), chunk = in.chunk;
   RowMatrix<Scalar> nd(n_q, in.width());
   Vector<Scalar> log_scale(n_q);
-  parallel_for_with(
-      (n_q + chunk - 1) / chunk, [&] { return FeatureBlock<Scalar>(chunk, m); },
-      [&](Index b, FeatureBlock<Scalar>& f) {
-        const Index i0 = b * chunk, len = std::min(chunk, n_q - i0);
-        gemm_fixed_depth(nd.middleRows(i0, len), in.q.view(i0, len, f), state, false);
-        log_scale.segment(i0, len) = f.log_scale.head(len);
-      });
+  parallel_for_with((n_q + chunk - 1) / chunk, [&] { return FeatureBlock<Scalar>(chunk, m); },
+                    [&](Index b, FeatureBlock<Scalar>& f) {
+                      const Index i0 = b * chunk, len = std::min(chunk, n_q - i0);
+                      gemm_fixed_depth(nd.middleRows(i0, len), in.q.view(i0, len, f), state, false);
+                      log_scale.segment(i0, len) = f.log_scale.head(len);
+                    });
   log_scale.array() += c;
   return SoftmaxAccumulator<Scalar>(std::move(nd), std::move(log_scale));
 }
@@ -282,8 +281,9 @@ SoftmaxAccumulator<typename In::Scalar> linear_bidirectional(const In& in) {
 template <typename In, typename Rows, typename State>
 void causal_chunk_rows(const In& in, Index i0, const Rows& queries,
                        const Eigen::Ref<const Vector<typename In::Scalar>>& q_log, const Rows& keys,
-                       const Eigen::Ref<const Vector<typename In::Scalar>>& k_log, const State& state,
-                       typename In::Scalar state_log, ChunkScratch<typename In::Scalar>& s,
+                       const Eigen::Ref<const Vector<typename In::Scalar>>& k_log,
+                       const State& state, typename In::Scalar state_log,
+                       ChunkScratch<typename In::Scalar>& s,
                        SoftmaxAccumulator<typename In::Scalar>& acc) {
   using Scalar = typename In::Scalar;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
@@ -296,7 +296,8 @@ void causal_chunk_rows(const In& in, Index i0, const Rows& queries,
   Scalar prefix_max = kNegInf;
   for (Index i = 0; i < len; ++i) {
     prefix_max = std::max(prefix_max, k_log(i));
-    weights.row(i).head(i + 1).array() *= (k_log.head(i + 1).array() - prefix_max).exp().transpose();
+    weights.row(i).head(i + 1).array() *=
+        (k_log.head(i + 1).array() - prefix_max).exp().transpose();
     weights.row(i).tail(len - i - 1).setZero();
     log_rows(i) = prefix_max;
   }
@@ -322,9 +323,9 @@ void causal_chunk_rows(const In& in, Index i0, const Rows& queries,
 // the thread count, and memory holds one group's features and states. On return, `total` (if
 // given) holds S of all keys, relative to exp(*total_log).
 template <typename In>
-SoftmaxAccumulator<typename In::Scalar> linear_causal(const In& in,
-                                                      RowMatrix<typename In::Scalar>* total = nullptr,
-                                                      typename In::Scalar* total_log = nullptr) {
+SoftmaxAccumulator<typename In::Scalar> linear_causal(
+    const In& in, RowMatrix<typename In::Scalar>* total = nullptr,
+    typename In::Scalar* total_log = nullptr) {
   using Scalar = typename In::Scalar;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   const Index n = in.q.rows(), m = in.features(), w = in.width(), chunk = in.chunk;
@@ -345,9 +346,9 @@ SoftmaxAccumulator<typename In::Scalar> linear_causal(const In& in,
     };
     parallel_for_with(group, scratch, [&](Index t, ChunkScratch<Scalar>& s) {
       const auto [r0, len] = rows_of(t);
-      prefix.log_scale(t) = summarise_keys(in, k_rows.values.middleRows(r0, len),
-                                           k_rows.log_scale.segment(r0, len), g0 + r0, s.values,
-                                           prefix.block(t));
+      prefix.log_scale(t) =
+          summarise_keys(in, k_rows.values.middleRows(r0, len), k_rows.log_scale.segment(r0, len),
+                         g0 + r0, s.values, prefix.block(t));
     });
     // Exclusive prefix: block t becomes the state of every key before chunk first + t.
     for (Index t = 0; t < group; ++t) {
@@ -375,7 +376,8 @@ SoftmaxAccumulator<typename In::Scalar> linear_causal(const In& in,
 template <typename In>
 SoftmaxAccumulator<typename In::Scalar> linear_accumulate(const char* where, const In& in,
                                                           bool causal, bool check_finite) {
-  SoftmaxAccumulator<typename In::Scalar> acc = causal ? linear_causal(in) : linear_bidirectional(in);
+  SoftmaxAccumulator<typename In::Scalar> acc =
+      causal ? linear_causal(in) : linear_bidirectional(in);
   check_result_finite(where, acc.numden(), check_finite, [&] {
     in.q.scan(where, "q_features");
     in.k.scan(where, "k_features");
@@ -406,8 +408,8 @@ SoftmaxAccumulator<Scalar> linear_attention_accumulate(
                                       signs, opt);
   if (q_features.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
   const detail::GivenFeatureRows<Scalar> q(q_features, q_log_scale), k(k_features, k_log_scale);
-  const detail::LinearOperands<detail::GivenFeatureRows<Scalar>, detail::GivenFeatureRows<Scalar>> in{
-      q, k, v, signs, detail::linear_chunk(opt)};
+  const detail::LinearOperands<detail::GivenFeatureRows<Scalar>, detail::GivenFeatureRows<Scalar>>
+      in{q, k, v, signs, detail::linear_chunk(opt)};
   return detail::linear_accumulate(where, in, opt.causal, opt.check_finite);
 }
 
@@ -419,7 +421,7 @@ RowMatrix<Scalar> linear_attention(const ScaledFeatures<Scalar>& q, const Scaled
   static_assert(std::is_same<Scalar, typename DV::Scalar>::value,
                 "features and values must share the scalar type");
   RowMatrix<Scalar> out = linear_attention_accumulate<Scalar>(q.values, q.log_scale, k.values,
-                                                             k.log_scale, v, signs, opt)
+                                                              k.log_scale, v, signs, opt)
                               .finalize(static_cast<Scalar>(opt.denominator_epsilon));
   detail::check_result_finite("linear_attention", out, opt.check_finite, [] {});
   return out;

@@ -116,8 +116,8 @@ class LinearDecoderState {
   template <typename DQ>
   void check_query(const Eigen::MatrixBase<DQ>& q_features, Scalar q_log_scale) const {
     const char* where = "LinearDecoderState::query";
-    detail::require(q_features.size() == feature_dim(), where, "q_features has ",
-                    q_features.size(), " entries, expected ", feature_dim());
+    detail::require(q_features.size() == feature_dim(), where, "q_features has ", q_features.size(),
+                    " entries, expected ", feature_dim());
     detail::require(length_ > 0, where, "no token has been appended yet");
     detail::require(std::isfinite(q_log_scale) && q_features.allFinite(), where,
                     "non-finite query feature or log-scale");
@@ -125,8 +125,8 @@ class LinearDecoderState {
 
   Vector<Scalar> signs_;
   RowMatrix<Scalar> state_;  // M x (dv + 1), relative to exp(log_scale_)
-  Vector<Scalar> key_;     // M, signs applied
-  RowVector value_;        // [v | 1]
+  Vector<Scalar> key_;       // M, signs applied
+  RowVector value_;          // [v | 1]
   Scalar epsilon_;
   Scalar log_scale_ = -std::numeric_limits<Scalar>::infinity();
   Index length_ = 0;

@@ -44,9 +44,7 @@ struct TileIndex {
   Index max() const {
     return list ? Index(*std::max_element(list, list + size)) : first + size - 1;
   }
-  Index min() const {
-    return list ? Index(*std::min_element(list, list + size)) : first;
-  }
+  Index min() const { return list ? Index(*std::min_element(list, list + size)) : first; }
 };
 
 // Pair counts for the dedupe mask: count(i, cols, n) writes into n[u] the number of times the
@@ -177,7 +175,8 @@ class ScoreTile {
     if (n >= Index(log_count_.size())) {
       const Index old = log_count_.size();
       log_count_.conservativeResize(n + 1);
-      for (Index c = old; c <= n; ++c) log_count_[c] = std::log(static_cast<Scalar>(std::max<Index>(c, 1)));
+      for (Index c = old; c <= n; ++c)
+        log_count_[c] = std::log(static_cast<Scalar>(std::max<Index>(c, 1)));
     }
     return log_count_[n];
   }

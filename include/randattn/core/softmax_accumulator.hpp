@@ -79,14 +79,15 @@ class SoftmaxAccumulator {
                   const Eigen::MatrixBase<DerivedC>& log_scale) {
     detail::require(nd.cols() == value_dim_ + 1 && log_scale.size() == nd.rows() && row0 >= 0 &&
                         row0 + nd.rows() <= rows(),
-                    "SoftmaxAccumulator::merge_rows", "block ", nd.rows(), "x", nd.cols(),
-                    " with ", log_scale.size(), " log-scales at row ", row0,
+                    "SoftmaxAccumulator::merge_rows", "block ", nd.rows(), "x", nd.cols(), " with ",
+                    log_scale.size(), " log-scales at row ", row0,
                     " does not fit an accumulator of ", rows(), "x", value_dim_ + 1);
     for (Index r = 0; r < nd.rows(); ++r) merge_row(row0 + r, nd.row(r), Scalar(log_scale(r)));
   }
 
   // Merges row t of a partial [num | den] block into row rows[t], for gathered rows (hash
-  // buckets, filters). Rows are independent: disjoint row sets may be merged from different threads.
+  // buckets, filters). Rows are independent: disjoint row sets may be merged from different
+  // threads.
   template <typename DerivedND, typename DerivedC>
   void merge_gathered(const std::int32_t* rows, const Eigen::MatrixBase<DerivedND>& nd,
                       const Eigen::MatrixBase<DerivedC>& log_scale) {
@@ -104,8 +105,8 @@ class SoftmaxAccumulator {
   // Merges another accumulator over the same rows.
   void merge(const SoftmaxAccumulator& other) {
     detail::require(other.rows() == rows() && other.value_dim() == value_dim_,
-                    "SoftmaxAccumulator::merge", "shapes differ: ", rows(), "x", value_dim_,
-                    " vs ", other.rows(), "x", other.value_dim());
+                    "SoftmaxAccumulator::merge", "shapes differ: ", rows(), "x", value_dim_, " vs ",
+                    other.rows(), "x", other.value_dim());
     merge_rows(0, other.nd_, other.log_scale_);
   }
 
@@ -124,8 +125,8 @@ class SoftmaxAccumulator {
   void finalize_into(const Eigen::MatrixBase<Derived>& out_, Scalar epsilon = 0) const {
     auto& out = const_cast<Eigen::MatrixBase<Derived>&>(out_);
     detail::require(out.rows() == rows() && out.cols() == value_dim_,
-                    "SoftmaxAccumulator::finalize_into", "output is ", out.rows(), "x",
-                    out.cols(), ", expected ", rows(), "x", value_dim_);
+                    "SoftmaxAccumulator::finalize_into", "output is ", out.rows(), "x", out.cols(),
+                    ", expected ", rows(), "x", value_dim_);
     detail::require(epsilon >= 0, "SoftmaxAccumulator::finalize", "epsilon must be >= 0, got ",
                     epsilon);
     for (Index i = 0; i < rows(); ++i) {

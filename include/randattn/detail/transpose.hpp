@@ -26,16 +26,20 @@ void transpose_scaled(const Scalar* x, Index x_stride, Index rows, Index cols, c
   namespace ei = Eigen::internal;
   using Packet = typename ei::packet_traits<Scalar>::type;
   constexpr int kP = ei::unpacket_traits<Packet>::size;
-  auto edge = [&](Index t, Index j) { out[j * ld + t] = scale ? x[t * x_stride + j] * scale[j] : x[t * x_stride + j]; };
+  auto edge = [&](Index t, Index j) {
+    out[j * ld + t] = scale ? x[t * x_stride + j] * scale[j] : x[t * x_stride + j];
+  };
   Index t0 = 0;
   for (; t0 + kP <= rows; t0 += kP) {
     Index j0 = 0;
     for (; j0 + kP <= cols; j0 += kP) {
       ei::PacketBlock<Packet, kP> tile;
-      for (int l = 0; l < kP; ++l) tile.packet[l] = ei::ploadu<Packet>(x + (t0 + l) * x_stride + j0);
+      for (int l = 0; l < kP; ++l)
+        tile.packet[l] = ei::ploadu<Packet>(x + (t0 + l) * x_stride + j0);
       ei::ptranspose(tile);
       for (int l = 0; l < kP; ++l) {
-        const Packet v = scale ? ei::pmul(tile.packet[l], ei::pset1<Packet>(scale[j0 + l])) : tile.packet[l];
+        const Packet v =
+            scale ? ei::pmul(tile.packet[l], ei::pset1<Packet>(scale[j0 + l])) : tile.packet[l];
         ei::pstoreu(out + (j0 + l) * ld + t0, v);
       }
     }

@@ -8,7 +8,8 @@
 // exp(½ bᵀ(I − 2M)^{−1} b), the estimate is unbiased iff Bᵀ(I − 4A)^{−1}B = I and
 // D = det(I − 4A)^{1/4}, and, z = x + y,
 //
-//   E[f(ω,x)² f(ω,y)²] / exp(2xᵀy) = det(I − 4A) det(I − 8A)^{−1/2} exp(zᵀ[2Bᵀ(I − 8A)^{−1}B − I]z).
+//   E[f(ω,x)² f(ω,y)²] / exp(2xᵀy) = det(I − 4A) det(I − 8A)^{−1/2} exp(zᵀ[2Bᵀ(I − 8A)^{−1}B −
+//   I]z).
 //
 // The mean of the log over the query-key pairs depends on the data through the second moment
 // M = mean_{i,j} (x_i + y_j)(x_i + y_j)ᵀ only. With M = V diag(σ) Vᵀ, the minimiser is
@@ -54,7 +55,8 @@ namespace detail {
 
 // Σ_i (c x_i)(c x_i)ᵀ / n in double, accumulated over blocks of rows (bounded temporaries).
 template <typename Scalar>
-Eigen::MatrixXd normalised_mean_outer(const Eigen::Ref<const RowMatrix<Scalar>>& x, double normaliser) {
+Eigen::MatrixXd normalised_mean_outer(const Eigen::Ref<const RowMatrix<Scalar>>& x,
+                                      double normaliser) {
   const Index n = x.rows(), d = x.cols(), block = 512;
   Eigen::MatrixXd gram = Eigen::MatrixXd::Zero(d, d);
   Eigen::MatrixXd xb(d, block);
@@ -91,13 +93,15 @@ template <typename Scalar, typename Projection = OrthogonalProjection<Scalar>>
 class DenseExponentialFeatures
     : public detail::QuadraticExponentialMap<DenseExponentialFeatures<Scalar, Projection>, Scalar,
                                              UserProjection<Scalar>> {
-  using Base = detail::QuadraticExponentialMap<DenseExponentialFeatures, Scalar, UserProjection<Scalar>>;
+  using Base =
+      detail::QuadraticExponentialMap<DenseExponentialFeatures, Scalar, UserProjection<Scalar>>;
 
  public:
   // moment: d×d second moment M of the normalised inputs; empty means 0.
   explicit DenseExponentialFeatures(Projection source, const Eigen::MatrixXd& moment = {})
       : Base(UserProjection<Scalar>(source.matrix())), source_(std::move(source)) {
-    set_moment(moment.size() ? moment : Eigen::MatrixXd::Zero(this->input_dim(), this->input_dim()));
+    set_moment(moment.size() ? moment
+                             : Eigen::MatrixXd::Zero(this->input_dim(), this->input_dim()));
   }
 
   // M must be d×d, finite and symmetric positive semidefinite (tiny negative eigenvalues from
@@ -123,8 +127,8 @@ class DenseExponentialFeatures
   }
   // M of normaliser·q and normaliser·k (rows of sample queries and keys). See the header
   // comment before fitting on the sequence of a causal attention.
-  void fit(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
-           double normaliser) {
+  void fit(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+           const Eigen::Ref<const RowMatrix<Scalar>>& k, double normaliser) {
     set_moment(pair_sum_second_moment<Scalar>(q, k, normaliser));
   }
 

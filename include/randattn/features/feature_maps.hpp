@@ -1,5 +1,6 @@
 #pragma once
-// Random-feature maps of the softmax kernel SM(x, y) = exp(xᵀy) (Choromanski et al., "Rethinking Attention with Performers", ICLR 2021):
+// Random-feature maps of the softmax kernel SM(x, y) = exp(xᵀy) (Choromanski et al., "Rethinking
+// Attention with Performers", ICLR 2021):
 //
 //   trig        (2m): φ(x) = e^{‖x‖²/2}/√m  · [sin(ω_iᵀx)]_i ⊕ [cos(ω_iᵀx)]_i
 //   positive     (m): φ(x) = e^{−‖x‖²/2}/√m · [exp(ω_iᵀx)]_i                  (FAVOR+)
@@ -46,9 +47,9 @@ enum class FeatureSide { query, key };
 namespace detail {
 
 // What the three maps share: the projection, validation, the tiled projection product and
-// the allocating front ends. Derived supplies `features_for(m)` (feature dimension for m projections),
-// `nonnegative` and `finish_row(row, ‖x‖², c)`, which turns the projections u = ωᵀx (the
-// first m entries of a feature row) into the row's values in place, without allocating, and
+// the allocating front ends. Derived supplies `features_for(m)` (feature dimension for m
+// projections), `nonnegative` and `finish_row(row, ‖x‖², c)`, which turns the projections u = ωᵀx
+// (the first m entries of a feature row) into the row's values in place, without allocating, and
 // returns its log-scale.
 template <typename Derived, typename Scalar_, typename Projection_>
 class ProjectedFeatureMap {
@@ -78,8 +79,8 @@ class ProjectedFeatureMap {
     require(x.cols() == input_dim(), where, "x is ", shape_of(x), " but the projection expects ",
             input_dim(), " columns");
     require(values.rows() == n && values.cols() == feature_dim() && log_scale.size() == n, where,
-            "values (", shape_of(values), ") and log_scale (", log_scale.size(),
-            ") must be ", n, "x", feature_dim(), " and ", n);
+            "values (", shape_of(values), ") and log_scale (", log_scale.size(), ") must be ", n,
+            "x", feature_dim(), " and ", n);
     require(normaliser > 0 && std::isfinite(normaliser), where,
             "normaliser must be positive and finite, got ", normaliser);
     const Index tiles = (n + kTile - 1) / kTile;
@@ -184,7 +185,8 @@ class TrigFeatures
   }
 };
 
-// A map deduces its scalar from the projection: PositiveFeatures favor(OrthogonalProjection<float>(m, d)).
+// A map deduces its scalar from the projection: PositiveFeatures
+// favor(OrthogonalProjection<float>(m, d)).
 template <typename P>
 PositiveFeatures(P) -> PositiveFeatures<typename P::Scalar, P>;
 template <typename P>

@@ -1,6 +1,7 @@
 #pragma once
-// Hybrid random features (Choromanski et al., "Hybrid Random Features", ICLR 2022): with base estimators SM̂_1..SM̂_{p+1} (feature maps φ_k)
-// and weight estimators λ̂_k(x, y) = ξ_k(x)ᵀ diag(σ_k) ξ_k(y), independent of the bases,
+// Hybrid random features (Choromanski et al., "Hybrid Random Features", ICLR 2022): with base
+// estimators SM̂_1..SM̂_{p+1} (feature maps φ_k) and weight estimators λ̂_k(x, y) = ξ_k(x)ᵀ diag(σ_k)
+// ξ_k(y), independent of the bases,
 //
 //   SM̂(x, y) = Σ_{k≤p} λ̂_k SM̂_k + (1 − Σ_k λ̂_k) SM̂_{p+1}
 //
@@ -110,8 +111,10 @@ class AnyFeatureMap {
  public:
   using Scalar = Scalar_;
 
-  template <typename Map, typename = std::enable_if_t<!std::is_same<std::decay_t<Map>, AnyFeatureMap>::value>>
-  AnyFeatureMap(Map map) : self_(std::make_shared<Model<Map>>(std::move(map))) {}  // NOLINT: implicit by design
+  template <typename Map,
+            typename = std::enable_if_t<!std::is_same<std::decay_t<Map>, AnyFeatureMap>::value>>
+  AnyFeatureMap(Map map)
+      : self_(std::make_shared<Model<Map>>(std::move(map))) {}  // NOLINT: implicit by design
 
   Index input_dim() const { return self_->input_dim(); }
   Index feature_dim() const { return self_->feature_dim(); }
@@ -258,7 +261,8 @@ class HybridFeatures {
     }
   }
 
-  ScaledFeatures<Scalar> features(const Eigen::Ref<const RowMatrix<Scalar>>& x, Scalar normaliser = 1,
+  ScaledFeatures<Scalar> features(const Eigen::Ref<const RowMatrix<Scalar>>& x,
+                                  Scalar normaliser = 1,
                                   FeatureSide side = FeatureSide::query) const {
     ScaledFeatures<Scalar> f{RowMatrix<Scalar>(x.rows(), feature_dim()), Vector<Scalar>(x.rows())};
     features_into(x, normaliser, f.values, f.log_scale, side);
@@ -304,8 +308,8 @@ class HybridFeatures {
   Vector<Scalar> signs_;
 };
 
-// The angular hybrid λ̂·SM̂_hyp + (1 − λ̂)·SM̂_trig (Hybrid Random Features, the angular case): m projections per base, n_lambda
-// sign features; 2·(n_lambda + 1)·2m + 2m features.
+// The angular hybrid λ̂·SM̂_hyp + (1 − λ̂)·SM̂_trig (Hybrid Random Features, the angular case): m
+// projections per base, n_lambda sign features; 2·(n_lambda + 1)·2m + 2m features.
 template <typename Scalar, typename Projection = OrthogonalProjection<Scalar>>
 HybridFeatures<Scalar> angular_hybrid(Index m, Index n_lambda, Index d, std::uint64_t seed = 0) {
   HybridFeatures<Scalar> h({AngularWeight<Scalar>(GaussianProjection<Scalar>(n_lambda, d))},

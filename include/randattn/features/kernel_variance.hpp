@@ -34,18 +34,21 @@ using PairVector = Eigen::Ref<const Eigen::VectorXd>;
 }  // namespace detail
 
 template <typename S, typename P>
-double kernel_relative_mse(const PositiveFeatures<S, P>& map, const detail::PairVector& x, const detail::PairVector& y) {
+double kernel_relative_mse(const PositiveFeatures<S, P>& map, const detail::PairVector& x,
+                           const detail::PairVector& y) {
   return std::expm1((x + y).squaredNorm()) / double(map.projections());
 }
 
 template <typename S, typename P>
-double kernel_relative_mse(const HyperbolicFeatures<S, P>& map, const detail::PairVector& x, const detail::PairVector& y) {
+double kernel_relative_mse(const HyperbolicFeatures<S, P>& map, const detail::PairVector& x,
+                           const detail::PairVector& y) {
   const double h = std::sinh(0.5 * (x + y).squaredNorm());
   return 2 * h * h / double(map.projections());
 }
 
 template <typename S, typename P>
-double kernel_relative_mse(const TrigFeatures<S, P>& map, const detail::PairVector& x, const detail::PairVector& y) {
+double kernel_relative_mse(const TrigFeatures<S, P>& map, const detail::PairVector& x,
+                           const detail::PairVector& y) {
   const double h = std::sinh(0.5 * (x - y).squaredNorm());
   return 2 * h * h / double(map.projections());
 }
@@ -70,10 +73,10 @@ double mean_kernel_relative_mse(const Map& map,
                                 const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
                                 double normaliser, Index pairs = 1024, std::uint64_t seed = 0) {
   const char* where = "mean_kernel_relative_mse";
-  detail::require(q.rows() >= 1 && k.rows() >= 1 && q.cols() == map.input_dim() &&
-                      k.cols() == map.input_dim(),
-                  where, "q (", detail::shape_of(q), ") and k (", detail::shape_of(k),
-                  ") need rows and the map's input dimension ", map.input_dim());
+  detail::require(
+      q.rows() >= 1 && k.rows() >= 1 && q.cols() == map.input_dim() && k.cols() == map.input_dim(),
+      where, "q (", detail::shape_of(q), ") and k (", detail::shape_of(k),
+      ") need rows and the map's input dimension ", map.input_dim());
   detail::require(pairs >= 1, where, "pairs must be >= 1, got ", pairs);
   detail::require(normaliser > 0 && std::isfinite(normaliser), where,
                   "normaliser must be positive and finite, got ", normaliser);
@@ -84,8 +87,10 @@ double mean_kernel_relative_mse(const Map& map,
   Eigen::VectorXd x(map.input_dim()), y(map.input_dim());
   double sum = 0;
   for (Index p = 0; p < count; ++p) {
-    const Index i = all ? p / nk : std::min(nq - 1, Index(rng.uniform(std::uint64_t(p), 0) * double(nq)));
-    const Index j = all ? p % nk : std::min(nk - 1, Index(rng.uniform(std::uint64_t(p), 1) * double(nk)));
+    const Index i =
+        all ? p / nk : std::min(nq - 1, Index(rng.uniform(std::uint64_t(p), 0) * double(nq)));
+    const Index j =
+        all ? p % nk : std::min(nk - 1, Index(rng.uniform(std::uint64_t(p), 1) * double(nk)));
     x = normaliser * q.row(i).transpose().template cast<double>();
     y = normaliser * k.row(j).transpose().template cast<double>();
     sum += kernel_relative_mse(map, x, y);

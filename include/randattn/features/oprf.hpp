@@ -17,7 +17,7 @@
 // L over the query-key pairs, which depends on the data through ρ = mean_{i,j} ‖x_i + y_j‖²
 // only: dL/dt = 0 gives d t² − (d + 2ρ) t − 2ρ = 0, i.e. t = σ_opt(ρ/d) with
 //
-//   t = ((1 + 2σ) + √((1 + 2σ)² + 8σ)) / 2,   σ = ρ/d,                           (optimal_precision)
+//   t = ((1 + 2σ) + √((1 + 2σ)² + 8σ)) / 2,   σ = ρ/d, (optimal_precision)
 //
 // so t >= 1 and A = (1 − t)/8 <= 0: the features are bounded (exp(A‖ω‖² + Bωᵀx) <=
 // exp(B²‖x‖²/(4|A|))), and the optimum is never worse than FAVOR+ (A = 0 is a candidate).
@@ -77,8 +77,8 @@ std::pair<Eigen::VectorXd, double> normalised_row_moments(
 template <typename Scalar>
 void check_pair_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& x,
                        const Eigen::Ref<const RowMatrix<Scalar>>& y, double normaliser) {
-  require(x.rows() >= 1 && y.rows() >= 1 && x.cols() == y.cols(), where, "need x (",
-          shape_of(x), ") and y (", shape_of(y), ") with at least one row each and equal columns");
+  require(x.rows() >= 1 && y.rows() >= 1 && x.cols() == y.cols(), where, "need x (", shape_of(x),
+          ") and y (", shape_of(y), ") with at least one row each and equal columns");
   require(normaliser > 0 && std::isfinite(normaliser), where,
           "normaliser must be positive and finite, got ", normaliser);
   require_finite(x, where, "x");
@@ -148,8 +148,8 @@ class OptimalPositiveFeatures
   }
   // ρ of normaliser·q and normaliser·k (rows of sample queries and keys). See the header
   // comment before fitting on the sequence of a causal attention.
-  void fit(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
-           double normaliser) {
+  void fit(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+           const Eigen::Ref<const RowMatrix<Scalar>>& k, double normaliser) {
     detail::require(q.cols() == this->input_dim(), "OptimalPositiveFeatures::fit", "q is ",
                     detail::shape_of(q), ", expected ", this->input_dim(), " columns");
     set_rho(pair_sum_sq_norm<Scalar>(q, k, normaliser));
@@ -161,8 +161,8 @@ class OptimalPositiveFeatures
   }
 
   double rho() const { return rho_; }
-  double precision() const { return t_; }           // t = 1 − 8A
-  double a() const { return (1 - t_) / 8; }          // A
+  double precision() const { return t_; }                 // t = 1 − 8A
+  double a() const { return (1 - t_) / 8; }               // A
   double b() const { return std::sqrt(0.5 * (1 + t_)); }  // B = √(1 − 4A)
 
   // log of E[f(ω,x)² f(ω,y)²]/exp(2xᵀy) for one draw, z = x + y of normalised inputs.
@@ -172,7 +172,8 @@ class OptimalPositiveFeatures
 
  private:
   void update() {
-    const Eigen::VectorXd sq = this->projection_.matrix().template cast<double>().rowwise().squaredNorm();
+    const Eigen::VectorXd sq =
+        this->projection_.matrix().template cast<double>().rowwise().squaredNorm();
     this->quad_ = (a() * sq).template cast<Scalar>();
     this->slope_ = Scalar(b());
     this->log_d_ = Scalar(0.25 * double(this->input_dim()) * std::log(0.5 * (1 + t_)));

@@ -184,15 +184,16 @@ class HadamardProjection {
     const double unit = std::pow(double(p), -1.5);
     out_scale_.resize(m_);
     const Philox rng(seed);
-    for (Index r = 0; r < m_; ++r) out_scale_(r) = Scalar(unit * detail::row_norm(rng, norm_, r, p));
+    for (Index r = 0; r < m_; ++r)
+      out_scale_(r) = Scalar(unit * detail::row_norm(rng, norm_, r, p));
   }
 
   // out = x ωᵀ in O(n m log p), tiles of rows transformed together.
   template <typename Out>
   void apply(const Eigen::Ref<const RowMatrix<Scalar>>& x, Out&& out) const {
-    detail::require(x.cols() == d_ && out.rows() == x.rows() && out.cols() == m_, "HadamardProjection::apply",
-                    "x is ", detail::shape_of(x), " and out ", detail::shape_of(out), ", expected n x ", d_,
-                    " and n x ", m_);
+    detail::require(x.cols() == d_ && out.rows() == x.rows() && out.cols() == m_,
+                    "HadamardProjection::apply", "x is ", detail::shape_of(x), " and out ",
+                    detail::shape_of(out), ", expected n x ", d_, " and n x ", m_);
     rotation_.apply(x, out_scale_, out);
   }
 

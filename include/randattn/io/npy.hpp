@@ -3,13 +3,14 @@
 // (the command line and the tests use it; include it yourself to exchange arrays with NumPy).
 //
 // Supported: little-endian float32 ('<f4') and float64 ('<f8') arrays in C order with any number of
-// dimensions. '=' (native) and '|' (not applicable) byte-order characters are accepted on little-endian
-// hosts. Format versions 1.0, 2.0 and 3.0 are read (3.0 differs from 2.0 only by a UTF-8 header, which
-// never matters for these dtypes); files are written as version 1.0 (2.0 if the header is too long).
+// dimensions. '=' (native) and '|' (not applicable) byte-order characters are accepted on
+// little-endian hosts. Format versions 1.0, 2.0 and 3.0 are read (3.0 differs from 2.0 only by a
+// UTF-8 header, which never matters for these dtypes); files are written as version 1.0 (2.0 if the
+// header is too long).
 //
 // Every problem with a file (missing, bad magic, unsupported version or dtype, Fortran order,
-// unparsable header, truncated data, overflowing shape) throws randattn::io::NpyError with a one-line
-// message "<file>: <problem>". Bytes after the data are ignored.
+// unparsable header, truncated data, overflowing shape) throws randattn::io::NpyError with a
+// one-line message "<file>: <problem>". Bytes after the data are ignored.
 //
 // Writing goes to a temporary file in the destination directory which is renamed over the
 // destination only when complete, so a failed write never leaves a partial file behind.
@@ -155,7 +156,8 @@ class HeaderParser {
  private:
   char peek() const { return pos_ < s_.size() ? s_[pos_] : '\0'; }
   void skip_ws() {
-    while (pos_ < s_.size() && (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' || s_[pos_] == '\r'))
+    while (pos_ < s_.size() &&
+           (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' || s_[pos_] == '\r'))
       ++pos_;
   }
   void expect(char c) {
@@ -265,7 +267,8 @@ inline NpyHeader read_header(std::istream& in, const std::string& name) {
   const std::uint64_t header_len = read_le(len_buf, len_bytes);
   // NumPy refuses headers above 10000 bytes by default; allow generous room but never trust a
   // 4-byte length blindly.
-  if (header_len > (std::uint64_t{1} << 24)) fail(name, "header length " + std::to_string(header_len) + " is implausible");
+  if (header_len > (std::uint64_t{1} << 24))
+    fail(name, "header length " + std::to_string(header_len) + " is implausible");
 
   std::string text(static_cast<std::size_t>(header_len), '\0');
   in.read(text.data(), static_cast<std::streamsize>(header_len));
@@ -278,16 +281,24 @@ inline NpyHeader read_header(std::istream& in, const std::string& name) {
   const PyValue* fortran = nullptr;
   const PyValue* shape = nullptr;
   for (const auto& [key, value] : entries) {
-    if (key == "descr") descr = &value;
-    else if (key == "fortran_order") fortran = &value;
-    else if (key == "shape") shape = &value;
-    else fail(name, "unparsable header (unexpected key '" + excerpt(key) + "')");
+    if (key == "descr")
+      descr = &value;
+    else if (key == "fortran_order")
+      fortran = &value;
+    else if (key == "shape")
+      shape = &value;
+    else
+      fail(name, "unparsable header (unexpected key '" + excerpt(key) + "')");
   }
   if (!descr || !fortran || !shape)
     fail(name, std::string("unparsable header (missing key '") +
-                   (!descr ? "descr" : !fortran ? "fortran_order" : "shape") + "')");
+                   (!descr     ? "descr"
+                    : !fortran ? "fortran_order"
+                               : "shape") +
+                   "')");
 
-  if (descr->kind != PyValue::Kind::string) fail(name, "unsupported dtype (structured or non-string descr)");
+  if (descr->kind != PyValue::Kind::string)
+    fail(name, "unsupported dtype (structured or non-string descr)");
   const std::string& d = descr->str;
   const bool native_ok = host_is_little_endian();
   const bool little = d.size() == 3 && (d[0] == '<' || ((d[0] == '=' || d[0] == '|') && native_ok));
@@ -301,24 +312,29 @@ inline NpyHeader read_header(std::istream& in, const std::string& name) {
     fail(name, why + "; expected '<f4' (float32) or '<f8' (float64)");
   }
 
-  if (fortran->kind != PyValue::Kind::boolean) fail(name, "unparsable header ('fortran_order' is not True/False)");
+  if (fortran->kind != PyValue::Kind::boolean)
+    fail(name, "unparsable header ('fortran_order' is not True/False)");
   if (fortran->boolean) fail(name, "fortran_order=True is not supported (C order only)");
 
-  if (shape->kind != PyValue::Kind::sequence) fail(name, "unparsable header ('shape' is not a tuple)");
+  if (shape->kind != PyValue::Kind::sequence)
+    fail(name, "unparsable header ('shape' is not a tuple)");
   const std::size_t elem = h.dtype == NpyDtype::float32 ? 4 : 8;
   std::uint64_t count = 1;
   bool empty = false;
   for (const PyValue& dim : shape->items) {
-    if (dim.kind != PyValue::Kind::integer) fail(name, "unparsable header ('shape' has a non-integer entry)");
+    if (dim.kind != PyValue::Kind::integer)
+      fail(name, "unparsable header ('shape' has a non-integer entry)");
     h.shape.push_back(dim.integer);
     if (dim.integer == 0) empty = true;
   }
   if (!empty) {
     const std::uint64_t limit = std::min<std::uint64_t>(std::numeric_limits<std::size_t>::max(),
-                                                        std::numeric_limits<std::int64_t>::max()) / elem;
+                                                        std::numeric_limits<std::int64_t>::max()) /
+                                elem;
     for (std::int64_t dim : h.shape) {
       const auto u = static_cast<std::uint64_t>(dim);
-      if (count > limit / u) fail(name, "shape " + shape_to_python(h.shape) + " overflows the element count");
+      if (count > limit / u)
+        fail(name, "shape " + shape_to_python(h.shape) + " overflows the element count");
       count *= u;
     }
   } else {
@@ -329,11 +345,13 @@ inline NpyHeader read_header(std::istream& in, const std::string& name) {
 }
 
 template <typename Scalar>
-void read_data(std::istream& in, const std::string& name, std::size_t count, std::vector<Scalar>& out) {
+void read_data(std::istream& in, const std::string& name, std::size_t count,
+               std::vector<Scalar>& out) {
   static_assert(sizeof(float) == 4 && sizeof(double) == 8, "IEEE-754 float/double required");
   const std::size_t nbytes = count * sizeof(Scalar);
   auto truncated = [&](std::uint64_t have) {
-    fail(name, "truncated data (expected " + std::to_string(nbytes) + " bytes, found " + std::to_string(have) + ")");
+    fail(name, "truncated data (expected " + std::to_string(nbytes) + " bytes, found " +
+                   std::to_string(have) + ")");
   };
   // Check the remaining size first when the stream can tell, so a lying header never triggers a
   // huge allocation.
@@ -354,7 +372,8 @@ void read_data(std::istream& in, const std::string& name, std::size_t count, std
   while (done < count) {
     const std::size_t n = std::min(chunk, count - done);
     out.resize(done + n);
-    in.read(reinterpret_cast<char*>(out.data() + done), static_cast<std::streamsize>(n * sizeof(Scalar)));
+    in.read(reinterpret_cast<char*>(out.data() + done),
+            static_cast<std::streamsize>(n * sizeof(Scalar)));
     const auto got = static_cast<std::size_t>(in.gcount());
     if (got != n * sizeof(Scalar)) truncated(done * sizeof(Scalar) + got);
     done += n;
@@ -363,7 +382,8 @@ void read_data(std::istream& in, const std::string& name, std::size_t count, std
     for (Scalar& x : out) {
       unsigned char b[sizeof(Scalar)];
       std::memcpy(b, &x, sizeof(Scalar));
-      for (std::size_t i = 0; i < sizeof(Scalar) / 2; ++i) std::swap(b[i], b[sizeof(Scalar) - 1 - i]);
+      for (std::size_t i = 0; i < sizeof(Scalar) / 2; ++i)
+        std::swap(b[i], b[sizeof(Scalar) - 1 - i]);
       std::memcpy(&x, b, sizeof(Scalar));
     }
   }
@@ -395,7 +415,8 @@ std::string header_bytes(const std::vector<std::int64_t>& shape) {
 inline std::filesystem::path temporary_sibling(const std::filesystem::path& target) {
   static std::atomic<unsigned> counter{0};
   std::random_device rd;
-  const std::uint64_t tag = (static_cast<std::uint64_t>(rd()) << 32) ^ rd() ^ (counter++ * 0x9e3779b97f4a7c15ull);
+  const std::uint64_t tag =
+      (static_cast<std::uint64_t>(rd()) << 32) ^ rd() ^ (counter++ * 0x9e3779b97f4a7c15ull);
   char hex[17];
   std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(tag));
   std::filesystem::path tmp = target;
@@ -434,8 +455,8 @@ inline NpyArray read_npy(const std::filesystem::path& path) {
   if (std::filesystem::is_directory(path, ec)) detail::fail(name, "is a directory");
   std::ifstream in(path, std::ios::binary);
   if (!in) {
-    detail::fail(name, std::filesystem::exists(path, ec) ? "cannot open file for reading"
-                                                         : "no such file");
+    detail::fail(
+        name, std::filesystem::exists(path, ec) ? "cannot open file for reading" : "no such file");
   }
   return read_npy(in, name);
 }
@@ -449,7 +470,8 @@ inline NpyHeader open_npy(const std::filesystem::path& path, std::ifstream& in) 
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) fail(name, "is a directory");
   in.open(path, std::ios::binary);
-  if (!in) fail(name, std::filesystem::exists(path, ec) ? "cannot open file for reading" : "no such file");
+  if (!in)
+    fail(name, std::filesystem::exists(path, ec) ? "cannot open file for reading" : "no such file");
   const NpyHeader h = read_header(in, name);
   const std::uint64_t need = std::uint64_t(h.count) * (h.dtype == NpyDtype::float32 ? 4 : 8);
   const std::uint64_t size = std::filesystem::file_size(path, ec);
@@ -460,15 +482,17 @@ inline NpyHeader open_npy(const std::filesystem::path& path, std::ifstream& in) 
 }
 
 // Block [first, first + count) of `axis`, or (flat) of the flattened array.
-inline NpyArray read_npy_runs(const std::filesystem::path& path, std::size_t axis, std::int64_t first,
-                              std::int64_t count, bool flat) {
+inline NpyArray read_npy_runs(const std::filesystem::path& path, std::size_t axis,
+                              std::int64_t first, std::int64_t count, bool flat) {
   std::ifstream in;
   const NpyHeader h = open_npy(path, in);
   const std::string name = path.string();
-  const std::vector<std::int64_t> shape = flat ? std::vector<std::int64_t>{std::int64_t(h.count)} : h.shape;
+  const std::vector<std::int64_t> shape =
+      flat ? std::vector<std::int64_t>{std::int64_t(h.count)} : h.shape;
   if (axis >= shape.size() || first < 0 || count < 0 || first + count > shape[axis])
-    fail(name, "block [" + std::to_string(first) + ", " + std::to_string(first + count) + ") of axis " +
-                   std::to_string(axis) + " is outside the shape " + shape_to_python(shape));
+    fail(name, "block [" + std::to_string(first) + ", " + std::to_string(first + count) +
+                   ") of axis " + std::to_string(axis) + " is outside the shape " +
+                   shape_to_python(shape));
   std::int64_t outer = 1, inner = 1;
   for (std::size_t j = 0; j < axis; ++j) outer *= shape[j];
   for (std::size_t j = axis + 1; j < shape.size(); ++j) inner *= shape[j];
@@ -480,14 +504,17 @@ inline NpyArray read_npy_runs(const std::filesystem::path& path, std::size_t axi
     std::vector<Scalar> all, run;
     all.reserve(std::size_t(outer * count * inner));
     for (std::int64_t o = 0; o < outer && count > 0; ++o) {
-      in.seekg(std::streamoff(h.data_offset + std::size_t((o * shape[axis] + first) * inner) * sizeof(Scalar)));
+      in.seekg(std::streamoff(h.data_offset +
+                              std::size_t((o * shape[axis] + first) * inner) * sizeof(Scalar)));
       read_data(in, name, std::size_t(count * inner), run);
       all.insert(all.end(), run.begin(), run.end());
     }
     a.data = std::move(all);
   };
-  if (h.dtype == NpyDtype::float32) read(float());
-  else read(double());
+  if (h.dtype == NpyDtype::float32)
+    read(float());
+  else
+    read(double());
   return a;
 }
 
@@ -496,29 +523,33 @@ inline NpyArray read_npy_runs(const std::filesystem::path& path, std::size_t axi
 // Reads only the block of indices [first, first + count) along `axis` of a .npy file (every
 // index of the other axes): the rows a shard of a distributed computation owns. The result has
 // the file's shape with shape[axis] = count. Seeks to each run; never reads the rest.
-inline NpyArray read_npy_block(const std::filesystem::path& path, std::size_t axis, std::int64_t first,
-                               std::int64_t count) {
+inline NpyArray read_npy_block(const std::filesystem::path& path, std::size_t axis,
+                               std::int64_t first, std::int64_t count) {
   return detail::read_npy_runs(path, axis, first, count, false);
 }
 
 // Reads only the entries [first, first + count) in flat C order of a .npy file (a shard of a
 // flattened tensor); the result is 1-D and keeps the dtype.
-inline NpyArray read_npy_range(const std::filesystem::path& path, std::int64_t first, std::int64_t count) {
+inline NpyArray read_npy_range(const std::filesystem::path& path, std::int64_t first,
+                               std::int64_t count) {
   return detail::read_npy_runs(path, 0, first, count, true);
 }
 
 // Writes a C-order array of shape `shape` (product(shape) values at `data`) to `path`,
 // atomically: the file appears complete or not at all.
 template <typename Scalar>
-void write_npy(const std::filesystem::path& path, const Scalar* data, const std::vector<std::int64_t>& shape) {
+void write_npy(const std::filesystem::path& path, const Scalar* data,
+               const std::vector<std::int64_t>& shape) {
   static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
                 "write_npy supports float and double");
   const std::string name = path.string();
   std::uint64_t count = 1;
   for (std::int64_t d : shape) {
     if (d < 0) detail::fail(name, "negative dimension in shape " + detail::shape_to_python(shape));
-    if (d != 0 && count > std::numeric_limits<std::uint64_t>::max() / sizeof(Scalar) / static_cast<std::uint64_t>(d))
-      detail::fail(name, "shape " + detail::shape_to_python(shape) + " overflows the element count");
+    if (d != 0 && count > std::numeric_limits<std::uint64_t>::max() / sizeof(Scalar) /
+                              static_cast<std::uint64_t>(d))
+      detail::fail(name,
+                   "shape " + detail::shape_to_python(shape) + " overflows the element count");
     count *= static_cast<std::uint64_t>(d);
   }
   if (count > 0 && data == nullptr) detail::fail(name, "null data pointer");
@@ -537,7 +568,8 @@ void write_npy(const std::filesystem::path& path, const Scalar* data, const std:
       for (std::uint64_t i = 0; ok && i < count; ++i) {
         unsigned char b[sizeof(Scalar)];
         std::memcpy(b, data + i, sizeof(Scalar));
-        for (std::size_t j = 0; j < sizeof(Scalar) / 2; ++j) std::swap(b[j], b[sizeof(Scalar) - 1 - j]);
+        for (std::size_t j = 0; j < sizeof(Scalar) / 2; ++j)
+          std::swap(b[j], b[sizeof(Scalar) - 1 - j]);
         ok = std::fwrite(b, 1, sizeof b, f) == sizeof b;
       }
     }
@@ -548,7 +580,8 @@ void write_npy(const std::filesystem::path& path, const Scalar* data, const std:
   std::error_code ec;
   if (!ok) {
     std::filesystem::remove(tmp, ec);
-    detail::fail(name, std::string("write failed: ") + std::strerror(write_errno ? write_errno : errno));
+    detail::fail(name,
+                 std::string("write failed: ") + std::strerror(write_errno ? write_errno : errno));
   }
   std::filesystem::rename(tmp, path, ec);
   if (ec) {
@@ -565,7 +598,8 @@ void write_npy(const std::filesystem::path& path, const std::vector<Scalar>& dat
   for (std::int64_t d : shape) count *= static_cast<std::uint64_t>(d < 0 ? 0 : d);
   if (count != data.size())
     detail::fail(path.string(), "data has " + std::to_string(data.size()) + " values but shape " +
-                                    detail::shape_to_python(shape) + " needs " + std::to_string(count));
+                                    detail::shape_to_python(shape) + " needs " +
+                                    std::to_string(count));
   write_npy(path, data.data(), shape);
 }
 
@@ -578,12 +612,15 @@ template <typename Derived>
 void write_npy(const std::filesystem::path& path, const Eigen::DenseBase<Derived>& m) {
   using Scalar = typename Derived::Scalar;
   const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> rm = m;
-  write_npy(path, rm.data(), {static_cast<std::int64_t>(rm.rows()), static_cast<std::int64_t>(rm.cols())});
+  write_npy(path, rm.data(),
+            {static_cast<std::int64_t>(rm.rows()), static_cast<std::int64_t>(rm.cols())});
 }
 
-// Views a 2-D array as a row-major Eigen matrix (no copy); throws NpyError on rank or dtype mismatch.
+// Views a 2-D array as a row-major Eigen matrix (no copy); throws NpyError on rank or dtype
+// mismatch.
 template <typename Scalar>
-Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> as_matrix(const NpyArray& a) {
+Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> as_matrix(
+    const NpyArray& a) {
   if (a.ndim() != 2)
     throw NpyError("npy array has " + std::to_string(a.ndim()) + " dimensions, expected 2");
   const std::vector<Scalar>& v = a.values<Scalar>();

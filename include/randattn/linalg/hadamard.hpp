@@ -48,7 +48,8 @@ RANDATTN_FWHT_INLINE void fwht_strip(Scalar* __restrict base, Index stride, cons
   Scalar a[kRows][V];
   RANDATTN_FWHT_UNROLL
   for (int m = 0; m < kRows; ++m)
-    for (int l = 0; l < V; ++l) a[m][l] = Scaled ? base[m * stride + l] * sign[m] : base[m * stride + l];
+    for (int l = 0; l < V; ++l)
+      a[m][l] = Scaled ? base[m * stride + l] * sign[m] : base[m * stride + l];
   RANDATTN_FWHT_UNROLL
   for (int level = 1; level < kRows; level <<= 1) {
     RANDATTN_FWHT_UNROLL
@@ -95,11 +96,14 @@ void fwht_columns_unchecked(Scalar* w, Index p, Index cols, Index ld, const Scal
   for (Index h = 1; h < p;) {
     const int levels = p / h >= 8 ? 3 : (p / h == 4 ? 2 : 1);
     if (levels == 3)
-      sign ? fwht_columns_step<3, true>(w, p, cols, ld, h, sign) : fwht_columns_step<3, false>(w, p, cols, ld, h, sign);
+      sign ? fwht_columns_step<3, true>(w, p, cols, ld, h, sign)
+           : fwht_columns_step<3, false>(w, p, cols, ld, h, sign);
     else if (levels == 2)
-      sign ? fwht_columns_step<2, true>(w, p, cols, ld, h, sign) : fwht_columns_step<2, false>(w, p, cols, ld, h, sign);
+      sign ? fwht_columns_step<2, true>(w, p, cols, ld, h, sign)
+           : fwht_columns_step<2, false>(w, p, cols, ld, h, sign);
     else
-      sign ? fwht_columns_step<1, true>(w, p, cols, ld, h, sign) : fwht_columns_step<1, false>(w, p, cols, ld, h, sign);
+      sign ? fwht_columns_step<1, true>(w, p, cols, ld, h, sign)
+           : fwht_columns_step<1, false>(w, p, cols, ld, h, sign);
     h <<= levels;
     sign = nullptr;
   }
@@ -116,8 +120,8 @@ void fwht_columns_unchecked(Scalar* w, Index p, Index cols, Index ld, const Scal
 template <typename Scalar>
 void fwht_columns(Scalar* w, Index p, Index cols, Index ld, const Scalar* sign = nullptr) {
   detail::require(is_power_of_two(p) && cols >= 0 && ld >= cols, "fwht_columns",
-                  "need a power-of-two length p and a row stride ld >= cols, got p = ", p, ", cols = ", cols,
-                  ", ld = ", ld);
+                  "need a power-of-two length p and a row stride ld >= cols, got p = ", p,
+                  ", cols = ", cols, ", ld = ", ld);
   detail::fwht_columns_unchecked(w, p, cols, ld, sign);
 }
 
@@ -133,16 +137,19 @@ void fwht_inplace(Scalar* x, Index n) {
 template <typename Scalar>
 void fwht_rows(Eigen::Ref<RowMatrix<Scalar>> m) {
   const Index n = m.rows(), p = m.cols();
-  detail::require(is_power_of_two(p), "fwht_rows", "column count must be a power of two, got ", n, "x", p);
+  detail::require(is_power_of_two(p), "fwht_rows", "column count must be a power of two, got ", n,
+                  "x", p);
   // Up to 2^16 scalars of buffer, at least 32 rows (a few SIMD vectors) per tile.
   const Index tile = std::min(n, std::max<Index>(32, (Index(1) << 16) / p));
   RowMatrix<Scalar> work(p, tile);
   for (Index i0 = 0; i0 < n; i0 += tile) {
     const Index rows = std::min(tile, n - i0);
     Scalar* row0 = m.data() + i0 * m.outerStride();
-    detail::transpose_scaled(row0, m.outerStride(), rows, p, static_cast<const Scalar*>(nullptr), work.data(), tile);
+    detail::transpose_scaled(row0, m.outerStride(), rows, p, static_cast<const Scalar*>(nullptr),
+                             work.data(), tile);
     detail::fwht_columns_unchecked(work.data(), p, rows, tile, static_cast<const Scalar*>(nullptr));
-    detail::transpose_scaled(work.data(), tile, p, rows, static_cast<const Scalar*>(nullptr), row0, m.outerStride());
+    detail::transpose_scaled(work.data(), tile, p, rows, static_cast<const Scalar*>(nullptr), row0,
+                             m.outerStride());
   }
 }
 

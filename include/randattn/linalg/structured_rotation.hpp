@@ -48,15 +48,16 @@ class StructuredRotation {
 
   // B = blocks rotations of R^p, p = next_power_of_two(max(dim, min_padded_dim)): min_padded_dim
   // asks for at least that many coordinates per block.
-  StructuredRotation(Index dim, Index blocks, const Philox& signs, SignIndexing indexing = SignIndexing::by_diagonal,
-                     Index min_padded_dim = 1)
+  StructuredRotation(Index dim, Index blocks, const Philox& signs,
+                     SignIndexing indexing = SignIndexing::by_diagonal, Index min_padded_dim = 1)
       : dim_(dim), blocks_(blocks) {
     const char* where = "StructuredRotation";
     detail::require(dim >= 1 && blocks >= 1 && min_padded_dim >= 1, where,
-                    "need dim >= 1, blocks >= 1 and min_padded_dim >= 1, got dim = ", dim, ", blocks = ", blocks,
+                    "need dim >= 1, blocks >= 1 and min_padded_dim >= 1, got dim = ", dim,
+                    ", blocks = ", blocks, ", min_padded_dim = ", min_padded_dim);
+    detail::require(std::max(dim, min_padded_dim) <= (Index(1) << 30), where,
+                    "padded dimension above 2^30: dim = ", dim,
                     ", min_padded_dim = ", min_padded_dim);
-    detail::require(std::max(dim, min_padded_dim) <= (Index(1) << 30), where, "padded dimension above 2^30: dim = ",
-                    dim, ", min_padded_dim = ", min_padded_dim);
     padded_ = next_power_of_two(std::max(dim, min_padded_dim));
     input_padded_ = next_power_of_two(dim);
     diagonals_.resize(3 * blocks, padded_);
@@ -91,12 +92,12 @@ class StructuredRotation {
   // As apply, with output column c multiplied by column_scale(c) in place of p^{-3/2}: the
   // unnormalised H D H D H D x times a per-output factor (one rounding per output).
   template <typename Out>
-  void apply(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Eigen::Ref<const Vector<Scalar>>& column_scale,
-             Out&& out) const {
+  void apply(const Eigen::Ref<const RowMatrix<Scalar>>& x,
+             const Eigen::Ref<const Vector<Scalar>>& column_scale, Out&& out) const {
     const char* where = "StructuredRotation::apply";
     check_apply(where, x, out, outputs());
-    detail::require(column_scale.size() == out.cols(), where, "column_scale has ", column_scale.size(),
-                    " entries for ", out.cols(), " output columns");
+    detail::require(column_scale.size() == out.cols(), where, "column_scale has ",
+                    column_scale.size(), " entries for ", out.cols(), " output columns");
     apply_blocks(x, 0, column_scale.data(), out);
   }
 
@@ -104,7 +105,8 @@ class StructuredRotation {
   template <typename Out>
   void apply_block(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index block, Out&& out) const {
     const char* where = "StructuredRotation::apply_block";
-    detail::require(block >= 0 && block < blocks_, where, "block ", block, " outside [0, ", blocks_, ")");
+    detail::require(block >= 0 && block < blocks_, where, "block ", block, " outside [0, ", blocks_,
+                    ")");
     check_apply(where, x, out, padded_);
     apply_blocks(x, block, nullptr, out);
   }
@@ -118,8 +120,8 @@ class StructuredRotation {
   // the result: [u; 0] with u of length m transforms to p/m copies of H_m u (exactly: the
   // skipped butterflies add zeros), and the top `rows` coordinates of H_p z are
   // H_rows (z_0 + z_1 + ...), z_i the consecutive `rows`-blocks of z, summed in order.
-  void transform_tile(const Scalar* x, Index x_stride, Index count, Index block, Index rows, Scalar* work,
-                      Index ld) const {
+  void transform_tile(const Scalar* x, Index x_stride, Index count, Index block, Index rows,
+                      Scalar* work, Index ld) const {
     using WorkMap = Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
     WorkMap w(work, padded_, count, Eigen::OuterStride<>(ld));
     const Scalar* d1 = &diagonals_(3 * block, 0);
@@ -145,17 +147,18 @@ class StructuredRotation {
   template <typename Out>
   void check_apply(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& x, const Out& out,
                    Index max_cols) const {
-    detail::require(x.cols() == dim_ && out.rows() == x.rows() && out.cols() >= 0 && out.cols() <= max_cols,
-                    where, "x is ", detail::shape_of(x), " and out ", detail::shape_of(out), ", expected n x ",
-                    dim_, " and n x k with k <= ", max_cols);
+    detail::require(
+        x.cols() == dim_ && out.rows() == x.rows() && out.cols() >= 0 && out.cols() <= max_cols,
+        where, "x is ", detail::shape_of(x), " and out ", detail::shape_of(out), ", expected n x ",
+        dim_, " and n x k with k <= ", max_cols);
   }
 
   // out (n x k) = the k coordinates from block `first` on, each times column_scale (null:
   // scale_). Tiles of vectors are independent, so they run in parallel. A partial last block is
   // transformed in full rather than folded, so a coordinate's rounding does not depend on k.
   template <typename Out>
-  void apply_blocks(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index first, const Scalar* column_scale,
-                    Out& out) const {
+  void apply_blocks(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index first,
+                    const Scalar* column_scale, Out& out) const {
     const Index n = x.rows(), k = out.cols();
     if (n == 0 || k == 0) return;
     // At most 2^16 scalars of scratch per tile, between 32 and 256 vectors.
@@ -165,15 +168,17 @@ class StructuredRotation {
       RowMatrix<Scalar> work(padded_, count);
       for (Index c0 = 0; c0 < k; c0 += padded_) {
         const Index cols = std::min(padded_, k - c0);
-        transform_tile(x.data() + i0 * x.outerStride(), x.outerStride(), count, first + c0 / padded_, padded_,
-                       work.data(), count);
-        for (Index j = 0; j < cols; ++j) work.row(j) *= column_scale ? column_scale[c0 + j] : scale_;
+        transform_tile(x.data() + i0 * x.outerStride(), x.outerStride(), count,
+                       first + c0 / padded_, padded_, work.data(), count);
+        for (Index j = 0; j < cols; ++j)
+          work.row(j) *= column_scale ? column_scale[c0 + j] : scale_;
         auto target = out.block(i0, c0, count, cols);
         using Target = decltype(target);
         if constexpr (bool(Target::IsRowMajor) && bool(Target::Flags & Eigen::DirectAccessBit) &&
                       Target::InnerStrideAtCompileTime == 1) {
-          detail::transpose_scaled(work.data(), count, cols, count, static_cast<const Scalar*>(nullptr),
-                                   target.data(), target.outerStride());
+          detail::transpose_scaled(work.data(), count, cols, count,
+                                   static_cast<const Scalar*>(nullptr), target.data(),
+                                   target.outerStride());
         } else {
           target = work.topRows(cols).transpose();
         }

@@ -62,7 +62,8 @@ class LocalitySensitiveFilters {
   static_assert(std::is_floating_point<Scalar>::value, "Scalar must be float or double");
 
   // m filters per table, L tables, drawn from `seed`.
-  LocalitySensitiveFilters(RotationKind kind, Index dim, Index filters, Index tables, std::uint64_t seed)
+  LocalitySensitiveFilters(RotationKind kind, Index dim, Index filters, Index tables,
+                           std::uint64_t seed)
       : kind_(kind), dim_(dim), filters_(filters), tables_(tables) {
     check_shape(dim, filters, tables);
     if (kind == RotationKind::dense) {
@@ -79,10 +80,11 @@ class LocalitySensitiveFilters {
 
   // User filters: a (tables * m) x d matrix whose row t m + i is filter i of table t, used as is
   // (the threshold formula assumes scores of unit variance, e.g. rows with norm about √d).
-  LocalitySensitiveFilters(RowMatrix<Scalar> a, Index tables) : kind_(RotationKind::dense), a_(std::move(a)) {
+  LocalitySensitiveFilters(RowMatrix<Scalar> a, Index tables)
+      : kind_(RotationKind::dense), a_(std::move(a)) {
     const char* where = "LocalitySensitiveFilters";
-    detail::require(tables >= 1 && a_.rows() % tables == 0, where, "the filter matrix (", detail::shape_of(a_),
-                    ") must have tables * m rows, tables = ", tables);
+    detail::require(tables >= 1 && a_.rows() % tables == 0, where, "the filter matrix (",
+                    detail::shape_of(a_), ") must have tables * m rows, tables = ", tables);
     check_shape(a_.cols(), a_.rows() / tables, tables);
     detail::require_finite(a_, where, "the filter matrix");
     dim_ = a_.cols();
@@ -109,16 +111,19 @@ class LocalitySensitiveFilters {
   }
 
   // Normalised scores <a_i, x̂> of the rows of x in table `table`: n x m.
-  RowMatrix<Scalar> scores(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index table, bool check_finite = true) const {
+  RowMatrix<Scalar> scores(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index table,
+                           bool check_finite = true) const {
     const char* where = "LocalitySensitiveFilters::scores";
     check_input(where, x, check_finite);
-    detail::require(table >= 0 && table < tables_, where, "table ", table, " is outside [0, ", tables_, ")");
+    detail::require(table >= 0 && table < tables_, where, "table ", table, " is outside [0, ",
+                    tables_, ")");
     RowMatrix<Scalar> out(x.rows(), filters_);
     const RowMatrix<Scalar> unit = detail::unit_rows<Scalar>(x);
-    for_each_block(unit, [&](Index i0, const auto& block, RowMatrix<Scalar>& s, RowMatrix<Scalar>& work) {
-      score_block(block, table, s, work);
-      out.middleRows(i0, block.rows()) = s;
-    });
+    for_each_block(unit,
+                   [&](Index i0, const auto& block, RowMatrix<Scalar>& s, RowMatrix<Scalar>& work) {
+                     score_block(block, table, s, work);
+                     out.middleRows(i0, block.rows()) = s;
+                   });
     return out;
   }
 
@@ -136,7 +141,8 @@ class LocalitySensitiveFilters {
                    RowMatrix<Scalar>& work) const {
     out.resize(unit_block.rows(), filters_);
     if (kind_ == RotationKind::dense) {
-      detail::gemm_fixed_depth(out, unit_block, a_.middleRows(t * filters_, filters_).transpose(), false);
+      detail::gemm_fixed_depth(out, unit_block, a_.middleRows(t * filters_, filters_).transpose(),
+                               false);
     } else {
       out = gain_ * rotation_.project_round(unit_block, t, work).transpose();
     }
@@ -155,16 +161,17 @@ class LocalitySensitiveFilters {
 
   HashCodes assign_unit(const RowMatrix<Scalar>& unit) const {
     HashCodes codes(unit.rows(), tables_);
-    for_each_block(unit, [&](Index i0, const auto& block, RowMatrix<Scalar>& s, RowMatrix<Scalar>& work) {
-      for (Index t = 0; t < tables_; ++t) {
-        score_block(block, t, s, work);
-        for (Index u = 0; u < s.rows(); ++u) {
-          Index best = 0;
-          s.row(u).maxCoeff(&best);  // the first maximum
-          codes(i0 + u, t) = static_cast<std::int32_t>(best);
-        }
-      }
-    });
+    for_each_block(unit,
+                   [&](Index i0, const auto& block, RowMatrix<Scalar>& s, RowMatrix<Scalar>& work) {
+                     for (Index t = 0; t < tables_; ++t) {
+                       score_block(block, t, s, work);
+                       for (Index u = 0; u < s.rows(); ++u) {
+                         Index best = 0;
+                         s.row(u).maxCoeff(&best);  // the first maximum
+                         codes(i0 + u, t) = static_cast<std::int32_t>(best);
+                       }
+                     }
+                   });
     return codes;
   }
 
@@ -172,13 +179,15 @@ class LocalitySensitiveFilters {
   static void check_shape(Index dim, Index filters, Index tables) {
     const char* where = "LocalitySensitiveFilters";
     detail::require(dim >= 1, where, "dim must be >= 1, got ", dim);
-    detail::require(filters >= 1 && filters <= (Index(1) << 23), where, "filters m must be in [1, 2^23], got ",
-                    filters);
-    detail::require(tables >= 1 && tables * filters <= Index(std::numeric_limits<std::int32_t>::max()), where,
-                    "tables L must be >= 1 with L * m < 2^31, got L = ", tables, ", m = ", filters);
+    detail::require(filters >= 1 && filters <= (Index(1) << 23), where,
+                    "filters m must be in [1, 2^23], got ", filters);
+    detail::require(
+        tables >= 1 && tables * filters <= Index(std::numeric_limits<std::int32_t>::max()), where,
+        "tables L must be >= 1 with L * m < 2^31, got L = ", tables, ", m = ", filters);
   }
 
-  void check_input(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& x, bool check_finite) const {
+  void check_input(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& x,
+                   bool check_finite) const {
     detail::require(x.rows() == 0 || x.cols() == dim_, where, "x is ", detail::shape_of(x),
                     " but the filters were built for dimension ", dim_);
     detail::require_finite(x, where, "x", check_finite);
@@ -186,9 +195,9 @@ class LocalitySensitiveFilters {
 
   RotationKind kind_;
   Index dim_ = 0, filters_ = 0, tables_ = 0;
-  RowMatrix<Scalar> a_;                 // dense: (tables * m) x d
-  HadamardRotation<Scalar> rotation_;   // hadamard: one round per table
-  Scalar gain_ = 1;                     // hadamard: √p
+  RowMatrix<Scalar> a_;                // dense: (tables * m) x d
+  HadamardRotation<Scalar> rotation_;  // hadamard: one round per table
+  Scalar gain_ = 1;                    // hadamard: √p
 };
 
 }  // namespace randattn

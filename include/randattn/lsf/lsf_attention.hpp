@@ -87,15 +87,15 @@ inline Index query_block(Index filters_in_all_tables) {
 
 // Keys bucketed by filter, one CSR per table.
 struct FilterBuckets {
-  HashCodes codes;                  // n_k x L
-  std::vector<std::int32_t> perm;   // L x n_k: table t's keys filter by filter, increasing position
-  std::vector<Index> start;         // L x (m + 1): filter f of table t is perm[t n_k + start[f]], ...
+  HashCodes codes;                 // n_k x L
+  std::vector<std::int32_t> perm;  // L x n_k: table t's keys filter by filter, increasing position
+  std::vector<Index> start;  // L x (m + 1): filter f of table t is perm[t n_k + start[f]], ...
 };
 
 // The filters opened by every query: by query (ids g = t m + f, increasing) and by filter (queries
 // in increasing position).
 struct FilterProbes {
-  std::vector<Index> query_start;   // n_q + 1
+  std::vector<Index> query_start;  // n_q + 1
   std::vector<std::int32_t> query_filters;
   std::vector<Index> filter_start;  // L m + 1
   std::vector<std::int32_t> filter_queries;
@@ -103,13 +103,14 @@ struct FilterProbes {
 };
 
 inline double resolve_threshold(const char* where, const LsfOptions& opt, Index filters) {
-  require(opt.eta.has_value() != opt.alpha.has_value(), where, "give exactly one of eta and alpha (eta ",
-          opt.eta ? "set" : "unset", ", alpha ", opt.alpha ? "set" : "unset", ")");
-  require(opt.min_probes >= 1 && opt.min_probes <= filters, where, "min_probes must be in [1, m = ", filters,
-          "], got ", opt.min_probes);
+  require(opt.eta.has_value() != opt.alpha.has_value(), where,
+          "give exactly one of eta and alpha (eta ", opt.eta ? "set" : "unset", ", alpha ",
+          opt.alpha ? "set" : "unset", ")");
+  require(opt.min_probes >= 1 && opt.min_probes <= filters, where,
+          "min_probes must be in [1, m = ", filters, "], got ", opt.min_probes);
   if (opt.alpha) {
-    require(std::isfinite(*opt.alpha) && *opt.alpha > 0 && *opt.alpha < 1, where, "alpha must be in (0, 1), got ",
-            *opt.alpha);
+    require(std::isfinite(*opt.alpha) && *opt.alpha > 0 && *opt.alpha < 1, where,
+            "alpha must be in (0, 1), got ", *opt.alpha);
     return filter_threshold(*opt.alpha, filters);
   }
   require(!std::isnan(*opt.eta) && *opt.eta != std::numeric_limits<double>::infinity(), where,
@@ -119,7 +120,8 @@ inline double resolve_threshold(const char* where, const LsfOptions& opt, Index 
 
 template <typename Scalar>
 Scalar check_lsf_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& q,
-                        const Eigen::Ref<const RowMatrix<Scalar>>& k, const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                        const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                        const Eigen::Ref<const RowMatrix<Scalar>>& v,
                         const LocalitySensitiveFilters<Scalar>& filters, const LsfOptions& opt) {
   resolve_threshold(where, opt, filters.filters());
   const Scalar scale = resolve_scale<Scalar>(where, opt, inverse_sqrt_dim(filters.dim()));
@@ -129,10 +131,10 @@ Scalar check_lsf_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scal
           " but the filters were built for dimension ", filters.dim());
   require(v.rows() == k.rows(), where, "k (", shape_of(k), ") and v (", shape_of(v),
           ") must have the same number of rows");
-  require(!opt.causal || q.rows() == k.rows(), where, "causal attention needs as many queries (", q.rows(),
-          ") as keys (", k.rows(), ")");
-  require(q.rows() == 0 || k.rows() > 0, where, "attention over zero keys is undefined (q ", shape_of(q), ", k ",
-          shape_of(k), ")");
+  require(!opt.causal || q.rows() == k.rows(), where, "causal attention needs as many queries (",
+          q.rows(), ") as keys (", k.rows(), ")");
+  require(q.rows() == 0 || k.rows() > 0, where, "attention over zero keys is undefined (q ",
+          shape_of(q), ", k ", shape_of(k), ")");
   require(q.rows() <= Index(std::numeric_limits<std::int32_t>::max()) &&
               k.rows() <= Index(std::numeric_limits<std::int32_t>::max()),
           where, "at most 2^31 - 1 tokens per sequence");
@@ -143,7 +145,8 @@ Scalar check_lsf_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scal
 }
 
 template <typename Scalar>
-FilterBuckets bucket_keys(const LocalitySensitiveFilters<Scalar>& filters, const RowMatrix<Scalar>& unit_k) {
+FilterBuckets bucket_keys(const LocalitySensitiveFilters<Scalar>& filters,
+                          const RowMatrix<Scalar>& unit_k) {
   const Index n = unit_k.rows(), m = filters.filters(), L = filters.tables();
   FilterBuckets b;
   b.codes = filters.assign_unit(unit_k);
@@ -161,9 +164,14 @@ FilterBuckets bucket_keys(const LocalitySensitiveFilters<Scalar>& filters, const
 template <typename Scalar>
 class FilterProber {
  public:
-  FilterProber(const LocalitySensitiveFilters<Scalar>& filters, const FilterBuckets& keys, Index n_k, Scalar eta,
-               Index min_probes, bool causal)
-      : filters_(filters), keys_(keys), n_k_(n_k), eta_(eta), min_probes_(min_probes), causal_(causal) {}
+  FilterProber(const LocalitySensitiveFilters<Scalar>& filters, const FilterBuckets& keys,
+               Index n_k, Scalar eta, Index min_probes, bool causal)
+      : filters_(filters),
+        keys_(keys),
+        n_k_(n_k),
+        eta_(eta),
+        min_probes_(min_probes),
+        causal_(causal) {}
 
   FilterProbes probe(const RowMatrix<Scalar>& unit_q) const {
     const Index n = unit_q.rows(), m = filters_.filters(), L = filters_.tables();
@@ -171,7 +179,8 @@ class FilterProber {
     std::vector<std::vector<std::int32_t>> opened(static_cast<std::size_t>(blocks));
     std::vector<Index> count(static_cast<std::size_t>(n));
     std::vector<char> fell_back(static_cast<std::size_t>(n), 0);
-    filters_.for_each_block(unit_q, [&](Index i0, const auto& block, RowMatrix<Scalar>& s, RowMatrix<Scalar>& work) {
+    filters_.for_each_block(unit_q, [&](Index i0, const auto& block, RowMatrix<Scalar>& s,
+                                        RowMatrix<Scalar>& work) {
       const Index B = block.rows();
       RowMatrix<Scalar> scores(B, L * m);  // the block's scores in all tables, row u = query i0 + u
       for (Index t = 0; t < L; ++t) {
@@ -194,7 +203,8 @@ class FilterProber {
     p.query_start.assign(static_cast<std::size_t>(n) + 1, 0);
     for (Index i = 0; i < n; ++i) p.query_start[i + 1] = p.query_start[i] + count[i];
     p.query_filters.reserve(static_cast<std::size_t>(p.query_start[n]));
-    for (const auto& block : opened) p.query_filters.insert(p.query_filters.end(), block.begin(), block.end());
+    for (const auto& block : opened)
+      p.query_filters.insert(p.query_filters.end(), block.begin(), block.end());
     p.fallback_queries = std::count(fell_back.begin(), fell_back.end(), 1);
     // By filter: a stable counting sort of the (query, filter) pairs keeps queries in order.
     p.filter_start.assign(static_cast<std::size_t>(L * m) + 1, 0);
@@ -204,13 +214,15 @@ class FilterProber {
     std::vector<Index> next(p.filter_start.begin(), p.filter_start.end() - 1);
     for (Index i = 0; i < n; ++i)
       for (Index e = p.query_start[i]; e < p.query_start[i + 1]; ++e)
-        p.filter_queries[static_cast<std::size_t>(next[p.query_filters[e]]++)] = static_cast<std::int32_t>(i);
+        p.filter_queries[static_cast<std::size_t>(next[p.query_filters[e]]++)] =
+            static_cast<std::int32_t>(i);
     return p;
   }
 
  private:
   // Filters of table t with score >= η, or the min_probes best if fewer; appended as ids t m + f.
-  void open_in_table(const Scalar* s, Index t, std::vector<std::int32_t>& order, std::vector<std::int32_t>& out) const {
+  void open_in_table(const Scalar* s, Index t, std::vector<std::int32_t>& order,
+                     std::vector<std::int32_t>& out) const {
     const Index m = filters_.filters();
     const std::size_t first = out.size();
     for (Index f = 0; f < m; ++f)
@@ -220,16 +232,19 @@ class FilterProber {
     out.resize(first);
     best_first(s, m, min_probes_, order);
     std::sort(order.begin(), order.begin() + min_probes_);
-    for (Index r = 0; r < min_probes_; ++r) out.push_back(static_cast<std::int32_t>(t * m + order[r]));
+    for (Index r = 0; r < min_probes_; ++r)
+      out.push_back(static_cast<std::int32_t>(t * m + order[r]));
   }
 
   // order[0..count) = indices of the `count` largest of s[0..size), by descending score, ties to
   // the lower index.
-  static void best_first(const Scalar* s, Index size, Index count, std::vector<std::int32_t>& order) {
+  static void best_first(const Scalar* s, Index size, Index count,
+                         std::vector<std::int32_t>& order) {
     order.resize(static_cast<std::size_t>(size));
     std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + count, order.end(),
-                      [s](std::int32_t a, std::int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
+    std::partial_sort(
+        order.begin(), order.begin() + count, order.end(),
+        [s](std::int32_t a, std::int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
   }
 
   // True when filter g holds a key valid for query i (keys are in increasing position).
@@ -248,8 +263,8 @@ class FilterProber {
 
   // Opens filters of all tables in descending score order until one holds a valid key; keeps
   // out[first..) sorted. Terminates: some filter holds key 0, valid for every query.
-  void fallback(const Scalar* s, Index i, std::vector<std::int32_t>& order, std::vector<std::int32_t>& out,
-                std::size_t first) const {
+  void fallback(const Scalar* s, Index i, std::vector<std::int32_t>& order,
+                std::vector<std::int32_t>& out, std::size_t first) const {
     const Index all = filters_.filters() * filters_.tables();
     best_first(s, all, all, order);
     for (std::int32_t g : order) {
@@ -273,10 +288,11 @@ class FilterProber {
 // tile's columns are a range of the table's filter-ordered keys, whose codes (in that order) are
 // rows of `codes`, so a count is L bit tests.
 struct OpenedFilterCounter {
-  const std::int32_t* perm = nullptr;  // the table's keys in filter order (cols.list points into it)
-  const HashCodes* codes = nullptr;    // n_k x L, rows in the order of perm
+  const std::int32_t* perm =
+      nullptr;                       // the table's keys in filter order (cols.list points into it)
+  const HashCodes* codes = nullptr;  // n_k x L, rows in the order of perm
   Index filters = 0, lo = 0, words = 0;
-  std::vector<std::uint64_t> bits;     // rows x words
+  std::vector<std::uint64_t> bits;  // rows x words
 
   void open(const FilterProbes& p, Index first, Index rows) {
     lo = first;
@@ -285,7 +301,8 @@ struct OpenedFilterCounter {
     for (Index i = first; i < first + rows; ++i)
       for (Index e = p.query_start[i]; e < p.query_start[i + 1]; ++e) {
         const std::uint64_t g = std::uint64_t(p.query_filters[e]);
-        bits[static_cast<std::size_t>((i - first) * words + Index(g >> 6))] |= std::uint64_t(1) << (g & 63);
+        bits[static_cast<std::size_t>((i - first) * words + Index(g >> 6))] |= std::uint64_t(1)
+                                                                               << (g & 63);
       }
   }
 
@@ -308,12 +325,16 @@ struct OpenedFilterCounter {
 template <typename Scalar>
 class LsfSlice {
  public:
-  LsfSlice(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
+  LsfSlice(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+           const Eigen::Ref<const RowMatrix<Scalar>>& k,
            const LocalitySensitiveFilters<Scalar>& filters, const LsfOptions& opt)
-      : filters_(filters), opt_(opt), eta_(resolve_threshold("lsf_attention", opt, filters.filters())) {
+      : filters_(filters),
+        opt_(opt),
+        eta_(resolve_threshold("lsf_attention", opt, filters.filters())) {
     if (q.rows() == 0) return;
     keys_ = bucket_keys(filters, unit_rows<Scalar>(k));
-    probes_ = FilterProber<Scalar>(filters, keys_, k.rows(), static_cast<Scalar>(eta_), opt.min_probes, opt.causal)
+    probes_ = FilterProber<Scalar>(filters, keys_, k.rows(), static_cast<Scalar>(eta_),
+                                   opt.min_probes, opt.causal)
                   .probe(unit_rows<Scalar>(q));
   }
 
@@ -333,8 +354,9 @@ class LsfSlice {
         const Index t = *g / m, f = *g % m;
         const std::int32_t* perm = keys_.perm.data() + t * n_k;
         const Index* start = keys_.start.data() + t * (m + 1);
-        const Index end = opt_.causal ? Index(std::upper_bound(perm + start[f], perm + start[f + 1], i) - perm)
-                                      : start[f + 1];
+        const Index end =
+            opt_.causal ? Index(std::upper_bound(perm + start[f], perm + start[f + 1], i) - perm)
+                        : start[f + 1];
         st.logits += end - start[f];
         // A key counts for the first table in which i finds it.
         for (Index e = start[f]; e < end; ++e) {
@@ -351,7 +373,8 @@ class LsfSlice {
 
   SoftmaxAccumulator<Scalar> attend(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                                     const Eigen::Ref<const RowMatrix<Scalar>>& k,
-                                    const Eigen::Ref<const RowMatrix<Scalar>>& v, Scalar scale) const {
+                                    const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                                    Scalar scale) const {
     const Index n_q = q.rows(), n_k = k.rows(), m = filters_.filters(), L = filters_.tables();
     SoftmaxAccumulator<Scalar> acc(n_q, v.cols());
     if (n_q == 0) return acc;
@@ -387,7 +410,8 @@ class LsfSlice {
           const Index k0 = start[f], k1 = start[f + 1], g = t * m + f;
           if (k0 == k1) continue;
           const std::int32_t* fq = probes_.filter_queries.data();
-          const std::int32_t* q0 = std::lower_bound(fq + probes_.filter_start[g], fq + probes_.filter_start[g + 1], lo);
+          const std::int32_t* q0 =
+              std::lower_bound(fq + probes_.filter_start[g], fq + probes_.filter_start[g + 1], lo);
           const std::int32_t* q1 = std::lower_bound(q0, fq + probes_.filter_start[g + 1], hi);
           // Causal: one query per tile, against the filter's keys j <= i only (keys are in
           // increasing position), so every tile shape, and with it every rounding, depends on
@@ -395,13 +419,14 @@ class LsfSlice {
           const Index rows_per_tile = opt_.causal ? 1 : kTargetRowTile;
           for (const std::int32_t* r = q0; r < q1; r += rows_per_tile) {
             const Index br = std::min<Index>(rows_per_tile, q1 - r);
-            const Index end = opt_.causal ? Index(std::upper_bound(perm + k0, perm + k1, r[0]) - perm) : k1;
+            const Index end =
+                opt_.causal ? Index(std::upper_bound(perm + k0, perm + k1, r[0]) - perm) : k1;
             for (Index u = 0; u < br; ++u) q_tile.row(u) = queries.row(r[u]);
             const TileIndex rows = TileIndex::gathered(r, br);
             for (Index c0 = k0; c0 < end; c0 += kTargetColTile) {
               const Index bc = std::min(kTargetColTile, end - c0);
-              tile.attend(q_tile.topRows(br), keys.middleRows(c0, bc), values.middleRows(c0, bc), rows,
-                          TileIndex::gathered(perm + c0, bc), mask, acc);
+              tile.attend(q_tile.topRows(br), keys.middleRows(c0, bc), values.middleRows(c0, bc),
+                          rows, TileIndex::gathered(perm + c0, bc), mask, acc);
             }
           }
         }
@@ -422,8 +447,8 @@ template <typename Scalar>
 SoftmaxAccumulator<Scalar> lsf_slice(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                                      const Eigen::Ref<const RowMatrix<Scalar>>& k,
                                      const Eigen::Ref<const RowMatrix<Scalar>>& v,
-                                     const LocalitySensitiveFilters<Scalar>& filters, const LsfOptions& opt,
-                                     Scalar scale) {
+                                     const LocalitySensitiveFilters<Scalar>& filters,
+                                     const LsfOptions& opt, Scalar scale) {
   return LsfSlice<Scalar>(q, k, filters, opt).attend(q, k, v, scale);
 }
 
@@ -449,11 +474,12 @@ SoftmaxAccumulator<Scalar> lsf_attention_accumulate(const LocalitySensitiveFilte
 
 // LSF attention: q n_q x d, k n_k x d, v n_k x dv -> n_q x dv.
 template <typename DQ, typename DK, typename DV>
-RowMatrix<typename DQ::Scalar> lsf_attention(const LocalitySensitiveFilters<typename DQ::Scalar>& filters,
-                                             const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                                             const Eigen::MatrixBase<DV>& v, const LsfOptions& opt = {}) {
+RowMatrix<typename DQ::Scalar> lsf_attention(
+    const LocalitySensitiveFilters<typename DQ::Scalar>& filters, const Eigen::MatrixBase<DQ>& q,
+    const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v, const LsfOptions& opt = {}) {
   using Scalar = typename DQ::Scalar;
-  static_assert(std::is_same<Scalar, typename DK::Scalar>::value && std::is_same<Scalar, typename DV::Scalar>::value,
+  static_assert(std::is_same<Scalar, typename DK::Scalar>::value &&
+                    std::is_same<Scalar, typename DV::Scalar>::value,
                 "q, k and v must share the scalar type");
   // Every row holds at least one key, whose largest term is exp(0): den >= 1.
   return lsf_attention_accumulate<Scalar>(filters, q, k, v, opt).finalize();
@@ -465,7 +491,8 @@ RowMatrix<typename DQ::Scalar> lsf_attention(const LocalitySensitiveFilters<type
 template <typename Scalar>
 LsfProbeStats lsf_probe_stats(const LocalitySensitiveFilters<Scalar>& filters,
                               const Eigen::Ref<const RowMatrix<Scalar>>& q,
-                              const Eigen::Ref<const RowMatrix<Scalar>>& k, const LsfOptions& opt = {}) {
+                              const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                              const LsfOptions& opt = {}) {
   const RowMatrix<Scalar> no_values(k.rows(), 0);
   detail::check_lsf_inputs<Scalar>("lsf_probe_stats", q, k, no_values, filters, opt);
   return detail::LsfSlice<Scalar>(q, k, filters, opt).stats();
@@ -475,20 +502,24 @@ LsfProbeStats lsf_probe_stats(const LocalitySensitiveFilters<Scalar>& filters,
 // k (batch, heads, n_k, d), v (batch, heads, n_k, dv) -> out (batch, heads, n_q, dv). Every slice
 // uses the same filters. Slices run in parallel, each on one thread.
 template <typename Scalar>
-void lsf_attention_batched(const LocalitySensitiveFilters<Scalar>& filters, const Scalar* q, const Scalar* k,
-                           const Scalar* v, Scalar* out, const BatchShape& shape, const LsfOptions& opt = {}) {
+void lsf_attention_batched(const LocalitySensitiveFilters<Scalar>& filters, const Scalar* q,
+                           const Scalar* k, const Scalar* v, Scalar* out, const BatchShape& shape,
+                           const LsfOptions& opt = {}) {
   const char* where = "lsf_attention_batched";
   using detail::slice_of;
-  const Scalar scale = detail::resolve_scale<Scalar>(where, opt, detail::inverse_sqrt_dim(filters.dim()));
+  const Scalar scale =
+      detail::resolve_scale<Scalar>(where, opt, detail::inverse_sqrt_dim(filters.dim()));
   detail::for_each_slice(
       where, shape, q && k && v && out,
       [&](Index s) {
-        detail::check_lsf_inputs<Scalar>(where, slice_of(q, s, shape.n_q, shape.d), slice_of(k, s, shape.n_k, shape.d),
+        detail::check_lsf_inputs<Scalar>(where, slice_of(q, s, shape.n_q, shape.d),
+                                         slice_of(k, s, shape.n_k, shape.d),
                                          slice_of(v, s, shape.n_k, shape.dv), filters, opt);
       },
       [&](Index s) {
         auto o = slice_of(out, s, shape.n_q, shape.dv);
-        detail::lsf_slice<Scalar>(slice_of(q, s, shape.n_q, shape.d), slice_of(k, s, shape.n_k, shape.d),
+        detail::lsf_slice<Scalar>(slice_of(q, s, shape.n_q, shape.d),
+                                  slice_of(k, s, shape.n_k, shape.d),
                                   slice_of(v, s, shape.n_k, shape.dv), filters, opt, scale)
             .finalize_into(o);
       });

@@ -92,22 +92,25 @@ void cross_polytope_argmax_packets(const Scalar* y, Index ld, Index half, Scalar
     ei::pstoreu(ha, hi_arg[j]);
     ei::pstoreu(la, lo_arg[j]);
     for (int i = 0; i < kP; ++i)
-      codes[(t0 + j * kP + i) * stride] = static_cast<std::int32_t>(h[i] >= -l[i] ? ha[i] : la[i] + Scalar(half));
+      codes[(t0 + j * kP + i) * stride] =
+          static_cast<std::int32_t>(h[i] >= -l[i] ? ha[i] : la[i] + Scalar(half));
   }
 }
 
 // Bucket codes of the `count` vectors whose h = half projections, times `scale` > 0, are the
 // columns of y (h rows of stride ld), written to codes[t * stride].
 template <typename Scalar>
-void cross_polytope_argmax(const Scalar* y, Index ld, Index half, Index count, Scalar scale, std::int32_t* codes,
-                           Index stride) {
+void cross_polytope_argmax(const Scalar* y, Index ld, Index half, Index count, Scalar scale,
+                           std::int32_t* codes, Index stride) {
   using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
   constexpr int kP = Eigen::internal::unpacket_traits<Packet>::size, kStrip = 4;
   Index t0 = 0;
   for (; t0 + kStrip * kP <= count; t0 += kStrip * kP)
     cross_polytope_argmax_packets<kStrip, Packet>(y, ld, half, scale, t0, codes, stride);
-  for (; t0 + kP <= count; t0 += kP) cross_polytope_argmax_packets<1, Packet>(y, ld, half, scale, t0, codes, stride);
-  for (; t0 < count; ++t0) cross_polytope_argmax_packets<1, Scalar>(y, ld, half, scale, t0, codes, stride);
+  for (; t0 + kP <= count; t0 += kP)
+    cross_polytope_argmax_packets<1, Packet>(y, ld, half, scale, t0, codes, stride);
+  for (; t0 < count; ++t0)
+    cross_polytope_argmax_packets<1, Scalar>(y, ld, half, scale, t0, codes, stride);
 }
 
 #if defined(__GNUC__)
@@ -119,10 +122,12 @@ void cross_polytope_argmax(const Scalar* y, Index ld, Index half, Index count, S
 // The faster rotation at this shape (see the header comment): dense while
 // dim * buckets / 2 <= 6 p log2(p), p = next_power_of_two(max(dim, buckets / 2)), else Hadamard.
 inline RotationKind default_rotation(Index dim, Index buckets) {
-  const Index half = std::max<Index>(buckets / 2, 1), p = next_power_of_two(std::max<Index>({dim, half, 1}));
+  const Index half = std::max<Index>(buckets / 2, 1),
+              p = next_power_of_two(std::max<Index>({dim, half, 1}));
   Index log2p = 0;
   while ((Index(1) << log2p) < p) ++log2p;
-  return double(dim) * double(half) <= 6.0 * double(p) * double(log2p) ? RotationKind::dense : RotationKind::hadamard;
+  return double(dim) * double(half) <= 6.0 * double(p) * double(log2p) ? RotationKind::dense
+                                                                       : RotationKind::hadamard;
 }
 
 template <typename Scalar_>
@@ -136,21 +141,31 @@ class CrossPolytopeHash {
 
   // A rotation of the given kind drawn from `seed`.
   CrossPolytopeHash(RotationKind kind, Index dim, Index buckets, Index rounds, std::uint64_t seed)
-      : rotation_(kind == RotationKind::dense ? Rotation(DenseRotation<Scalar>(dim, buckets, rounds, seed))
-                                              : Rotation(HadamardRotation<Scalar>(dim, buckets, rounds, seed))) {}
+      : rotation_(kind == RotationKind::dense
+                      ? Rotation(DenseRotation<Scalar>(dim, buckets, rounds, seed))
+                      : Rotation(HadamardRotation<Scalar>(dim, buckets, rounds, seed))) {}
 
   // The rotation of default_rotation(dim, buckets) drawn from `seed`.
   CrossPolytopeHash(Index dim, Index buckets, Index rounds, std::uint64_t seed)
       : CrossPolytopeHash(default_rotation(dim, buckets), dim, buckets, rounds, seed) {}
 
-  // A user-supplied dense R of shape (d, rounds, buckets / 2), given as a d x (rounds * buckets / 2)
-  // row-major matrix (the C-order array).
-  CrossPolytopeHash(RowMatrix<Scalar> r, Index rounds) : rotation_(DenseRotation<Scalar>(std::move(r), rounds)) {}
+  // A user-supplied dense R of shape (d, rounds, buckets / 2), given as a d x (rounds * buckets /
+  // 2) row-major matrix (the C-order array).
+  CrossPolytopeHash(RowMatrix<Scalar> r, Index rounds)
+      : rotation_(DenseRotation<Scalar>(std::move(r), rounds)) {}
 
-  RotationKind kind() const { return rotation_.index() == 0 ? RotationKind::dense : RotationKind::hadamard; }
-  Index dim() const { return visit([](const auto& r) { return r.dim(); }); }
-  Index buckets() const { return visit([](const auto& r) { return r.buckets(); }); }
-  Index rounds() const { return visit([](const auto& r) { return r.rounds(); }); }
+  RotationKind kind() const {
+    return rotation_.index() == 0 ? RotationKind::dense : RotationKind::hadamard;
+  }
+  Index dim() const {
+    return visit([](const auto& r) { return r.dim(); });
+  }
+  Index buckets() const {
+    return visit([](const auto& r) { return r.buckets(); });
+  }
+  Index rounds() const {
+    return visit([](const auto& r) { return r.rounds(); });
+  }
 
   // nullptr when the rotation is of the other kind.
   const DenseRotation<Scalar>* dense_rotation() const { return std::get_if<0>(&rotation_); }
@@ -171,7 +186,8 @@ class CrossPolytopeHash {
         const Index end = std::min(n, (c + 1) * detail::kHashChunk);
         for (Index i0 = c * detail::kHashChunk; i0 < end; i0 += detail::kHashTile) {
           const Index count = std::min(detail::kHashTile, end - i0);
-          for (Index round = 0; round < r; ++round) hash_tile(rot, x.middleRows(i0, count), round, work, &codes(i0, round));
+          for (Index round = 0; round < r; ++round)
+            hash_tile(rot, x.middleRows(i0, count), round, work, &codes(i0, round));
         }
       });
     });
@@ -183,20 +199,23 @@ class CrossPolytopeHash {
 
   // Codes of one round for a tile of vectors, into codes[t * rounds]. The Hadamard rotation's
   // p^{-3/2} is applied inside the argmax, so its coordinates are read once.
-  void hash_tile(const DenseRotation<Scalar>& rot, const Eigen::Ref<const RowMatrix<Scalar>>& x_tile, Index round,
+  void hash_tile(const DenseRotation<Scalar>& rot,
+                 const Eigen::Ref<const RowMatrix<Scalar>>& x_tile, Index round,
                  RowMatrix<Scalar>& work, std::int32_t* codes) const {
     const auto proj = rot.project_round(x_tile, round, work);
-    detail::cross_polytope_argmax(proj.data(), proj.outerStride(), proj.rows(), proj.cols(), Scalar(1), codes,
-                                  rounds());
+    detail::cross_polytope_argmax(proj.data(), proj.outerStride(), proj.rows(), proj.cols(),
+                                  Scalar(1), codes, rounds());
   }
-  void hash_tile(const HadamardRotation<Scalar>& rot, const Eigen::Ref<const RowMatrix<Scalar>>& x_tile, Index round,
+  void hash_tile(const HadamardRotation<Scalar>& rot,
+                 const Eigen::Ref<const RowMatrix<Scalar>>& x_tile, Index round,
                  RowMatrix<Scalar>& work, std::int32_t* codes) const {
     const StructuredRotation<Scalar>& s = rot.structured();
     const Index count = x_tile.rows(), half = buckets() / 2;
     work.resize(s.padded_dim(), detail::kHashTile);
-    s.transform_tile(x_tile.data(), x_tile.outerStride(), count, round, next_power_of_two(half), work.data(),
-                     detail::kHashTile);
-    detail::cross_polytope_argmax(work.data(), detail::kHashTile, half, count, s.scale(), codes, rounds());
+    s.transform_tile(x_tile.data(), x_tile.outerStride(), count, round, next_power_of_two(half),
+                     work.data(), detail::kHashTile);
+    detail::cross_polytope_argmax(work.data(), detail::kHashTile, half, count, s.scale(), codes,
+                                  rounds());
   }
 
   template <typename Fn>

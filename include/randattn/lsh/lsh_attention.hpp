@@ -2,17 +2,17 @@
 // LSH attention (Reformer): softmax attention restricted, for each query, to the keys that
 // share a cross-polytope hash bucket with it in one of r rounds.
 //
-// Shared QK (lsh_attention(hash, qk, v, ...)): the keys are the normalised queries k_j = q_j / |q_j|
-// (a zero row gives k_j = 0: logit 0 with every query, never NaN) and the logits are
-// scale * q_i . k_j, scale 1 by default. Per round the tokens are stably sorted by
-// (bucket, position) and the sorted order is cut into chunks of length c (the last one shorter
-// when c does not divide n, as if padded with masked tokens sorting last); every chunk attends
-// to itself and to the previous chunk, cyclically (with a single chunk, to itself only).
-// With exact_buckets = true a token attends to its whole bucket instead.
+// Shared QK (lsh_attention(hash, qk, v, ...)): the keys are the normalised queries k_j = q_j /
+// |q_j| (a zero row gives k_j = 0: logit 0 with every query, never NaN) and the logits are scale *
+// q_i . k_j, scale 1 by default. Per round the tokens are stably sorted by (bucket, position) and
+// the sorted order is cut into chunks of length c (the last one shorter when c does not divide n,
+// as if padded with masked tokens sorting last); every chunk attends to itself and to the previous
+// chunk, cyclically (with a single chunk, to itself only). With exact_buckets = true a token
+// attends to its whole bucket instead.
 //
-// Separate keys (lsh_attention(hash, q, k, v, ...), exact_buckets = true required): queries and keys
-// are hashed with the same rotations and every query attends to all keys of its bucket, keys as
-// given, logits scale * q_i . k_j.
+// Separate keys (lsh_attention(hash, q, k, v, ...), exact_buckets = true required): queries and
+// keys are hashed with the same rotations and every query attends to all keys of its bucket, keys
+// as given, logits scale * q_i . k_j.
 //
 // Target set and weights. P_i is the union over rounds of the round targets of i, with
 //  - self rule (shared QK): i itself is masked unless P_i holds no other valid target, in which
@@ -66,8 +66,8 @@ struct LshOptions : AttentionOptions {
 
 // Reformer's bucket count for chunk length c: 2 ceil(n / c) (expected bucket size c / 2).
 inline Index reformer_buckets(Index n, Index chunk) {
-  detail::require(n >= 0 && chunk >= 1, "reformer_buckets", "need n >= 0 and chunk >= 1, got n = ", n,
-                  ", chunk = ", chunk);
+  detail::require(n >= 0 && chunk >= 1, "reformer_buckets",
+                  "need n >= 0 and chunk >= 1, got n = ", n, ", chunk = ", chunk);
   return std::max<Index>(2, 2 * ((n + chunk - 1) / chunk));
 }
 
@@ -93,7 +93,8 @@ RowMatrix<Scalar> unit_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x) {
 
 template <typename Scalar>
 Scalar check_lsh_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& q,
-                        const Eigen::Ref<const RowMatrix<Scalar>>* k, const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                        const Eigen::Ref<const RowMatrix<Scalar>>* k,
+                        const Eigen::Ref<const RowMatrix<Scalar>>& v,
                         const CrossPolytopeHash<Scalar>& hash, const LshOptions& opt) {
   const Index n_k = k ? k->rows() : q.rows();
   require(opt.chunk >= 1, where, "chunk must be >= 1, got ", opt.chunk);
@@ -105,14 +106,15 @@ Scalar check_lsh_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scal
               n_k <= Index(std::numeric_limits<std::int32_t>::max()),
           where, "at most 2^31 - 1 tokens per sequence");
   if (k) {
-    require(k->cols() == q.cols() || k->rows() == 0, where, "q (", shape_of(q), ") and k (", shape_of(*k),
-            ") must have the same number of columns d");
+    require(k->cols() == q.cols() || k->rows() == 0, where, "q (", shape_of(q), ") and k (",
+            shape_of(*k), ") must have the same number of columns d");
     require(opt.exact_buckets, where,
-            "sort-and-chunk attention shares queries and keys; set exact_buckets = true for separate keys");
-    require(!opt.causal || q.rows() == k->rows(), where, "causal attention needs as many queries (", q.rows(),
-            ") as keys (", k->rows(), ")");
-    require(q.rows() == 0 || k->rows() > 0, where, "attention over zero keys is undefined (q ", shape_of(q),
-            ", k ", shape_of(*k), ")");
+            "sort-and-chunk attention shares queries and keys; set exact_buckets = true for "
+            "separate keys");
+    require(!opt.causal || q.rows() == k->rows(), where, "causal attention needs as many queries (",
+            q.rows(), ") as keys (", k->rows(), ")");
+    require(q.rows() == 0 || k->rows() > 0, where, "attention over zero keys is undefined (q ",
+            shape_of(q), ", k ", shape_of(*k), ")");
     require_finite(*k, where, "k", opt.check_finite);
   }
   require_finite(q, where, "q", opt.check_finite);
@@ -122,8 +124,8 @@ Scalar check_lsh_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scal
 
 // Sort-and-chunk: per round the stable sort of the n tokens by bucket (perm, round rho at
 // perm[rho n, (rho + 1) n)) and each token's chunk index in that order (chunk_of, n x rounds).
-inline void sort_into_chunks(const HashCodes& codes, Index buckets, Index chunk, std::vector<std::int32_t>& perm,
-                             HashCodes& chunk_of) {
+inline void sort_into_chunks(const HashCodes& codes, Index buckets, Index chunk,
+                             std::vector<std::int32_t>& perm, HashCodes& chunk_of) {
   const Index n = codes.rows(), r = codes.cols();
   perm.resize(static_cast<std::size_t>(n * r));
   chunk_of.resize(n, r);
@@ -139,7 +141,8 @@ inline void sort_into_chunks(const HashCodes& codes, Index buckets, Index chunk,
 // with logit queries(i) . keys(i).
 template <typename Scalar>
 void attend_to_self(SoftmaxAccumulator<Scalar>& acc, const std::vector<std::int32_t>& rows,
-                    const RowMatrix<Scalar>& queries, const RowMatrix<Scalar>& keys, const RowMatrix<Scalar>& values) {
+                    const RowMatrix<Scalar>& queries, const RowMatrix<Scalar>& keys,
+                    const RowMatrix<Scalar>& values) {
   RowMatrix<Scalar> self(1, values.cols() + 1);
   self(0, values.cols()) = 1;
   for (std::int32_t i : rows) {
@@ -152,7 +155,8 @@ void attend_to_self(SoftmaxAccumulator<Scalar>& acc, const std::vector<std::int3
 template <typename Scalar>
 class LshSlice {
  public:
-  LshSlice(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>* k,
+  LshSlice(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+           const Eigen::Ref<const RowMatrix<Scalar>>* k,
            const Eigen::Ref<const RowMatrix<Scalar>>& v, const CrossPolytopeHash<Scalar>& hash,
            const LshOptions& opt, Scalar scale)
       : hash_(hash), opt_(opt), shared_(k == nullptr), acc_(q.rows(), v.cols()) {
@@ -186,7 +190,8 @@ class LshSlice {
     std::vector<std::int32_t> perm;
     HashCodes chunk_of;
     sort_into_chunks(query_codes_, hash_.buckets(), c, perm, chunk_of);
-    RoundSignatures sig{chunk_of.data(), chunk_of.data(), r, chunks > 1, static_cast<std::int32_t>(1 - chunks)};
+    RoundSignatures sig{chunk_of.data(), chunk_of.data(), r, chunks > 1,
+                        static_cast<std::int32_t>(1 - chunks)};
     problem_.dedupe = opt_.dedupe ? &sig : nullptr;
 
     const Index per_task = std::max<Index>(1, kChunkTokensPerTask / c);
@@ -218,7 +223,8 @@ class LshSlice {
     const Index n_q = queries_.rows(), n_k = keys_.rows(), r = hash_.rounds(), b = hash_.buckets();
     RoundSignatures sig{query_codes_.data(), key_codes().data(), r, false, 0};
     problem_.dedupe = opt_.dedupe ? &sig : nullptr;
-    std::vector<std::int32_t> qperm(static_cast<std::size_t>(n_q)), kperm(static_cast<std::size_t>(n_k));
+    std::vector<std::int32_t> qperm(static_cast<std::size_t>(n_q)),
+        kperm(static_cast<std::size_t>(n_k));
     std::vector<Index> qstart, kstart;
     struct Task {
       Index q0, nq, k0, nk;
@@ -245,7 +251,8 @@ class LshSlice {
         TargetBlockKernel<Scalar> kernel(problem_);
         const Index end = std::min(Index(tasks.size()), (group + 1) * per_task);
         for (Index t = group * per_task; t < end; ++t)
-          kernel.attend(qperm.data() + tasks[t].q0, tasks[t].nq, kperm.data() + tasks[t].k0, tasks[t].nk, acc_);
+          kernel.attend(qperm.data() + tasks[t].q0, tasks[t].nq, kperm.data() + tasks[t].k0,
+                        tasks[t].nk, acc_);
       });
     }
     problem_.dedupe = nullptr;
@@ -256,7 +263,8 @@ class LshSlice {
   void rows_without_targets() {
     std::vector<std::int32_t> empty;
     for (Index i = 0; i < acc_.rows(); ++i)
-      if (acc_.log_scale()(i) == -std::numeric_limits<Scalar>::infinity()) empty.push_back(static_cast<std::int32_t>(i));
+      if (acc_.log_scale()(i) == -std::numeric_limits<Scalar>::infinity())
+        empty.push_back(static_cast<std::int32_t>(i));
     if (empty.empty()) return;
     if (shared_) {
       attend_to_self(acc_, empty, queries_, keys_, values_);
@@ -268,8 +276,8 @@ class LshSlice {
     parallel_for(tiles, [&](Index t) {
       TargetBlockKernel<Scalar> kernel(problem_);
       const Index r0 = t * kTargetRowTile;
-      kernel.attend(empty.data() + r0, std::min(kTargetRowTile, Index(empty.size()) - r0), all.data(),
-                    Index(all.size()), acc_);
+      kernel.attend(empty.data() + r0, std::min(kTargetRowTile, Index(empty.size()) - r0),
+                    all.data(), Index(all.size()), acc_);
     });
   }
 
@@ -286,7 +294,8 @@ template <typename Scalar>
 SoftmaxAccumulator<Scalar> lsh_accumulate(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                                           const Eigen::Ref<const RowMatrix<Scalar>>* k,
                                           const Eigen::Ref<const RowMatrix<Scalar>>& v,
-                                          const CrossPolytopeHash<Scalar>& hash, const LshOptions& opt) {
+                                          const CrossPolytopeHash<Scalar>& hash,
+                                          const LshOptions& opt) {
   const Scalar scale = check_lsh_inputs<Scalar>("lsh_attention", q, k, v, hash, opt);
   LshSlice<Scalar> slice(q, k, v, hash, opt, scale);
   SoftmaxAccumulator<Scalar> acc = std::move(slice.accumulator());
@@ -322,10 +331,12 @@ SoftmaxAccumulator<Scalar> lsh_attention_accumulate(const CrossPolytopeHash<Scal
 // Shared-QK LSH attention (Reformer): qk n x d, v n x dv -> n x dv.
 template <typename DQ, typename DV>
 RowMatrix<typename DQ::Scalar> lsh_attention(const CrossPolytopeHash<typename DQ::Scalar>& hash,
-                                             const Eigen::MatrixBase<DQ>& qk, const Eigen::MatrixBase<DV>& v,
+                                             const Eigen::MatrixBase<DQ>& qk,
+                                             const Eigen::MatrixBase<DV>& v,
                                              const LshOptions& opt = {}) {
   using Scalar = typename DQ::Scalar;
-  static_assert(std::is_same<Scalar, typename DV::Scalar>::value, "qk and v must share the scalar type");
+  static_assert(std::is_same<Scalar, typename DV::Scalar>::value,
+                "qk and v must share the scalar type");
   // Every row holds its largest term exp(0), so den >= 1.
   return lsh_attention_accumulate<Scalar>(hash, qk, v, opt).finalize();
 }
@@ -333,10 +344,13 @@ RowMatrix<typename DQ::Scalar> lsh_attention(const CrossPolytopeHash<typename DQ
 // Separate-key LSH attention (exact buckets): q n_q x d, k n_k x d, v n_k x dv -> n_q x dv.
 template <typename DQ, typename DK, typename DV>
 RowMatrix<typename DQ::Scalar> lsh_attention(const CrossPolytopeHash<typename DQ::Scalar>& hash,
-                                             const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                                             const Eigen::MatrixBase<DV>& v, const LshOptions& opt = {}) {
+                                             const Eigen::MatrixBase<DQ>& q,
+                                             const Eigen::MatrixBase<DK>& k,
+                                             const Eigen::MatrixBase<DV>& v,
+                                             const LshOptions& opt = {}) {
   using Scalar = typename DQ::Scalar;
-  static_assert(std::is_same<Scalar, typename DK::Scalar>::value && std::is_same<Scalar, typename DV::Scalar>::value,
+  static_assert(std::is_same<Scalar, typename DK::Scalar>::value &&
+                    std::is_same<Scalar, typename DV::Scalar>::value,
                 "q, k and v must share the scalar type");
   return lsh_attention_accumulate<Scalar>(hash, q, k, v, opt).finalize();
 }
@@ -345,11 +359,13 @@ RowMatrix<typename DQ::Scalar> lsh_attention(const CrossPolytopeHash<typename DQ
 // lsh_attention with a single chunk (c >= n), computed in tiles (O(n) memory, O(n^2) time).
 // Only opt.scale, opt.causal and opt.check_finite are used.
 template <typename DQ, typename DV>
-RowMatrix<typename DQ::Scalar> shared_qk_attention(const Eigen::MatrixBase<DQ>& qk, const Eigen::MatrixBase<DV>& v,
+RowMatrix<typename DQ::Scalar> shared_qk_attention(const Eigen::MatrixBase<DQ>& qk,
+                                                   const Eigen::MatrixBase<DV>& v,
                                                    const LshOptions& opt = {}) {
   using Scalar = typename DQ::Scalar;
   const RowMatrix<Scalar> q = qk;
-  const CrossPolytopeHash<Scalar> one_bucket(RowMatrix<Scalar>::Zero(std::max<Index>(q.cols(), 1), 1), 1);
+  const CrossPolytopeHash<Scalar> one_bucket(
+      RowMatrix<Scalar>::Zero(std::max<Index>(q.cols(), 1), 1), 1);
   LshOptions single = opt;
   single.exact_buckets = true;  // every token hashes to bucket 0: one bucket holds the sequence
   single.dedupe = false;
@@ -359,10 +375,11 @@ RowMatrix<typename DQ::Scalar> shared_qk_attention(const Eigen::MatrixBase<DQ>& 
 namespace detail {
 
 template <typename Scalar>
-void lsh_batched(const CrossPolytopeHash<Scalar>& hash, const Scalar* q, const Scalar* k, const Scalar* v,
-                 Scalar* out, const BatchShape& shape, const LshOptions& opt) {
+void lsh_batched(const CrossPolytopeHash<Scalar>& hash, const Scalar* q, const Scalar* k,
+                 const Scalar* v, Scalar* out, const BatchShape& shape, const LshOptions& opt) {
   const char* where = "lsh_attention_batched";
-  require(k || shape.n_k == shape.n_q, where, "shared QK needs n_k == n_q, got ", shape.n_k, " and ", shape.n_q);
+  require(k || shape.n_k == shape.n_q, where, "shared QK needs n_k == n_q, got ", shape.n_k,
+          " and ", shape.n_q);
   // One slice's inputs; k == nullptr: shared QK.
   struct Slice {
     Eigen::Ref<const RowMatrix<Scalar>> q, k, v;
@@ -390,19 +407,20 @@ void lsh_batched(const CrossPolytopeHash<Scalar>& hash, const Scalar* q, const S
 }  // namespace detail
 
 // Batched multi-head shared-QK LSH attention over contiguous row-major buffers:
-// qk (batch, heads, n, d), v (batch, heads, n, dv) -> out (batch, heads, n, dv); shape.n_k = shape.n_q.
-// Every slice uses the same rotations. Slices run in parallel, each on one thread.
+// qk (batch, heads, n, d), v (batch, heads, n, dv) -> out (batch, heads, n, dv); shape.n_k =
+// shape.n_q. Every slice uses the same rotations. Slices run in parallel, each on one thread.
 template <typename Scalar>
-void lsh_attention_batched(const CrossPolytopeHash<Scalar>& hash, const Scalar* qk, const Scalar* v, Scalar* out,
-                           const BatchShape& shape, const LshOptions& opt = {}) {
+void lsh_attention_batched(const CrossPolytopeHash<Scalar>& hash, const Scalar* qk, const Scalar* v,
+                           Scalar* out, const BatchShape& shape, const LshOptions& opt = {}) {
   detail::lsh_batched<Scalar>(hash, qk, nullptr, v, out, shape, opt);
 }
 
 // Batched separate-key LSH attention (exact buckets): q (batch, heads, n_q, d),
 // k (batch, heads, n_k, d), v (batch, heads, n_k, dv) -> out (batch, heads, n_q, dv).
 template <typename Scalar>
-void lsh_attention_batched(const CrossPolytopeHash<Scalar>& hash, const Scalar* q, const Scalar* k, const Scalar* v,
-                           Scalar* out, const BatchShape& shape, const LshOptions& opt = {}) {
+void lsh_attention_batched(const CrossPolytopeHash<Scalar>& hash, const Scalar* q, const Scalar* k,
+                           const Scalar* v, Scalar* out, const BatchShape& shape,
+                           const LshOptions& opt = {}) {
   detail::require(k != nullptr || shape.slices() == 0 || shape.n_q == 0, "lsh_attention_batched",
                   "null key pointer (use the overload without k for shared QK)");
   detail::lsh_batched<Scalar>(hash, q, k, v, out, shape, opt);

@@ -66,9 +66,9 @@ class DenseRotation {
   // whose column block [round * h, (round + 1) * h) is round `round`.
   DenseRotation(RowMatrix<Scalar> r, Index rounds) : r_(std::move(r)) {
     const char* where = "DenseRotation";
-    detail::require(rounds >= 1 && r_.cols() % rounds == 0 && r_.cols() / rounds >= 1, where,
-                    "R (", detail::shape_of(r_), ") must have rounds * (buckets / 2) columns, rounds = ",
-                    rounds);
+    detail::require(rounds >= 1 && r_.cols() % rounds == 0 && r_.cols() / rounds >= 1, where, "R (",
+                    detail::shape_of(r_),
+                    ") must have rounds * (buckets / 2) columns, rounds = ", rounds);
     detail::check_rotation_shape(where, r_.rows(), 2 * (r_.cols() / rounds), rounds);
     detail::require_finite(r_, where, "R");
     rounds_ = rounds;
@@ -85,9 +85,11 @@ class DenseRotation {
 
   // (x_block R_round)^T: h x B, written into `work` (resized as needed) and returned as a view.
   template <typename X>
-  auto project_round(const Eigen::MatrixBase<X>& x_block, Index round, RowMatrix<Scalar>& work) const {
+  auto project_round(const Eigen::MatrixBase<X>& x_block, Index round,
+                     RowMatrix<Scalar>& work) const {
     work.resize(half_, x_block.rows());
-    detail::gemm_fixed_depth(work, rt_.middleRows(round * half_, half_), x_block.transpose(), false);
+    detail::gemm_fixed_depth(work, rt_.middleRows(round * half_, half_), x_block.transpose(),
+                             false);
     return work.topRows(half_);
   }
 
@@ -107,10 +109,12 @@ class HadamardRotation {
 
   // Round `round` is block `round` of a StructuredRotation (linalg/structured_rotation.hpp):
   // diagonal k (0, 1, 2) of the round has entry Philox(seed, stream).rademacher(3 * round + k, i).
-  HadamardRotation(Index dim, Index buckets, Index rounds, std::uint64_t seed) : half_(buckets / 2) {
+  HadamardRotation(Index dim, Index buckets, Index rounds, std::uint64_t seed)
+      : half_(buckets / 2) {
     detail::check_rotation_shape("HadamardRotation", dim, buckets, rounds);
-    rotation_ = StructuredRotation<Scalar>(dim, rounds, Philox(seed, streams::lsh_hadamard_rotation),
-                                           SignIndexing::by_diagonal, half_);
+    rotation_ =
+        StructuredRotation<Scalar>(dim, rounds, Philox(seed, streams::lsh_hadamard_rotation),
+                                   SignIndexing::by_diagonal, half_);
   }
 
   Index dim() const { return rotation_.dim(); }
@@ -125,21 +129,22 @@ class HadamardRotation {
 
   // The first h rotated coordinates of round `round` for a block of tokens: h x B, a view into
   // `work`.
-  auto project_round(const Eigen::Ref<const RowMatrix<Scalar>>& x_block, Index round, RowMatrix<Scalar>& work) const {
+  auto project_round(const Eigen::Ref<const RowMatrix<Scalar>>& x_block, Index round,
+                     RowMatrix<Scalar>& work) const {
     const Index cols = x_block.rows();
     work.resize(padded_dim(), cols);
     if (cols > 0)
-      rotation_.transform_tile(x_block.data(), x_block.outerStride(), cols, round, next_power_of_two(half_),
-                               work.data(), cols);
+      rotation_.transform_tile(x_block.data(), x_block.outerStride(), cols, round,
+                               next_power_of_two(half_), work.data(), cols);
     work.topRows(half_) *= rotation_.scale();
     return work.topRows(half_);
   }
 
   // Rotated copies of the rows of x (n x p), e.g. to check that norms are preserved.
   RowMatrix<Scalar> rotate(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index round) const {
-    detail::require(x.cols() == dim() && round >= 0 && round < rounds(), "HadamardRotation::rotate", "x is ",
-                    detail::shape_of(x), " and round ", round, "; expected ", dim(), " columns and a round in [0, ",
-                    rounds(), ")");
+    detail::require(x.cols() == dim() && round >= 0 && round < rounds(), "HadamardRotation::rotate",
+                    "x is ", detail::shape_of(x), " and round ", round, "; expected ", dim(),
+                    " columns and a round in [0, ", rounds(), ")");
     RowMatrix<Scalar> out(x.rows(), padded_dim());
     rotation_.apply_block(x, round, out);
     return out;

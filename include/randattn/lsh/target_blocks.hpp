@@ -35,7 +35,8 @@ inline void sort_by_bucket(const std::int32_t* codes, Index stride, Index n, Ind
   for (Index t = 0; t < n; ++t) ++start[static_cast<std::size_t>(codes[t * stride]) + 1];
   for (Index c = 0; c < buckets; ++c) start[c + 1] += start[c];
   std::vector<Index> next(start.begin(), start.end() - 1);
-  for (Index t = 0; t < n; ++t) perm[next[static_cast<std::size_t>(codes[t * stride])]++] = static_cast<std::int32_t>(t);
+  for (Index t = 0; t < n; ++t)
+    perm[next[static_cast<std::size_t>(codes[t * stride])]++] = static_cast<std::int32_t>(t);
 }
 
 // Per-round signatures of queries and keys (row-major n x rounds) and the target relation.
@@ -68,7 +69,8 @@ constexpr Index kTargetColTile = 256;
 // The dedupe count of the score tile: the number of rounds in which key cols[u] is a target of
 // query i, from the per-round signatures (the keys' gathered per tile into `key_sig`).
 struct RoundCounter {
-  using SignatureMatrix = Eigen::Matrix<std::int32_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using SignatureMatrix =
+      Eigen::Matrix<std::int32_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   const RoundSignatures* sig = nullptr;
   const SignatureMatrix* key_sig = nullptr;  // rounds x tile columns
 
@@ -118,7 +120,8 @@ class TargetBlockKernel {
       const TileIndex row_pos = positions(row_index, row_pos_);
       const Index max_row = row_pos.max();
       for (Index c0 = 0; c0 < nc; c0 += kTargetColTile) {
-        const TileIndex col_index = TileIndex::gathered(cols + c0, std::min(kTargetColTile, nc - c0));
+        const TileIndex col_index =
+            TileIndex::gathered(cols + c0, std::min(kTargetColTile, nc - c0));
         const TileIndex col_pos = positions(col_index, col_pos_);
         if (p_.causal && col_pos.min() > max_row) continue;
         gather_keys(col_index, col_pos);
@@ -146,7 +149,8 @@ class TargetBlockKernel {
       k_.row(u) = p_.keys->row(cols[u]);
       v_.row(u) = p_.values->row(cols[u]);
       if (sig)
-        for (Index rho = 0; rho < sig->rounds; ++rho) key_sig_(rho, u) = sig->key[col_pos[u] * sig->rounds + rho];
+        for (Index rho = 0; rho < sig->rounds; ++rho)
+          key_sig_(rho, u) = sig->key[col_pos[u] * sig->rounds + rho];
     }
   }
 

@@ -34,13 +34,20 @@ namespace detail {
 
 template <typename T>
 MPI_Datatype datatype() {
-  if constexpr (std::is_same_v<T, float>) return MPI_FLOAT;
-  else if constexpr (std::is_same_v<T, double>) return MPI_DOUBLE;
-  else if constexpr (std::is_same_v<T, std::int32_t>) return MPI_INT32_T;
-  else if constexpr (std::is_same_v<T, std::int64_t>) return MPI_INT64_T;
-  else if constexpr (std::is_same_v<T, std::uint64_t>) return MPI_UINT64_T;
-  else if constexpr (std::is_same_v<T, char>) return MPI_CHAR;
-  else static_assert(sizeof(T) == 0, "no MPI datatype for this type");
+  if constexpr (std::is_same_v<T, float>)
+    return MPI_FLOAT;
+  else if constexpr (std::is_same_v<T, double>)
+    return MPI_DOUBLE;
+  else if constexpr (std::is_same_v<T, std::int32_t>)
+    return MPI_INT32_T;
+  else if constexpr (std::is_same_v<T, std::int64_t>)
+    return MPI_INT64_T;
+  else if constexpr (std::is_same_v<T, std::uint64_t>)
+    return MPI_UINT64_T;
+  else if constexpr (std::is_same_v<T, char>)
+    return MPI_CHAR;
+  else
+    static_assert(sizeof(T) == 0, "no MPI datatype for this type");
 }
 
 inline void check(int rc, const char* call) {
@@ -103,7 +110,8 @@ class Communicator {
     std::uint64_t len = message.size();
     detail::check(MPI_Bcast(&len, 1, MPI_UINT64_T, first, comm_), "MPI_Bcast");
     message.resize(std::size_t(len));
-    detail::check(MPI_Bcast(message.data(), detail::to_count(message.size(), "agree"), MPI_CHAR, first, comm_),
+    detail::check(MPI_Bcast(message.data(), detail::to_count(message.size(), "agree"), MPI_CHAR,
+                            first, comm_),
                   "MPI_Bcast");
     throw std::invalid_argument(message);
   }
@@ -120,8 +128,8 @@ class Communicator {
   template <typename T>
   void allreduce(T* data, std::size_t count, MPI_Op op) {
     bytes_sent_ += count * sizeof(T);
-    detail::check(MPI_Allreduce(MPI_IN_PLACE, data, detail::to_count(count, "allreduce"), detail::datatype<T>(), op,
-                                comm_),
+    detail::check(MPI_Allreduce(MPI_IN_PLACE, data, detail::to_count(count, "allreduce"),
+                                detail::datatype<T>(), op, comm_),
                   "MPI_Allreduce");
   }
 
@@ -129,8 +137,10 @@ class Communicator {
   template <typename T>
   std::vector<T> allgatherv(const std::vector<T>& mine) {
     int count = detail::to_count(mine.size(), "allgatherv");
-    std::vector<int> counts(static_cast<std::size_t>(size_)), displs(static_cast<std::size_t>(size_));
-    detail::check(MPI_Allgather(&count, 1, MPI_INT, counts.data(), 1, MPI_INT, comm_), "MPI_Allgather");
+    std::vector<int> counts(static_cast<std::size_t>(size_)),
+        displs(static_cast<std::size_t>(size_));
+    detail::check(MPI_Allgather(&count, 1, MPI_INT, counts.data(), 1, MPI_INT, comm_),
+                  "MPI_Allgather");
     std::size_t total = 0;
     for (int r = 0; r < size_; ++r) {
       displs[std::size_t(r)] = detail::to_count(total, "allgatherv");
@@ -138,8 +148,8 @@ class Communicator {
     }
     std::vector<T> all(total);
     bytes_sent_ += mine.size() * sizeof(T);
-    detail::check(MPI_Allgatherv(mine.data(), count, detail::datatype<T>(), all.data(), counts.data(),
-                                 displs.data(), detail::datatype<T>(), comm_),
+    detail::check(MPI_Allgatherv(mine.data(), count, detail::datatype<T>(), all.data(),
+                                 counts.data(), displs.data(), detail::datatype<T>(), comm_),
                   "MPI_Allgatherv");
     return all;
   }
@@ -157,16 +167,18 @@ class Communicator {
       sbuf.insert(sbuf.end(), send[r].begin(), send[r].end());
       if (int(r) != rank_) bytes_sent_ += send[r].size() * sizeof(T);
     }
-    detail::check(MPI_Alltoall(scount.data(), 1, MPI_INT, rcount.data(), 1, MPI_INT, comm_), "MPI_Alltoall");
+    detail::check(MPI_Alltoall(scount.data(), 1, MPI_INT, rcount.data(), 1, MPI_INT, comm_),
+                  "MPI_Alltoall");
     std::size_t total = 0;
     for (std::size_t r = 0; r < p; ++r) {
       rdispl[r] = detail::to_count(total, "alltoallv");
       total += std::size_t(rcount[r]);
     }
     std::vector<T> rbuf(total);
-    detail::check(MPI_Alltoallv(sbuf.data(), scount.data(), sdispl.data(), detail::datatype<T>(), rbuf.data(),
-                                rcount.data(), rdispl.data(), detail::datatype<T>(), comm_),
-                  "MPI_Alltoallv");
+    detail::check(
+        MPI_Alltoallv(sbuf.data(), scount.data(), sdispl.data(), detail::datatype<T>(), rbuf.data(),
+                      rcount.data(), rdispl.data(), detail::datatype<T>(), comm_),
+        "MPI_Alltoallv");
     std::vector<std::vector<T>> received(p);
     for (std::size_t r = 0; r < p; ++r)
       received[r].assign(rbuf.begin() + rdispl[r], rbuf.begin() + rdispl[r] + rcount[r]);
@@ -178,14 +190,16 @@ class Communicator {
   MPI_Request isend(const T* data, std::size_t count, int to, int tag) {
     MPI_Request req;
     bytes_sent_ += count * sizeof(T);
-    detail::check(MPI_Isend(data, detail::to_count(count, "isend"), detail::datatype<T>(), to, tag, comm_, &req),
+    detail::check(MPI_Isend(data, detail::to_count(count, "isend"), detail::datatype<T>(), to, tag,
+                            comm_, &req),
                   "MPI_Isend");
     return req;
   }
   template <typename T>
   MPI_Request irecv(T* data, std::size_t count, int from, int tag) {
     MPI_Request req;
-    detail::check(MPI_Irecv(data, detail::to_count(count, "irecv"), detail::datatype<T>(), from, tag, comm_, &req),
+    detail::check(MPI_Irecv(data, detail::to_count(count, "irecv"), detail::datatype<T>(), from,
+                            tag, comm_, &req),
                   "MPI_Irecv");
     return req;
   }

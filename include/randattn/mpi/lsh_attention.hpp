@@ -45,7 +45,8 @@ std::uint64_t hash_fingerprint(const CrossPolytopeHash<Scalar>& hash) {
 
 // Rows [q | v] of the given global tokens (sorted, unique), fetched from their owners.
 template <typename Scalar>
-RowMatrix<Scalar> fetch_rows(Communicator& comm, const RowPartition& part, const std::vector<std::int32_t>& tokens,
+RowMatrix<Scalar> fetch_rows(Communicator& comm, const RowPartition& part,
+                             const std::vector<std::int32_t>& tokens,
                              const RowMatrix<Scalar>& local_qv) {
   const auto p = std::size_t(comm.size());
   const Index width = local_qv.cols(), first = part.range(comm.rank()).first;
@@ -74,25 +75,29 @@ RowMatrix<Scalar> fetch_rows(Communicator& comm, const RowPartition& part, const
 // Shared-QK LSH attention as an accumulator of the local rows: qk and v are this rank's rows
 // (contiguous layout) of the global n × d and n × dv operands. Every rank passes the same hash.
 template <typename Scalar>
-SoftmaxAccumulator<Scalar> lsh_attention_accumulate(Communicator& comm, const CrossPolytopeHash<Scalar>& hash,
+SoftmaxAccumulator<Scalar> lsh_attention_accumulate(Communicator& comm,
+                                                    const CrossPolytopeHash<Scalar>& hash,
                                                     const Eigen::Ref<const RowMatrix<Scalar>>& qk,
                                                     const Eigen::Ref<const RowMatrix<Scalar>>& v,
                                                     const LshOptions& opt = {}) {
   using randattn::detail::require;
   const char* where = "lsh_attention (MPI)";
-  const RowPartition part = detail::gather_partition(comm, qk.rows(), RowLayout::contiguous, where, "qk");
+  const RowPartition part =
+      detail::gather_partition(comm, qk.rows(), RowLayout::contiguous, where, "qk");
   detail::require_same_everywhere<Index>(comm, v.cols(), where, "the number of columns dv of v");
   const Index n = part.rows(), d = qk.cols(), dv = v.cols(), r = hash.rounds(), c = opt.chunk;
   Scalar scale = 0;
   HashCodes codes;
   comm.agree([&] {
-    require(!opt.exact_buckets, where, "exact buckets are not distributed; use sort-and-chunk (exact_buckets = false)");
+    require(!opt.exact_buckets, where,
+            "exact buckets are not distributed; use sort-and-chunk (exact_buckets = false)");
     scale = randattn::detail::check_lsh_inputs<Scalar>(where, qk, nullptr, v, hash, opt);
     codes = hash.hash(qk, false);
   });
-  detail::require_same_everywhere<std::uint64_t>(comm, detail::hash_fingerprint(hash), where,
-                                                 "the hash (fingerprint of its rotations; draw it from the same seed "
-                                                 "and shape on every rank)");
+  detail::require_same_everywhere<std::uint64_t>(
+      comm, detail::hash_fingerprint(hash), where,
+      "the hash (fingerprint of its rotations; draw it from the same seed "
+      "and shape on every rank)");
 
   // Global codes, sorted order and chunk signatures, on every rank.
   std::vector<std::int32_t> mine(codes.data(), codes.data() + codes.size());
@@ -104,7 +109,8 @@ SoftmaxAccumulator<Scalar> lsh_attention_accumulate(Communicator& comm, const Cr
   HashCodes chunk_of;
   randattn::detail::sort_into_chunks(global_codes, hash.buckets(), c, perm, chunk_of);
   const Index chunks = (n + c - 1) / c;
-  const Index g0 = comm.rank() * chunks / comm.size(), g1 = (comm.rank() + 1) * chunks / comm.size();
+  const Index g0 = comm.rank() * chunks / comm.size(),
+              g1 = (comm.rank() + 1) * chunks / comm.size();
 
   // The tokens this rank's chunks read: their own and their look-back chunk's, every round.
   const auto chunk_tokens = [&](Index rho, Index g) {
@@ -187,8 +193,10 @@ SoftmaxAccumulator<Scalar> lsh_attention_accumulate(Communicator& comm, const Cr
   };
   std::vector<Entry> entries;
   for (std::size_t q = 0; q < p; ++q)
-    for (std::size_t e = 0; e < got_ids[q].size(); ++e) entries.push_back({got_ids[q][e], got[q].data() + e * (dv + 2)});
-  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.id < b.id; });
+    for (std::size_t e = 0; e < got_ids[q].size(); ++e)
+      entries.push_back({got_ids[q][e], got[q].data() + e * (dv + 2)});
+  std::sort(entries.begin(), entries.end(),
+            [](const Entry& a, const Entry& b) { return a.id < b.id; });
   const Index first_row = part.range(comm.rank()).first;
   for (const Entry& e : entries) {
     const Eigen::Map<const RowMatrix<Scalar>> nd(e.row, 1, dv + 1);
@@ -198,10 +206,11 @@ SoftmaxAccumulator<Scalar> lsh_attention_accumulate(Communicator& comm, const Cr
   // Self rule for the rows with no other valid target, on their owner.
   std::vector<std::int32_t> empty;
   for (Index i = 0; i < acc.rows(); ++i)
-    if (acc.log_scale()(i) == -std::numeric_limits<Scalar>::infinity()) empty.push_back(std::int32_t(i));
+    if (acc.log_scale()(i) == -std::numeric_limits<Scalar>::infinity())
+      empty.push_back(std::int32_t(i));
   if (!empty.empty()) {
-    const RowMatrix<Scalar> own_queries = scale * qk, own_keys = randattn::detail::unit_rows<Scalar>(qk),
-                            own_values = v;
+    const RowMatrix<Scalar> own_queries = scale * qk,
+                            own_keys = randattn::detail::unit_rows<Scalar>(qk), own_values = v;
     randattn::detail::attend_to_self(acc, empty, own_queries, own_keys, own_values);
   }
   comm.agree([&] {
@@ -215,7 +224,8 @@ SoftmaxAccumulator<Scalar> lsh_attention_accumulate(Communicator& comm, const Cr
 template <typename Scalar>
 RowMatrix<Scalar> lsh_attention(Communicator& comm, const CrossPolytopeHash<Scalar>& hash,
                                 const Eigen::Ref<const RowMatrix<Scalar>>& qk,
-                                const Eigen::Ref<const RowMatrix<Scalar>>& v, const LshOptions& opt = {}) {
+                                const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                                const LshOptions& opt = {}) {
   return lsh_attention_accumulate<Scalar>(comm, hash, qk, v, opt).finalize();
 }
 

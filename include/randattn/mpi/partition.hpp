@@ -5,8 +5,8 @@
 //               need not be divisible by P, a rank may hold no row (n < P).
 //   zigzag      the rows are cut into 2P chunks the same way and rank p holds chunks p and
 //               2P − 1 − p (in that order). With causal ring attention each rank then scores about
-//               the same number of query-key pairs (an early chunk pairs with a late one), where the
-//               contiguous layout leaves rank P − 1 with about 2P − 1 times the work of rank 0.
+//               the same number of query-key pairs (an early chunk pairs with a late one), where
+//               the contiguous layout leaves rank P − 1 with about 2P − 1 times the work of rank 0.
 // A rank's local rows are its segments concatenated in order.
 
 #include <algorithm>
@@ -29,8 +29,8 @@ class RowPartition {
  public:
   RowPartition(Index rows, int ranks, RowLayout layout = RowLayout::contiguous)
       : rows_(rows), ranks_(ranks), layout_(layout) {
-    randattn::detail::require(rows >= 0 && ranks >= 1, "RowPartition", "need rows >= 0 and ranks >= 1, got ",
-                              rows, " and ", ranks);
+    randattn::detail::require(rows >= 0 && ranks >= 1, "RowPartition",
+                              "need rows >= 0 and ranks >= 1, got ", rows, " and ", ranks);
   }
 
   Index rows() const { return rows_; }
@@ -55,8 +55,10 @@ class RowPartition {
     int lo = 0, hi = ranks_ - 1;
     while (lo < hi) {  // the last rank whose range starts at or before i
       const int mid = (lo + hi + 1) / 2;
-      if (range(mid).first <= i) lo = mid;
-      else hi = mid - 1;
+      if (range(mid).first <= i)
+        lo = mid;
+      else
+        hi = mid - 1;
     }
     return lo;
   }
@@ -85,18 +87,19 @@ namespace detail {
 // The partition of a sharded operand from every rank's local row count: the global count is
 // their sum, and every rank's count must be the one `layout` gives it. Collective; throws the
 // same message on every rank when a count is wrong.
-inline RowPartition gather_partition(Communicator& comm, Index local_rows, RowLayout layout, const char* where,
-                                     const char* name) {
+inline RowPartition gather_partition(Communicator& comm, Index local_rows, RowLayout layout,
+                                     const char* where, const char* name) {
   const std::vector<Index> counts = comm.allgatherv(std::vector<Index>{local_rows});
   Index total = 0;
   for (Index c : counts) total += c;
   const RowPartition part(total, comm.size(), layout);
   comm.agree([&] {
     for (int r = 0; r < comm.size(); ++r) {
-      randattn::detail::require(counts[std::size_t(r)] == part.local_rows(r), where, "rank ", r, " holds ",
-                                counts[std::size_t(r)], " rows of ", name, " but the ",
-                                layout == RowLayout::contiguous ? "contiguous" : "zig-zag", " layout of ",
-                                total, " rows over ", comm.size(), " ranks gives it ", part.local_rows(r));
+      randattn::detail::require(counts[std::size_t(r)] == part.local_rows(r), where, "rank ", r,
+                                " holds ", counts[std::size_t(r)], " rows of ", name, " but the ",
+                                layout == RowLayout::contiguous ? "contiguous" : "zig-zag",
+                                " layout of ", total, " rows over ", comm.size(),
+                                " ranks gives it ", part.local_rows(r));
     }
   });
   return part;
@@ -108,8 +111,9 @@ void require_same_everywhere(Communicator& comm, T value, const char* where, con
   const std::vector<T> all = comm.allgatherv(std::vector<T>{value});
   comm.agree([&] {
     for (int r = 1; r < comm.size(); ++r)
-      randattn::detail::require(all[std::size_t(r)] == all[0], where, what, " differs between ranks: ", all[0],
-                                " on rank 0, ", all[std::size_t(r)], " on rank ", r);
+      randattn::detail::require(all[std::size_t(r)] == all[0], where, what,
+                                " differs between ranks: ", all[0], " on rank 0, ",
+                                all[std::size_t(r)], " on rank ", r);
   });
 }
 

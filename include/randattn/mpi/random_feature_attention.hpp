@@ -61,16 +61,20 @@ template <typename Map>
 SoftmaxAccumulator<typename Map::Scalar> random_feature_attention_accumulate(
     Communicator& comm, const Map& map, const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
     const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
-    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v, const RandomFeatureOptions& opt = {}) {
+    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
+    const RandomFeatureOptions& opt = {}) {
   using Scalar = typename Map::Scalar;
   using randattn::detail::require;
   const char* where = "random_feature_attention (MPI)";
-  const RowPartition q_part = detail::gather_partition(comm, q.rows(), RowLayout::contiguous, where, "q");
-  const RowPartition k_part = detail::gather_partition(comm, k.rows(), RowLayout::contiguous, where, "k");
+  const RowPartition q_part =
+      detail::gather_partition(comm, q.rows(), RowLayout::contiguous, where, "q");
+  const RowPartition k_part =
+      detail::gather_partition(comm, k.rows(), RowLayout::contiguous, where, "k");
   detail::require_same_everywhere<Index>(comm, v.cols(), where, "the number of columns dv of v");
   detail::require_same_everywhere<std::uint64_t>(
       comm, detail::map_fingerprint(map), where,
-      "the feature map (fingerprint of its projections; draw it from the same seed and shape on every rank)");
+      "the feature map (fingerprint of its projections; draw it from the same seed and shape on "
+      "every rank)");
   randattn::detail::FeatureAttentionSettings<Scalar> s{};
   comm.agree([&] {
     s = randattn::detail::feature_attention_settings(where, map, opt);
@@ -79,9 +83,11 @@ SoftmaxAccumulator<typename Map::Scalar> random_feature_attention_accumulate(
             ") must have the feature map's input dimension ", map.input_dim());
     require(k.rows() == v.rows(), where, "k (", randattn::detail::shape_of(k), ") and v (",
             randattn::detail::shape_of(v), ") must have the same number of rows");
-    require(!opt.causal || q_part.rows() == k_part.rows(), where, "causal attention needs as many queries (",
-            q_part.rows(), ") as keys (", k_part.rows(), ")");
-    require(q_part.rows() == 0 || k_part.rows() > 0, where, "attention over zero keys is undefined");
+    require(!opt.causal || q_part.rows() == k_part.rows(), where,
+            "causal attention needs as many queries (", q_part.rows(), ") as keys (", k_part.rows(),
+            ")");
+    require(q_part.rows() == 0 || k_part.rows() > 0, where,
+            "attention over zero keys is undefined");
     randattn::detail::require_finite(q, where, "q", opt.check_finite);
     randattn::detail::require_finite(k, where, "k", opt.check_finite);
     randattn::detail::require_finite(v, where, "v", opt.check_finite);
@@ -89,7 +95,8 @@ SoftmaxAccumulator<typename Map::Scalar> random_feature_attention_accumulate(
 
   const Index dim = map.feature_dim(), dv = v.cols();
   using Rows = randattn::detail::MappedFeatureRows<Map>;
-  const Rows qr(map, q, s.normaliser, FeatureSide::query), kr(map, k, s.normaliser, FeatureSide::key);
+  const Rows qr(map, q, s.normaliser, FeatureSide::query),
+      kr(map, k, s.normaliser, FeatureSide::key);
   const Vector<Scalar> signs = map.signs();
   const randattn::detail::LinearOperands<Rows, Rows> in{qr, kr, v, signs,
                                                         randattn::detail::linear_chunk(s.linear)};
@@ -105,8 +112,8 @@ SoftmaxAccumulator<typename Map::Scalar> random_feature_attention_accumulate(
     local = randattn::detail::key_state(in, c);
   }
   detail::ScaledSummary<Scalar> summary(local, c);
-  detail::merge_across_ranks(comm, summary,
-                             opt.causal ? detail::Reduction::exclusive_scan : detail::Reduction::all);
+  detail::merge_across_ranks(
+      comm, summary, opt.causal ? detail::Reduction::exclusive_scan : detail::Reduction::all);
   const RowMatrix<Scalar> state = summary.state(dim, dv + 1);
   if (q.rows() > 0) {
     if (!opt.causal) {
@@ -115,22 +122,22 @@ SoftmaxAccumulator<typename Map::Scalar> random_feature_attention_accumulate(
       acc.merge(randattn::detail::query_key_state(in, state, summary.log_scale()));
     }
   }
-  comm.agree([&] {
-    randattn::detail::check_result_finite(where, acc.numden(), opt.check_finite, [] {});
-  });
+  comm.agree(
+      [&] { randattn::detail::check_result_finite(where, acc.numden(), opt.check_finite, [] {}); });
   return acc;
 }
 
 // softmax(scale · Q Kᵀ [masked]) V estimated with the map, for the local query rows; q, k, v are
 // this rank's rows of the global operands in the contiguous layout.
 template <typename Map>
-RowMatrix<typename Map::Scalar> random_feature_attention(Communicator& comm, const Map& map,
-                                                         const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
-                                                         const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
-                                                         const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
-                                                         const RandomFeatureOptions& opt = {}) {
+RowMatrix<typename Map::Scalar> random_feature_attention(
+    Communicator& comm, const Map& map, const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
+    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
+    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
+    const RandomFeatureOptions& opt = {}) {
   using Scalar = typename Map::Scalar;
-  const auto s = randattn::detail::feature_attention_settings("random_feature_attention (MPI)", map, opt);
+  const auto s =
+      randattn::detail::feature_attention_settings("random_feature_attention (MPI)", map, opt);
   return random_feature_attention_accumulate(comm, map, q, k, v, opt)
       .finalize(static_cast<Scalar>(s.linear.denominator_epsilon));
 }

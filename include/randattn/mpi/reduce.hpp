@@ -59,7 +59,8 @@ template <typename Scalar>
 void merge_across_ranks(Communicator& comm, ScaledSummary<Scalar>& s, Reduction how) {
   MPI_Datatype type;
   MPI_Op op;
-  check(MPI_Type_contiguous(to_count(std::size_t(s.buffer.size()), "merge_across_ranks"), datatype<Scalar>(), &type),
+  check(MPI_Type_contiguous(to_count(std::size_t(s.buffer.size()), "merge_across_ranks"),
+                            datatype<Scalar>(), &type),
         "MPI_Type_contiguous");
   check(MPI_Type_commit(&type), "MPI_Type_commit");
   check(MPI_Op_create(&merge_scaled_op<Scalar>, /*commute=*/0, &op), "MPI_Op_create");

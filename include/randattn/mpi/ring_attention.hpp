@@ -115,16 +115,19 @@ SoftmaxAccumulator<Scalar> ring_attention_accumulate(Communicator& comm,
   const Index block = opt.block_size > 0 ? opt.block_size : randattn::detail::kDefaultTileSize;
   Scalar scale = 0;
   comm.agree([&] {
-    detail::require(k.cols() == d && v.rows() == k.rows(), where, "k (", randattn::detail::shape_of(k),
-                    ") must have the columns of q (", d, ") and the rows of v (", randattn::detail::shape_of(v),
-                    ")");
-    detail::require(!opt.causal || n_q == n_k, where, "causal attention needs as many queries (", n_q,
-                    ") as keys (", n_k, ")");
+    detail::require(k.cols() == d && v.rows() == k.rows(), where, "k (",
+                    randattn::detail::shape_of(k), ") must have the columns of q (", d,
+                    ") and the rows of v (", randattn::detail::shape_of(v), ")");
+    detail::require(!opt.causal || n_q == n_k, where, "causal attention needs as many queries (",
+                    n_q, ") as keys (", n_k, ")");
     detail::require(opt.block_size >= 0 && opt.block_size <= randattn::detail::kMaxGemmDepth, where,
-                    "block_size must be in [0, ", randattn::detail::kMaxGemmDepth, "], got ", opt.block_size);
-    detail::require(n_q == 0 || (n_k > 0 && d > 0), where, "attention over zero keys or with d = 0 is undefined (",
-                    n_q, " queries, ", n_k, " keys, d = ", d, ")");
-    scale = randattn::detail::resolve_scale<Scalar>(where, opt, randattn::detail::inverse_sqrt_dim(d));
+                    "block_size must be in [0, ", randattn::detail::kMaxGemmDepth, "], got ",
+                    opt.block_size);
+    detail::require(n_q == 0 || (n_k > 0 && d > 0), where,
+                    "attention over zero keys or with d = 0 is undefined (", n_q, " queries, ", n_k,
+                    " keys, d = ", d, ")");
+    scale =
+        randattn::detail::resolve_scale<Scalar>(where, opt, randattn::detail::inverse_sqrt_dim(d));
     // NaN/Inf on this rank's slice is reported before any block moves.
     if (opt.check_finite) randattn::detail::exact_input_scan<Scalar>(where, q, k, v)();
   });
@@ -165,7 +168,8 @@ SoftmaxAccumulator<Scalar> ring_attention_accumulate(Communicator& comm,
 template <typename Scalar>
 RowMatrix<Scalar> ring_attention(Communicator& comm, const Eigen::Ref<const RowMatrix<Scalar>>& q,
                                  const Eigen::Ref<const RowMatrix<Scalar>>& k,
-                                 const Eigen::Ref<const RowMatrix<Scalar>>& v, const RingOptions& opt = {}) {
+                                 const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                                 const RingOptions& opt = {}) {
   return ring_attention_accumulate<Scalar>(comm, q, k, v, opt).finalize();
 }
 

@@ -54,22 +54,27 @@ inline double ordered_total(Communicator& comm, const std::vector<double>& chunk
 // Sketches of this rank's entries, one per stream, with the global statistics.
 template <typename Scalar>
 std::vector<SparseSketch<Scalar>> sample_shard(Communicator& comm, const std::vector<Index>& dims,
-                                               const Scalar* local, Index count, const SparsifyOptions& opt,
-                                               const std::vector<std::uint32_t>& streams, const char* where) {
+                                               const Scalar* local, Index count,
+                                               const SparsifyOptions& opt,
+                                               const std::vector<std::uint32_t>& streams,
+                                               const char* where) {
   using randattn::detail::kSketchChunk;
   Index size = 0;
   Segment range;
   comm.agree([&] {
-    randattn::detail::require(dims.size() >= 2, where, "a tensor of order k >= 2 is needed, got shape ",
+    randattn::detail::require(dims.size() >= 2, where,
+                              "a tensor of order k >= 2 is needed, got shape ",
                               randattn::detail::dims_str(dims));
     size = randattn::detail::checked_size(dims, where);
     randattn::detail::check_budget(opt.budget, where);
     randattn::detail::require(opt.scheme == SparsifyScheme::spa, where,
-                              "distributed sparsification supports scheme spa only, got ", scheme_name(opt.scheme));
+                              "distributed sparsification supports scheme spa only, got ",
+                              scheme_name(opt.scheme));
     range = sketch_range(size, comm.rank(), comm.size());
-    randattn::detail::require(count == range.count && (count == 0 || local), where, "rank ", comm.rank(), " holds ",
-                              count, " entries but owns [", range.first, ", ", range.first + range.count,
-                              ") of the tensor of shape ", randattn::detail::dims_str(dims));
+    randattn::detail::require(count == range.count && (count == 0 || local), where, "rank ",
+                              comm.rank(), " holds ", count, " entries but owns [", range.first,
+                              ", ", range.first + range.count, ") of the tensor of shape ",
+                              randattn::detail::dims_str(dims));
   });
   SketchStats stats;
   stats.scheme = opt.scheme;
@@ -80,7 +85,8 @@ std::vector<SparseSketch<Scalar>> sample_shard(Communicator& comm, const std::ve
   for (Index c = 0; c < chunks; ++c) {
     randattn::detail::OrderedSum s;
     const Index t0 = c * kSketchChunk, len = std::min(count, (c + 1) * kSketchChunk) - t0;
-    randattn::detail::add_terms<true>(s, range.first + t0, local + t0, 1, len, randattn::detail::Identity{});
+    randattn::detail::add_terms<true>(s, range.first + t0, local + t0, 1, len,
+                                      randattn::detail::Identity{});
     for (Index t = t0; t < t0 + len && bad == std::numeric_limits<Index>::max(); ++t)
       if (!std::isfinite(local[t])) bad = range.first + t;
     sums[std::size_t(c)] = s.value();
@@ -89,23 +95,26 @@ std::vector<SparseSketch<Scalar>> sample_shard(Communicator& comm, const std::ve
   comm.allreduce(&bad, 1, MPI_MIN);
   std::vector<SparseSketch<Scalar>> out;
   if (size == 0) {
-    for (std::size_t i = 0; i < streams.size(); ++i) out.emplace_back(SparseTensor<Scalar>(dims, {}, {}), stats);
+    for (std::size_t i = 0; i < streams.size(); ++i)
+      out.emplace_back(SparseTensor<Scalar>(dims, {}, {}), stats);
     return out;
   }
   comm.agree([&] {
-    randattn::detail::check_squared_norm(fro2, dims, where,
-                                         [&] { return bad == std::numeric_limits<Index>::max() ? Index(-1) : bad; });
+    randattn::detail::check_squared_norm(fro2, dims, where, [&] {
+      return bad == std::numeric_limits<Index>::max() ? Index(-1) : bad;
+    });
   });
   stats.frobenius_norm = std::sqrt(fro2);
   stats.rule = randattn::detail::spa_rule(fro2, opt.budget, size);
 
   const Philox rng(opt.seed);
-  std::vector<randattn::detail::Sampler<Scalar>> parts(std::size_t(chunks),
-                                                       randattn::detail::Sampler<Scalar>(stats.rule, rng, streams, false));
+  std::vector<randattn::detail::Sampler<Scalar>> parts(
+      std::size_t(chunks), randattn::detail::Sampler<Scalar>(stats.rule, rng, streams, false));
   comm.agree([&] {  // a kept value can overflow the scalar type on one rank
     randattn::detail::parallel_for(chunks, [&](Index c) {
       const Index t0 = c * kSketchChunk;
-      parts[std::size_t(c)].run(range.first + t0, local + t0, 1, std::min(kSketchChunk, count - t0));
+      parts[std::size_t(c)].run(range.first + t0, local + t0, 1,
+                                std::min(kSketchChunk, count - t0));
     });
   });
   for (std::size_t c = 0; c < parts.size(); ++c) sums[c] = parts[c].expected_nnz();
@@ -125,7 +134,8 @@ std::vector<SparseSketch<Scalar>> sample_shard(Communicator& comm, const std::ve
 
 // The entries of `s` whose mode-j unfolding column this rank owns, gathered from every rank.
 template <typename Scalar>
-SparseTensor<Scalar> entries_by_column(Communicator& comm, const SparseTensor<Scalar>& s, Index mode) {
+SparseTensor<Scalar> entries_by_column(Communicator& comm, const SparseTensor<Scalar>& s,
+                                       Index mode) {
   const randattn::detail::ModeSplit split(s.dims(), mode);
   const RowPartition columns(split.cols(), comm.size());
   const auto p = std::size_t(comm.size());
@@ -139,8 +149,10 @@ SparseTensor<Scalar> entries_by_column(Communicator& comm, const SparseTensor<Sc
   }
   std::vector<Index> all_indices;
   std::vector<Scalar> all_values;
-  for (const auto& v : comm.alltoallv(indices)) all_indices.insert(all_indices.end(), v.begin(), v.end());
-  for (const auto& v : comm.alltoallv(values)) all_values.insert(all_values.end(), v.begin(), v.end());
+  for (const auto& v : comm.alltoallv(indices))
+    all_indices.insert(all_indices.end(), v.begin(), v.end());
+  for (const auto& v : comm.alltoallv(values))
+    all_values.insert(all_values.end(), v.begin(), v.end());
   // Ranks own increasing flat ranges, so rank order keeps the indices increasing.
   return SparseTensor<Scalar>(s.dims(), std::move(all_indices), std::move(all_values));
 }
@@ -151,32 +163,36 @@ SparseTensor<Scalar> entries_by_column(Communicator& comm, const SparseTensor<Sc
 // entries of A at flat indices sketch_range(D, rank, size) (row-major). The returned sketch has
 // A's shape, the global statistics and only this rank's entries (global flat indices).
 template <typename Scalar>
-SparseSketch<Scalar> sparsify(Communicator& comm, const std::vector<Index>& dims, const Scalar* local, Index count,
-                              const SparsifyOptions& opt) {
-  return std::move(detail::sample_shard(comm, dims, local, count, opt, {opt.stream}, "sparsify (MPI)").front());
+SparseSketch<Scalar> sparsify(Communicator& comm, const std::vector<Index>& dims,
+                              const Scalar* local, Index count, const SparsifyOptions& opt) {
+  return std::move(
+      detail::sample_shard(comm, dims, local, count, opt, {opt.stream}, "sparsify (MPI)").front());
 }
 
 // Sketched HOSVD (Algorithm 2) of the sharded tensor; every rank receives all factors.
 template <typename Scalar>
-SketchedHosvd<Scalar> sketched_hosvd(Communicator& comm, const std::vector<Index>& dims, const Scalar* local,
-                                     Index count, const std::vector<Index>& ranks, const SparsifyOptions& opt) {
+SketchedHosvd<Scalar> sketched_hosvd(Communicator& comm, const std::vector<Index>& dims,
+                                     const Scalar* local, Index count,
+                                     const std::vector<Index>& ranks, const SparsifyOptions& opt) {
   const char* where = "sketched_hosvd (MPI)";
   comm.agree([&] { randattn::detail::check_ranks(dims, ranks, where); });
-  const auto sketches = detail::sample_shard(comm, dims, local, count, opt, {opt.stream, opt.stream + 1}, where);
+  const auto sketches =
+      detail::sample_shard(comm, dims, local, count, opt, {opt.stream, opt.stream + 1}, where);
   SketchedHosvd<Scalar> out;
   out.nnz = {{sketches[0].nnz(), sketches[1].nnz()}};
   comm.allreduce(out.nnz.data(), 2, MPI_SUM);
   out.stats = sketches[0].stats;
   std::vector<RowMatrix<Scalar>> mode_matrix(dims.size());
   for (std::size_t j = 0; j < dims.size(); ++j) {
-    RowMatrix<Scalar> n = randattn::detail::sketch_mode_product(detail::entries_by_column(comm, sketches[0], Index(j)),
-                                                                detail::entries_by_column(comm, sketches[1], Index(j)),
-                                                                Index(j));
+    RowMatrix<Scalar> n = randattn::detail::sketch_mode_product(
+        detail::entries_by_column(comm, sketches[0], Index(j)),
+        detail::entries_by_column(comm, sketches[1], Index(j)), Index(j));
     comm.allreduce(n.data(), std::size_t(n.size()), MPI_SUM);
     mode_matrix[j] = (n + n.transpose()) / Scalar(2);
   }
   comm.agree([&] {
-    randattn::detail::hosvd_factors<Scalar>(out, ranks, [&](Index j) { return mode_matrix[std::size_t(j)]; });
+    randattn::detail::hosvd_factors<Scalar>(out, ranks,
+                                            [&](Index j) { return mode_matrix[std::size_t(j)]; });
   });
   return out;
 }

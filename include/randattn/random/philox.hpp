@@ -15,7 +15,8 @@ class Philox {
  public:
   using Bits = std::array<std::uint32_t, 4>;
 
-  explicit Philox(std::uint64_t seed = 0, std::uint32_t stream = 0) : seed_(seed), stream_(stream) {}
+  explicit Philox(std::uint64_t seed = 0, std::uint32_t stream = 0)
+      : seed_(seed), stream_(stream) {}
 
   std::uint64_t seed() const { return seed_; }
   std::uint32_t stream() const { return stream_; }
@@ -26,10 +27,10 @@ class Philox {
   // Raw Philox4x32-10 block: key = seed (low word first), counter = (j, i_lo, i_hi, stream).
   Bits bits(std::uint64_t i, std::uint32_t j = 0) const {
     using Engine = r123::Philox4x32;
-    const Engine::key_type key = {{static_cast<std::uint32_t>(seed_),
-                                   static_cast<std::uint32_t>(seed_ >> 32)}};
-    const Engine::ctr_type ctr = {{j, static_cast<std::uint32_t>(i),
-                                   static_cast<std::uint32_t>(i >> 32), stream_}};
+    const Engine::key_type key = {
+        {static_cast<std::uint32_t>(seed_), static_cast<std::uint32_t>(seed_ >> 32)}};
+    const Engine::ctr_type ctr = {
+        {j, static_cast<std::uint32_t>(i), static_cast<std::uint32_t>(i >> 32), stream_}};
     const Engine::ctr_type out = Engine()(ctr, key);
     return {out[0], out[1], out[2], out[3]};
   }

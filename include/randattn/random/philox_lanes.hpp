@@ -35,10 +35,12 @@ struct PhiloxLanes {
 #if defined(__AVX512F__)
     __m512i v0 = _mm512_loadu_si512(x0), v1 = _mm512_loadu_si512(x1), v2 = _mm512_loadu_si512(x2),
             v3 = _mm512_loadu_si512(x3);
-    const __m512i m0 = _mm512_set1_epi32(int(PHILOX_M4x32_0)), m1 = _mm512_set1_epi32(int(PHILOX_M4x32_1));
+    const __m512i m0 = _mm512_set1_epi32(int(PHILOX_M4x32_0)),
+                  m1 = _mm512_set1_epi32(int(PHILOX_M4x32_1));
     // (hi, lo) halves of the 32 x 32 -> 64-bit products m * x, lane by lane.
     auto mulhilo = [](__m512i m, __m512i x, __m512i& hi, __m512i& lo) {
-      const __m512i even = _mm512_mul_epu32(x, m), odd = _mm512_mul_epu32(_mm512_srli_epi64(x, 32), m);
+      const __m512i even = _mm512_mul_epu32(x, m),
+                    odd = _mm512_mul_epu32(_mm512_srli_epi64(x, 32), m);
       constexpr __mmask16 odd_lanes = 0xAAAA;
       lo = _mm512_mask_blend_epi32(odd_lanes, even, _mm512_slli_epi64(odd, 32));
       hi = _mm512_mask_blend_epi32(odd_lanes, _mm512_srli_epi64(even, 32), odd);

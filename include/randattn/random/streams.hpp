@@ -14,20 +14,20 @@
 namespace randattn::streams {
 
 // Projections ω of the random-feature maps (features/projection.hpp): "PRJ" + purpose.
-constexpr std::uint32_t projection_iid = 0x50524a00u;          // i.i.d. Gaussian rows
-constexpr std::uint32_t projection_orthogonal = 0x50524a01u;   // Gaussian blocks before QR
-constexpr std::uint32_t projection_row_norm = 0x50524a02u;     // χ(d) row norms
-constexpr std::uint32_t projection_hadamard = 0x50524a03u;     // ±1 diagonals of H D3 H D2 H D1
+constexpr std::uint32_t projection_iid = 0x50524a00u;         // i.i.d. Gaussian rows
+constexpr std::uint32_t projection_orthogonal = 0x50524a01u;  // Gaussian blocks before QR
+constexpr std::uint32_t projection_row_norm = 0x50524a02u;    // χ(d) row norms
+constexpr std::uint32_t projection_hadamard = 0x50524a03u;    // ±1 diagonals of H D3 H D2 H D1
 
 // Rotations of cross-polytope LSH (lsh/rotation.hpp): "LSH" + purpose.
-constexpr std::uint32_t lsh_dense_rotation = 0x4C534801u;      // Gaussian (d, rounds, b/2)
-constexpr std::uint32_t lsh_hadamard_rotation = 0x4C534802u;   // ±1 diagonals per round
+constexpr std::uint32_t lsh_dense_rotation = 0x4C534801u;     // Gaussian (d, rounds, b/2)
+constexpr std::uint32_t lsh_hadamard_rotation = 0x4C534802u;  // ±1 diagonals per round
 
 // Pairs (q_i, k_j) sampled by mean_kernel_relative_mse (features/kernel_variance.hpp): "VAR".
 constexpr std::uint32_t kernel_variance_pairs = 0x56415201u;
 
 // Locality-sensitive filters (lsf/filters.hpp): "LSF" + purpose.
-constexpr std::uint32_t lsf_dense_filters = 0x4C534601u;       // Gaussian (tables, m, d)
-constexpr std::uint32_t lsf_hadamard_filters = 0x4C534602u;    // seed of the H D3 H D2 H D1 rotations
+constexpr std::uint32_t lsf_dense_filters = 0x4C534601u;     // Gaussian (tables, m, d)
+constexpr std::uint32_t lsf_hadamard_filters = 0x4C534602u;  // seed of the H D3 H D2 H D1 rotations
 
 }  // namespace randattn::streams

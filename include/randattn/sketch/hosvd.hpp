@@ -1,6 +1,7 @@
 #pragma once
 // Higher-order SVD subspaces: exact, and sketched from two independent sparsifications
-// (Algorithm 2 of "Effective Tensor Sketching via Sparsification"), with the sin-Theta distance between subspaces.
+// (Algorithm 2 of "Effective Tensor Sketching via Sparsification"), with the sin-Theta distance
+// between subspaces.
 //
 // exact_hosvd: U_j = top r_j eigenvectors of M_j M_j^T (the top left singular vectors of the
 //   mode-j unfolding M_j). O(D * sum_j d_j) flops; the Gram products run over panels of fixed
@@ -44,7 +45,8 @@ struct SketchedHosvd : Hosvd<Scalar> {
 
 namespace detail {
 
-inline void check_ranks(const std::vector<Index>& dims, const std::vector<Index>& ranks, const char* where) {
+inline void check_ranks(const std::vector<Index>& dims, const std::vector<Index>& ranks,
+                        const char* where) {
   require(ranks.size() == dims.size(), where, ranks.size(), " ranks given for a tensor of order ",
           dims.size(), " (shape ", dims_str(dims), ")");
   for (std::size_t j = 0; j < dims.size(); ++j) {
@@ -78,10 +80,11 @@ auto exact_hosvd(const T& tensor, const std::vector<Index>& ranks) {
   const Scalar* data = detail::row_major_data(a, storage);
   detail::require_finite(data, a.size(), where, "the tensor");
   const Eigen::Map<const Vector<Scalar>> entries(data, a.size());
-  detail::require((entries.array() != Scalar(0)).any(), where, "the tensor of shape ", detail::dims_str(a.dims()),
-                  " is all zero: its subspaces are undefined");
+  detail::require((entries.array() != Scalar(0)).any(), where, "the tensor of shape ",
+                  detail::dims_str(a.dims()), " is all zero: its subspaces are undefined");
   Hosvd<Scalar> out;
-  detail::hosvd_factors(out, ranks, [&](Index j) { return detail::dense_mode_gram(data, a.dims(), j); });
+  detail::hosvd_factors(out, ranks,
+                        [&](Index j) { return detail::dense_mode_gram(data, a.dims(), j); });
   return out;
 }
 
@@ -120,8 +123,8 @@ auto sketched_hosvd(const T& tensor, const std::vector<Index>& ranks, const Spar
 // to span U. Computed in double.
 template <typename DU, typename DV>
 double sin_theta_distance(const Eigen::MatrixBase<DU>& u, const Eigen::MatrixBase<DV>& v) {
-  detail::require(u.rows() == v.rows(), "sin_theta_distance", "U (", detail::shape_of(u), ") and V (",
-                  detail::shape_of(v), ") must have the same number of rows");
+  detail::require(u.rows() == v.rows(), "sin_theta_distance", "U (", detail::shape_of(u),
+                  ") and V (", detail::shape_of(v), ") must have the same number of rows");
   if (v.cols() == 0) return 0;
   const Eigen::MatrixXd ud = u.template cast<double>(), vd = v.template cast<double>();
   const Eigen::MatrixXd residual = vd - ud * (ud.transpose() * vd);

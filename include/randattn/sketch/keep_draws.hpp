@@ -78,7 +78,8 @@ inline void tile_decisions(const double* p, const TileDraws* draws, Index o0, In
             _mm512_castsi256_si512(_mm512_cvttpd_epi32(_mm512_mul_pd(lo, scale))),
             _mm512_cvttpd_epi32(_mm512_mul_pd(hi, scale)), 1);
         const __m512i r = _mm512_and_si512(
-            _mm512_srli_epi32(_mm512_load_si512(draws->words()[g / 4]), unsigned(8 * (g % 4))), low_byte);
+            _mm512_srli_epi32(_mm512_load_si512(draws->words()[g / 4]), unsigned(8 * (g % 4))),
+            low_byte);
         const __mmask16 positive = __mmask16(_mm512_cmp_pd_mask(lo, zero, _CMP_GT_OQ) |
                                              (_mm512_cmp_pd_mask(hi, zero, _CMP_GT_OQ) << 8));
         k = _mm512_cmplt_epi32_mask(r, t);

@@ -42,7 +42,9 @@ RowMatrix<Scalar> dense_mode_gram(const Scalar* data, const std::vector<Index>& 
   const ModeSplit split(dims, mode);
   const Index d = split.dim;
   ColMatrix g = ColMatrix::Zero(d, d);
-  auto update = [&](const auto& panel) { g.template selfadjointView<Eigen::Lower>().rankUpdate(panel); };
+  auto update = [&](const auto& panel) {
+    g.template selfadjointView<Eigen::Lower>().rankUpdate(panel);
+  };
   if (split.inner == 1) {
     const Eigen::Map<const ColMatrix> m(data, d, split.outer);
     for (Index c0 = 0; c0 < split.outer; c0 += kMaxGemmDepth)
@@ -68,7 +70,9 @@ struct ColumnGroups {
   std::vector<Scalar> value;
 
   ColumnGroups(const SparseTensor<Scalar>& s, const ModeSplit& split)
-      : start(std::size_t(split.cols()) + 1, 0), row(std::size_t(s.nnz())), value(std::size_t(s.nnz())) {
+      : start(std::size_t(split.cols()) + 1, 0),
+        row(std::size_t(s.nnz())),
+        value(std::size_t(s.nnz())) {
     const std::vector<Index>& flat = s.indices();
     Index r = 0, c = 0;
     for (Index e = 0; e < s.nnz(); ++e) {
@@ -90,13 +94,13 @@ struct ColumnGroups {
 // grouped by column, then for every pair of entries sharing a column one multiply-add into the
 // dense d x d result, row by row of s1. Cost O(nnz + columns + sum_c nnz_1(c) nnz_2(c)).
 template <typename Scalar>
-RowMatrix<Scalar> sketch_mode_product(const SparseTensor<Scalar>& s1, const SparseTensor<Scalar>& s2,
-                                      Index mode) {
-  require(mode >= 0 && mode < s1.order() && s1.dims() == s2.dims(), "sketch_mode_product", "mode ", mode,
-          " of sketches of shapes ", dims_str(s1.dims()), " and ", dims_str(s2.dims()));
+RowMatrix<Scalar> sketch_mode_product(const SparseTensor<Scalar>& s1,
+                                      const SparseTensor<Scalar>& s2, Index mode) {
+  require(mode >= 0 && mode < s1.order() && s1.dims() == s2.dims(), "sketch_mode_product", "mode ",
+          mode, " of sketches of shapes ", dims_str(s1.dims()), " and ", dims_str(s2.dims()));
   const ModeSplit split(s1.dims(), mode);
-  require(split.dim <= Index(INT32_MAX), "sketch_mode_product", "dimension ", split.dim, " of mode ", mode,
-          " exceeds 2^31 - 1");
+  require(split.dim <= Index(INT32_MAX), "sketch_mode_product", "dimension ", split.dim,
+          " of mode ", mode, " exceeds 2^31 - 1");
   const ColumnGroups<Scalar> m1(s1, split), m2(s2, split);
   const Index d = split.dim;
   RowMatrix<Scalar> n = RowMatrix<Scalar>::Zero(d, d);
@@ -119,9 +123,10 @@ RowMatrix<Scalar> sketch_mode_product(const SparseTensor<Scalar>& s1, const Spar
 template <typename Scalar>
 void top_eigenvectors(const RowMatrix<Scalar>& sym, Index r, RowMatrix<Scalar>& vectors,
                       Vector<Scalar>& values) {
-  const Eigen::SelfAdjointEigenSolver<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>> eig(sym);
-  require(eig.info() == Eigen::Success, "top_eigenvectors", "the eigensolver did not converge on a ",
-          shape_of(sym), " matrix");
+  const Eigen::SelfAdjointEigenSolver<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>> eig(
+      sym);
+  require(eig.info() == Eigen::Success, "top_eigenvectors",
+          "the eigensolver did not converge on a ", shape_of(sym), " matrix");
   const Index d = sym.rows();
   vectors.resize(d, r);
   values.resize(r);

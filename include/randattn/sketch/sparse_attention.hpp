@@ -1,6 +1,7 @@
 #pragma once
-// Sparse-score attention through the shared core (the accumulator of core/softmax_accumulator.hpp): for a sparse nonnegative score
-// matrix W_hat (n_q x n_k) the accumulator holds [num | den] = W_hat [V | 1].
+// Sparse-score attention through the shared core (the accumulator of core/softmax_accumulator.hpp):
+// for a sparse nonnegative score matrix W_hat (n_q x n_k) the accumulator holds [num | den] = W_hat
+// [V | 1].
 //
 // sparse_score_accumulate: the core step for any such W_hat (a SparseTensor of order 2 or a
 //   row-major Eigen::SparseMatrix), with optional per-row log-scales.
@@ -56,8 +57,9 @@ constexpr Index kSparseRowBlock = 64;
 // [num | den] rows from row_entries(i, f), which calls f(column, weight) for row i's entries;
 // rows in parallel blocks, each row summed by one thread in storage order.
 template <typename Scalar, typename DV, typename RowEntries>
-SoftmaxAccumulator<Scalar> sparse_numden(const char* where, Index rows, const Eigen::MatrixBase<DV>& v,
-                                         Vector<Scalar> log_scale, RowEntries&& row_entries) {
+SoftmaxAccumulator<Scalar> sparse_numden(const char* where, Index rows,
+                                         const Eigen::MatrixBase<DV>& v, Vector<Scalar> log_scale,
+                                         RowEntries&& row_entries) {
   const Index dv = v.cols();
   RowMatrix<Scalar> nd = RowMatrix<Scalar>::Zero(rows, dv + 1);
   parallel_for((rows + kSparseRowBlock - 1) / kSparseRowBlock, [&](Index b) {
@@ -75,13 +77,15 @@ SoftmaxAccumulator<Scalar> sparse_numden(const char* where, Index rows, const Ei
 }
 
 template <typename Scalar, typename Values>
-void check_sparse_scores(const char* where, Index rows, Index cols, const Values& values, Index v_rows,
-                         Index log_scale_size) {
-  require(cols == v_rows, where, "the score matrix is ", rows, "x", cols, " but v has ", v_rows, " rows");
+void check_sparse_scores(const char* where, Index rows, Index cols, const Values& values,
+                         Index v_rows, Index log_scale_size) {
+  require(cols == v_rows, where, "the score matrix is ", rows, "x", cols, " but v has ", v_rows,
+          " rows");
   require(log_scale_size == 0 || log_scale_size == rows, where, log_scale_size, " log-scales for ",
           rows, " rows");
   for (const Scalar w : values) {
-    require(w >= 0 && std::isfinite(w), where, "score weights must be finite and nonnegative, found ", w);
+    require(w >= 0 && std::isfinite(w), where,
+            "score weights must be finite and nonnegative, found ", w);
   }
 }
 
@@ -89,7 +93,8 @@ void check_sparse_scores(const char* where, Index rows, Index cols, const Values
 
 // [num | den] = W_hat [V | 1] for a sparse tensor of order 2 (n_q x n_k) and v (n_k x dv).
 template <typename Scalar, typename DV>
-SoftmaxAccumulator<Scalar> sparse_score_accumulate(const SparseTensor<Scalar>& w, const Eigen::MatrixBase<DV>& v,
+SoftmaxAccumulator<Scalar> sparse_score_accumulate(const SparseTensor<Scalar>& w,
+                                                   const Eigen::MatrixBase<DV>& v,
                                                    Vector<Scalar> log_scale = {}) {
   const char* where = "sparse_score_accumulate";
   detail::require(w.order() == 2, where, "the score tensor must have order 2, got shape ",
@@ -97,35 +102,39 @@ SoftmaxAccumulator<Scalar> sparse_score_accumulate(const SparseTensor<Scalar>& w
   const Index rows = w.dim(0), cols = w.dim(1);
   detail::check_sparse_scores<Scalar>(where, rows, cols, w.values(), v.rows(), log_scale.size());
   const auto& idx = w.indices();
-  return detail::sparse_numden<Scalar>(where, rows, v, std::move(log_scale), [&](Index i, auto&& f) {
-    // Indices are sorted flat row-major, so row i is one contiguous range.
-    auto e = std::lower_bound(idx.begin(), idx.end(), i * cols);
-    for (; e != idx.end() && *e < (i + 1) * cols; ++e)
-      f(*e - i * cols, w.values()[std::size_t(e - idx.begin())]);
-  });
+  return detail::sparse_numden<Scalar>(
+      where, rows, v, std::move(log_scale), [&](Index i, auto&& f) {
+        // Indices are sorted flat row-major, so row i is one contiguous range.
+        auto e = std::lower_bound(idx.begin(), idx.end(), i * cols);
+        for (; e != idx.end() && *e < (i + 1) * cols; ++e)
+          f(*e - i * cols, w.values()[std::size_t(e - idx.begin())]);
+      });
 }
 
 // The same for a row-major Eigen::SparseMatrix (n_q x n_k).
 template <typename Scalar, typename StorageIndex, typename DV>
-SoftmaxAccumulator<Scalar> sparse_score_accumulate(const Eigen::SparseMatrix<Scalar, Eigen::RowMajor, StorageIndex>& w,
-                                                   const Eigen::MatrixBase<DV>& v, Vector<Scalar> log_scale = {}) {
+SoftmaxAccumulator<Scalar> sparse_score_accumulate(
+    const Eigen::SparseMatrix<Scalar, Eigen::RowMajor, StorageIndex>& w,
+    const Eigen::MatrixBase<DV>& v, Vector<Scalar> log_scale = {}) {
   using Matrix = Eigen::SparseMatrix<Scalar, Eigen::RowMajor, StorageIndex>;
   const char* where = "sparse_score_accumulate";
   std::vector<Scalar> values;
   for (Index i = 0; i < w.outerSize(); ++i)
     for (typename Matrix::InnerIterator it(w, i); it; ++it) values.push_back(it.value());
-  detail::check_sparse_scores<Scalar>(where, w.rows(), w.cols(), values, v.rows(), log_scale.size());
-  return detail::sparse_numden<Scalar>(where, w.rows(), v, std::move(log_scale), [&](Index i, auto&& f) {
-    for (typename Matrix::InnerIterator it(w, i); it; ++it) f(Index(it.col()), it.value());
-  });
+  detail::check_sparse_scores<Scalar>(where, w.rows(), w.cols(), values, v.rows(),
+                                      log_scale.size());
+  return detail::sparse_numden<Scalar>(where, w.rows(), v, std::move(log_scale),
+                                       [&](Index i, auto&& f) {
+                                         for (typename Matrix::InnerIterator it(w, i); it; ++it)
+                                           f(Index(it.col()), it.value());
+                                       });
 }
 
 // Sparsified softmax scores and their [num | den] (see the header comment).
 template <typename Scalar>
-SparseScoreAttention<Scalar> sparse_score_attention_accumulate(const Eigen::Ref<const RowMatrix<Scalar>>& q,
-                                                               const Eigen::Ref<const RowMatrix<Scalar>>& k,
-                                                               const Eigen::Ref<const RowMatrix<Scalar>>& v,
-                                                               const SparseScoreOptions& opt) {
+SparseScoreAttention<Scalar> sparse_score_attention_accumulate(
+    const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
+    const Eigen::Ref<const RowMatrix<Scalar>>& v, const SparseScoreOptions& opt) {
   const char* where = "sparse_score_attention";
   ExactOptions exact;
   static_cast<AttentionOptions&>(exact) = opt;
@@ -169,8 +178,10 @@ SparseScoreAttention<Scalar> sparse_score_attention_accumulate(const Eigen::Ref<
 
 // Normalised sparse-score attention (rows with no sampled key are zero).
 template <typename DQ, typename DK, typename DV>
-RowMatrix<typename DQ::Scalar> sparse_score_attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                                                      const Eigen::MatrixBase<DV>& v, const SparseScoreOptions& opt) {
+RowMatrix<typename DQ::Scalar> sparse_score_attention(const Eigen::MatrixBase<DQ>& q,
+                                                      const Eigen::MatrixBase<DK>& k,
+                                                      const Eigen::MatrixBase<DV>& v,
+                                                      const SparseScoreOptions& opt) {
   using Scalar = typename DQ::Scalar;
   return sparse_score_attention_accumulate<Scalar>(q, k, v, opt).accumulator.finalize();
 }

@@ -34,9 +34,10 @@ class SparseTensor {
     detail::require(indices_.size() == values_.size(), where, indices_.size(), " indices but ",
                     values_.size(), " values");
     for (std::size_t e = 0; e < indices_.size(); ++e) {
-      detail::require(indices_[e] >= 0 && indices_[e] < size_ && (e == 0 || indices_[e - 1] < indices_[e]),
-                      where, "indices must be strictly increasing flat indices in [0, ", size_,
-                      "); entry ", e, " is ", indices_[e]);
+      detail::require(
+          indices_[e] >= 0 && indices_[e] < size_ && (e == 0 || indices_[e - 1] < indices_[e]),
+          where, "indices must be strictly increasing flat indices in [0, ", size_, "); entry ", e,
+          " is ", indices_[e]);
     }
   }
 
@@ -74,7 +75,8 @@ class SparseTensor {
 template <typename Scalar>
 Vector<Scalar> densify(const SparseTensor<Scalar>& s) {
   Vector<Scalar> dense = Vector<Scalar>::Zero(s.size());
-  for (Index e = 0; e < s.nnz(); ++e) dense(s.indices()[std::size_t(e)]) = s.values()[std::size_t(e)];
+  for (Index e = 0; e < s.nnz(); ++e)
+    dense(s.indices()[std::size_t(e)]) = s.values()[std::size_t(e)];
   return dense;
 }
 

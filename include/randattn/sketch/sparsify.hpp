@@ -78,18 +78,22 @@ enum class SparsifyScheme { spa, ndt, l2, uniform };
 
 inline const char* scheme_name(SparsifyScheme s) {
   switch (s) {
-    case SparsifyScheme::spa: return "spa";
-    case SparsifyScheme::ndt: return "ndt";
-    case SparsifyScheme::l2: return "l2";
-    case SparsifyScheme::uniform: return "uniform";
+    case SparsifyScheme::spa:
+      return "spa";
+    case SparsifyScheme::ndt:
+      return "ndt";
+    case SparsifyScheme::l2:
+      return "l2";
+    case SparsifyScheme::uniform:
+      return "uniform";
   }
   return "?";
 }
 
 // Parses "spa", "ndt", "l2" or "uniform"; throws std::invalid_argument otherwise.
 inline SparsifyScheme parse_scheme(const std::string& name) {
-  for (SparsifyScheme s : {SparsifyScheme::spa, SparsifyScheme::ndt, SparsifyScheme::l2,
-                           SparsifyScheme::uniform}) {
+  for (SparsifyScheme s :
+       {SparsifyScheme::spa, SparsifyScheme::ndt, SparsifyScheme::l2, SparsifyScheme::uniform}) {
     if (name == scheme_name(s)) return s;
   }
   detail::fail("parse_scheme", "unknown sparsification scheme '", name,
@@ -97,10 +101,10 @@ inline SparsifyScheme parse_scheme(const std::string& name) {
 }
 
 struct SparsifyOptions {
-  double budget = 0;                           // n > 0: Algorithm 1's sampling parameter
+  double budget = 0;  // n > 0: Algorithm 1's sampling parameter
   SparsifyScheme scheme = SparsifyScheme::spa;
   std::uint64_t seed = 0;
-  std::uint32_t stream = 0;                    // Philox stream of the keep/sample draws
+  std::uint32_t stream = 0;  // Philox stream of the keep/sample draws
 };
 
 // Keep probability of an entry as a function of its value.
@@ -124,14 +128,16 @@ struct SamplingRule {
     const __m512d s = _mm512_set1_pd(scale), f = _mm512_set1_pd(floor), one = _mm512_set1_pd(1),
                   zero = _mm512_setzero_pd();
     // |a| >= c keeps exactly the entries with a != 0 and |a| >= cutoff.
-    const __m512d c = _mm512_set1_pd(cutoff > 0 ? cutoff : std::numeric_limits<double>::denorm_min());
+    const __m512d c =
+        _mm512_set1_pd(cutoff > 0 ? cutoff : std::numeric_limits<double>::denorm_min());
     for (; t + 8 <= count; t += 8) {
       const __m512d x = _mm512_loadu_pd(a + t);
       const __m512d q = _mm512_min_pd(_mm512_max_pd(_mm512_mul_pd(s, _mm512_mul_pd(x, x)), f), one);
       const __mmask8 eligible = _mm512_cmp_pd_mask(_mm512_abs_pd(x), c, _CMP_GE_OQ);
       const __m512d pv = _mm512_maskz_mov_pd(eligible, q);
       _mm512_storeu_pd(p + t, pv);
-      moderate |= unsigned(_mm512_cmp_pd_mask(pv, zero, _CMP_GT_OQ) & _mm512_cmp_pd_mask(pv, one, _CMP_LT_OQ));
+      moderate |= unsigned(_mm512_cmp_pd_mask(pv, zero, _CMP_GT_OQ) &
+                           _mm512_cmp_pd_mask(pv, one, _CMP_LT_OQ));
     }
 #endif
     for (; t < count; ++t) {
@@ -161,7 +167,8 @@ struct SketchStats {
   // Entries with cutoff <= |a| <= uniform_threshold() are kept with the uniform rate `floor`.
   double uniform_threshold() const {
     if (rule.floor <= 0) return 0;
-    return rule.scale > 0 ? std::sqrt(rule.floor / rule.scale) : std::numeric_limits<double>::infinity();
+    return rule.scale > 0 ? std::sqrt(rule.floor / rule.scale)
+                          : std::numeric_limits<double>::infinity();
   }
 };
 
@@ -169,7 +176,8 @@ struct SketchStats {
 template <typename Scalar>
 struct SparseSketch : SparseTensor<Scalar> {
   SparseSketch() = default;
-  SparseSketch(SparseTensor<Scalar> t, SketchStats s) : SparseTensor<Scalar>(std::move(t)), stats(s) {}
+  SparseSketch(SparseTensor<Scalar> t, SketchStats s)
+      : SparseTensor<Scalar>(std::move(t)), stats(s) {}
   SketchStats stats;
 };
 
@@ -330,9 +338,10 @@ class Sampler {
   void sample_full_tile(Index tile, const Scalar* src) {
     const SamplingRule rule = rule_;
     const Index base = tile * kDrawTile;
-    const __m512d s = _mm512_set1_pd(rule.scale), f = _mm512_set1_pd(rule.floor), one = _mm512_set1_pd(1),
-                  scale256 = _mm512_set1_pd(256);
-    const __m512d c = _mm512_set1_pd(rule.cutoff > 0 ? rule.cutoff : std::numeric_limits<double>::denorm_min());
+    const __m512d s = _mm512_set1_pd(rule.scale), f = _mm512_set1_pd(rule.floor),
+                  one = _mm512_set1_pd(1), scale256 = _mm512_set1_pd(256);
+    const __m512d c =
+        _mm512_set1_pd(rule.cutoff > 0 ? rule.cutoff : std::numeric_limits<double>::denorm_min());
     const __m512i all = _mm512_set1_epi32(256), low_byte = _mm512_set1_epi32(0xFF);
     double* sum_p = expected_nnz_.lanes();
     double* sum_a2 = squares_.lanes();
@@ -350,10 +359,12 @@ class Sampler {
       __m256i t[2];
       __mmask8 eligible[2];
       for (int h = 0; h < 2; ++h) {
-        const __m512d q = _mm512_min_pd(_mm512_max_pd(_mm512_mul_pd(s, _mm512_mul_pd(x[h], x[h])), f), one);
+        const __m512d q =
+            _mm512_min_pd(_mm512_max_pd(_mm512_mul_pd(s, _mm512_mul_pd(x[h], x[h])), f), one);
         eligible[h] = _mm512_cmp_pd_mask(_mm512_abs_pd(x[h]), c, _CMP_GE_OQ);
         double* lane = sum_p + 16 * g + 8 * h;
-        _mm512_storeu_pd(lane, _mm512_mask_add_pd(_mm512_loadu_pd(lane), eligible[h], _mm512_loadu_pd(lane), q));
+        _mm512_storeu_pd(
+            lane, _mm512_mask_add_pd(_mm512_loadu_pd(lane), eligible[h], _mm512_loadu_pd(lane), q));
         if (sum_squares_) {
           double* lane2 = sum_a2 + 16 * g + 8 * h;
 #if defined(__FMA__) || defined(__FP_FAST_FMA)
@@ -375,14 +386,16 @@ class Sampler {
         unsigned keep = unsigned(e & ~uncertain), tie = 0;
         if (uncertain != 0) {
           const __m512i r = _mm512_and_si512(
-              _mm512_srli_epi32(_mm512_load_si512(out.draws.words()[g / 4]), unsigned(8 * (g % 4))), low_byte);
+              _mm512_srli_epi32(_mm512_load_si512(out.draws.words()[g / 4]), unsigned(8 * (g % 4))),
+              low_byte);
           keep = _mm512_mask_cmplt_epi32_mask(e, r, tt);
           tie = _mm512_mask_cmpeq_epi32_mask(e, r, tt);
         }
         for (unsigned bits = keep | tie; bits != 0; bits &= bits - 1) {
           const Index o = 16 * g + count_trailing_zeros(bits);
           const double a = double(src[o]), p = rule.probability(a);
-          if ((keep >> (o % 16)) & 1 || keep_tie(p, out.draws.fine(base + o))) this->keep(out, base + o, a, p);
+          if ((keep >> (o % 16)) & 1 || keep_tie(p, out.draws.fine(base + o)))
+            this->keep(out, base + o, a, p);
         }
       }
     }
@@ -415,8 +428,8 @@ inline Index nnz_capacity(double budget) {
 }
 
 inline void check_budget(double budget, const char* where) {
-  require(std::isfinite(budget) && budget > 0, where, "budget must be a positive finite number, got ",
-          budget);
+  require(std::isfinite(budget) && budget > 0, where,
+          "budget must be a positive finite number, got ", budget);
 }
 
 // Validates ||A||_F^2 from pass 1; locate(flat) finds the first non-finite entry for the message.
@@ -468,8 +481,8 @@ class InMemorySparsifier {
     SketchStats stats = stats_;
     const Index chunks = (a_.size() + kSketchChunk - 1) / kSketchChunk;
     const Index parts = std::max<Index>(1, std::min(chunks, worker_count()));
-    std::vector<Sampler<Scalar>> samplers(std::size_t(parts),
-                                          Sampler<Scalar>(stats.rule, Philox(opt_.seed), streams, false));
+    std::vector<Sampler<Scalar>> samplers(
+        std::size_t(parts), Sampler<Scalar>(stats.rule, Philox(opt_.seed), streams, false));
     parallel_for(parts, [&](Index part) {
       Sampler<Scalar>& s = samplers[std::size_t(part)];
       const Index begin = std::min(a_.size(), part * chunks / parts * kSketchChunk),
@@ -484,8 +497,8 @@ class InMemorySparsifier {
     stats.expected_nnz = first.expected_nnz();
     std::vector<SparseSketch<Scalar>> sketches;
     for (SampleOutput<Scalar>& out : first.outputs()) {
-      sketches.emplace_back(SparseTensor<Scalar>(a_.dims(), std::move(out.indices), std::move(out.values)),
-                            stats);
+      sketches.emplace_back(
+          SparseTensor<Scalar>(a_.dims(), std::move(out.indices), std::move(out.values)), stats);
     }
     return sketches;
   }
@@ -510,20 +523,27 @@ class InMemorySparsifier {
     if (double(count) <= target) return SamplingRule::keep_all();  // so does Algorithm 1
     if (opt_.scheme == SparsifyScheme::uniform) return SamplingRule{0, target / double(count), 0};
 
-    std::vector<double> tail(std::size_t(count) + 1, 0.0);  // tail[i] = sum of squares[i..], small first
-    for (Index i = count; i-- > 0;) tail[std::size_t(i)] = tail[std::size_t(i) + 1] + squares[std::size_t(i)];
+    std::vector<double> tail(std::size_t(count) + 1,
+                             0.0);  // tail[i] = sum of squares[i..], small first
+    for (Index i = count; i-- > 0;)
+      tail[std::size_t(i)] = tail[std::size_t(i) + 1] + squares[std::size_t(i)];
     auto at_least = [&](double v) {  // number of squares >= v
-      return Index(std::partition_point(squares.begin(), squares.end(), [&](double x) { return x >= v; }) -
-                   squares.begin());
+      return Index(
+          std::partition_point(squares.begin(), squares.end(), [&](double x) { return x >= v; }) -
+          squares.begin());
     };
     const double k = double(a_.order()), size = double(a_.size());
     // NDT's cutoff n^{-1/2} D^{-1/4} (ln D^{1/k})^{k/2} ||A||_F, at budget c.
-    const double ndt_factor = std::sqrt(fro2) * std::pow(size, -0.25) * std::pow(std::log(size) / k, k / 2);
+    const double ndt_factor =
+        std::sqrt(fro2) * std::pow(size, -0.25) * std::pow(std::log(size) / k, k / 2);
     const bool ndt = opt_.scheme == SparsifyScheme::ndt;
-    auto rule = [&](double c) { return SamplingRule{c / fro2, 0, ndt ? ndt_factor / std::sqrt(c) : 0}; };
+    auto rule = [&](double c) {
+      return SamplingRule{c / fro2, 0, ndt ? ndt_factor / std::sqrt(c) : 0};
+    };
     auto expected = [&](double c) {  // sum over eligible entries of min(1, c a^2 / fro2)
       const SamplingRule r = rule(c);
-      const Index eligible = at_least(r.cutoff * r.cutoff), certain = std::min(eligible, at_least(1 / r.scale));
+      const Index eligible = at_least(r.cutoff * r.cutoff),
+                  certain = std::min(eligible, at_least(1 / r.scale));
       return double(certain) + r.scale * (tail[std::size_t(certain)] - tail[std::size_t(eligible)]);
     };
     // c = n never exceeds the target (the baseline's p is at most Algorithm 1's): bracket, then
@@ -554,7 +574,8 @@ template <typename T>
 auto sparsify(const T& tensor, const SparsifyOptions& opt) {
   const auto a = tensor_view(tensor);
   using Scalar = typename std::decay_t<decltype(a)>::Scalar;
-  return std::move(detail::InMemorySparsifier<Scalar>(a, opt, "sparsify").sample({opt.stream}).front());
+  return std::move(
+      detail::InMemorySparsifier<Scalar>(a, opt, "sparsify").sample({opt.stream}).front());
 }
 
 // Two-pass sparsification of a tensor streamed in blocks (Algorithm 1 only: the baselines need
@@ -573,7 +594,9 @@ class StreamingSparsifier {
   using Scalar = Scalar_;
 
   StreamingSparsifier(std::vector<Index> dims, const SparsifyOptions& opt)
-      : dims_(std::move(dims)), opt_(opt), sampler_(SamplingRule{}, Philox(opt.seed), {opt.stream}, true) {
+      : dims_(std::move(dims)),
+        opt_(opt),
+        sampler_(SamplingRule{}, Philox(opt.seed), {opt.stream}, true) {
     const char* where = "StreamingSparsifier";
     detail::require(dims_.size() >= 2, where, "a tensor of order k >= 2 is needed, got shape ",
                     detail::dims_str(dims_));
@@ -616,11 +639,12 @@ class StreamingSparsifier {
   SparseSketch<Scalar> finish() {
     const char* where = "StreamingSparsifier::finish";
     detail::require(sampling_ && pos_ == size_, where, "both passes must be complete (",
-                    sampling_ ? "pass 2" : "pass 1", " has seen ", pos_, " of ", size_, " entries)");
+                    sampling_ ? "pass 2" : "pass 1", " has seen ", pos_, " of ", size_,
+                    " entries)");
     stats_.expected_nnz = sampler_.expected_nnz();
     detail::require(sampler_.sum_of_squares() == norm_.value(), where,
-                    "pass 2 saw different data than pass 1 (||A||_F^2 = ", sampler_.sum_of_squares(),
-                    " vs ", norm_.value(), ")");
+                    "pass 2 saw different data than pass 1 (||A||_F^2 = ",
+                    sampler_.sum_of_squares(), " vs ", norm_.value(), ")");
     detail::SampleOutput<Scalar>& out = sampler_.outputs().front();
     SparseTensor<Scalar> t(dims_, std::move(out.indices), std::move(out.values));
     return {std::move(t), stats_};
@@ -628,10 +652,11 @@ class StreamingSparsifier {
 
  private:
   void check_block(const Scalar* block, Index count, bool pass2, const char* where) const {
-    detail::require(count >= 0 && (count == 0 || block != nullptr), where, "invalid block (",
-                    count, " entries at ", static_cast<const void*>(block), ")");
-    detail::require(sampling_ == pass2, where, pass2 ? "pass 1 is not complete (" : "pass 1 is complete (",
-                    pos_, " of ", size_, " entries seen)");
+    detail::require(count >= 0 && (count == 0 || block != nullptr), where, "invalid block (", count,
+                    " entries at ", static_cast<const void*>(block), ")");
+    detail::require(sampling_ == pass2, where,
+                    pass2 ? "pass 1 is not complete (" : "pass 1 is complete (", pos_, " of ",
+                    size_, " entries seen)");
     detail::require(count <= size_ - pos_, where, "block of ", count, " entries at position ", pos_,
                     " runs past the end of the tensor (", size_, " entries)");
   }

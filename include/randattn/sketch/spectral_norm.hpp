@@ -33,10 +33,10 @@
 namespace randattn {
 
 struct SpectralNormOptions {
-  int random_starts = 4;      // Gaussian starts besides the unfolding start
-  int max_iterations = 100;   // sweeps over the modes for the best start
-  double tolerance = 1e-7;    // stop when the value changes by less than tolerance * value
-  std::uint64_t seed = 0;     // Philox seed of the random starts
+  int random_starts = 4;     // Gaussian starts besides the unfolding start
+  int max_iterations = 100;  // sweeps over the modes for the best start
+  double tolerance = 1e-7;   // stop when the value changes by less than tolerance * value
+  std::uint64_t seed = 0;    // Philox seed of the random starts
 };
 
 struct SpectralNormEstimate {
@@ -67,7 +67,8 @@ Vector<Scalar> contract_except(const Scalar* data, const std::vector<Index>& dim
   };
   using CMap = Eigen::Map<const RowMatrix<Scalar>>;
   Vector<Scalar> y(split.outer * split.dim);
-  y.noalias() = CMap(data, split.outer * split.dim, split.inner) * kron(mode + 1, Index(dims.size()));
+  y.noalias() =
+      CMap(data, split.outer * split.dim, split.inner) * kron(mode + 1, Index(dims.size()));
   Vector<Scalar> v(split.dim);
   v.noalias() = CMap(y.data(), split.outer, split.dim).transpose() * kron(0, mode);
   return v;
@@ -77,8 +78,8 @@ Vector<Scalar> contract_except(const Scalar* data, const std::vector<Index>& dim
 // (u is updated in place), stopping early once the value changes by less than tolerance * value.
 // Returns the value <A, u_0 o ... o u_{k-1}> reached.
 template <typename Scalar>
-double power_method(const Scalar* data, const std::vector<Index>& dims, std::vector<Vector<Scalar>>& u,
-                    int sweeps, double tolerance) {
+double power_method(const Scalar* data, const std::vector<Index>& dims,
+                    std::vector<Vector<Scalar>>& u, int sweeps, double tolerance) {
   double value = 0;
   for (int it = 0; it < sweeps; ++it) {
     const double previous = value;
@@ -138,7 +139,8 @@ SpectralNormEstimate spectral_norm(const T& tensor, const SpectralNormOptions& o
     const Philox rng(opt.seed, std::uint32_t(s));  // start s, entry i of mode j: draw (i, j)
     for (Index j = 0; j < k; ++j) {
       Vector<Scalar>& u = start[std::size_t(j)];
-      for (Index i = 0; i < u.size(); ++i) u(i) = Scalar(rng.gaussian(std::uint64_t(i), std::uint32_t(j)));
+      for (Index i = 0; i < u.size(); ++i)
+        u(i) = Scalar(rng.gaussian(std::uint64_t(i), std::uint32_t(j)));
       u.normalize();
     }
     starts.push_back(start);
@@ -153,8 +155,9 @@ SpectralNormEstimate spectral_norm(const T& tensor, const SpectralNormOptions& o
     }
   }
   if (opt.max_iterations > probe) {
-    est.lower = std::max(est.lower, detail::power_method(data, a.dims(), starts[best],
-                                                         opt.max_iterations - probe, opt.tolerance));
+    est.lower =
+        std::max(est.lower, detail::power_method(data, a.dims(), starts[best],
+                                                 opt.max_iterations - probe, opt.tolerance));
   }
   est.lower = std::min(est.lower, est.upper);  // rounding can put an attained value a hair above
   return est;
@@ -170,14 +173,15 @@ struct SketchError {
 };
 
 template <typename T, typename Scalar>
-SketchError sketch_error(const T& tensor, const SparseTensor<Scalar>& sketch, const SpectralNormOptions& opt = {},
+SketchError sketch_error(const T& tensor, const SparseTensor<Scalar>& sketch,
+                         const SpectralNormOptions& opt = {},
                          std::optional<SpectralNormEstimate> norm_a = std::nullopt) {
   const auto a = tensor_view(tensor);
   static_assert(std::is_same<typename std::decay_t<decltype(a)>::Scalar, Scalar>::value,
                 "the tensor and the sketch must share the scalar type");
   const char* where = "sketch_error";
-  detail::require(a.dims() == sketch.dims(), where, "the tensor has shape ", detail::dims_str(a.dims()),
-                  " but the sketch ", detail::dims_str(sketch.dims()));
+  detail::require(a.dims() == sketch.dims(), where, "the tensor has shape ",
+                  detail::dims_str(a.dims()), " but the sketch ", detail::dims_str(sketch.dims()));
   Vector<Scalar> storage;
   const Scalar* data = detail::row_major_data(a, storage);
   const Eigen::Map<const Vector<Scalar>> dense(data, a.size());
@@ -187,7 +191,8 @@ SketchError sketch_error(const T& tensor, const SparseTensor<Scalar>& sketch, co
   if (!norm_a) norm_a = spectral_norm(TensorView<Scalar>(data, a.dims()), opt);
   SketchError err;
   err.relative_frobenius = double(diff.norm()) / fro_a;
-  err.relative_spectral = spectral_norm(TensorView<Scalar>(diff.data(), a.dims()), opt).value() / norm_a->value();
+  err.relative_spectral =
+      spectral_norm(TensorView<Scalar>(diff.data(), a.dims()), opt).value() / norm_a->value();
   err.spectral_exact = norm_a->exact;
   return err;
 }

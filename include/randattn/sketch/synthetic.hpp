@@ -35,21 +35,25 @@ struct SyntheticOptions {
   double noise = 0;       // Frobenius size of the noise relative to the unit-norm signal
   Index spikes = 0;       // number of spikes
   double spike_size = 0;  // magnitude of each spike
-  bool flat_factors = false;  // U_j from random signs (entries near +-1/sqrt(d_j)) instead of Gaussians
+  bool flat_factors =
+      false;  // U_j from random signs (entries near +-1/sqrt(d_j)) instead of Gaussians
 };
 
 template <typename Scalar>
-SyntheticTensor<Scalar> low_rank_plus_noise(const std::vector<Index>& dims, const std::vector<Index>& ranks,
+SyntheticTensor<Scalar> low_rank_plus_noise(const std::vector<Index>& dims,
+                                            const std::vector<Index>& ranks,
                                             const SyntheticOptions& opt, std::uint64_t seed) {
   const char* where = "low_rank_plus_noise";
-  detail::require(dims.size() >= 2 && ranks.size() == dims.size(), where, "need order >= 2 and one rank per mode, got shape ",
-                  detail::dims_str(dims), " and ", ranks.size(), " ranks");
+  detail::require(dims.size() >= 2 && ranks.size() == dims.size(), where,
+                  "need order >= 2 and one rank per mode, got shape ", detail::dims_str(dims),
+                  " and ", ranks.size(), " ranks");
   const Index size = detail::checked_size(dims, where);
   for (std::size_t j = 0; j < dims.size(); ++j) {
     detail::require(ranks[j] >= 1 && ranks[j] <= dims[j], where, "rank ", ranks[j], " of mode ", j,
                     " must be in [1, ", dims[j], "]");
   }
-  detail::require(opt.spikes >= 0 && opt.spikes <= size, where, "spikes must be in [0, ", size, "]");
+  detail::require(opt.spikes >= 0 && opt.spikes <= size, where, "spikes must be in [0, ", size,
+                  "]");
   const Philox rng(seed);
   const auto k = std::uint32_t(dims.size());
 

@@ -40,6 +40,16 @@ inline void report_gflops(benchmark::State& state, double flops_per_iteration) {
                                                    benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// Attention inputs of n rows: q and k with entries N(0, 0.25), so scale·‖q‖² ≈ 2 at d = 64 and
+// scale 1/8, and v with entries N(0, 1).
+struct AttentionInputs {
+  RowMatrix<float> q, k, v;
+  AttentionInputs(Index n, Index d, Index dv)
+      : q(randattn::gaussian_matrix<float>(randattn::Philox(1), n, d, 0.5)),
+        k(randattn::gaussian_matrix<float>(randattn::Philox(2), n, d, 0.5)),
+        v(randattn::gaussian_matrix<float>(randattn::Philox(3), n, dv)) {}
+};
+
 // The physical-limit anchor: C = A B for square n x n float matrices with Eigen, one thread.
 // Register it first in a binary so later benchmarks can report their fraction of it.
 inline void PeakSgemm(benchmark::State& state) {

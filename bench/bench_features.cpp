@@ -31,13 +31,9 @@ using randattn::OrthogonalProjection;
 using randattn::Philox;
 constexpr Index kD = 64, kDv = 64, kM = 256;
 
-// Inputs with scale · ‖q‖² ≈ 2 (entries N(0, 0.25), scale = 1/8).
-struct Inputs {
-  RowMatrix<float> q, k, v;
-  explicit Inputs(Index n)
-      : q(gaussian_matrix<float>(Philox(1), n, kD, 0.5)),
-        k(gaussian_matrix<float>(Philox(2), n, kD, 0.5)),
-        v(gaussian_matrix<float>(Philox(3), n, kDv)) {}
+// The shared inputs at d = dv = 64 (bench_common.hpp).
+struct Inputs : bench::AttentionInputs {
+  explicit Inputs(Index n) : AttentionInputs(n, kD, kDv) {}
 };
 
 void ProjectionGemm(benchmark::State& state) {

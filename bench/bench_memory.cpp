@@ -65,12 +65,8 @@ void peak_memory(benchmark::State& state, Index n, Call&& call) {
   state.counters["per_nd"] = double(extra_kib) * 1024.0 / (double(n) * kD * sizeof(float));
 }
 
-struct Inputs {
-  RowMatrix<float> q, k, v;
-  explicit Inputs(Index n)
-      : q(gaussian_matrix<float>(Philox(1), n, kD, 0.5)),
-        k(gaussian_matrix<float>(Philox(2), n, kD, 0.5)),
-        v(gaussian_matrix<float>(Philox(3), n, kDv)) {}
+struct Inputs : bench::AttentionInputs {
+  explicit Inputs(Index n) : AttentionInputs(n, kD, kDv) {}
 };
 
 void Exact(benchmark::State& state) {

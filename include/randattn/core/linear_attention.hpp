@@ -155,23 +155,16 @@ struct LinearOperands {
   Index width() const { return v.cols() + 1; }  // columns of [v | 1]
 };
 
-// Rows [i0, i0 + len) of both sides into q and k, in blocks of kMaxGemmDepth rows in parallel.
+// Key rows [i0, i0 + len) with the signs applied: read in place when there are no signs (a view
+// of the source, or its rows mapped into `block`), else filled into `block` and signed there.
 template <typename In>
-void fill_both(const In& in, Index i0, Index len, FeatureBlock<typename In::Scalar>& q,
-               FeatureBlock<typename In::Scalar>& k) {
-  using Scalar = typename In::Scalar;
-  const Index blocks = (len + kMaxGemmDepth - 1) / kMaxGemmDepth;
-  parallel_for(2 * blocks, [&](Index b) {
-    const Index r0 = (b / 2) * kMaxGemmDepth, rows = std::min(kMaxGemmDepth, len - r0);
-    FeatureBlock<Scalar>& f = b % 2 == 0 ? q : k;
-    auto values = f.values.middleRows(r0, rows);
-    if (b % 2 == 0) {
-      in.q.fill(i0 + r0, rows, values, f.log_scale.segment(r0, rows));
-    } else {
-      in.k.fill(i0 + r0, rows, values, f.log_scale.segment(r0, rows));
-      if (in.signs.size() > 0) values.array().rowwise() *= in.signs.transpose().array();
-    }
-  });
+Eigen::Ref<const RowMatrix<typename In::Scalar>> signed_keys(const In& in, Index i0, Index len,
+                                                             FeatureBlock<typename In::Scalar>& block) {
+  if (in.signs.size() == 0) return in.k.view(i0, len, block);
+  auto rows = block.values.topRows(len);
+  in.k.fill(i0, len, rows, block.log_scale.head(len));
+  rows.array().rowwise() *= in.signs.transpose().array();
+  return rows;
 }
 
 // Work buffers of one thread: a block of feature rows, [w ∘ V | w] or [V | 1] of a chunk, and,
@@ -339,7 +332,9 @@ SoftmaxAccumulator<typename In::Scalar> linear_causal(
   const auto scratch = [&] { return ChunkScratch<Scalar>(chunk, m, w, true); };
   for (Index first = 0; first < chunks; first += kCausalGroup) {
     const Index group = std::min(kCausalGroup, chunks - first), g0 = first * chunk;
-    fill_both(in, g0, std::min(group_rows, n - g0), q_rows, k_rows);
+    const Index g_len = std::min(group_rows, n - g0);
+    const Eigen::Ref<const RowMatrix<Scalar>> queries = in.q.view(g0, g_len, q_rows);
+    const Eigen::Ref<const RowMatrix<Scalar>> keys = signed_keys(in, g0, g_len, k_rows);
     const auto rows_of = [&](Index t) {
       const Index r0 = t * chunk;
       return std::make_pair(r0, std::min(chunk, n - g0 - r0));
@@ -347,7 +342,7 @@ SoftmaxAccumulator<typename In::Scalar> linear_causal(
     parallel_for_with(group, scratch, [&](Index t, ChunkScratch<Scalar>& s) {
       const auto [r0, len] = rows_of(t);
       prefix.log_scale(t) =
-          summarise_keys(in, k_rows.values.middleRows(r0, len), k_rows.log_scale.segment(r0, len),
+          summarise_keys(in, keys.middleRows(r0, len), k_rows.log_scale.segment(r0, len),
                          g0 + r0, s.values, prefix.block(t));
     });
     // Exclusive prefix: block t becomes the state of every key before chunk first + t.
@@ -360,8 +355,8 @@ SoftmaxAccumulator<typename In::Scalar> linear_causal(
     }
     parallel_for_with(group, scratch, [&](Index t, ChunkScratch<Scalar>& s) {
       const auto [r0, len] = rows_of(t);
-      causal_chunk_rows(in, g0 + r0, q_rows.values.middleRows(r0, len),
-                        q_rows.log_scale.segment(r0, len), k_rows.values.middleRows(r0, len),
+      causal_chunk_rows(in, g0 + r0, queries.middleRows(r0, len),
+                        q_rows.log_scale.segment(r0, len), keys.middleRows(r0, len),
                         k_rows.log_scale.segment(r0, len), prefix.block(t), prefix.log_scale(t), s,
                         acc);
     });

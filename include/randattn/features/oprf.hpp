@@ -68,8 +68,14 @@ inline double precision_penalty(double t) { return std::log1p(0.5 * (t - 1)) - 0
 template <typename Scalar>
 std::pair<Eigen::VectorXd, double> normalised_row_moments(
     const Eigen::Ref<const RowMatrix<Scalar>>& x, double normaliser) {
-  const Eigen::VectorXd sum = x.template cast<double>().colwise().sum().transpose();
-  const double sq = x.template cast<double>().squaredNorm();
+  // One pass over the rows (a column-wise sum of a row-major matrix would stride through it d
+  // times).
+  Eigen::VectorXd sum = Eigen::VectorXd::Zero(x.cols());
+  double sq = 0;
+  for (Index i = 0; i < x.rows(); ++i) {
+    sum.noalias() += x.row(i).transpose().template cast<double>();
+    sq += x.row(i).template cast<double>().squaredNorm();
+  }
   const double n = double(x.rows());
   return {normaliser * sum / n, normaliser * normaliser * sq / n};
 }

@@ -118,23 +118,23 @@ class GivenFeatureRows {
   void fill(Index i0, Index len, Eigen::Ref<RowMatrix<Scalar>> values,
             Eigen::Ref<Vector<Scalar>> log_scale) const {
     values = values_.middleRows(i0, len);
-    if (log_scale_.size() > 0) {
-      log_scale = log_scale_.segment(i0, len);
-    } else {
-      log_scale.setZero();
-    }
+    log_scales(i0, len, log_scale);
   }
   Eigen::Ref<const RowMatrix<Scalar>> view(Index i0, Index len, FeatureBlock<Scalar>& block) const {
-    if (log_scale_.size() > 0) {
-      block.log_scale.head(len) = log_scale_.segment(i0, len);
-    } else {
-      block.log_scale.head(len).setZero();
-    }
+    log_scales(i0, len, block.log_scale.head(len));
     return values_.middleRows(i0, len);
   }
   void scan(const char* where, const char* name) const { require_finite(values_, where, name); }
 
  private:
+  void log_scales(Index i0, Index len, Eigen::Ref<Vector<Scalar>> out) const {
+    if (log_scale_.size() > 0) {
+      out = log_scale_.segment(i0, len);
+    } else {
+      out.setZero();
+    }
+  }
+
   Eigen::Ref<const RowMatrix<Scalar>> values_;
   Eigen::Ref<const Vector<Scalar>> log_scale_;
 };
@@ -158,8 +158,8 @@ struct LinearOperands {
 // Key rows [i0, i0 + len) with the signs applied: read in place when there are no signs (a view
 // of the source, or its rows mapped into `block`), else filled into `block` and signed there.
 template <typename In>
-Eigen::Ref<const RowMatrix<typename In::Scalar>> signed_keys(const In& in, Index i0, Index len,
-                                                             FeatureBlock<typename In::Scalar>& block) {
+Eigen::Ref<const RowMatrix<typename In::Scalar>> signed_keys(
+    const In& in, Index i0, Index len, FeatureBlock<typename In::Scalar>& block) {
   if (in.signs.size() == 0) return in.k.view(i0, len, block);
   auto rows = block.values.topRows(len);
   in.k.fill(i0, len, rows, block.log_scale.head(len));
@@ -342,8 +342,8 @@ SoftmaxAccumulator<typename In::Scalar> linear_causal(
     parallel_for_with(group, scratch, [&](Index t, ChunkScratch<Scalar>& s) {
       const auto [r0, len] = rows_of(t);
       prefix.log_scale(t) =
-          summarise_keys(in, keys.middleRows(r0, len), k_rows.log_scale.segment(r0, len),
-                         g0 + r0, s.values, prefix.block(t));
+          summarise_keys(in, keys.middleRows(r0, len), k_rows.log_scale.segment(r0, len), g0 + r0,
+                         s.values, prefix.block(t));
     });
     // Exclusive prefix: block t becomes the state of every key before chunk first + t.
     for (Index t = 0; t < group; ++t) {
@@ -355,10 +355,9 @@ SoftmaxAccumulator<typename In::Scalar> linear_causal(
     }
     parallel_for_with(group, scratch, [&](Index t, ChunkScratch<Scalar>& s) {
       const auto [r0, len] = rows_of(t);
-      causal_chunk_rows(in, g0 + r0, queries.middleRows(r0, len),
-                        q_rows.log_scale.segment(r0, len), keys.middleRows(r0, len),
-                        k_rows.log_scale.segment(r0, len), prefix.block(t), prefix.log_scale(t), s,
-                        acc);
+      causal_chunk_rows(in, g0 + r0, queries.middleRows(r0, len), q_rows.log_scale.segment(r0, len),
+                        keys.middleRows(r0, len), k_rows.log_scale.segment(r0, len),
+                        prefix.block(t), prefix.log_scale(t), s, acc);
     });
   }
   if (total) *total = std::move(carried);

@@ -55,6 +55,15 @@ class Workspace {
     fs::remove_all(dir_, ec);
   }
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  // " --<name> <quoted path of file>".
+  std::string flag(const std::string& name, const std::string& file) const {
+    return " --" + name + " " + quote(path(file));
+  }
+  // The attention inputs q.npy, k.npy (unless keys are shared), v.npy and the output o.npy.
+  std::string attention_io(bool with_keys = true) const {
+    return flag("q", "q.npy") + (with_keys ? flag("k", "k.npy") : "") + flag("v", "v.npy") +
+           flag("out", "o.npy");
+  }
 
   // Runs randattn-cli with `args` (already shell-quoted where needed).
   Result run(const std::string& args) const {
@@ -162,9 +171,7 @@ TEST_CASE("cli: 2-D float32 exact attention", "[cli]") {
   save<float>(ws, "q.npy", {5, 4}, 1);
   save<float>(ws, "k.npy", {7, 4}, 2);
   save<float>(ws, "v.npy", {7, 3}, 3);
-  const Result r = ws.run("attention --method exact --q " + quote(ws.path("q.npy")) + " --k " +
-                          quote(ws.path("k.npy")) + " --v " + quote(ws.path("v.npy")) + " --out " +
-                          quote(ws.path("o.npy")));
+  const Result r = ws.run("attention --method exact" + ws.attention_io());
   INFO("stderr: " << r.err);
   REQUIRE(r.exit_code == 0);
   CHECK(r.out.empty());
@@ -184,9 +191,8 @@ TEST_CASE("cli: 4-D float64 causal attention with --report", "[cli]") {
   save<double>(ws, "q.npy", {2, 3, 6, 4}, 4);
   save<double>(ws, "k.npy", {2, 3, 6, 4}, 5);
   save<double>(ws, "v.npy", {2, 3, 6, 5}, 6);
-  const Result r = ws.run("attention --q " + quote(ws.path("q.npy")) + " --k " +
-                          quote(ws.path("k.npy")) + " --v " + quote(ws.path("v.npy")) + " --out " +
-                          quote(ws.path("o.npy")) + " --causal --scale 0.3 --threads 2 --report");
+  const Result r =
+      ws.run("attention" + ws.attention_io() + " --causal --scale 0.3 --threads 2 --report");
   INFO("stderr: " << r.err);
   REQUIRE(r.exit_code == 0);
   CHECK(r.err.empty());
@@ -224,9 +230,7 @@ TEST_CASE("cli: --report shows the default scale 1/sqrt(d)", "[cli]") {
   save<float>(ws, "q.npy", {3, 64}, 7);
   save<float>(ws, "k.npy", {4, 64}, 8);
   save<float>(ws, "v.npy", {4, 2}, 9);
-  const Result r =
-      ws.run("attention --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) +
-             " --v " + quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy")) + " --report");
+  const Result r = ws.run("attention" + ws.attention_io() + " --report");
   REQUIRE(r.exit_code == 0);
   CHECK(r.out.find(R"("dtype":"float32")") != std::string::npos);
   CHECK(r.out.find(R"("causal":false,"scale":0.125,)") != std::string::npos);
@@ -275,13 +279,9 @@ TEST_CASE("cli: every failure is one stderr line, exit code 2 and no output", "[
     std::ofstream(ws.path("short_header.npy"), std::ios::binary)
         << std::string("\x93NUMPY\x01\x00\x76\x00{'de", 14);
   }
-  const std::string q = " --q " + quote(ws.path("q.npy"));
-  const std::string k = " --k " + quote(ws.path("k.npy"));
-  const std::string v = " --v " + quote(ws.path("v.npy"));
-  const std::string out = " --out " + quote(ws.path("o.npy"));
-  auto with = [&](const std::string& flag, const std::string& file) {
-    return " --" + flag + " " + quote(ws.path(file));
-  };
+  const std::string q = ws.flag("q", "q.npy"), k = ws.flag("k", "k.npy");
+  const std::string v = ws.flag("v", "v.npy"), out = ws.flag("out", "o.npy");
+  auto with = [&](const std::string& flag, const std::string& file) { return ws.flag(flag, file); };
 
   SECTION("unreadable or malformed input") {
     require_error(ws, "attention" + with("q", "missing.npy") + k + v + out,
@@ -402,8 +402,7 @@ TEST_CASE("cli: favor with --omega evaluates the Performer formulas with W", "[c
   save<double>(ws, "k.npy", {n, d}, 12);
   save<double>(ws, "v.npy", {n, dv}, 13);
   save<double>(ws, "w.npy", {m, d}, 14);
-  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) +
-                         " --v " + quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+  const std::string io = ws.attention_io();
   const Result r = ws.run("attention --method favor --omega " + quote(ws.path("w.npy")) + io +
                           " --scale 0.6 --report");
   INFO("stderr: " << r.err);
@@ -438,8 +437,7 @@ TEST_CASE("cli: favor, favor-hyp and trig with --compare", "[cli][features]") {
   save<float>(ws, "q.npy", {2, 2, n, d}, 21);
   save<float>(ws, "k.npy", {2, 2, n, d}, 22);
   save<float>(ws, "v.npy", {2, 2, n, dv}, 23);
-  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) +
-                         " --v " + quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+  const std::string io = ws.attention_io();
   const auto exact =
       reference(data<float>(4 * n * d, 21), data<float>(4 * n * d, 22), data<float>(4 * n * dv, 23),
                 4, n, n, d, dv, 1.0 / std::sqrt(double(d)), true);
@@ -472,8 +470,7 @@ TEST_CASE("cli: hybrid and hybrid-gaussian", "[cli][hybrid]") {
   save<double>(ws, "q.npy", {n, d}, 31);
   save<double>(ws, "k.npy", {n, d}, 32);
   save<double>(ws, "v.npy", {n, dv}, 33);
-  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) +
-                         " --v " + quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+  const std::string io = ws.attention_io();
   Result r = ws.run(
       "attention --method hybrid --features 16 --lambda-features 4 --seed 2 --causal --compare" +
       io);
@@ -506,8 +503,7 @@ TEST_CASE("cli: oprf and sderf, their fit modes and the predicted kernel MSE", "
   save<float>(ws, "v.npy", {2, 1, n, dv}, 43);
   save<double>(ws, "c.npy", {16, d}, 44);
   save<double>(ws, "c_bad.npy", {16, d + 1}, 45);
-  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) +
-                         " --v " + quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+  const std::string io = ws.attention_io();
   const std::string calibration = " --fit given --calibration " + quote(ws.path("c.npy"));
   for (const std::string method : {"oprf", "sderf"}) {
     INFO(method);
@@ -589,8 +585,7 @@ TEST_CASE("cli: lsh with shared QK, a user rotation file and the --report fields
   shape.n_q = shape.n_k = 40;
   shape.d = 6;
   shape.dv = 3;
-  const std::string io = " --q " + quote(ws.path("q.npy")) + " --v " + quote(ws.path("v.npy")) +
-                         " --out " + quote(ws.path("o.npy"));
+  const std::string io = ws.attention_io(/*with_keys=*/false);
 
   SECTION("drawn rotation, defaults: b = 2 ceil(n / 64), r = 4, seed 0, scale 1") {
     const Result r = ws.run("attention --method lsh --threads 1 --report" + io);
@@ -647,8 +642,7 @@ TEST_CASE("cli: lsh with separate keys needs exact buckets, batched float64", "[
   save<double>(ws, "q.npy", {2, 2, 30, 5}, 21);
   save<double>(ws, "k.npy", {2, 2, 30, 5}, 22);
   save<double>(ws, "v.npy", {2, 2, 30, 4}, 23);
-  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) +
-                         " --v " + quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+  const std::string io = ws.attention_io();
   const Result r = ws.run(
       "attention --method lsh --exact-buckets --causal --rotation hadamard --buckets 6 --rounds 3 "
       "--seed 9 --scale 0.5 --report --compare" +
@@ -684,8 +678,8 @@ TEST_CASE("cli: lsh errors are one stderr line, exit code 2 and no output", "[cl
   save<float>(ws, "R.npy", {4, 2, 3}, 5);
   save<float>(ws, "R2d.npy", {4, 6}, 5);
   save<float>(ws, "R_d5.npy", {5, 2, 3}, 5);
-  const std::string q = " --q " + quote(ws.path("q.npy")), v = " --v " + quote(ws.path("v.npy"));
-  const std::string out = " --out " + quote(ws.path("o.npy"));
+  const std::string q = ws.flag("q", "q.npy"), v = ws.flag("v", "v.npy"),
+                    out = ws.flag("out", "o.npy");
   const std::string lsh = "attention --method lsh" + q + v + out;
   require_error(ws, "attention" + q + v + out, "--k is required for --method exact");
   require_error(ws, "attention --chunk 8" + q + " --k " + quote(ws.path("q.npy")) + v + out,
@@ -714,9 +708,8 @@ TEST_CASE("cli: lsf matches the library, with the --report and --compare fields"
     save<float>(ws, "k.npy", {50, 6}, 32);
     save<float>(ws, "v.npy", {50, 3}, 33);
     const Result r =
-        ws.run("attention --method lsf --filters 8 --tables 3 --eta 0.5 --threads 1 --report --q " +
-               quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) + " --v " +
-               quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy")));
+        ws.run("attention --method lsf --filters 8 --tables 3 --eta 0.5 --threads 1 --report" +
+               ws.attention_io());
     INFO("stderr: " << r.err);
     REQUIRE(r.exit_code == 0);
     CHECK(json_field(r.out, "filters") == "8");
@@ -746,8 +739,7 @@ TEST_CASE("cli: lsf matches the library, with the --report and --compare fields"
     save<double>(ws, "q.npy", {2, 2, 30, 8}, 41);
     save<double>(ws, "k.npy", {2, 2, 30, 8}, 42);
     save<double>(ws, "v.npy", {2, 2, 30, 4}, 43);
-    const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) +
-                           " --v " + quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+    const std::string io = ws.attention_io();
     const Result r = ws.run(
         "attention --method lsf --filters 16 --tables 2 --alpha 0.6 --min-probes 2 --rotation "
         "hadamard --causal --seed 9 --scale 0.5 --compare" +
@@ -791,12 +783,9 @@ TEST_CASE("cli: lsf errors are one stderr line, exit code 2 and no output", "[cl
   save<float>(ws, "q.npy", {20, 4}, 1);
   save<float>(ws, "k.npy", {20, 4}, 2);
   save<float>(ws, "v.npy", {20, 3}, 3);
-  const std::string io = " --q " + quote(ws.path("q.npy")) + " --k " + quote(ws.path("k.npy")) +
-                         " --v " + quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy"));
+  const std::string io = ws.attention_io();
   const std::string lsf = "attention --method lsf" + io;
-  require_error(ws,
-                "attention --method lsf --eta 1 --q " + quote(ws.path("q.npy")) + " --v " +
-                    quote(ws.path("v.npy")) + " --out " + quote(ws.path("o.npy")),
+  require_error(ws, "attention --method lsf --eta 1" + ws.attention_io(/*with_keys=*/false),
                 "--k is required for --method lsf");
   require_error(ws, "attention --filters 8" + io, "belongs to --method lsf");
   require_error(ws, "attention --method lsh --exact-buckets --tables 2" + io,

@@ -230,11 +230,9 @@ RowMatrix<typename In::Scalar> key_state(const In& in, typename In::Scalar& c) {
         group, [&] { return ChunkScratch<Scalar>(chunk, m, w, false); },
         [&](Index t, ChunkScratch<Scalar>& s) {
           const Index j0 = (first + t) * chunk, len = std::min(chunk, n_k - j0);
-          const auto keys = in.k.view(j0, len, s.features);
+          const auto keys = signed_keys(in, j0, len, s.features);
           sums.log_scale(t) =
               summarise_keys(in, keys, s.features.log_scale.head(len), j0, s.values, sums.block(t));
-          // diag(σ) K'ᵀ = (K' diag(σ))ᵀ: the signs flip rows of the summary (exact).
-          if (in.signs.size() > 0) sums.block(t).array().colwise() *= in.signs.array();
         });
     for (Index t = 0; t < group; ++t) merge_scaled(state, c, sums.block(t), sums.log_scale(t));
   }

@@ -477,6 +477,7 @@ TEMPLATE_TEST_CASE("The correction matters: union and multiset differ once round
   const CrossPolytopeHash<Scalar> hash(RotationKind::dense, d, 8, 4, 7);
   LshOptions with, without;
   with.chunk = without.chunk = 16;
+  with.scale = without.scale = 1;
   without.dedupe = false;
   CHECK(rel_error(randattn::lsh_attention(hash, q, v, with),
                   randattn::lsh_attention(hash, q, v, without)) > 1e-3);
@@ -520,6 +521,7 @@ TEMPLATE_TEST_CASE("Exact buckets equal softmax over the union of bucket mates, 
       LshOptions opt;
       opt.exact_buckets = true;
       opt.causal = causal;
+      opt.scale = 1;
       CHECK(rel_error(randattn::lsh_attention(hash, q, vq, opt),
                       reference<Scalar>(q, nullptr, vq, shared, 1.0, causal, true)) <
             testing::tolerance<Scalar>());
@@ -539,6 +541,7 @@ TEMPLATE_TEST_CASE("Large buckets and chunks are tiled and still exact", "[lsh]"
     LshOptions opt;
     opt.causal = causal;
     opt.chunk = 300;
+    opt.scale = 1;
     CHECK(rel_error(randattn::lsh_attention(hash, q, v, opt),
                     reference<Scalar>(q, nullptr, v, chunk_targets(codes, 300), 1.0, causal,
                                       true)) < testing::tolerance<Scalar>());
@@ -683,6 +686,7 @@ TEMPLATE_TEST_CASE("Causal: changing the last token leaves earlier outputs bit-i
   LshOptions opt;
   opt.causal = true;
   opt.chunk = 16;
+  opt.scale = 1;
 
   // Exact buckets: any change of token n-1 (query, key, value).
   RowMatrix<Scalar> q2 = q, k2 = k, v2 = v;
@@ -799,6 +803,7 @@ TEMPLATE_TEST_CASE("Batched multi-head LSH attention equals per-slice calls, for
       opt.chunk = 16;
       opt.exact_buckets = exact_buckets;
       opt.causal = causal;
+      opt.scale = 1;
       RowMatrix<Scalar> out(s * shape.n_q, shape.dv), out_k(s * shape.n_q, shape.dv);
       randattn::lsh_attention_batched<Scalar>(hash, q.data(), v.data(), out.data(), shape, opt);
       randattn::lsh_attention_batched<Scalar>(hash, q.data(), k.data(), v.data(), out_k.data(),
@@ -826,6 +831,52 @@ TEMPLATE_TEST_CASE("Batched multi-head LSH attention equals per-slice calls, for
 #endif
     }
   }
+}
+
+TEMPLATE_TEST_CASE("LSH's default logit scale is 1/sqrt(d), as for every method", "[lsh]", float,
+                   double) {
+  using Scalar = TestType;
+  const randattn::BatchShape shape{1, 2, 70, 70, 9, 3};  // batch, heads, n_q, n_k, d, dv
+  const Index n = shape.slices() * shape.n_q;
+  const RowMatrix<Scalar> q = clustered<Scalar>(181, n, shape.d, 4, 0.6),
+                          k = clustered<Scalar>(182, n, shape.d, 4, 0.6),
+                          v = testing::gaussian<Scalar>(183, n, shape.dv);
+  const RowMatrix<Scalar> q0 = q.topRows(shape.n_q), k0 = k.topRows(shape.n_k),
+                          v0 = v.topRows(shape.n_k);
+  const CrossPolytopeHash<Scalar> hash(RotationKind::dense, shape.d, 8, 2, 19);
+  for (bool exact_buckets : {false, true}) {
+    INFO("exact_buckets " << exact_buckets);
+    LshOptions by_default, explicit_scale, reformer;
+    by_default.chunk = explicit_scale.chunk = reformer.chunk = 16;
+    by_default.exact_buckets = explicit_scale.exact_buckets = reformer.exact_buckets =
+        exact_buckets;
+    explicit_scale.scale = 1.0 / std::sqrt(double(shape.d));
+    reformer.scale = 1;
+    // Shared QK and separate keys, one call: bit-identical to the explicit 1/sqrt(d), and not
+    // Reformer's scale 1.
+    const RowMatrix<Scalar> shared = randattn::lsh_attention(hash, q0, v0, by_default);
+    CHECK(testing::rows_bit_identical(shared, randattn::lsh_attention(hash, q0, v0, explicit_scale),
+                                      shape.n_q));
+    CHECK(rel_error(shared, randattn::lsh_attention(hash, q0, v0, reformer)) > 1e-3);
+    const RowMatrix<Scalar> separate = randattn::lsh_attention(hash, q0, k0, v0, by_default);
+    CHECK(testing::rows_bit_identical(
+        separate, randattn::lsh_attention(hash, q0, k0, v0, explicit_scale), shape.n_q));
+    CHECK(rel_error(separate, randattn::lsh_attention(hash, q0, k0, v0, reformer)) > 1e-3);
+    // Batched calls resolve the same default.
+    RowMatrix<Scalar> out(n, shape.dv), out_k(n, shape.dv);
+    randattn::lsh_attention_batched<Scalar>(hash, q.data(), v.data(), out.data(), shape,
+                                            by_default);
+    randattn::lsh_attention_batched<Scalar>(hash, q.data(), k.data(), v.data(), out_k.data(), shape,
+                                            by_default);
+    CHECK(testing::rows_bit_identical(out, RowMatrix<Scalar>(shared), shape.n_q));
+    CHECK(testing::rows_bit_identical(out_k, RowMatrix<Scalar>(separate), shape.n_q));
+  }
+  // The exact shared-QK limit uses the same default.
+  LshOptions explicit_scale;
+  explicit_scale.scale = 1.0 / std::sqrt(double(shape.d));
+  CHECK(testing::rows_bit_identical(randattn::shared_qk_attention(q0, v0),
+                                    randattn::shared_qk_attention(q0, v0, explicit_scale),
+                                    shape.n_q));
 }
 
 TEMPLATE_TEST_CASE("LSH attention edge cases and argument checks", "[lsh]", float, double) {

@@ -4,11 +4,12 @@
 //
 // Shared QK (lsh_attention(hash, qk, v, ...)): the keys are the normalised queries k_j = q_j /
 // |q_j| (a zero row gives k_j = 0: logit 0 with every query, never NaN) and the logits are scale *
-// q_i . k_j. Per round the tokens are stably sorted by (bucket, position) and the sorted order is
-// cut into chunks of length c (the last one shorter when c does not divide n, as if padded with
-// masked tokens sorting last); every chunk attends to itself and to the previous chunk,
-// cyclically (with a single chunk, to itself only). With exact_buckets = true a token attends to
-// its whole bucket instead.
+// q_i . k_j (scale 1/sqrt(d) by default; Reformer's scale 1 when passed, see LshOptions). Per
+// round the tokens are stably sorted by (bucket, position) and the sorted order is cut into
+// chunks of length c (the last one shorter when c does not divide n, as if padded with masked
+// tokens sorting last); every chunk attends to itself and to the previous chunk, cyclically
+// (with a single chunk, to itself only). With exact_buckets = true a token attends to its whole
+// bucket instead.
 //
 // Separate keys (lsh_attention(hash, q, k, v, ...)): queries and keys are hashed with the same
 // rotations, keys are used as given, logits scale * q_i . k_j.
@@ -66,9 +67,10 @@
 
 namespace randattn {
 
-// causal, scale and check_finite: see core/options.hpp. The scale defaults to 1 (Reformer): keys
-// are unit vectors, so a logit scale · q·k̂ = scale · ‖q‖ cos θ carries the query norm once;
-// pass 1/sqrt(d) to match implementations that also divide by sqrt(d) (Hugging Face).
+// causal, scale and check_finite: see core/options.hpp. The scale defaults to 1/sqrt(d), as for
+// every other method (and as Hugging Face's Reformer, which also divides by sqrt(d)). Reformer's
+// own convention, scale 1 on unit keys (a logit scale · q·k̂ = scale · ‖q‖ cos θ carries the
+// query norm once), is available by passing scale = 1.
 // `chunk` is not a block size: it sets which keys a query sees, and so the result.
 struct LshOptions : AttentionOptions {
   Index chunk = 64;            // sort-and-chunk query chunk length c >= 1 (unused with
@@ -111,7 +113,7 @@ Scalar check_lsh_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scal
                         const CrossPolytopeHash<Scalar>& hash, const LshOptions& opt) {
   const Index n_k = k ? k->rows() : q.rows();
   require(opt.chunk >= 1, where, "chunk must be >= 1, got ", opt.chunk);
-  const Scalar scale = resolve_scale<Scalar>(where, opt, 1.0);
+  const Scalar scale = resolve_scale<Scalar>(where, opt, inverse_sqrt_dim(hash.dim()));
   require(q.rows() == 0 || q.cols() == hash.dim(), where, "q is ", shape_of(q),
           " but the hash was built for dimension ", hash.dim());
   require(v.rows() == n_k, where, "v (", shape_of(v), ") must have one row per key (", n_k, ")");
@@ -423,7 +425,7 @@ void lsh_batched(const CrossPolytopeHash<Scalar>& hash, const Scalar* q, const S
     return Slice{slice_of(q, s, shape.n_q, shape.d), slice_of(k ? k : q, s, shape.n_k, shape.d),
                  slice_of(v, s, shape.n_k, shape.dv), k == nullptr};
   };
-  const Scalar scale = resolve_scale<Scalar>(where, opt, 1.0);
+  const Scalar scale = resolve_scale<Scalar>(where, opt, inverse_sqrt_dim(hash.dim()));
   for_each_slice(
       where, shape, q && v && out,
       [&](Index s) {

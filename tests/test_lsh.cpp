@@ -54,6 +54,57 @@ Targets chunk_targets(const HashCodes& codes, Index c) {
   return t;
 }
 
+// Separate-key sort-and-chunk (HyperAttention's sortLSH): per round queries and keys are stably
+// sorted by bucket (ties by position), each on its own; G = ceil(n_q / c) query chunks of c sorted
+// queries (c >= n_q counts as c = n_q) and G key chunks of c_k = ceil(c n_k / n_q) sorted keys
+// (trailing ones short or empty); query chunk g sees key chunks g and g - 1 (cyclically; with a
+// single chunk, key chunk 0 once). The key set of each row is the union over rounds, the counts
+// the multiset.
+Targets separate_chunk_targets(const HashCodes& qc, const HashCodes& kc, Index chunk) {
+  const Index n_q = qc.rows(), n_k = kc.rows();
+  const Index c = std::min(chunk, n_q), chunks = (n_q + c - 1) / c;
+  const Index ck = (c * n_k + n_q - 1) / n_q;
+  Targets t(static_cast<std::size_t>(n_q));
+  for (Index rho = 0; rho < qc.cols(); ++rho) {
+    const auto sorted = [&](const HashCodes& codes) {
+      std::vector<Index> order(static_cast<std::size_t>(codes.rows()));
+      std::iota(order.begin(), order.end(), Index(0));
+      std::stable_sort(order.begin(), order.end(),
+                       [&](Index a, Index b) { return codes(a, rho) < codes(b, rho); });
+      return order;
+    };
+    // Entries [g len, (g + 1) len) of `order`, cut at its end.
+    const auto piece = [](const std::vector<Index>& order, Index g, Index len) {
+      const Index size = Index(order.size());
+      const Index begin = std::min(size, g * len), end = std::min(size, (g + 1) * len);
+      return std::vector<Index>(order.begin() + begin, order.begin() + end);
+    };
+    const std::vector<Index> qo = sorted(qc), ko = sorted(kc);
+    for (Index g = 0; g < chunks; ++g) {
+      std::vector<Index> seen = piece(ko, g, ck);
+      if (chunks > 1) {
+        const std::vector<Index> prev = piece(ko, (g + chunks - 1) % chunks, ck);
+        seen.insert(seen.end(), prev.begin(), prev.end());
+      }
+      for (Index i : piece(qo, g, c))
+        for (Index j : seen) ++t[static_cast<std::size_t>(i)][j];
+    }
+  }
+  return t;
+}
+
+// Rows whose target set holds no valid key (causal: no j <= i): the fallback rows.
+std::vector<Index> rows_without_valid_targets(const Targets& targets, bool causal) {
+  std::vector<Index> rows;
+  for (Index i = 0; i < Index(targets.size()); ++i) {
+    const auto& row = targets[static_cast<std::size_t>(i)];
+    if (std::none_of(row.begin(), row.end(),
+                     [&](const auto& jc) { return !causal || jc.first <= i; }))
+      rows.push_back(i);
+  }
+  return rows;
+}
+
 // Exact buckets: query i sees key j in round rho when their codes agree.
 Targets bucket_targets(const HashCodes& qc, const HashCodes& kc) {
   Targets t(static_cast<std::size_t>(qc.rows()));
@@ -426,6 +477,7 @@ TEMPLATE_TEST_CASE("The correction matters: union and multiset differ once round
   const CrossPolytopeHash<Scalar> hash(RotationKind::dense, d, 8, 4, 7);
   LshOptions with, without;
   with.chunk = without.chunk = 16;
+  with.scale = without.scale = 1;
   without.dedupe = false;
   CHECK(rel_error(randattn::lsh_attention(hash, q, v, with),
                   randattn::lsh_attention(hash, q, v, without)) > 1e-3);
@@ -469,6 +521,7 @@ TEMPLATE_TEST_CASE("Exact buckets equal softmax over the union of bucket mates, 
       LshOptions opt;
       opt.exact_buckets = true;
       opt.causal = causal;
+      opt.scale = 1;
       CHECK(rel_error(randattn::lsh_attention(hash, q, vq, opt),
                       reference<Scalar>(q, nullptr, vq, shared, 1.0, causal, true)) <
             testing::tolerance<Scalar>());
@@ -488,6 +541,7 @@ TEMPLATE_TEST_CASE("Large buckets and chunks are tiled and still exact", "[lsh]"
     LshOptions opt;
     opt.causal = causal;
     opt.chunk = 300;
+    opt.scale = 1;
     CHECK(rel_error(randattn::lsh_attention(hash, q, v, opt),
                     reference<Scalar>(q, nullptr, v, chunk_targets(codes, 300), 1.0, causal,
                                       true)) < testing::tolerance<Scalar>());
@@ -495,6 +549,125 @@ TEMPLATE_TEST_CASE("Large buckets and chunks are tiled and still exact", "[lsh]"
     CHECK(rel_error(randattn::lsh_attention(hash, q, v, opt),
                     reference<Scalar>(q, nullptr, v, bucket_targets(codes, codes), 1.0, causal,
                                       true)) < testing::tolerance<Scalar>());
+  }
+}
+
+TEMPLATE_TEST_CASE(
+    "Separate-key sort-and-chunk equals softmax over the union (multiset) of sorted chunk pairs",
+    "[lsh]", float, double) {
+  using Scalar = TestType;
+  const Index d = 10, dv = 4;
+  struct Case {
+    Index n_q, n_k, buckets;
+  };
+  // n_q == n_k (causal too), more queries than keys, more keys than queries, and far fewer keys
+  // than query chunks (empty key chunks: their queries fall back to all keys).
+  for (const Case c :
+       {Case{96, 96, 8}, Case{100, 37, 6}, Case{50, 130, 8}, Case{60, 5, 4}, Case{33, 33, 4}}) {
+    const RowMatrix<Scalar> q = clustered<Scalar>(131 + c.n_q, c.n_q, d, 5, 0.6);
+    const RowMatrix<Scalar> k = clustered<Scalar>(137 + c.n_k, c.n_k, d, 5, 0.6);
+    const RowMatrix<Scalar> v = testing::gaussian<Scalar>(139, c.n_k, dv);
+    for (Index rounds = 1; rounds <= 3; ++rounds) {
+      for (RotationKind kind : {RotationKind::dense, RotationKind::hadamard}) {
+        const CrossPolytopeHash<Scalar> hash(kind, d, c.buckets, rounds, 700 + rounds);
+        const HashCodes qc = hash.hash(q), kc = hash.hash(k);
+        for (Index chunk :
+             {Index(1), Index(4), Index(7), Index(16), c.n_q, c.n_q + 3, Index(1) << 40}) {
+          const Targets targets = separate_chunk_targets(qc, kc, chunk);
+          for (bool causal : {false, true}) {
+            if (causal && c.n_q != c.n_k) continue;
+            for (bool dedupe : {true, false}) {
+              INFO("n_q " << c.n_q << " n_k " << c.n_k << " rounds " << rounds << " kind "
+                          << int(kind) << " chunk " << chunk << " causal " << causal << " dedupe "
+                          << dedupe);
+              LshOptions opt;
+              opt.chunk = chunk;
+              opt.causal = causal;
+              opt.dedupe = dedupe;
+              opt.scale = 0.6;
+              const RowMatrix<Scalar> out = randattn::lsh_attention(hash, q, k, v, opt);
+              CHECK(out.allFinite());
+              CHECK(rel_error(out, reference<Scalar>(q, &k, v, targets, 0.6, causal, dedupe)) <
+                    testing::tolerance<Scalar>());
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("Separate-key sort-and-chunk: pairs seen in several rounds count once", "[lsh]",
+                   float, double) {
+  using Scalar = TestType;
+  const Index n_q = 120, n_k = 80, d = 12;
+  const RowMatrix<Scalar> q = clustered<Scalar>(141, n_q, d, 4, 0.5),
+                          k = clustered<Scalar>(142, n_k, d, 4, 0.5),
+                          v = testing::gaussian<Scalar>(143, n_k, 4);
+  const CrossPolytopeHash<Scalar> hash(RotationKind::dense, d, 8, 4, 7);
+  const Targets targets = separate_chunk_targets(hash.hash(q), hash.hash(k), 16);
+  // The rounds overlap, so the union and the multiset differ, and the correction matters.
+  Index repeated = 0;
+  for (const auto& row : targets)
+    for (const auto& jc : row) repeated += jc.second > 1;
+  REQUIRE(repeated > 0);
+  LshOptions with, without;
+  with.chunk = without.chunk = 16;
+  with.scale = without.scale = 1;
+  without.dedupe = false;
+  CHECK(rel_error(randattn::lsh_attention(hash, q, k, v, with),
+                  randattn::lsh_attention(hash, q, k, v, without)) > 1e-3);
+}
+
+TEMPLATE_TEST_CASE(
+    "Separate-key sort-and-chunk: a query without a valid key attends to all of them", "[lsh]",
+    float, double) {
+  using Scalar = TestType;
+  const Index n = 64, d = 8, dv = 3;
+  const RowMatrix<Scalar> q = clustered<Scalar>(151, n, d, 4, 0.5),
+                          k = clustered<Scalar>(152, n, d, 4, 0.5),
+                          v = testing::gaussian<Scalar>(153, n, dv);
+  const CrossPolytopeHash<Scalar> hash(RotationKind::dense, d, 8, 1, 9);
+  // Exact softmax of query i over keys [0, end), in double.
+  const auto all_keys = [&](Index i, Index end, double scale) {
+    std::map<Index, int> valid;
+    for (Index j = 0; j < end; ++j) valid[j] = 1;
+    return testing::softmax_over_targets(q.template cast<double>(), i, k.template cast<double>(),
+                                         v.template cast<double>(), valid, scale);
+  };
+  // Causal with chunks of one: query i sees two keys per round, often both later than i.
+  LshOptions opt;
+  opt.causal = true;
+  opt.chunk = 1;
+  opt.scale = 0.9;
+  const std::vector<Index> causal_rows =
+      rows_without_valid_targets(separate_chunk_targets(hash.hash(q), hash.hash(k), 1), true);
+  REQUIRE(causal_rows.size() >= 5);
+  RowMatrix<Scalar> out = randattn::lsh_attention(hash, q, k, v, opt);
+  REQUIRE(out.allFinite());
+  for (Index i : causal_rows) {
+    INFO("causal row " << i);
+    CHECK((out.row(i).template cast<double>() - all_keys(i, i + 1, 0.9)).norm() <
+          10 * testing::tolerance<Scalar>());
+  }
+  // Bidirectional, four keys for 16 query chunks of 4: most key chunks are empty.
+  const RowMatrix<Scalar> few = k.topRows(4), few_v = v.topRows(4);
+  opt.causal = false;
+  opt.chunk = 4;
+  const std::vector<Index> empty_rows =
+      rows_without_valid_targets(separate_chunk_targets(hash.hash(q), hash.hash(few), 4), false);
+  REQUIRE(empty_rows.size() >= 8);
+  out = randattn::lsh_attention(hash, q, few, few_v, opt);
+  REQUIRE(out.allFinite());
+  for (Index i : empty_rows) {
+    INFO("row " << i);
+    std::map<Index, int> valid;
+    for (Index j = 0; j < 4; ++j) valid[j] = 1;
+    const Eigen::RowVectorXd expected =
+        testing::softmax_over_targets(q.template cast<double>(), i, few.template cast<double>(),
+                                      few_v.template cast<double>(), valid, 0.9);
+    CHECK((out.row(i).template cast<double>() - expected).norm() <
+          10 * testing::tolerance<Scalar>());
   }
 }
 
@@ -513,6 +686,7 @@ TEMPLATE_TEST_CASE("Causal: changing the last token leaves earlier outputs bit-i
   LshOptions opt;
   opt.causal = true;
   opt.chunk = 16;
+  opt.scale = 1;
 
   // Exact buckets: any change of token n-1 (query, key, value).
   RowMatrix<Scalar> q2 = q, k2 = k, v2 = v;
@@ -551,6 +725,68 @@ TEMPLATE_TEST_CASE("Causal: changing the last token leaves earlier outputs bit-i
   CHECK(!testing::rows_bit_identical(a, b, n));
 }
 
+TEMPLATE_TEST_CASE("Separate-key sort-and-chunk, causal: no key after the query is scored", "[lsh]",
+                   float, double) {
+  using Scalar = TestType;
+  const Index n = 150, d = 12, dv = 5;
+  const RowMatrix<Scalar> q = clustered<Scalar>(161, n, d, 5, 0.5),
+                          k = clustered<Scalar>(162, n, d, 5, 0.5);
+  const RowMatrix<Scalar> v = testing::gaussian<Scalar>(163, n, dv);
+  const CrossPolytopeHash<Scalar> hash(RotationKind::hadamard, d, 8, 3, 13);
+  for (Index chunk : {Index(1), Index(8), Index(32), n}) {
+    for (bool dedupe : {true, false}) {
+      INFO("chunk " << chunk << " dedupe " << dedupe);
+      LshOptions opt;
+      opt.causal = true;
+      opt.chunk = chunk;
+      opt.dedupe = dedupe;
+      const RowMatrix<Scalar> out = randattn::lsh_attention(hash, q, k, v, opt);
+      // Values do not move keys between chunks: new values of keys m.. (huge ones, so that any
+      // weight they got would show) leave rows 0..m-1 bit-identical, and change later rows.
+      for (Index m : {Index(1), Index(40), Index(120)}) {
+        RowMatrix<Scalar> v2 = v;
+        v2.bottomRows(n - m) = testing::gaussian<Scalar>(164 + m, n - m, dv, 1e3);
+        const RowMatrix<Scalar> out2 = randattn::lsh_attention(hash, q, k, v2, opt);
+        CHECK(testing::rows_bit_identical(out, out2, m));
+        CHECK(!testing::rows_bit_identical(out, out2, n));
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("Separate-key sort-and-chunk does not depend on the thread count",
+                   "[lsh][threads]", float, double) {
+#if defined(_OPENMP)
+  using Scalar = TestType;
+  const Index d = 16, dv = 6;
+  const CrossPolytopeHash<Scalar> hash(RotationKind::hadamard, d, 32, 3, 17);
+  struct Case {
+    Index n_q, n_k;
+    bool causal;
+  };
+  for (const Case c : {Case{3000, 2000, false}, Case{1500, 4100, false}, Case{3000, 3000, true}}) {
+    const RowMatrix<Scalar> q = clustered<Scalar>(171, c.n_q, d, 9, 0.6),
+                            k = clustered<Scalar>(172, c.n_k, d, 9, 0.6),
+                            v = testing::gaussian<Scalar>(173, c.n_k, dv);
+    for (Index chunk : {Index(16), Index(200)}) {
+      INFO("n_q " << c.n_q << " n_k " << c.n_k << " causal " << c.causal << " chunk " << chunk);
+      LshOptions opt;
+      opt.chunk = chunk;
+      opt.causal = c.causal;
+      const int threads = omp_get_max_threads();
+      omp_set_num_threads(1);
+      const RowMatrix<Scalar> one = randattn::lsh_attention(hash, q, k, v, opt);
+      omp_set_num_threads(2);
+      const RowMatrix<Scalar> two = randattn::lsh_attention(hash, q, k, v, opt);
+      omp_set_num_threads(threads);
+      CHECK(testing::rows_bit_identical(one, two, one.rows()));
+    }
+  }
+#else
+  SUCCEED("built without OpenMP");
+#endif
+}
+
 TEMPLATE_TEST_CASE("Batched multi-head LSH attention equals per-slice calls, for any thread count",
                    "[lsh][threads]", float, double) {
   using Scalar = TestType;
@@ -567,21 +803,19 @@ TEMPLATE_TEST_CASE("Batched multi-head LSH attention equals per-slice calls, for
       opt.chunk = 16;
       opt.exact_buckets = exact_buckets;
       opt.causal = causal;
+      opt.scale = 1;
       RowMatrix<Scalar> out(s * shape.n_q, shape.dv), out_k(s * shape.n_q, shape.dv);
       randattn::lsh_attention_batched<Scalar>(hash, q.data(), v.data(), out.data(), shape, opt);
-      if (exact_buckets)
-        randattn::lsh_attention_batched<Scalar>(hash, q.data(), k.data(), v.data(), out_k.data(),
-                                                shape, opt);
+      randattn::lsh_attention_batched<Scalar>(hash, q.data(), k.data(), v.data(), out_k.data(),
+                                              shape, opt);
       for (Index i = 0; i < s; ++i) {
         const auto rows = [&](const RowMatrix<Scalar>& m) {
           return RowMatrix<Scalar>(m.middleRows(i * shape.n_q, shape.n_q));
         };
         CHECK(testing::rows_bit_identical(
             rows(out), randattn::lsh_attention(hash, rows(q), rows(v), opt), shape.n_q));
-        if (exact_buckets)
-          CHECK(testing::rows_bit_identical(
-              rows(out_k), randattn::lsh_attention(hash, rows(q), rows(k), rows(v), opt),
-              shape.n_q));
+        CHECK(testing::rows_bit_identical(
+            rows(out_k), randattn::lsh_attention(hash, rows(q), rows(k), rows(v), opt), shape.n_q));
       }
 #if defined(_OPENMP)
       // Chunks and buckets of one long slice run in parallel; the result must not change.
@@ -597,6 +831,52 @@ TEMPLATE_TEST_CASE("Batched multi-head LSH attention equals per-slice calls, for
 #endif
     }
   }
+}
+
+TEMPLATE_TEST_CASE("LSH's default logit scale is 1/sqrt(d), as for every method", "[lsh]", float,
+                   double) {
+  using Scalar = TestType;
+  const randattn::BatchShape shape{1, 2, 70, 70, 9, 3};  // batch, heads, n_q, n_k, d, dv
+  const Index n = shape.slices() * shape.n_q;
+  const RowMatrix<Scalar> q = clustered<Scalar>(181, n, shape.d, 4, 0.6),
+                          k = clustered<Scalar>(182, n, shape.d, 4, 0.6),
+                          v = testing::gaussian<Scalar>(183, n, shape.dv);
+  const RowMatrix<Scalar> q0 = q.topRows(shape.n_q), k0 = k.topRows(shape.n_k),
+                          v0 = v.topRows(shape.n_k);
+  const CrossPolytopeHash<Scalar> hash(RotationKind::dense, shape.d, 8, 2, 19);
+  for (bool exact_buckets : {false, true}) {
+    INFO("exact_buckets " << exact_buckets);
+    LshOptions by_default, explicit_scale, reformer;
+    by_default.chunk = explicit_scale.chunk = reformer.chunk = 16;
+    by_default.exact_buckets = explicit_scale.exact_buckets = reformer.exact_buckets =
+        exact_buckets;
+    explicit_scale.scale = 1.0 / std::sqrt(double(shape.d));
+    reformer.scale = 1;
+    // Shared QK and separate keys, one call: bit-identical to the explicit 1/sqrt(d), and not
+    // Reformer's scale 1.
+    const RowMatrix<Scalar> shared = randattn::lsh_attention(hash, q0, v0, by_default);
+    CHECK(testing::rows_bit_identical(shared, randattn::lsh_attention(hash, q0, v0, explicit_scale),
+                                      shape.n_q));
+    CHECK(rel_error(shared, randattn::lsh_attention(hash, q0, v0, reformer)) > 1e-3);
+    const RowMatrix<Scalar> separate = randattn::lsh_attention(hash, q0, k0, v0, by_default);
+    CHECK(testing::rows_bit_identical(
+        separate, randattn::lsh_attention(hash, q0, k0, v0, explicit_scale), shape.n_q));
+    CHECK(rel_error(separate, randattn::lsh_attention(hash, q0, k0, v0, reformer)) > 1e-3);
+    // Batched calls resolve the same default.
+    RowMatrix<Scalar> out(n, shape.dv), out_k(n, shape.dv);
+    randattn::lsh_attention_batched<Scalar>(hash, q.data(), v.data(), out.data(), shape,
+                                            by_default);
+    randattn::lsh_attention_batched<Scalar>(hash, q.data(), k.data(), v.data(), out_k.data(), shape,
+                                            by_default);
+    CHECK(testing::rows_bit_identical(out, RowMatrix<Scalar>(shared), shape.n_q));
+    CHECK(testing::rows_bit_identical(out_k, RowMatrix<Scalar>(separate), shape.n_q));
+  }
+  // The exact shared-QK limit uses the same default.
+  LshOptions explicit_scale;
+  explicit_scale.scale = 1.0 / std::sqrt(double(shape.d));
+  CHECK(testing::rows_bit_identical(randattn::shared_qk_attention(q0, v0),
+                                    randattn::shared_qk_attention(q0, v0, explicit_scale),
+                                    shape.n_q));
 }
 
 TEMPLATE_TEST_CASE("LSH attention edge cases and argument checks", "[lsh]", float, double) {
@@ -630,17 +910,27 @@ TEMPLATE_TEST_CASE("LSH attention edge cases and argument checks", "[lsh]", floa
   opt.scale.reset();
   // Errors name the problem.
   const RowMatrix<Scalar> k = testing::gaussian<Scalar>(7, 50, d);
-  CHECK_THROWS_AS(randattn::lsh_attention(hash, q, k, v, opt),
-                  std::invalid_argument);  // needs exact_buckets
-  opt.exact_buckets = true;
-  CHECK_NOTHROW(randattn::lsh_attention(hash, q, k, v, opt));
-  CHECK_THROWS_AS(
-      randattn::lsh_attention(hash, q, RowMatrix<Scalar>(0, d), RowMatrix<Scalar>(0, 3), opt),
-      std::invalid_argument);
-  opt.causal = true;
-  CHECK_THROWS_AS(randattn::lsh_attention(hash, q, RowMatrix<Scalar>(k.topRows(49)),
-                                          RowMatrix<Scalar>(v.topRows(49)), opt),
-                  std::invalid_argument);
+  for (bool exact_buckets : {false, true}) {
+    INFO("exact_buckets " << exact_buckets);
+    opt = LshOptions();
+    opt.exact_buckets = exact_buckets;
+    CHECK_NOTHROW(randattn::lsh_attention(hash, q, k, v, opt));
+    // No queries: empty; one key: every query's output is its value.
+    CHECK(randattn::lsh_attention(hash, RowMatrix<Scalar>(0, d), k, v, opt).rows() == 0);
+    const RowMatrix<Scalar> one_k = k.topRows(1), one_v = v.topRows(1);
+    const RowMatrix<Scalar> out = randattn::lsh_attention(hash, q, one_k, one_v, opt);
+    CHECK(rel_error(out, RowMatrix<Scalar>(one_v.replicate(q.rows(), 1))) <
+          testing::tolerance<Scalar>());
+    CHECK_THROWS_AS(
+        randattn::lsh_attention(hash, q, RowMatrix<Scalar>(0, d), RowMatrix<Scalar>(0, 3), opt),
+        std::invalid_argument);
+    CHECK_THROWS_AS(randattn::lsh_attention(hash, q, RowMatrix<Scalar>(k.leftCols(d - 1)), v, opt),
+                    std::invalid_argument);
+    opt.causal = true;
+    CHECK_THROWS_AS(randattn::lsh_attention(hash, q, RowMatrix<Scalar>(k.topRows(49)),
+                                            RowMatrix<Scalar>(v.topRows(49)), opt),
+                    std::invalid_argument);
+  }
   opt = LshOptions();
   CHECK_THROWS_AS(randattn::lsh_attention(hash, testing::gaussian<Scalar>(1, 5, d + 1),
                                           testing::gaussian<Scalar>(1, 5, 2), opt),

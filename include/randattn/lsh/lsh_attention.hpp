@@ -4,32 +4,45 @@
 //
 // Shared QK (lsh_attention(hash, qk, v, ...)): the keys are the normalised queries k_j = q_j /
 // |q_j| (a zero row gives k_j = 0: logit 0 with every query, never NaN) and the logits are scale *
-// q_i . k_j, scale 1 by default. Per round the tokens are stably sorted by (bucket, position) and
-// the sorted order is cut into chunks of length c (the last one shorter when c does not divide n,
-// as if padded with masked tokens sorting last); every chunk attends to itself and to the previous
-// chunk, cyclically (with a single chunk, to itself only). With exact_buckets = true a token
-// attends to its whole bucket instead.
+// q_i . k_j (scale 1/sqrt(d) by default; Reformer's scale 1 when passed, see LshOptions). Per
+// round the tokens are stably sorted by (bucket, position) and the sorted order is cut into
+// chunks of length c (the last one shorter when c does not divide n, as if padded with masked
+// tokens sorting last); every chunk attends to itself and to the previous chunk, cyclically
+// (with a single chunk, to itself only). With exact_buckets = true a token attends to its whole
+// bucket instead.
 //
-// Separate keys (lsh_attention(hash, q, k, v, ...), exact_buckets = true required): queries and
-// keys are hashed with the same rotations and every query attends to all keys of its bucket, keys
-// as given, logits scale * q_i . k_j.
+// Separate keys (lsh_attention(hash, q, k, v, ...)): queries and keys are hashed with the same
+// rotations, keys are used as given, logits scale * q_i . k_j.
+//  - Sort-and-chunk (default; HyperAttention's sortLSH block diagonal, arXiv 2310.05869): per
+//    round the queries and the keys are each stably sorted by (bucket, position), separately. The
+//    sorted queries are cut into G = ceil(n_q / c) chunks of length c (the last one shorter); the
+//    sorted keys into G chunks of length c_k = ceil(c n_k / n_q): key chunk g holds the keys at
+//    sorted positions [g c_k, min((g + 1) c_k, n_k)), so every key is in one chunk, and when
+//    n_k < n_q the trailing key chunks may be short or empty. c >= n_q counts as c = n_q (one
+//    chunk, holding every key). n_q == n_k gives c_k = c. Query chunk g attends to key chunks g
+//    and g - 1 (cyclically, chunk 0 to chunk G - 1; with G = 1 to key chunk 0 only): in round rho,
+//    key j is a target of query i iff keychunk_rho(j) is chunk_rho(i) or chunk_rho(i) - 1 mod G.
+//  - exact_buckets = true: every query attends to all keys of its bucket.
 //
 // Target set and weights. P_i is the union over rounds of the round targets of i, with
 //  - self rule (shared QK): i itself is masked unless P_i holds no other valid target, in which
-//    case the output is v_i (e.g. position 0 under causal masking);
-//  - causal: only keys j <= i are valid;
+//    case the output is v_i (e.g. position 0 under causal masking); separate keys have no self
+//    rule;
+//  - causal: only keys j <= i are valid (needs n_q == n_k);
 //  - dedupe = true (default, the paper's exact union): o_i = softmax over P_i, each key once:
 //    a pair seen in N_ij rounds has its logit lowered by log N_ij; dedupe = false: every
 //    occurrence counts (the trax/HF behaviour, a softmax over the multiset);
-//  - separate keys, fallback: a query with no valid key in any of its buckets attends to all its
-//    valid keys (j <= i under causal), exactly; documented, never NaN, O(n_k) per such query.
+//  - separate keys, fallback (sort-and-chunk and exact buckets alike): a query with no valid key
+//    in P_i (e.g. under causal masking, when all keys of its chunks come later) attends to all
+//    its valid keys (j <= i under causal), exactly; documented, never NaN, O(n_k) per such query.
 // Each chunk or bucket tile and each round contributes a partial [num | den] merged through the
 // SoftmaxAccumulator (online softmax), rounds in order, so nothing of size n x n exists and the
 // result does not depend on the thread count. Memory O(n (d + dv + r)) per slice.
 //
-// Causality caveat (sort-and-chunk): masking keeps every target j <= i, but where the chunk
-// boundaries fall depends on the buckets of all tokens, later ones included; changing a later
-// token's hash can move earlier tokens between chunks. Exact-bucket mode has no such coupling:
+// Causality caveat (sort-and-chunk, shared or separate keys): masking keeps every target j <= i,
+// but where the chunk boundaries fall depends on the buckets of all tokens, later ones included;
+// changing a later token's hash can move earlier tokens (or keys) between chunks, and so change
+// earlier outputs, including whether the fallback runs. Exact-bucket mode has no such coupling:
 // its output i depends on tokens 0..i only, bit for bit.
 
 #include <algorithm>
@@ -54,12 +67,14 @@
 
 namespace randattn {
 
-// causal, scale and check_finite: see core/options.hpp. The scale defaults to 1 (Reformer): keys
-// are unit vectors, so a logit scale · q·k̂ = scale · ‖q‖ cos θ carries the query norm once;
-// pass 1/sqrt(d) to match implementations that also divide by sqrt(d) (Hugging Face).
+// causal, scale and check_finite: see core/options.hpp. The scale defaults to 1/sqrt(d), as for
+// every other method (and as Hugging Face's Reformer, which also divides by sqrt(d)). Reformer's
+// own convention, scale 1 on unit keys (a logit scale · q·k̂ = scale · ‖q‖ cos θ carries the
+// query norm once), is available by passing scale = 1.
 // `chunk` is not a block size: it sets which keys a query sees, and so the result.
 struct LshOptions : AttentionOptions {
-  Index chunk = 64;            // sort-and-chunk length c >= 1 (unused with exact_buckets)
+  Index chunk = 64;            // sort-and-chunk query chunk length c >= 1 (unused with
+                               // exact_buckets); separate keys: key chunks of ceil(c n_k / n_q)
   bool exact_buckets = false;  // attend to whole buckets instead of sorted chunks
   bool dedupe = true;          // exact-union correction; false = multiset (trax/HF)
 };
@@ -98,7 +113,7 @@ Scalar check_lsh_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scal
                         const CrossPolytopeHash<Scalar>& hash, const LshOptions& opt) {
   const Index n_k = k ? k->rows() : q.rows();
   require(opt.chunk >= 1, where, "chunk must be >= 1, got ", opt.chunk);
-  const Scalar scale = resolve_scale<Scalar>(where, opt, 1.0);
+  const Scalar scale = resolve_scale<Scalar>(where, opt, inverse_sqrt_dim(hash.dim()));
   require(q.rows() == 0 || q.cols() == hash.dim(), where, "q is ", shape_of(q),
           " but the hash was built for dimension ", hash.dim());
   require(v.rows() == n_k, where, "v (", shape_of(v), ") must have one row per key (", n_k, ")");
@@ -108,9 +123,6 @@ Scalar check_lsh_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scal
   if (k) {
     require(k->cols() == q.cols() || k->rows() == 0, where, "q (", shape_of(q), ") and k (",
             shape_of(*k), ") must have the same number of columns d");
-    require(opt.exact_buckets, where,
-            "sort-and-chunk attention shares queries and keys; set exact_buckets = true for "
-            "separate keys");
     require(!opt.causal || q.rows() == k->rows(), where, "causal attention needs as many queries (",
             q.rows(), ") as keys (", k->rows(), ")");
     require(q.rows() == 0 || k->rows() > 0, where, "attention over zero keys is undefined (q ",
@@ -135,6 +147,14 @@ inline void sort_into_chunks(const HashCodes& codes, Index buckets, Index chunk,
     sort_by_bucket(codes.data() + rho, r, n, buckets, pr, start);
     for (Index s = 0; s < n; ++s) chunk_of(pr[s], rho) = static_cast<std::int32_t>(s / chunk);
   }
+}
+
+// Separate-key sort-and-chunk: the key chunk length c_k = ceil(c n_k / n_q) for query chunk
+// length c <= n_q, so that ceil(n_q / c) chunks of c_k sorted keys hold every key (the trailing
+// ones may be short or empty when n_k < n_q). n_q == n_k gives c_k = c.
+inline Index key_chunk_length(Index n_q, Index n_k, Index c) {
+  // c <= n_q < 2^31 and n_k < 2^31: the product fits.
+  return std::max<Index>(1, (c * n_k + n_q - 1) / n_q);
 }
 
 // Self rule of shared QK: each row i of `rows` (no other valid target) attends to itself alone,
@@ -183,35 +203,48 @@ class LshSlice {
  private:
   const HashCodes& key_codes() const { return shared_ ? query_codes_ : key_codes_; }
 
-  // Sort-and-chunk (shared QK). Signature of a token in a round: its chunk index.
+  // Sort-and-chunk. Signature of a token in a round: its chunk index. Shared QK: one sort, key
+  // chunks are the query chunks. Separate keys: queries and keys sorted separately, key chunk g
+  // holds sorted keys [g c_k, (g + 1) c_k) (see the top of this file).
   void chunk_rounds() {
-    const Index n = queries_.rows(), r = hash_.rounds(), c = opt_.chunk;
-    const Index chunks = (n + c - 1) / c;
-    std::vector<std::int32_t> perm;
-    HashCodes chunk_of;
-    sort_into_chunks(query_codes_, hash_.buckets(), c, perm, chunk_of);
-    RoundSignatures sig{chunk_of.data(), chunk_of.data(), r, chunks > 1,
+    const Index n_q = queries_.rows(), n_k = keys_.rows(), r = hash_.rounds();
+    const Index c = std::min(opt_.chunk, n_q);  // c >= n_q: one chunk, as with c = n_q
+    const Index chunks = (n_q + c - 1) / c;
+    const Index ck = shared_ ? c : key_chunk_length(n_q, n_k, c);
+    std::vector<std::int32_t> qperm, kperm_storage;
+    HashCodes qchunk, kchunk_storage;
+    sort_into_chunks(query_codes_, hash_.buckets(), c, qperm, qchunk);
+    if (!shared_) sort_into_chunks(key_codes_, hash_.buckets(), ck, kperm_storage, kchunk_storage);
+    const std::vector<std::int32_t>& kperm = shared_ ? qperm : kperm_storage;
+    const HashCodes& kchunk = shared_ ? qchunk : kchunk_storage;
+    RoundSignatures sig{qchunk.data(), kchunk.data(), r, chunks > 1,
                         static_cast<std::int32_t>(1 - chunks)};
     problem_.dedupe = opt_.dedupe ? &sig : nullptr;
 
+    // Sorted keys of key chunk g: [g ck, g ck + key_count(g)); empty beyond the last key.
+    const auto key_count = [&](Index g) { return std::clamp<Index>(n_k - g * ck, 0, ck); };
     const Index per_task = std::max<Index>(1, kChunkTokensPerTask / c);
     const Index tasks = (chunks + per_task - 1) / per_task;
     for (Index rho = 0; rho < r; ++rho) {
-      const std::int32_t* pr = perm.data() + rho * n;
+      const std::int32_t* qr = qperm.data() + rho * n_q;
+      const std::int32_t* kr = kperm.data() + rho * n_k;
       // Chunks write disjoint rows; each round completes before the next merges.
       parallel_for(tasks, [&](Index task) {
         TargetBlockKernel<Scalar> kernel(problem_);
-        std::vector<std::int32_t> cols(static_cast<std::size_t>(2 * std::min(c, n)));
+        std::vector<std::int32_t> cols(static_cast<std::size_t>(2 * std::min(ck, n_k)));
         for (Index g = task * per_task; g < std::min(chunks, (task + 1) * per_task); ++g) {
-          const Index r0 = g * c, nr = std::min(c, n - r0);
+          const Index r0 = g * c, nr = std::min(c, n_q - r0);
+          const Index k0 = g * ck, nk = key_count(g);
           if (chunks == 1) {
-            kernel.attend(pr + r0, nr, pr + r0, nr, acc_);
+            kernel.attend(qr + r0, nr, kr + k0, nk, acc_);
             continue;
           }
-          const Index p0 = ((g + chunks - 1) % chunks) * c, np = std::min(c, n - p0);
-          std::copy(pr + r0, pr + r0 + nr, cols.begin());
-          std::copy(pr + p0, pr + p0 + np, cols.begin() + nr);
-          kernel.attend(pr + r0, nr, cols.data(), nr + np, acc_);
+          const Index prev = (g + chunks - 1) % chunks;
+          const Index p0 = prev * ck, np = key_count(prev);
+          if (nk + np == 0) continue;
+          std::copy(kr + k0, kr + k0 + nk, cols.begin());
+          std::copy(kr + p0, kr + p0 + np, cols.begin() + nk);
+          kernel.attend(qr + r0, nr, cols.data(), nk + np, acc_);
         }
       });
     }
@@ -318,7 +351,8 @@ SoftmaxAccumulator<Scalar> lsh_attention_accumulate(const CrossPolytopeHash<Scal
   return detail::lsh_accumulate<Scalar>(qk, nullptr, v, hash, opt);
 }
 
-// Separate-key LSH attention (exact buckets) as an accumulator: q n_q x d, k n_k x d, v n_k x dv.
+// Separate-key LSH attention (sort-and-chunk or exact buckets) as an accumulator: q n_q x d, k n_k
+// x d, v n_k x dv.
 template <typename Scalar>
 SoftmaxAccumulator<Scalar> lsh_attention_accumulate(const CrossPolytopeHash<Scalar>& hash,
                                                     const Eigen::Ref<const RowMatrix<Scalar>>& q,
@@ -341,7 +375,8 @@ RowMatrix<typename DQ::Scalar> lsh_attention(const CrossPolytopeHash<typename DQ
   return lsh_attention_accumulate<Scalar>(hash, qk, v, opt).finalize();
 }
 
-// Separate-key LSH attention (exact buckets): q n_q x d, k n_k x d, v n_k x dv -> n_q x dv.
+// Separate-key LSH attention (sort-and-chunk or exact buckets): q n_q x d, k n_k x d, v n_k x dv ->
+// n_q x dv.
 template <typename DQ, typename DK, typename DV>
 RowMatrix<typename DQ::Scalar> lsh_attention(const CrossPolytopeHash<typename DQ::Scalar>& hash,
                                              const Eigen::MatrixBase<DQ>& q,
@@ -390,7 +425,7 @@ void lsh_batched(const CrossPolytopeHash<Scalar>& hash, const Scalar* q, const S
     return Slice{slice_of(q, s, shape.n_q, shape.d), slice_of(k ? k : q, s, shape.n_k, shape.d),
                  slice_of(v, s, shape.n_k, shape.dv), k == nullptr};
   };
-  const Scalar scale = resolve_scale<Scalar>(where, opt, 1.0);
+  const Scalar scale = resolve_scale<Scalar>(where, opt, inverse_sqrt_dim(hash.dim()));
   for_each_slice(
       where, shape, q && v && out,
       [&](Index s) {
@@ -415,7 +450,7 @@ void lsh_attention_batched(const CrossPolytopeHash<Scalar>& hash, const Scalar* 
   detail::lsh_batched<Scalar>(hash, qk, nullptr, v, out, shape, opt);
 }
 
-// Batched separate-key LSH attention (exact buckets): q (batch, heads, n_q, d),
+// Batched separate-key LSH attention (sort-and-chunk or exact buckets): q (batch, heads, n_q, d),
 // k (batch, heads, n_k, d), v (batch, heads, n_k, dv) -> out (batch, heads, n_q, dv).
 template <typename Scalar>
 void lsh_attention_batched(const CrossPolytopeHash<Scalar>& hash, const Scalar* q, const Scalar* k,

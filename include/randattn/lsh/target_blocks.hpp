@@ -5,8 +5,10 @@
 // (core/score_tile.hpp). Long lists are cut into tiles, so no buffer is larger than a tile,
 // whatever the chunk or bucket size.
 //
-// Duplicate correction. Round rho gives every token a signature s_rho (its chunk index in the
-// sorted order, or its bucket). Key j is a target of query i in round rho exactly when
+// Duplicate correction. Round rho gives every query and every key a signature s_rho (its chunk
+// index in the sorted order, or its bucket; with separate keys the keys' chunks are counted in
+// their own sorted order, with as many chunks as the queries have). Key j is a target of query i
+// in round rho exactly when
 //   s_rho(i) - s_rho(j) = 0, or, for chunks ("adjacent"), = 1 (previous chunk) or = 1 - #chunks
 //   (chunk 0 looking back cyclically at the last chunk);
 // N_ij counts these rounds in O(r) per pair from the per-token signatures, without any n x n

@@ -108,7 +108,9 @@ int main(int argc, char** argv) {
     randattn::ExactOptions eopt;
     eopt.scale = 1.0;
     t_exact = seconds([&] { randattn::exact_attention(q, keys, v, eopt); });
-    reference = randattn::shared_qk_attention(q, v);
+    randattn::LshOptions reference_opt;
+    reference_opt.scale = 1.0;  // Reformer's convention on unit keys, as the runs below
+    reference = randattn::shared_qk_attention(q, v, reference_opt);
     std::cout << "tiled exact attention: " << std::fixed << std::setprecision(3) << t_exact
               << " s\n";
   }
@@ -133,6 +135,7 @@ int main(int argc, char** argv) {
       const randattn::CrossPolytopeHash<float> hash(var.rotation, s.d, buckets, r, 1234);
       randattn::LshOptions opt;
       opt.chunk = s.chunk;
+      opt.scale = 1.0;
       opt.dedupe = var.dedupe;
       opt.exact_buckets = var.exact_buckets;
       RowMatrix<float> out;

@@ -1,11 +1,20 @@
 // The rules of docs/robustness.md that cut across the families: large norms in the hybrid maps
 // and LSH, objects shared between threads or reused across calls, and unit-size inputs of the
-// sketching entry points. Rules owned by one family are tested next to it.
+// sketching entry points, and the one exception type of every bad argument. Rules owned by one
+// family are tested next to it.
 #include <catch2/catch.hpp>
 
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <tuple>
+#include <typeinfo>
 #include <vector>
+
+#include <randattn/io/npy.hpp>
 
 #include "support.hpp"
 
@@ -41,6 +50,20 @@ void check_concurrent_calls(F f) {
     threads.emplace_back([&, t] { results[t] = f(); });
   for (std::thread& t : threads) t.join();
   for (const auto& r : results) CHECK(r == reference);
+}
+
+// f() must throw randattn::invalid_argument itself (not a class derived from it), catchable as
+// std::invalid_argument.
+template <typename F>
+void require_library_invalid_argument(F f) {
+  REQUIRE_THROWS_AS(f(), randattn::invalid_argument);
+  try {
+    f();
+    FAIL("no exception");
+  } catch (const std::invalid_argument& e) {
+    CHECK(typeid(e) == typeid(randattn::invalid_argument));
+    CHECK(std::string(e.what()).rfind("randattn::", 0) == 0);
+  }
 }
 
 }  // namespace
@@ -177,4 +200,69 @@ TEMPLATE_TEST_CASE("robustness: unit-size inputs of the sketching entry points",
   CHECK(randattn::sparse_score_attention(RowMatrix<Scalar>(0, 5), x, vx, so).rows() == 0);
   CHECK(testing::rel_error(randattn::sparse_score_attention(x, x, vx, so), vx) <
         testing::tolerance<Scalar>());
+}
+
+TEMPLATE_TEST_CASE("robustness: every bad argument throws randattn::invalid_argument",
+                   "[robustness][errors]", float, double) {
+  using Scalar = TestType;
+  const Index n = 12, d = 4, dv = 3;
+  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(1, n, d),
+                          k = testing::gaussian<Scalar>(2, n, d),
+                          v = testing::gaussian<Scalar>(3, n, dv);
+  // Exact attention: keys of the wrong width.
+  require_library_invalid_argument(
+      [&] { return randattn::exact_attention(q, RowMatrix<Scalar>::Ones(n, d + 1), v); });
+  // A feature map: zero features, and inputs of the wrong width.
+  require_library_invalid_argument([&] { return OrthogonalProjection<Scalar>(0, d, 1); });
+  const PositiveFeatures<Scalar> map(OrthogonalProjection<Scalar>(8, d, 4));
+  require_library_invalid_argument(
+      [&] { return map.features(testing::gaussian<Scalar>(5, n, d + 1)); });
+  require_library_invalid_argument([&] {
+    return randattn::random_feature_attention(map, q, k, RowMatrix<Scalar>(v.topRows(5)));
+  });
+  // LSF: zero filters per table, and values with too few rows.
+  require_library_invalid_argument(
+      [&] { return randattn::LocalitySensitiveFilters<Scalar>(RotationKind::dense, d, 0, 2, 1); });
+  const randattn::LocalitySensitiveFilters<Scalar> filters(RotationKind::dense, d, 8, 2, 1);
+  require_library_invalid_argument(
+      [&] { return randattn::lsf_attention(filters, q, k, RowMatrix<Scalar>(v.topRows(5))); });
+  // Sketching: a zero budget, and an unknown scheme name.
+  const RowMatrix<Scalar> a = testing::gaussian<Scalar>(6, 5, 6);
+  SparsifyOptions opt;
+  opt.budget = 0;
+  require_library_invalid_argument([&] {
+    return randattn::sparsify(randattn::tensor_view(a.data(), {5, 6}), opt);
+  });
+  require_library_invalid_argument([] { return randattn::parse_scheme("bogus"); });
+  // Non-finite input.
+  RowMatrix<Scalar> bad_q = q;
+  bad_q(1, 2) = std::numeric_limits<Scalar>::quiet_NaN();
+  require_library_invalid_argument([&] { return randattn::exact_attention(bad_q, k, v); });
+}
+
+TEST_CASE("robustness: an unreadable .npy file throws a randattn::invalid_argument",
+          "[robustness][errors]") {
+  namespace fs = std::filesystem;
+  std::random_device rd;
+  const fs::path dir = fs::temp_directory_path() /
+                       ("randattn_errors_" + std::to_string(rd()) + std::to_string(rd()));
+  fs::create_directories(dir);
+  const fs::path bad = dir / "bad.npy";
+  {
+    std::ofstream out(bad, std::ios::binary);
+    out << "this is not a .npy file";
+  }
+  // io::NpyError, derived from randattn::invalid_argument, derived from std::invalid_argument.
+  REQUIRE_THROWS_AS(randattn::io::read_npy(bad), randattn::invalid_argument);
+  REQUIRE_THROWS_AS(randattn::io::read_npy(bad), std::invalid_argument);
+  REQUIRE_THROWS_AS(randattn::io::read_npy(dir / "absent.npy"), randattn::invalid_argument);
+  try {
+    (void)randattn::io::read_npy(bad);
+    FAIL("no exception");
+  } catch (const randattn::invalid_argument& e) {
+    CHECK(typeid(e) == typeid(randattn::io::NpyError));
+    CHECK(std::string(e.what()) == bad.string() + ": not a .npy file (bad magic string)");
+  }
+  std::error_code ec;
+  fs::remove_all(dir, ec);
 }

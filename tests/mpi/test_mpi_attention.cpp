@@ -36,7 +36,7 @@ std::string collective_error(Communicator& comm, Fn&& fn) {
   std::string message;
   try {
     fn();
-  } catch (const std::invalid_argument& e) {
+  } catch (const randattn::invalid_argument& e) {  // the collective error type
     message = e.what();
   }
   const std::vector<char> mine(message.begin(), message.end());

@@ -87,7 +87,7 @@ TEST_CASE("A non-finite entry on one rank's range fails every rank", "[mpi][sket
   std::string message;
   try {
     randattn::mpi::sparsify(comm, kDims, a.data.data() + range.first, range.count, opt);
-  } catch (const std::invalid_argument& e) {
+  } catch (const randattn::invalid_argument& e) {  // the collective error type
     message = e.what();
   }
   REQUIRE(all_ranks(comm, message.find("non-finite entry at (39, 52, 49)") != std::string::npos));

@@ -1,6 +1,7 @@
 #pragma once
 // Always-on argument checks for public entry points. Each failure throws
-// std::invalid_argument with a message naming the function, the argument and the shapes.
+// randattn::invalid_argument (a std::invalid_argument) with a message naming the function, the
+// argument and the shapes.
 
 #include <cmath>
 #include <limits>
@@ -9,6 +10,8 @@
 #include <string>
 
 #include <Eigen/Core>
+
+#include "../core/invalid_argument.hpp"
 
 namespace randattn::detail {
 
@@ -24,7 +27,7 @@ template <typename... Parts>
   std::ostringstream s;
   s << "randattn::" << where << ": ";
   (s << ... << parts);
-  throw std::invalid_argument(s.str());
+  throw randattn::invalid_argument(s.str());
 }
 
 template <typename... Parts>

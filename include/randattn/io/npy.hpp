@@ -2,18 +2,31 @@
 // Reading and writing NumPy .npy files: an opt-in header, not included by <randattn/randattn.hpp>
 // (the command line and the tests use it; include it yourself to exchange arrays with NumPy).
 //
-// Supported: little-endian float32 ('<f4') and float64 ('<f8') arrays in C order with any number of
-// dimensions. '=' (native) and '|' (not applicable) byte-order characters are accepted on
-// little-endian hosts. Format versions 1.0, 2.0 and 3.0 are read (3.0 differs from 2.0 only by a
-// UTF-8 header, which never matters for these dtypes); files are written as version 1.0 (2.0 if the
-// header is too long).
+// Read: float32 ('f4') and float64 ('f8') arrays with any number of dimensions, in either byte
+// order ('<' little-endian, '>' big-endian, '=' and '|' native) and either memory order. Every
+// reader returns the array in C (row-major) order with native byte order, whatever the file holds:
+// the values np.ascontiguousarray(np.load(path)) has. A file with fortran_order: True (what
+// np.save writes for a transposed array, a.T) is reordered on read, in one pass over the data
+// (read_npy streams it in slices, so the peak is the result plus one slice of the file); a
+// big-endian file is byte-swapped. Format versions 1.0, 2.0 and 3.0 are read (3.0 differs from 2.0
+// only by a UTF-8 header, which never matters for these dtypes).
 //
-// Every problem with a file (missing, bad magic, unsupported version or dtype, Fortran order,
-// unparsable header, truncated data, overflowing shape) throws randattn::io::NpyError with a
-// one-line message "<file>: <problem>". Bytes after the data are ignored.
+// Partial reads: read_npy_block (a block of indices of one axis) supports both orders and byte
+// orders. read_npy_range (a range of the flattened C-order array) supports both byte orders but
+// refuses a Fortran-order file of two or more non-trivial dimensions -- a flat C-order range is
+// scattered all over such a file -- with a message saying to read the whole file with read_npy or
+// to save it in C order (np.save(path, np.ascontiguousarray(a))). read_npy_header returns the
+// header only; its fortran_order and little_endian fields say how the data that follows is laid
+// out, for callers that read the data themselves.
 //
-// Writing goes to a temporary file in the destination directory which is renamed over the
+// Write: always C order, little-endian ('<f4' / '<f8'), version 1.0 (2.0 if the header is too
+// long). Writing goes to a temporary file in the destination directory which is renamed over the
 // destination only when complete, so a failed write never leaves a partial file behind.
+//
+// Every problem with a file (missing, bad magic, unsupported version or dtype, unparsable header,
+// truncated data, overflowing shape, a failed write) throws randattn::io::NpyError, a
+// randattn::invalid_argument (so a std::invalid_argument), with a one-line message
+// "<file>: <problem>". Bytes after the data are ignored.
 
 #include <Eigen/Core>
 
@@ -36,12 +49,15 @@
 #include <variant>
 #include <vector>
 
+#include "../core/invalid_argument.hpp"
+
 namespace randattn::io {
 
-// Error raised for any unreadable, malformed or unsupported .npy file and for failed writes.
-class NpyError : public std::runtime_error {
+// Error raised for any unreadable, malformed or unsupported .npy file and for failed writes: a
+// bad argument of the I/O functions, hence a randattn::invalid_argument.
+class NpyError : public randattn::invalid_argument {
  public:
-  using std::runtime_error::runtime_error;
+  using randattn::invalid_argument::invalid_argument;
 };
 
 enum class NpyDtype { float32, float64 };
@@ -77,7 +93,8 @@ struct NpyArray {
   }
 };
 
-// Parsed .npy header.
+// Parsed .npy header. fortran_order and little_endian describe the data as stored in the file;
+// the arrays the readers return are always C order and native byte order.
 struct NpyHeader {
   int major_version = 1;
   int minor_version = 0;
@@ -85,6 +102,8 @@ struct NpyHeader {
   std::vector<std::int64_t> shape;
   std::size_t data_offset = 0;  // bytes from the start of the file to the first element
   std::size_t count = 1;        // number of elements
+  bool fortran_order = false;   // data stored column-major (first index fastest)
+  bool little_endian = true;    // byte order of the stored values ('=' and '|': the host's)
 };
 
 namespace detail {
@@ -300,21 +319,21 @@ inline NpyHeader read_header(std::istream& in, const std::string& name) {
   if (descr->kind != PyValue::Kind::string)
     fail(name, "unsupported dtype (structured or non-string descr)");
   const std::string& d = descr->str;
-  const bool native_ok = host_is_little_endian();
-  const bool little = d.size() == 3 && (d[0] == '<' || ((d[0] == '=' || d[0] == '|') && native_ok));
-  if (little && d.compare(1, 2, "f4") == 0) {
+  const bool known_order =
+      d.size() == 3 && (d[0] == '<' || d[0] == '>' || d[0] == '=' || d[0] == '|');
+  if (known_order && d.compare(1, 2, "f4") == 0) {
     h.dtype = NpyDtype::float32;
-  } else if (little && d.compare(1, 2, "f8") == 0) {
+  } else if (known_order && d.compare(1, 2, "f8") == 0) {
     h.dtype = NpyDtype::float64;
   } else {
-    std::string why = "unsupported dtype '" + excerpt(d) + "'";
-    if (!d.empty() && d[0] == '>') why += " (big-endian)";
-    fail(name, why + "; expected '<f4' (float32) or '<f8' (float64)");
+    fail(name, "unsupported dtype '" + excerpt(d) +
+                   "'; expected float32 ('<f4', '>f4') or float64 ('<f8', '>f8')");
   }
+  h.little_endian = d[0] == '<' || (d[0] != '>' && host_is_little_endian());
 
   if (fortran->kind != PyValue::Kind::boolean)
     fail(name, "unparsable header ('fortran_order' is not True/False)");
-  if (fortran->boolean) fail(name, "fortran_order=True is not supported (C order only)");
+  h.fortran_order = fortran->boolean;
 
   if (shape->kind != PyValue::Kind::sequence)
     fail(name, "unparsable header ('shape' is not a tuple)");
@@ -344,49 +363,171 @@ inline NpyHeader read_header(std::istream& in, const std::string& name) {
   return h;
 }
 
+// Reverses the byte order of n values in place.
+template <typename Scalar>
+void swap_byte_order(Scalar* p, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    unsigned char b[sizeof(Scalar)];
+    std::memcpy(b, p + i, sizeof(Scalar));
+    std::reverse(b, b + sizeof(Scalar));
+    std::memcpy(p + i, b, sizeof(Scalar));
+  }
+}
+
+// Whether the stored values must be byte-swapped to the host's order.
+inline bool needs_swap(const NpyHeader& h) { return h.little_endian != host_is_little_endian(); }
+
+[[noreturn]] inline void truncated(const std::string& name, std::uint64_t expected,
+                                   std::uint64_t found) {
+  fail(name, "truncated data (expected " + std::to_string(expected) + " bytes, found " +
+                 std::to_string(found) + ")");
+}
+
+// Checks that the stream holds at least nbytes after its position, when it can tell (a seekable
+// stream), so a lying header never triggers a huge allocation; returns whether it could tell.
+inline bool check_available(std::istream& in, const std::string& name, std::uint64_t nbytes) {
+  const std::streampos here = in.tellg();
+  if (here == std::streampos(-1)) return false;
+  in.seekg(0, std::ios::end);
+  const std::streampos end = in.tellg();
+  in.seekg(here);
+  const bool known = end != std::streampos(-1) && bool(in);
+  in.clear();
+  if (!known) return false;
+  const auto remaining = static_cast<std::uint64_t>(end - here);
+  if (remaining < nbytes) truncated(name, nbytes, remaining);
+  return true;
+}
+
+// Reads n values to `out`, byte-swapped if `swap`; `before` of the `total` bytes expected were
+// read before (for the truncation message).
+template <typename Scalar>
+void read_values(std::istream& in, const std::string& name, Scalar* out, std::size_t n, bool swap,
+                 std::uint64_t before, std::uint64_t total) {
+  static_assert(sizeof(float) == 4 && sizeof(double) == 8, "IEEE-754 float/double required");
+  in.read(reinterpret_cast<char*>(out), static_cast<std::streamsize>(n * sizeof(Scalar)));
+  const auto got = static_cast<std::uint64_t>(in.gcount());
+  if (got != n * sizeof(Scalar)) truncated(name, total, before + got);
+  if (swap) swap_byte_order(out, n);
+}
+
+// Reads `count` consecutive stored values (in the file's order), byte-swapped if `swap`.
 template <typename Scalar>
 void read_data(std::istream& in, const std::string& name, std::size_t count,
-               std::vector<Scalar>& out) {
-  static_assert(sizeof(float) == 4 && sizeof(double) == 8, "IEEE-754 float/double required");
-  const std::size_t nbytes = count * sizeof(Scalar);
-  auto truncated = [&](std::uint64_t have) {
-    fail(name, "truncated data (expected " + std::to_string(nbytes) + " bytes, found " +
-                   std::to_string(have) + ")");
-  };
-  // Check the remaining size first when the stream can tell, so a lying header never triggers a
-  // huge allocation.
-  const std::streampos here = in.tellg();
-  if (here != std::streampos(-1)) {
-    in.seekg(0, std::ios::end);
-    const std::streampos end = in.tellg();
-    in.seekg(here);
-    if (end != std::streampos(-1) && in) {
-      const auto remaining = static_cast<std::uint64_t>(end - here);
-      if (remaining < nbytes) truncated(remaining);
-    }
-    in.clear();
-  }
+               std::vector<Scalar>& out, bool swap) {
+  const std::uint64_t nbytes = std::uint64_t(count) * sizeof(Scalar);
+  check_available(in, name, nbytes);
   out.clear();
+  // Grows by chunks, so a stream that cannot tell its size fails as truncated before a lying
+  // header's count is allocated.
   constexpr std::size_t chunk = std::size_t{1} << 20;  // elements per read
-  std::size_t done = 0;
-  while (done < count) {
+  for (std::size_t done = 0; done < count;) {
     const std::size_t n = std::min(chunk, count - done);
     out.resize(done + n);
-    in.read(reinterpret_cast<char*>(out.data() + done),
-            static_cast<std::streamsize>(n * sizeof(Scalar)));
-    const auto got = static_cast<std::size_t>(in.gcount());
-    if (got != n * sizeof(Scalar)) truncated(done * sizeof(Scalar) + got);
+    read_values(in, name, out.data() + done, n, swap, done * sizeof(Scalar), nbytes);
     done += n;
   }
-  if (!host_is_little_endian()) {
-    for (Scalar& x : out) {
-      unsigned char b[sizeof(Scalar)];
-      std::memcpy(b, &x, sizeof(Scalar));
-      for (std::size_t i = 0; i < sizeof(Scalar) / 2; ++i)
-        std::swap(b[i], b[sizeof(Scalar) - 1 - i]);
-      std::memcpy(&x, b, sizeof(Scalar));
+}
+
+// A Fortran-order array seen for reordering to C order: its axes longer than 1 (axes of length 1
+// change neither layout) with their strides in both orders. The file stores the array with its
+// first axis fastest, i.e. the C layout of the array with reversed axes.
+struct FortranLayout {
+  std::vector<std::size_t> dims, file_stride, c_stride;
+  std::size_t slice = 1;  // stored values per index of the last axis (its file stride)
+
+  explicit FortranLayout(const std::vector<std::int64_t>& shape) {
+    for (std::int64_t d : shape)
+      if (d != 1) dims.push_back(static_cast<std::size_t>(d));
+    file_stride.resize(dims.size());
+    c_stride.resize(dims.size());
+    std::size_t s = 1;
+    for (std::size_t j = 0; j < dims.size(); ++j) {
+      file_stride[j] = s;
+      s *= dims[j];
     }
+    s = 1;
+    for (std::size_t j = dims.size(); j-- > 0;) {
+      c_stride[j] = s;
+      s *= dims[j];
+    }
+    if (!dims.empty()) slice = file_stride.back();
   }
+
+  // Whether the stored order differs from C order: two or more axes longer than 1.
+  bool reorders() const { return dims.size() >= 2; }
+};
+
+// Moves the stored values of the last axis' indices [first, first + n) -- n * L.slice values in
+// file order at `part` -- to their C-order places in `out` (the whole array). Each value moves
+// once; tiles over the first axis (fastest in the file) and the last axis (fastest in C order)
+// keep both the reads and the writes in cache. Requires L.reorders().
+template <typename Scalar>
+void fortran_to_c(const FortranLayout& L, const Scalar* part, std::size_t first, std::size_t n,
+                  Scalar* out) {
+  constexpr std::size_t tile = 32;
+  const std::size_t k = L.dims.size(), d0 = L.dims[0], c0 = L.c_stride[0], s_last = L.slice;
+  std::vector<std::size_t> idx(k, 0);  // indices of the middle axes 1 .. k - 2
+  std::size_t file_base = 0, c_base = first;
+  for (;;) {
+    for (std::size_t a = 0; a < d0; a += tile) {
+      const std::size_t a_end = std::min(d0, a + tile);
+      for (std::size_t b = 0; b < n; b += tile) {
+        const std::size_t b_end = std::min(n, b + tile);
+        for (std::size_t i = a; i < a_end; ++i) {
+          const Scalar* src = part + file_base + i;
+          Scalar* dst = out + c_base + i * c0;
+          for (std::size_t j = b; j < b_end; ++j) dst[j] = src[j * s_last];
+        }
+      }
+    }
+    // Next index of the middle axes, axis 1 fastest.
+    std::size_t j = 1;
+    for (; j + 1 < k; ++j) {
+      file_base += L.file_stride[j];
+      c_base += L.c_stride[j];
+      if (++idx[j] < L.dims[j]) break;
+      file_base -= idx[j] * L.file_stride[j];
+      c_base -= idx[j] * L.c_stride[j];
+      idx[j] = 0;
+    }
+    if (j + 1 >= k) break;
+  }
+}
+
+// The whole array of a stream positioned at its data, in C order and native byte order.
+template <typename Scalar>
+std::vector<Scalar> read_array(std::istream& in, const std::string& name, const NpyHeader& h) {
+  const bool swap = needs_swap(h);
+  const FortranLayout L(h.shape);
+  std::vector<Scalar> out;
+  if (!h.fortran_order || !L.reorders() || h.count == 0) {
+    read_data(in, name, h.count, out, swap);
+    return out;
+  }
+  const std::uint64_t nbytes = std::uint64_t(h.count) * sizeof(Scalar);
+  const std::size_t last = L.dims.back();
+  if (!check_available(in, name, nbytes)) {
+    // A stream that cannot tell its size: read everything first (a lying header fails as
+    // truncated before the result is allocated), then reorder.
+    std::vector<Scalar> stored;
+    read_data(in, name, h.count, stored, swap);
+    out.resize(h.count);
+    fortran_to_c(L, stored.data(), 0, last, out.data());
+    return out;
+  }
+  // Slices of the last axis (contiguous in the file), about 2^20 values at a time.
+  out.resize(h.count);
+  const std::size_t per =
+      std::max<std::size_t>(1, std::min(last, (std::size_t{1} << 20) / L.slice));
+  std::vector<Scalar> part;
+  for (std::size_t first = 0; first < last; first += per) {
+    const std::size_t n = std::min(per, last - first);
+    part.resize(n * L.slice);
+    read_values(in, name, part.data(), part.size(), swap, first * L.slice * sizeof(Scalar), nbytes);
+    fortran_to_c(L, part.data(), first, n, out.data());
+  }
+  return out;
 }
 
 // Complete file image (header + data) of a little-endian C-order array.
@@ -426,25 +567,23 @@ inline std::filesystem::path temporary_sibling(const std::filesystem::path& targ
 
 }  // namespace detail
 
-// Reads only the header of a .npy stream; `name` is used in error messages.
+// Reads only the header of a .npy stream; `name` is used in error messages. The data that follows
+// is stored as the header says: h.fortran_order (first index fastest) and h.little_endian (byte
+// order); a caller reading it directly must honour both (or use the readers below, which do).
 inline NpyHeader read_npy_header(std::istream& in, const std::string& name = "<stream>") {
   return detail::read_header(in, name);
 }
 
-// Reads a .npy array from a binary stream; `name` is used in error messages.
+// Reads a .npy array from a binary stream (C order, native byte order, whatever the stream holds);
+// `name` is used in error messages.
 inline NpyArray read_npy(std::istream& in, const std::string& name = "<stream>") {
   const NpyHeader h = detail::read_header(in, name);
   NpyArray a;
   a.shape = h.shape;
-  if (h.dtype == NpyDtype::float32) {
-    std::vector<float> v;
-    detail::read_data(in, name, h.count, v);
-    a.data = std::move(v);
-  } else {
-    std::vector<double> v;
-    detail::read_data(in, name, h.count, v);
-    a.data = std::move(v);
-  }
+  if (h.dtype == NpyDtype::float32)
+    a.data = detail::read_array<float>(in, name, h);
+  else
+    a.data = detail::read_array<double>(in, name, h);
   return a;
 }
 
@@ -481,7 +620,9 @@ inline NpyHeader open_npy(const std::filesystem::path& path, std::ifstream& in) 
   return h;
 }
 
-// Block [first, first + count) of `axis`, or (flat) of the flattened array.
+// Block [first, first + count) of `axis`, or (flat) of the flattened array, in C order and native
+// byte order. A Fortran-order file stores the C layout of the array with reversed axes: the block
+// is read from it as the block of the reversed axis, then reordered.
 inline NpyArray read_npy_runs(const std::filesystem::path& path, std::size_t axis,
                               std::int64_t first, std::int64_t count, bool flat) {
   std::ifstream in;
@@ -493,21 +634,37 @@ inline NpyArray read_npy_runs(const std::filesystem::path& path, std::size_t axi
     fail(name, "block [" + std::to_string(first) + ", " + std::to_string(first + count) +
                    ") of axis " + std::to_string(axis) + " is outside the shape " +
                    shape_to_python(shape));
+  const bool fortran = h.fortran_order && FortranLayout(h.shape).reorders();
+  if (fortran && flat)
+    fail(name,
+         "fortran_order=True: a range of the flattened array cannot be read from a Fortran-order "
+         "file; read the whole file (read_npy) or save the array in C order "
+         "(np.save(path, np.ascontiguousarray(a)))");
+  const std::vector<std::int64_t> stored =
+      fortran ? std::vector<std::int64_t>(shape.rbegin(), shape.rend()) : shape;
+  const std::size_t stored_axis = fortran ? shape.size() - 1 - axis : axis;
   std::int64_t outer = 1, inner = 1;
-  for (std::size_t j = 0; j < axis; ++j) outer *= shape[j];
-  for (std::size_t j = axis + 1; j < shape.size(); ++j) inner *= shape[j];
+  for (std::size_t j = 0; j < stored_axis; ++j) outer *= stored[j];
+  for (std::size_t j = stored_axis + 1; j < stored.size(); ++j) inner *= stored[j];
   NpyArray a;
   a.shape = shape;
   a.shape[axis] = count;
+  const bool swap = needs_swap(h);
   const auto read = [&](auto tag) {
     using Scalar = decltype(tag);
     std::vector<Scalar> all, run;
     all.reserve(std::size_t(outer * count * inner));
     for (std::int64_t o = 0; o < outer && count > 0; ++o) {
-      in.seekg(std::streamoff(h.data_offset +
-                              std::size_t((o * shape[axis] + first) * inner) * sizeof(Scalar)));
-      read_data(in, name, std::size_t(count * inner), run);
+      in.seekg(std::streamoff(
+          h.data_offset + std::size_t((o * stored[stored_axis] + first) * inner) * sizeof(Scalar)));
+      read_data(in, name, std::size_t(count * inner), run, swap);
       all.insert(all.end(), run.begin(), run.end());
+    }
+    const FortranLayout block(a.shape);
+    if (fortran && block.reorders() && !all.empty()) {
+      std::vector<Scalar> c_order(all.size());
+      fortran_to_c(block, all.data(), 0, block.dims.back(), c_order.data());
+      all.swap(c_order);
     }
     a.data = std::move(all);
   };
@@ -522,14 +679,17 @@ inline NpyArray read_npy_runs(const std::filesystem::path& path, std::size_t axi
 
 // Reads only the block of indices [first, first + count) along `axis` of a .npy file (every
 // index of the other axes): the rows a shard of a distributed computation owns. The result has
-// the file's shape with shape[axis] = count. Seeks to each run; never reads the rest.
+// the file's shape with shape[axis] = count, in C order. Seeks to each run; never reads the rest.
+// Either memory order and byte order (a Fortran-order block is reordered after reading).
 inline NpyArray read_npy_block(const std::filesystem::path& path, std::size_t axis,
                                std::int64_t first, std::int64_t count) {
   return detail::read_npy_runs(path, axis, first, count, false);
 }
 
 // Reads only the entries [first, first + count) in flat C order of a .npy file (a shard of a
-// flattened tensor); the result is 1-D and keeps the dtype.
+// flattened tensor); the result is 1-D and keeps the dtype. Either byte order; a Fortran-order
+// file (two or more axes longer than 1) throws NpyError: read it whole with read_npy, or save it
+// in C order.
 inline NpyArray read_npy_range(const std::filesystem::path& path, std::int64_t first,
                                std::int64_t count) {
   return detail::read_npy_runs(path, 0, first, count, true);

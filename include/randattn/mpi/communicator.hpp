@@ -7,8 +7,10 @@
 // kernels) inside Communicator::agree(): a rank whose work throws does not leave the others
 // waiting in the next collective. agree() ends with one MPI_Allreduce of a failure flag; if any
 // rank failed, the message of the lowest failing rank is broadcast and EVERY rank throws
-// std::invalid_argument with that same message, before any rank writes output. A rank never
-// hangs on another's error.
+// randattn::invalid_argument (a std::invalid_argument) with that same message, before any rank
+// writes output; whatever the local exception was, the collective error has that one type. A
+// rank never hangs on another's error. A failing MPI call itself is not an argument error: it
+// throws std::runtime_error ("<call> failed: <MPI error string>").
 //
 // Bytes sent. bytes_sent() counts what this rank hands to MPI for other ranks: the payload of
 // point-to-point messages and of all-to-all exchanges (to ranks other than itself), and for the
@@ -25,6 +27,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../core/invalid_argument.hpp"
 #include "../core/types.hpp"
 #include "../detail/validation.hpp"
 
@@ -113,14 +116,14 @@ class Communicator {
     detail::check(MPI_Bcast(message.data(), detail::to_count(message.size(), "agree"), MPI_CHAR,
                             first, comm_),
                   "MPI_Bcast");
-    throw std::invalid_argument(message);
+    throw randattn::invalid_argument(message);
   }
 
-  // Throws the same std::invalid_argument on every rank when `ok` is false on any rank; the
+  // Throws the same randattn::invalid_argument on every rank when `ok` is false on any rank; the
   // message is that of the lowest rank where it is false.
   void require_all(bool ok, const std::string& message) {
     agree([&] {
-      if (!ok) throw std::invalid_argument(message);
+      if (!ok) throw randattn::invalid_argument(message);
     });
   }
 

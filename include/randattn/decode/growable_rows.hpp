@@ -1,6 +1,8 @@
 #pragma once
 // Contiguous row-major storage that grows by whole rows with amortised doubling, so appending a
 // token costs O(cols) and never rebuilds anything; every view is an Eigen::Map of the rows.
+// Capacity is allocated and written (zero-filled) when it grows, not when a row is pushed, so
+// reserve_rows() ahead of time moves the first touch of fresh memory out of the per-token path.
 
 #include <algorithm>
 #include <cstring>
@@ -23,13 +25,15 @@ class GrowableRows {
   // Capacity for at least `rows` rows: doubles, so n appends cost O(n · cols) in total.
   void reserve_rows(Index rows) {
     const std::size_t need = static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols_);
-    if (need <= data_.capacity()) return;
-    data_.reserve(std::max(need, 2 * data_.capacity()));
+    if (need <= data_.size()) return;
+    data_.reserve(need);
+    data_.resize(need);
   }
 
+  Index capacity_rows() const { return cols_ > 0 ? Index(data_.size()) / cols_ : 0; }
+
   T* push_row() {
-    reserve_rows(rows_ + 1);
-    data_.resize(static_cast<std::size_t>(rows_ + 1) * static_cast<std::size_t>(cols_));
+    if (rows_ == capacity_rows()) reserve_rows(std::max<Index>(2 * rows_, 16));
     return row_ptr(rows_++);
   }
 
@@ -46,7 +50,7 @@ class GrowableRows {
   }
   ConstRowMatrixMap<T> view() const { return block(0, rows_); }
 
-  std::size_t bytes() const { return data_.capacity() * sizeof(T); }
+  std::size_t bytes() const { return data_.size() * sizeof(T); }
 
  private:
   Index cols_ = 0;

@@ -67,7 +67,6 @@
 #include <Eigen/Core>
 
 #include "../core/options.hpp"
-#include "../core/score_tile.hpp"
 #include "../core/softmax_accumulator.hpp"
 #include "../core/types.hpp"
 #include "../detail/gemm.hpp"
@@ -176,6 +175,23 @@ class KvCache {
     return b;
   }
 
+  // Allocates (and touches) storage for `tokens` cached tokens in total, so appends up to that
+  // size only copy; for lsh_sample every bucket gets room for its uniform share of them. Never
+  // needed for correctness.
+  void reserve(Index tokens) {
+    detail::require(tokens >= 0 && tokens <= kMaxTokens, "KvCache::reserve", "tokens must be in [0, ",
+                    kMaxTokens, "], got ", tokens);
+    for (Head& h : heads_) {
+      h.keys.reserve_rows(tokens);
+      h.values.reserve_rows(tokens);
+      if (opt_.mode == DecodeMode::blocks) h.pages.reserve_tokens(tokens);
+      if (opt_.mode == DecodeMode::lsh_sample) {
+        h.centred_norm.reserve(static_cast<std::size_t>(tokens));
+        h.tables.reserve_buckets(static_cast<std::size_t>(tokens >> opt_.lsh_bits) + 1);
+      }
+    }
+  }
+
   // Appends t tokens: k (kv_heads·t) x d, v (kv_heads·t) x dv, head-major rows (see top).
   void append(const Eigen::Ref<const Matrix>& k, const Eigen::Ref<const Matrix>& v) {
     const char* where = "KvCache::append";
@@ -232,14 +248,13 @@ class KvCache {
     Matrix out(q_heads, dv_);
     Scratch scratch;
     if (opt_.mode == DecodeMode::lsh_sample) scratch.counts.assign(static_cast<std::size_t>(n_), 0);
-    detail::ScoreTile<Scalar> tile(group, block, dv_);
     for (Index h = 0; h < kv_heads_; ++h) {
       const Head& head = heads_[h];
       const auto qg = q.middleRows(h * group, group);
       const Matrix qs = scale_ * qg;
       SoftmaxAccumulator<Scalar> acc(group, dv_);
-      exact_range(tile, qs, head, 0, s_end, block, acc);
-      exact_range(tile, qs, head, w_begin, n_, block, acc);
+      exact_range(qs, head, 0, s_end, block, scratch, acc);
+      exact_range(qs, head, w_begin, n_, block, scratch, acc);
       rep.exact_keys += group * (s_end + n_ - w_begin);
       if (record) {
         for (Index r = 0; r < group; ++r) {
@@ -392,11 +407,13 @@ class KvCache {
   // Per-call scratch of attend (local to the call: attend keeps no state).
   struct Scratch {
     std::vector<std::int32_t> idx;
-    std::vector<Scalar> logits, hash_acc;
+    std::vector<Scalar> logits;
+    typename detail::SimHashTables<Scalar>::HashScratch hash;
     std::vector<std::uint8_t> counts;
     std::vector<std::uint32_t> codes;
     std::vector<std::pair<Scalar, std::int32_t>> ranked;
-    RowMatrix<Scalar> bounds;
+    RowMatrix<Scalar> bounds, tile, tile_nd;
+    Vector<Scalar> tile_max;
     Eigen::Matrix<Scalar, 1, Eigen::Dynamic> nd;
   };
 
@@ -434,11 +451,10 @@ class KvCache {
 
   void hash_key(Head& head, Index j) {
     // Scratch sized on first use; no allocation per token afterwards.
-    hash_acc_.resize(static_cast<std::size_t>(head.tables.planes()));
     hash_codes_.resize(static_cast<std::size_t>(opt_.lsh_tables));
     const Scalar* k = head.keys.row_ptr(j);
     const Scalar* centre = centred_ ? head.centre.data() : nullptr;
-    head.tables.codes(k, centre, hash_acc_.data(), hash_codes_.data());
+    head.tables.codes(k, centre, hash_scratch_, hash_codes_.data());
     head.tables.insert(std::int32_t(j), hash_codes_.data());
     Scalar sq = 0;
     for (Index c = 0; c < d_; ++c) {
@@ -448,14 +464,29 @@ class KvCache {
     head.centred_norm.push_back(std::sqrt(sq));
   }
 
-  void exact_range(detail::ScoreTile<Scalar>& tile, const Matrix& qs, const Head& head, Index first,
-                   Index last, Index block, SoftmaxAccumulator<Scalar>& acc) const {
-    const detail::TileMask<> mask;
-    const detail::TileIndex rows = detail::TileIndex::range(0, qs.rows());
+  // Keys [first, last) for the group's scaled queries qs, in tiles of `block` keys. Each query
+  // row is a matrix-vector product against the tile (no packing of the keys: decoding has a few
+  // query rows, so it streams K and V once per kv head and is bound by memory bandwidth).
+  void exact_range(const Matrix& qs, const Head& head, Index first, Index last, Index block,
+                   Scratch& s, SoftmaxAccumulator<Scalar>& acc) const {
+    const Index g = qs.rows();
+    s.tile.resize(g, block);
+    s.tile_nd.resize(g, dv_ + 1);
+    s.tile_max.resize(g);
     for (Index j0 = first; j0 < last; j0 += block) {
       const Index bk = std::min(block, last - j0);
-      tile.attend(qs, head.keys.block(j0, bk), head.values.block(j0, bk), rows,
-                  detail::TileIndex::range(j0, bk), mask, acc);
+      const auto kb = head.keys.block(j0, bk);
+      const auto vb = head.values.block(j0, bk);
+      auto sc = s.tile.leftCols(bk);
+      for (Index r = 0; r < g; ++r) {
+        sc.row(r).noalias() = qs.row(r) * kb.transpose();
+        const Scalar c = sc.row(r).maxCoeff();
+        s.tile_max(r) = c;
+        sc.row(r).array() = (sc.row(r).array() - c).exp();
+        s.tile_nd.row(r).head(dv_).noalias() = sc.row(r) * vb;
+        s.tile_nd(r, dv_) = sc.row(r).sum();
+      }
+      acc.merge_rows(0, s.tile_nd, s.tile_max);
     }
   }
 
@@ -470,6 +501,8 @@ class KvCache {
     auto num = s.nd.head(dv_);
     Scalar den = 0;
     for (std::size_t u = 0; u < idx.size(); ++u) {
+      if (u + kPrefetchAhead < idx.size())
+        prefetch_row(head.values.row_ptr(idx[u + kPrefetchAhead]), dv_);
       const Scalar w = std::exp(logits[u] - c);
       den += w;
       num.noalias() += w * Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(
@@ -477,6 +510,20 @@ class KvCache {
     }
     s.nd(dv_) = den;
     acc.merge_rows(r, s.nd, Vector<Scalar>::Constant(1, c));
+  }
+
+  // Gathered rows are read in index order with software prefetch a few rows ahead: scattered
+  // keys would otherwise pay one memory latency per row.
+  static constexpr std::size_t kPrefetchAhead = 6;
+  static void prefetch_row(const Scalar* row, Index count) {
+#if defined(__GNUC__) || defined(__clang__)
+    const char* p = reinterpret_cast<const char*>(row);
+    const std::size_t bytes = sizeof(Scalar) * static_cast<std::size_t>(count);
+    for (std::size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 1);
+#else
+    (void)row;
+    (void)count;
+#endif
   }
 
   template <typename QRow>
@@ -527,7 +574,6 @@ class KvCache {
                         SoftmaxAccumulator<Scalar>& acc, Scratch& s, DecodeReport& rep,
                         Index head0) const {
     const int L = opt_.lsh_tables;
-    s.hash_acc.resize(static_cast<std::size_t>(head.tables.planes()));
     s.codes.resize(static_cast<std::size_t>(L));
     for (Index r = 0; r < qg.rows(); ++r) {
       const Eigen::Matrix<Scalar, 1, Eigen::Dynamic> q = qg.row(r);
@@ -538,7 +584,7 @@ class KvCache {
         score_and_merge(head, q, r, head0, s, rep, acc);
         continue;
       }
-      head.tables.codes(q.data(), nullptr, s.hash_acc.data(), s.codes.data());
+      head.tables.codes(q.data(), nullptr, s.hash, s.codes.data());
       rep.tables_probed += L;
       for (int t = 0; t < L; ++t) {
         const auto& bucket = head.tables.bucket(t, s.codes[t]);
@@ -572,6 +618,8 @@ class KvCache {
                        const Correction* correction = nullptr) const {
     s.logits.resize(s.idx.size());
     for (std::size_t u = 0; u < s.idx.size(); ++u) {
+      if (u + kPrefetchAhead < s.idx.size())
+        prefetch_row(head.keys.row_ptr(s.idx[u + kPrefetchAhead]), d_);
       const Scalar dot = dot_key(head, q, s.idx[u]);
       Scalar logit = scale_ * dot;
       if constexpr (!std::is_same<Correction, NoCorrection>::value) {
@@ -593,7 +641,7 @@ class KvCache {
   Index n_ = 0;
   bool centred_ = false, centre_fixed_ = false;
   std::vector<Head> heads_;
-  std::vector<Scalar> hash_acc_;         // append scratch (hash_key)
+  typename detail::SimHashTables<Scalar>::HashScratch hash_scratch_;  // append scratch
   std::vector<std::uint32_t> hash_codes_;
 };
 

@@ -24,6 +24,11 @@ class PageBounds {
   Index pages() const { return min_.rows(); }
   Index tokens() const { return tokens_; }
 
+  void reserve_tokens(Index tokens) {
+    min_.reserve_rows((tokens + page_size_ - 1) / page_size_);
+    max_.reserve_rows((tokens + page_size_ - 1) / page_size_);
+  }
+
   void append(const Scalar* key) {
     const Index d = min_.cols();
     if (tokens_ % page_size_ == 0) {

@@ -10,8 +10,7 @@
 // A zero vector has every bit 0 and collides like θ = π/2.
 //
 // Each key's codes are computed once on append (O(L·K·d)) and its index is appended to one
-// bucket per table; a query looks up its L buckets. The projection is a fixed-order sum over
-// coordinates, so a key's codes do not depend on how the keys were appended.
+// bucket per table; a query looks up its L buckets.
 
 #include <algorithm>
 #include <cmath>
@@ -37,7 +36,10 @@ constexpr std::uint32_t kv_cache_simhash = 0x4B564301u;
 inline double simhash_collision_probability(double cos_theta, int bits) {
   const double c = std::clamp(cos_theta, -1.0, 1.0);
   constexpr double pi = 3.141592653589793238462643383279502884;
-  return std::pow(1.0 - std::acos(c) / pi, bits);
+  const double base = 1.0 - std::acos(c) / pi;
+  double power = 1.0;  // base^bits by multiplication (bits is small)
+  for (int b = 0; b < bits; ++b) power *= base;
+  return power;
 }
 
 // P[Binomial(tables, c) ≥ 2] for c = simhash_collision_probability(cos_theta, bits): the
@@ -51,7 +53,9 @@ inline double simhash_sample_probability(double cos_theta, int bits, int tables)
   const double L = tables;
   const double log_miss = std::log1p(-c);
   if (L * c > 1.0) {
-    return 1.0 - std::exp(L * log_miss) - L * c * std::exp((L - 1) * log_miss);
+    // 1 − (1 − c)^L − L c (1 − c)^{L−1}, with one exponential.
+    const double miss = std::exp((L - 1) * log_miss);
+    return 1.0 - miss * (1.0 - c) - L * c * miss;
   }
   // Σ_{i ≥ 2} C(L, i) c^i (1 − c)^{L − i}, from term 2 by the ratio of consecutive terms.
   double term = 0.5 * L * (L - 1) * c * c * std::exp((L - 2) * log_miss);
@@ -59,7 +63,7 @@ inline double simhash_sample_probability(double cos_theta, int bits, int tables)
   const double odds = c / (1.0 - c);
   for (int i = 2; i <= tables && term > 0.0; ++i) {
     sum += term;
-    if (term < 1e-18 * sum) break;
+    if (term < 1e-17 * sum) break;
     term *= (L - i) / (i + 1.0) * odds;
   }
   return std::min(sum, 1.0);
@@ -76,30 +80,37 @@ class SimHashTables {
   SimHashTables(Index dim, int bits, int tables, std::uint64_t seed, Index head)
       : bits_(bits), tables_(tables), dim_(dim) {
     const Index planes = Index(bits) * tables;
-    RowMatrix<Scalar> r(planes, dim);
-    fill_gaussian(Philox(seed, streams::kv_cache_simhash), r, head * planes, 0);
-    planes_t_ = r.transpose();  // dim x planes: row c holds coordinate c of every hyperplane
+    planes_.resize(planes, dim);
+    fill_gaussian(Philox(seed, streams::kv_cache_simhash), planes_, head * planes, 0);
     buckets_.resize(static_cast<std::size_t>(tables) << bits);
   }
+
+  struct HashScratch {
+    Vector<Scalar> x, proj;
+  };
 
   int bits() const { return bits_; }
   int tables() const { return tables_; }
   Index planes() const { return Index(bits_) * tables_; }
 
-  // Codes of x − centre (centre may be null) into codes[0 .. tables); scratch holds planes().
-  void codes(const Scalar* x, const Scalar* centre, Scalar* scratch, std::uint32_t* codes) const {
-    const Index planes = this->planes();
-    Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> acc(scratch, planes);
-    acc.setZero();
-    for (Index c = 0; c < dim_; ++c) {
-      const Scalar xc = centre ? x[c] - centre[c] : x[c];
-      acc += planes_t_.row(c).transpose().array() * xc;
-    }
+  // Codes of x − centre (centre may be null) into codes[0 .. tables). The projections are one
+  // matrix-vector product of fixed shape on an aligned copy of x, so a vector's codes do not
+  // depend on where it is stored or how many vectors were appended with it.
+  void codes(const Scalar* x, const Scalar* centre, HashScratch& scratch, std::uint32_t* codes) const {
+    scratch.x.resize(dim_);
+    scratch.proj.resize(planes());
+    for (Index c = 0; c < dim_; ++c) scratch.x(c) = centre ? x[c] - centre[c] : x[c];
+    scratch.proj.noalias() = planes_ * scratch.x;
     for (int t = 0; t < tables_; ++t) {
       std::uint32_t code = 0;
-      for (int b = 0; b < bits_; ++b) code |= std::uint32_t(scratch[t * bits_ + b] > 0) << b;
+      for (int b = 0; b < bits_; ++b) code |= std::uint32_t(scratch.proj(t * bits_ + b) > 0) << b;
       codes[t] = code;
     }
+  }
+
+  // Room for `per_bucket` entries in every bucket (a hint: buckets fill unevenly).
+  void reserve_buckets(std::size_t per_bucket) {
+    for (auto& b : buckets_) b.reserve(per_bucket);
   }
 
   void insert(std::int32_t key, const std::uint32_t* codes) {
@@ -111,7 +122,7 @@ class SimHashTables {
   }
 
   std::size_t bytes() const {
-    std::size_t b = sizeof(Scalar) * static_cast<std::size_t>(planes_t_.size());
+    std::size_t b = sizeof(Scalar) * static_cast<std::size_t>(planes_.size());
     for (const auto& v : buckets_) b += v.capacity() * sizeof(std::int32_t) + sizeof(v);
     return b;
   }
@@ -123,7 +134,7 @@ class SimHashTables {
 
   int bits_ = 0, tables_ = 0;
   Index dim_ = 0;
-  RowMatrix<Scalar> planes_t_;
+  RowMatrix<Scalar> planes_;  // one hyperplane per row, table t owns rows [t·K, (t + 1)·K)
   std::vector<std::vector<std::int32_t>> buckets_;
 };
 

@@ -82,6 +82,12 @@ std::vector<Config> configs() {
   blocks.page_size = 32;
   blocks.top_pages = 64;
   c.push_back({"blocks_P32_top64", blocks});
+  blocks.page_size = 16;
+  blocks.top_pages = 128;
+  c.push_back({"blocks_P16_top128", blocks});
+  blocks.page_size = 8;
+  blocks.top_pages = 256;
+  c.push_back({"blocks_P8_top256", blocks});
 
   KvCacheOptions lsh;
   lsh.mode = DecodeMode::lsh_sample;
@@ -89,12 +95,12 @@ std::vector<Config> configs() {
   lsh.window = kWindow;
   lsh.centre_tokens = 1024;
   lsh.seed = 7;
-  lsh.lsh_bits = 8;
-  lsh.lsh_tables = 64;
-  c.push_back({"lsh_K8_L64", lsh});
   lsh.lsh_bits = 10;
   lsh.lsh_tables = 100;
   c.push_back({"lsh_K10_L100", lsh});
+  lsh.lsh_bits = 12;
+  lsh.lsh_tables = 128;
+  c.push_back({"lsh_K12_L128", lsh});
   return c;
 }
 

@@ -407,12 +407,13 @@ class KvCache {
   // Per-call scratch of attend (local to the call: attend keeps no state).
   struct Scratch {
     std::vector<std::int32_t> idx;
-    std::vector<Scalar> logits;
+    Eigen::Matrix<Scalar, 1, Eigen::Dynamic> logits;
+    std::vector<std::pair<std::size_t, std::size_t>> runs;  // (first position in idx, length)
     typename detail::SimHashTables<Scalar>::HashScratch hash;
     std::vector<std::uint8_t> counts;
     std::vector<std::uint32_t> codes;
     std::vector<std::pair<Scalar, std::int32_t>> ranked;
-    RowMatrix<Scalar> bounds, tile, tile_nd;
+    RowMatrix<Scalar> bounds, bound_q, tile, tile_nd;
     Vector<Scalar> tile_max;
     Eigen::Matrix<Scalar, 1, Eigen::Dynamic> nd;
   };
@@ -490,31 +491,10 @@ class KvCache {
     }
   }
 
-  // Softmax of the given logits over keys idx (one query head) merged into row r of acc.
-  void merge_gathered(const Head& head, const std::vector<std::int32_t>& idx,
-                      const std::vector<Scalar>& logits, Index r, Scratch& s,
-                      SoftmaxAccumulator<Scalar>& acc) const {
-    if (idx.empty()) return;
-    const Scalar c = *std::max_element(logits.begin(), logits.end());
-    if (c == -kInf) return;
-    s.nd.setZero(dv_ + 1);
-    auto num = s.nd.head(dv_);
-    Scalar den = 0;
-    for (std::size_t u = 0; u < idx.size(); ++u) {
-      if (u + kPrefetchAhead < idx.size())
-        prefetch_row(head.values.row_ptr(idx[u + kPrefetchAhead]), dv_);
-      const Scalar w = std::exp(logits[u] - c);
-      den += w;
-      num.noalias() += w * Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(
-                               head.values.row_ptr(idx[u]), dv_);
-    }
-    s.nd(dv_) = den;
-    acc.merge_rows(r, s.nd, Vector<Scalar>::Constant(1, c));
-  }
-
   // Gathered rows are read in index order with software prefetch a few rows ahead: scattered
   // keys would otherwise pay one memory latency per row.
   static constexpr std::size_t kPrefetchAhead = 6;
+  static constexpr std::size_t kMinRun = 4;  // shorter runs are read row by row
   static void prefetch_row(const Scalar* row, Index count) {
 #if defined(__GNUC__) || defined(__clang__)
     const char* p = reinterpret_cast<const char*>(row);
@@ -538,7 +518,7 @@ class KvCache {
                       Index head0) const {
     const Index P = opt_.page_size;
     const Index p0 = first / P, p1 = (last - 1) / P + 1, np = p1 - p0;
-    head.pages.bounds(qg, p0, np, s.bounds);
+    head.pages.bounds(qg, p0, np, s.bounds, s.bound_q);
     if (centre_fixed_) {
       // Lowers each row by q·k̄: the ranking is unchanged (see the top of the file).
       const Vector<Scalar> shift = qg * head.centre;
@@ -609,30 +589,75 @@ class KvCache {
     }
   }
 
-  // Logits scale·q·k_j − log p_j over s.idx, merged into row r.
   struct NoCorrection {};
 
+  // Softmax over the keys s.idx (ascending) of one query head, logits scale·q·k_j (minus
+  // log p_j with a correction), merged into row r of acc. Consecutive keys form runs read as
+  // blocks (matrix-vector products over contiguous rows, as pages give); isolated keys are
+  // read one row at a time with software prefetch.
   template <typename QRow, typename Correction = NoCorrection>
   void score_and_merge(const Head& head, const QRow& q, Index r, Index head0, Scratch& s,
                        DecodeReport& rep, SoftmaxAccumulator<Scalar>& acc,
                        const Correction* correction = nullptr) const {
-    s.logits.resize(s.idx.size());
-    for (std::size_t u = 0; u < s.idx.size(); ++u) {
-      if (u + kPrefetchAhead < s.idx.size())
-        prefetch_row(head.keys.row_ptr(s.idx[u + kPrefetchAhead]), d_);
-      const Scalar dot = dot_key(head, q, s.idx[u]);
-      Scalar logit = scale_ * dot;
-      if constexpr (!std::is_same<Correction, NoCorrection>::value) {
-        if (correction) logit -= (*correction)(s.idx[u], dot);
-      }
-      s.logits[u] = logit;
-    }
-    rep.retrieved_keys += Index(s.idx.size());
+    const std::size_t m = s.idx.size();
+    rep.retrieved_keys += Index(m);
     if (rep.record_keys) {
       auto& keys = rep.scored_keys[head0 + r];
       keys.insert(keys.end(), s.idx.begin(), s.idx.end());
     }
-    merge_gathered(head, s.idx, s.logits, r, s, acc);
+    if (m == 0) return;
+    s.runs.clear();
+    for (std::size_t u = 0; u < m;) {
+      std::size_t e = u + 1;
+      while (e < m && s.idx[e] == s.idx[e - 1] + 1) ++e;
+      s.runs.push_back({u, e - u});
+      u = e;
+    }
+    s.logits.resize(Index(m));
+    const Eigen::Matrix<Scalar, 1, Eigen::Dynamic> qrow = q;
+    for (std::size_t t = 0; t < s.runs.size(); ++t) {
+      const auto [u0, len] = s.runs[t];
+      const Index j0 = s.idx[u0];
+      if (len >= kMinRun) {
+        s.logits.segment(Index(u0), Index(len)).noalias() =
+            qrow * head.keys.block(j0, Index(len)).transpose();
+      } else {
+        for (std::size_t u = u0; u < u0 + len; ++u) {
+          if (u + kPrefetchAhead < m) prefetch_row(head.keys.row_ptr(s.idx[u + kPrefetchAhead]), d_);
+          s.logits(Index(u)) = dot_key(head, qrow, s.idx[u]);
+        }
+      }
+    }
+    if constexpr (!std::is_same<Correction, NoCorrection>::value) {
+      for (std::size_t u = 0; u < m; ++u) {
+        const Scalar dot = s.logits(Index(u));
+        s.logits(Index(u)) = scale_ * dot - (*correction)(s.idx[u], dot);
+      }
+    } else {
+      s.logits *= scale_;
+    }
+    const Scalar c = s.logits.maxCoeff();
+    if (c == -kInf) return;
+    s.logits = (s.logits.array() - c).exp();  // the weights, vectorised
+    s.nd.setZero(dv_ + 1);
+    auto num = s.nd.head(dv_);
+    for (std::size_t t = 0; t < s.runs.size(); ++t) {
+      const auto [u0, len] = s.runs[t];
+      if (len >= kMinRun) {
+        num.noalias() += s.logits.segment(Index(u0), Index(len)) *
+                         head.values.block(s.idx[u0], Index(len));
+      } else {
+        for (std::size_t u = u0; u < u0 + len; ++u) {
+          if (u + kPrefetchAhead < m)
+            prefetch_row(head.values.row_ptr(s.idx[u + kPrefetchAhead]), dv_);
+          num.noalias() += s.logits(Index(u)) *
+                           Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(
+                               head.values.row_ptr(s.idx[u]), dv_);
+        }
+      }
+    }
+    s.nd(dv_) = s.logits.sum();
+    acc.merge_rows(r, s.nd, Vector<Scalar>::Constant(1, c));
   }
 
   Index d_, dv_, kv_heads_;

@@ -45,13 +45,27 @@ class PageBounds {
     ++tokens_;
   }
 
-  // out(r, p) = bound of query row r over page first + p, for `count` pages.
+  // out(r, p) = bound of query row r over page first + p, for `count` pages. Pages are read
+  // in tiles that stay in cache while every query row is scored against them by matrix-vector
+  // products (no packing of the summaries). `signs` is scratch.
   template <typename Q>
-  void bounds(const Q& q, Index first, Index count, RowMatrix<Scalar>& out) const {
-    const RowMatrix<Scalar> pos = q.cwiseMax(Scalar(0)), neg = q.cwiseMin(Scalar(0));
-    out.resize(q.rows(), count);
-    out.noalias() = pos * max_.block(first, count).transpose();
-    out.noalias() += neg * min_.block(first, count).transpose();
+  void bounds(const Q& q, Index first, Index count, RowMatrix<Scalar>& out,
+              RowMatrix<Scalar>& signs) const {
+    const Index g = q.rows();
+    signs.resize(2 * g, q.cols());
+    signs.topRows(g) = q.cwiseMax(Scalar(0));
+    signs.bottomRows(g) = q.cwiseMin(Scalar(0));
+    out.resize(g, count);
+    constexpr Index kTile = 256;
+    for (Index p0 = 0; p0 < count; p0 += kTile) {
+      const Index bp = std::min(kTile, count - p0);
+      const auto hi = max_.block(first + p0, bp), lo = min_.block(first + p0, bp);
+      for (Index r = 0; r < g; ++r) {
+        auto o = out.row(r).segment(p0, bp);
+        o.noalias() = signs.row(r) * hi.transpose();
+        o.noalias() += signs.row(g + r) * lo.transpose();
+      }
+    }
   }
 
   ConstRowMatrixMap<Scalar> page_min() const { return min_.view(); }

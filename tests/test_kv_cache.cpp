@@ -354,7 +354,8 @@ TEMPLATE_TEST_CASE("KvCache appending token by token equals one block, bit for b
   const Index d = 20, dv = 12, kvh = 2, qh = 4, n = 300;
   const Tokens<S> tok(71, n, kvh, d, dv);
   const RowMatrix<S> q = needle_queries(tok, qh, 8, 4.0);
-  for (const DecodeMode mode : {DecodeMode::exact, DecodeMode::blocks, DecodeMode::lsh_sample}) {
+  for (const DecodeMode mode : {DecodeMode::exact, DecodeMode::blocks, DecodeMode::lsh_sample,
+                                DecodeMode::lsf}) {
     for (const Index centre_tokens : {Index(0), Index(37)}) {
       KvCacheOptions opt;
       opt.mode = mode;
@@ -364,6 +365,8 @@ TEMPLATE_TEST_CASE("KvCache appending token by token equals one block, bit for b
       opt.top_pages = 5;
       opt.lsh_bits = 5;
       opt.lsh_tables = 12;
+      opt.lsf_filters = 16;
+      opt.lsf_tables = 3;
       opt.centre_tokens = centre_tokens;
       const auto block = filled(tok, opt);
       KvCache<S> single(d, dv, kvh, opt), mixed(d, dv, kvh, opt);
@@ -388,7 +391,8 @@ TEMPLATE_TEST_CASE("KvCache save/load round trip is bit-identical", "[kv_cache]"
   const Tokens<S> tok(81, n, kvh, d, dv);
   const RowMatrix<S> q = needle_queries(tok, qh, 2, 4.0);
   const std::string path = temp_path("roundtrip.bin");
-  for (const DecodeMode mode : {DecodeMode::exact, DecodeMode::blocks, DecodeMode::lsh_sample}) {
+  for (const DecodeMode mode : {DecodeMode::exact, DecodeMode::blocks, DecodeMode::lsh_sample,
+                                DecodeMode::lsf}) {
     KvCacheOptions opt;
     opt.mode = mode;
     opt.sinks = 1;
@@ -397,6 +401,10 @@ TEMPLATE_TEST_CASE("KvCache save/load round trip is bit-identical", "[kv_cache]"
     opt.top_pages = 7;
     opt.lsh_bits = 4;
     opt.lsh_tables = 9;
+    opt.lsf_filters = 12;
+    opt.lsf_tables = 2;
+    opt.lsf_threshold = 0.4;
+    opt.lsf_min_probes = 2;
     opt.seed = 5;
     opt.scale = 0.3;
     opt.key_centre = testing::gaussian<double>(3, kvh, d, 0.5);
@@ -492,13 +500,15 @@ TEST_CASE("KvCache load rejects corrupt, truncated and mismatched files", "[kv_c
 TEST_CASE("KvCache concurrent attend equals serial", "[kv_cache][threads]") {
   const Index d = 32, dv = 16, kvh = 2, qh = 8, n = 2000;
   const Tokens<float> tok(101, n, kvh, d, dv);
-  for (const DecodeMode mode : {DecodeMode::exact, DecodeMode::blocks, DecodeMode::lsh_sample}) {
+  for (const DecodeMode mode : {DecodeMode::exact, DecodeMode::blocks, DecodeMode::lsh_sample,
+                                DecodeMode::lsf}) {
     KvCacheOptions opt;
     opt.mode = mode;
     opt.page_size = 16;
     opt.top_pages = 8;
     opt.lsh_bits = 5;
     opt.lsh_tables = 16;
+    opt.lsf_filters = 32;
     const auto cache = filled(tok, opt);
     std::vector<RowMatrix<float>> queries, serial;
     for (int i = 0; i < 16; ++i) {
@@ -615,6 +625,11 @@ TEST_CASE("KvCache rejects bad input and stays unchanged", "[kv_cache]") {
   bad([](KvCacheOptions& o) { o.scale = std::nan(""); }, "scale");
   bad([](KvCacheOptions& o) { o.key_centre = RowMatrix<double>::Zero(3, 8); }, "key_centre");
   bad([](KvCacheOptions& o) { o.mode = DecodeMode(9); }, "mode");
+  bad([](KvCacheOptions& o) { o.lsf_filters = 1; }, "lsf_filters");
+  bad([](KvCacheOptions& o) { o.lsf_tables = 0; }, "lsf_tables");
+  bad([](KvCacheOptions& o) { o.lsf_alpha = 1.5; }, "lsf_alpha");
+  bad([](KvCacheOptions& o) { o.lsf_threshold = std::nan(""); }, "lsf_threshold");
+  bad([](KvCacheOptions& o) { o.lsf_min_probes = -1; }, "lsf_min_probes");
 
   // Opting out of the finiteness check is allowed.
   KvCacheOptions lax = opt;
@@ -627,7 +642,8 @@ TEST_CASE("KvCache edge cases: one token, short caches, huge norms, empty retrie
           "[kv_cache]") {
   const Index d = 8, dv = 3;
   const Tokens<double> tok(131, 50, 1, d, dv);
-  for (const DecodeMode mode : {DecodeMode::exact, DecodeMode::blocks, DecodeMode::lsh_sample}) {
+  for (const DecodeMode mode : {DecodeMode::exact, DecodeMode::blocks, DecodeMode::lsh_sample,
+                                DecodeMode::lsf}) {
     KvCacheOptions opt;
     opt.mode = mode;
     KvCache<double> cache(d, dv, 1, opt);
@@ -657,4 +673,48 @@ TEST_CASE("KvCache edge cases: one token, short caches, huge norms, empty retrie
   const RowMatrix<double> zero = c.attend(testing::gaussian<double>(5, 1, d), &rep);
   CHECK(zero.isZero(0));
   CHECK(rep.empty_heads == 1);
+}
+
+TEMPLATE_TEST_CASE("KvCache lsf: every filter open equals exact; probes follow the threshold",
+                   "[kv_cache]", float, double) {
+  using S = TestType;
+  const double tol = std::is_same<S, float>::value ? 1e-5 : 1e-12;
+  const Index d = 32, dv = 16, kvh = 2, qh = 8, n = 1200;
+  const Tokens<S> tok(141, n, kvh, d, dv);
+  const RowMatrix<S> q = needle_queries(tok, qh, 3, 6.0);
+  const RowMatrix<S> exact = filled(tok, KvCacheOptions{}).attend(q);
+  KvCacheOptions opt;
+  opt.mode = DecodeMode::lsf;
+  opt.sinks = 2;
+  opt.window = 30;
+  opt.lsf_filters = 24;
+  opt.lsf_tables = 3;
+  opt.lsf_threshold = -std::numeric_limits<double>::infinity();
+  DecodeReport rep;
+  rep.record_keys = true;
+  CHECK(rel_diff(filled(tok, opt).attend(q, &rep), exact) <= tol);
+  CHECK(rep.filters_opened == qh * 3 * 24);
+  for (const auto& keys : rep.scored_keys) CHECK(Index(keys.size()) == n);  // each key once
+
+  // A high threshold opens only the min_probes best filters of each table; the keys scored are
+  // exactly those stored there (checked against the filter each key went to).
+  opt.lsf_threshold = 50.0;
+  opt.lsf_min_probes = 1;
+  opt.centre_tokens = 0;
+  const auto cache = filled(tok, opt);
+  const RowMatrix<S> out = cache.attend(q, &rep);
+  CHECK(rep.filters_opened == qh * 3);
+  CHECK(out.allFinite());
+  // The support found is a subset of the candidates, and it is attended exactly.
+  for (Index i = 0; i < qh; ++i) {
+    std::map<Index, int> targets;
+    for (const auto j : rep.scored_keys[i]) targets[j] = 1;
+    const Index h = i / (qh / kvh);
+    const Eigen::MatrixXd keys = tok.head_keys(h).template cast<double>();
+    const Eigen::MatrixXd values = tok.head_values(h).template cast<double>();
+    const Eigen::MatrixXd qd = q.template cast<double>();
+    const Eigen::RowVectorXd ref = testing::softmax_over_targets(
+        qd, i, keys, values, targets, 1.0 / std::sqrt(double(d)));
+    CHECK((out.row(i).template cast<double>() - ref).norm() <= 10 * tol * ref.norm());
+  }
 }

@@ -11,6 +11,10 @@
 //               sign bits per table, L = `lsh_tables` tables; a key is sampled when it collides
 //               with the query in at least two tables, and its logit is lowered by log p, p its
 //               exact inclusion probability (self-normalised importance sampling).
+//   lsf         locality-sensitive filters (decode/filter_tables.hpp): each key is stored in its
+//               best filter of each of `lsf_tables` tables of `lsf_filters` Gaussian filters; the
+//               query opens the filters whose cosine with it reaches the threshold (and at least
+//               its `lsf_min_probes` best per table) and attends exactly to the keys found.
 // In every retrieval mode the first `sinks` and the last `window` tokens are attended exactly and
 // are never candidates of the retrieval, so no key is counted twice.
 
@@ -22,13 +26,14 @@
 
 namespace randattn {
 
-enum class DecodeMode : std::uint32_t { exact = 0, blocks = 1, lsh_sample = 2 };
+enum class DecodeMode : std::uint32_t { exact = 0, blocks = 1, lsh_sample = 2, lsf = 3 };
 
 inline const char* to_string(DecodeMode mode) {
   switch (mode) {
     case DecodeMode::exact: return "exact";
     case DecodeMode::blocks: return "blocks";
     case DecodeMode::lsh_sample: return "lsh_sample";
+    case DecodeMode::lsf: return "lsf";
   }
   return "unknown";
 }
@@ -52,6 +57,15 @@ struct KvCacheOptions {
   int lsh_tables = 64;
   std::uint64_t seed = 0;
 
+  // lsf: filters per table (>= 2), tables (1..64), target cosine α in (0, 1) of the threshold
+  // η = α·√(2 ln m) − √(2(1 − α²) ln ln m), or η itself (−inf opens every filter), and the
+  // number of best filters per table that always open. The hyperplanes use `seed` too.
+  Index lsf_filters = 256;
+  int lsf_tables = 4;
+  double lsf_alpha = 0.5;
+  std::optional<double> lsf_threshold;
+  Index lsf_min_probes = 1;
+
   // Key centring for retrieval scores (hash codes, page bounds) only; logits always use the raw
   // keys. Either the mean of the first `centre_tokens` tokens of each kv head (fixed once that
   // many tokens are cached), or a given `key_centre` (1 x head_dim for every kv head, or
@@ -73,7 +87,8 @@ struct DecodeReport {
   Index pages_scored = 0;    // blocks: page bounds evaluated
   Index pages_opened = 0;    // blocks: pages attended
   Index tables_probed = 0;   // lsh_sample: hash tables looked up
-  Index bucket_entries = 0;  // lsh_sample: bucket entries visited
+  Index bucket_entries = 0;  // lsh_sample, lsf: bucket entries visited
+  Index filters_opened = 0;  // lsf: filters opened (all tables)
   Index empty_heads = 0;     // query heads with no key scored at all (their output row is 0)
   std::vector<std::vector<std::int32_t>> scored_keys;  // per query head, when record_keys
 

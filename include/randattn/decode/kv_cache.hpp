@@ -73,6 +73,7 @@
 #include "../detail/validation.hpp"
 #include "binary_io.hpp"
 #include "decode_options.hpp"
+#include "filter_tables.hpp"
 #include "growable_rows.hpp"
 #include "page_bounds.hpp"
 #include "simhash_tables.hpp"
@@ -98,7 +99,7 @@ class KvCache {
     detail::require(value_dim >= 1, where, "value_dim must be >= 1, got ", value_dim);
     detail::require(kv_heads >= 1, where, "kv_heads must be >= 1, got ", kv_heads);
     detail::require(opt_.mode == DecodeMode::exact || opt_.mode == DecodeMode::blocks ||
-                        opt_.mode == DecodeMode::lsh_sample,
+                        opt_.mode == DecodeMode::lsh_sample || opt_.mode == DecodeMode::lsf,
                     where, "options.mode ", std::uint32_t(opt_.mode), " is not a DecodeMode");
     detail::require(opt_.sinks >= 0, where, "options.sinks must be >= 0, got ", opt_.sinks);
     detail::require(opt_.window >= 0, where, "options.window must be >= 0, got ", opt_.window);
@@ -113,6 +114,16 @@ class KvCache {
                     "options.lsh_bits must be in [0, 16], got ", opt_.lsh_bits);
     detail::require(opt_.lsh_tables >= 2 && opt_.lsh_tables <= 1024, where,
                     "options.lsh_tables must be in [2, 1024], got ", opt_.lsh_tables);
+    detail::require(opt_.lsf_filters >= 2 && opt_.lsf_filters <= 65536, where,
+                    "options.lsf_filters must be in [2, 65536], got ", opt_.lsf_filters);
+    detail::require(opt_.lsf_tables >= 1 && opt_.lsf_tables <= 64, where,
+                    "options.lsf_tables must be in [1, 64], got ", opt_.lsf_tables);
+    detail::require(opt_.lsf_alpha > 0 && opt_.lsf_alpha < 1, where,
+                    "options.lsf_alpha must be in (0, 1), got ", opt_.lsf_alpha);
+    detail::require(!opt_.lsf_threshold || !std::isnan(*opt_.lsf_threshold), where,
+                    "options.lsf_threshold must not be NaN");
+    detail::require(opt_.lsf_min_probes >= 0, where, "options.lsf_min_probes must be >= 0, got ",
+                    opt_.lsf_min_probes);
     detail::require(opt_.centre_tokens >= 0, where, "options.centre_tokens must be >= 0, got ",
                     opt_.centre_tokens);
     const bool given = opt_.key_centre.size() > 0;
@@ -144,9 +155,13 @@ class KvCache {
         head.pages = detail::PageBounds<Scalar>(d_, opt_.page_size);
       if (opt_.mode == DecodeMode::lsh_sample)
         head.tables = detail::SimHashTables<Scalar>(d_, opt_.lsh_bits, opt_.lsh_tables, opt_.seed, h);
+      if (opt_.mode == DecodeMode::lsf)
+        head.filters = detail::FilterTables<Scalar>(d_, opt_.lsf_filters, opt_.lsf_tables, opt_.seed, h);
     }
     centred_ = given || opt_.centre_tokens > 0;
     centre_fixed_ = given;
+    lsf_threshold_ = Scalar(opt_.lsf_threshold ? *opt_.lsf_threshold
+                                               : filter_threshold(opt_.lsf_alpha, opt_.lsf_filters));
   }
 
   Index size() const { return n_; }
@@ -171,7 +186,8 @@ class KvCache {
   std::size_t index_bytes() const {
     std::size_t b = 0;
     for (const Head& h : heads_)
-      b += h.pages.bytes() + h.tables.bytes() + h.centred_norm.capacity() * sizeof(Scalar);
+      b += h.pages.bytes() + h.tables.bytes() + h.filters.bytes() +
+           h.centred_norm.capacity() * sizeof(Scalar);
     return b;
   }
 
@@ -189,6 +205,8 @@ class KvCache {
         h.centred_norm.reserve(static_cast<std::size_t>(tokens));
         h.tables.reserve_buckets(static_cast<std::size_t>(tokens >> opt_.lsh_bits) + 1);
       }
+      if (opt_.mode == DecodeMode::lsf)
+        h.filters.reserve_buckets(static_cast<std::size_t>(tokens / opt_.lsf_filters) + 1);
     }
   }
 
@@ -247,7 +265,8 @@ class KvCache {
 
     Matrix out(q_heads, dv_);
     Scratch scratch;
-    if (opt_.mode == DecodeMode::lsh_sample) scratch.counts.assign(static_cast<std::size_t>(n_), 0);
+    if (opt_.mode == DecodeMode::lsh_sample || opt_.mode == DecodeMode::lsf)
+      scratch.counts.assign(static_cast<std::size_t>(n_), 0);
     for (Index h = 0; h < kv_heads_; ++h) {
       const Head& head = heads_[h];
       const auto qg = q.middleRows(h * group, group);
@@ -266,6 +285,8 @@ class KvCache {
       if (retrieval && w_begin > s_end) {
         if (opt_.mode == DecodeMode::blocks) {
           retrieve_pages(head, qg, s_end, w_begin, acc, scratch, rep, h * group);
+        } else if (opt_.mode == DecodeMode::lsf) {
+          retrieve_filtered(head, qg, s_end, w_begin, acc, scratch, rep, h * group);
         } else {
           retrieve_sampled(head, qg, s_end, w_begin, acc, scratch, rep, h * group);
         }
@@ -303,6 +324,12 @@ class KvCache {
     w.u32(std::uint32_t(opt_.lsh_bits));
     w.u32(std::uint32_t(opt_.lsh_tables));
     w.u64(opt_.seed);
+    w.u64(std::uint64_t(opt_.lsf_filters));
+    w.u32(std::uint32_t(opt_.lsf_tables));
+    w.f64(opt_.lsf_alpha);
+    w.u8(opt_.lsf_threshold.has_value());
+    w.f64(opt_.lsf_threshold.value_or(0.0));
+    w.u64(std::uint64_t(opt_.lsf_min_probes));
     w.u64(std::uint64_t(opt_.centre_tokens));
     w.u8(opt_.check_finite);
     w.u64(std::uint64_t(opt_.key_centre.rows()));
@@ -349,6 +376,13 @@ class KvCache {
     o.lsh_bits = int(r.u32("lsh_bits"));
     o.lsh_tables = int(r.u32("lsh_tables"));
     o.seed = r.u64("seed");
+    o.lsf_filters = Index(r.u64("lsf_filters"));
+    o.lsf_tables = int(r.u32("lsf_tables"));
+    o.lsf_alpha = r.f64("lsf_alpha");
+    const bool has_threshold = r.u8("lsf_threshold flag") != 0;
+    const double threshold = r.f64("lsf_threshold");
+    if (has_threshold) o.lsf_threshold = threshold;
+    o.lsf_min_probes = Index(r.u64("lsf_min_probes"));
     o.centre_tokens = Index(r.u64("centre_tokens"));
     o.check_finite = r.u8("check_finite") != 0;
     const std::uint64_t centre_rows = r.u64("key_centre rows");
@@ -399,6 +433,7 @@ class KvCache {
     detail::GrowableRows<Scalar> keys, values;
     detail::PageBounds<Scalar> pages;        // blocks
     detail::SimHashTables<Scalar> tables;    // lsh_sample
+    detail::FilterTables<Scalar> filters;    // lsf
     std::vector<Scalar> centred_norm;        // lsh_sample: ‖k_j − centre‖ of hashed keys
     Vector<Scalar> centre;                   // zero without centring
     Eigen::VectorXd key_sum;                 // sum of the first centre_tokens keys
@@ -410,6 +445,8 @@ class KvCache {
     Eigen::Matrix<Scalar, 1, Eigen::Dynamic> logits;
     std::vector<std::pair<std::size_t, std::size_t>> runs;  // (first position in idx, length)
     typename detail::SimHashTables<Scalar>::HashScratch hash;
+    typename detail::FilterTables<Scalar>::Scratch filter;
+    std::vector<std::int32_t> touched;
     std::vector<std::uint8_t> counts;
     std::vector<std::uint32_t> codes;
     std::vector<std::pair<Scalar, std::int32_t>> ranked;
@@ -427,7 +464,7 @@ class KvCache {
   // Adds one token to every kv head: key_of(h) and value_of(h) point at its rows.
   template <typename KeyOf, typename ValueOf>
   void push_token(KeyOf key_of, ValueOf value_of) {
-    const bool lsh = opt_.mode == DecodeMode::lsh_sample;
+    const bool indexed = opt_.mode == DecodeMode::lsh_sample || opt_.mode == DecodeMode::lsf;
     for (Index h = 0; h < kv_heads_; ++h) {
       Head& head = heads_[h];
       const Scalar* k = key_of(h);
@@ -437,16 +474,25 @@ class KvCache {
       if (centred_ && !centre_fixed_) {
         for (Index c = 0; c < d_; ++c) head.key_sum(c) += double(k[c]);
       }
-      if (lsh && (!centred_ || centre_fixed_)) hash_key(head, n_);
+      if (indexed && (!centred_ || centre_fixed_)) index_key(head, n_);
     }
     ++n_;
     if (centred_ && !centre_fixed_ && n_ == opt_.centre_tokens) {
       centre_fixed_ = true;
       for (Head& head : heads_) {
         head.centre = (head.key_sum / double(n_)).template cast<Scalar>();
-        if (lsh)
-          for (Index j = 0; j < n_; ++j) hash_key(head, j);
+        if (indexed)
+          for (Index j = 0; j < n_; ++j) index_key(head, j);
       }
+    }
+  }
+
+  void index_key(Head& head, Index j) {
+    if (opt_.mode == DecodeMode::lsf) {
+      head.filters.insert(std::int32_t(j), head.keys.row_ptr(j),
+                          centred_ ? head.centre.data() : nullptr, filter_scratch_);
+    } else {
+      hash_key(head, j);
     }
   }
 
@@ -589,6 +635,36 @@ class KvCache {
     }
   }
 
+  template <typename QG>
+  void retrieve_filtered(const Head& head, const QG& qg, Index first, Index last,
+                         SoftmaxAccumulator<Scalar>& acc, Scratch& s, DecodeReport& rep,
+                         Index head0) const {
+    for (Index r = 0; r < qg.rows(); ++r) {
+      const Eigen::Matrix<Scalar, 1, Eigen::Dynamic> q = qg.row(r);
+      s.idx.clear();
+      if (!centre_fixed_ && centred_) {
+        // The centre is not fixed yet, so no key is stored in a filter: score every candidate.
+        for (Index j = first; j < last; ++j) s.idx.push_back(std::int32_t(j));
+      } else {
+        s.touched.clear();
+        rep.filters_opened += head.filters.probe(
+            q.data(), lsf_threshold_, opt_.lsf_min_probes, s.filter,
+            [&](const std::vector<std::int32_t>& bucket) {
+              rep.bucket_entries += Index(bucket.size());
+              for (const std::int32_t j : bucket) {
+                if (s.counts[j]) continue;  // the union counts every key once
+                s.counts[j] = 1;
+                s.touched.push_back(j);
+                if (j >= first && j < last) s.idx.push_back(j);
+              }
+            });
+        for (const std::int32_t j : s.touched) s.counts[j] = 0;
+        std::sort(s.idx.begin(), s.idx.end());
+      }
+      score_and_merge(head, q, r, head0, s, rep, acc);
+    }
+  }
+
   struct NoCorrection {};
 
   // Softmax over the keys s.idx (ascending) of one query head, logits scale·q·k_j (minus
@@ -667,6 +743,8 @@ class KvCache {
   bool centred_ = false, centre_fixed_ = false;
   std::vector<Head> heads_;
   typename detail::SimHashTables<Scalar>::HashScratch hash_scratch_;  // append scratch
+  typename detail::FilterTables<Scalar>::Scratch filter_scratch_;
+  Scalar lsf_threshold_ = 0;
   std::vector<std::uint32_t> hash_codes_;
 };
 

@@ -101,6 +101,17 @@ std::vector<Config> configs() {
   lsh.lsh_bits = 12;
   lsh.lsh_tables = 128;
   c.push_back({"lsh_K12_L128", lsh});
+
+  KvCacheOptions lsf;
+  lsf.mode = DecodeMode::lsf;
+  lsf.sinks = kSinks;
+  lsf.window = kWindow;
+  lsf.centre_tokens = 1024;
+  lsf.seed = 7;
+  lsf.lsf_filters = 256;
+  lsf.lsf_tables = 4;
+  lsf.lsf_alpha = 0.9;
+  c.push_back({"lsf_m256_L4_a0.9", lsf});
   return c;
 }
 
@@ -273,7 +284,8 @@ void BM_Decode(benchmark::State& state, Config config) {
   state.counters["rel_error"] = err;
   state.counters["keys_frac"] = scored;
   state.counters["append_us"] = w.append_us[config.name];
-  if (config.options.mode == DecodeMode::lsh_sample) state.counters["bucket_entries"] = entries;
+  if (config.options.mode == DecodeMode::lsh_sample || config.options.mode == DecodeMode::lsf)
+    state.counters["bucket_entries"] = entries;
   state.counters["index_MB"] = double(cache.index_bytes()) / 1e6;
   if (config.options.mode == DecodeMode::exact) {
     const double bytes = double(kKvHeads * n * (kD + kDv)) * sizeof(float);

@@ -84,21 +84,30 @@ class FilterTables {
                            ? threshold
                            : threshold * norm;  // ⟨a_i, q⟩ ≥ η‖q‖ ⇔ ⟨a_i, q̂⟩ ≥ η
     Index opened = 0;
-    s.order.resize(static_cast<std::size_t>(filters_));
+    const Index must = std::min(min_probes, filters_);
     for (int t = 0; t < tables_; ++t) {
       const auto score = s.proj.segment(t * filters_, filters_);
-      // Filters in decreasing score (ties by index): the best min_probes always open, then
-      // every filter whose cosine with q reaches the threshold.
-      std::iota(s.order.begin(), s.order.end(), 0);
-      const Index must = std::min(min_probes, filters_);
-      std::stable_sort(s.order.begin(), s.order.end(),
-                       [&](std::int32_t a, std::int32_t b) { return score(a) > score(b); });
-      for (Index u = 0; u < filters_; ++u) {
-        const Index i = s.order[u];
-        const bool open = u < must || score(i) >= bar;
-        if (!open) break;
-        visit(buckets_[static_cast<std::size_t>(t * filters_ + i)]);
-        ++opened;
+      // Every filter whose cosine with q reaches the threshold ...
+      for (Index i = 0; i < filters_; ++i) {
+        if (score(i) >= bar) {
+          visit(buckets_[static_cast<std::size_t>(t * filters_ + i)]);
+          ++opened;
+        }
+      }
+      // ... and the `must` best (ties by index), if below it.
+      if (must > 0) {
+        s.order.resize(static_cast<std::size_t>(filters_));
+        std::iota(s.order.begin(), s.order.end(), 0);
+        const auto better = [&](std::int32_t a, std::int32_t b) {
+          return score(a) > score(b) || (score(a) == score(b) && a < b);
+        };
+        std::nth_element(s.order.begin(), s.order.begin() + (must - 1), s.order.end(), better);
+        for (Index u = 0; u < must; ++u) {
+          const Index i = s.order[u];
+          if (score(i) >= bar) continue;  // already opened
+          visit(buckets_[static_cast<std::size_t>(t * filters_ + i)]);
+          ++opened;
+        }
       }
     }
     return opened;

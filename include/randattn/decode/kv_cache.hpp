@@ -2,8 +2,9 @@
 // Decoding over a key/value cache: one new token's queries attend to the n cached keys of one
 // layer, exactly where it matters (attention sinks and a recent window, Xiao et al., "Efficient
 // Streaming Language Models with Attention Sinks", arXiv 2309.17453) and by sublinear retrieval
-// for the rest: Quest page bounds (arXiv 2406.10774) or MagicPIG SimHash sampling with
-// importance weights (arXiv 2410.16179). See decode_options.hpp for the modes and options.
+// for the rest: Quest page bounds (arXiv 2406.10774), MagicPIG SimHash sampling with
+// importance weights (arXiv 2410.16179) or locality-sensitive filters (Christiani, SODA 2017).
+// See decode_options.hpp for the modes and options.
 //
 // Layout. A cache holds `kv_heads` key/value heads of head_dim (d) and value_dim (dv) columns.
 //   append(k, v): k is (kv_heads·t) x d and v is (kv_heads·t) x dv, row-major, rows ordered
@@ -17,13 +18,14 @@
 // Every part of a query head's result (sinks + window tiles, retrieved keys) is an unnormalised
 // (num, den, log-scale) triple merged by the online-softmax rule of SoftmaxAccumulator.
 //
-// Cost. append: O(d + dv) per token and kv head, plus O(d) for the page min/max (blocks) or
-// O(L·K·d) for the hash codes (lsh_sample); storage grows by amortised doubling and no index is
-// ever rebuilt. Memory: n·(d + dv) scalars per kv head, plus 2·d·n/P (blocks) or n·L bucket
-// entries of 4 bytes and L·2^K bucket headers (lsh_sample).
+// Cost. append: O(d + dv) per token and kv head, plus O(d) for the page min/max (blocks),
+// O(L·K·d) for the hash codes (lsh_sample) or O(L·m·d) for the filters (lsf); storage grows by
+// amortised doubling and no index is ever rebuilt. Memory: n·(d + dv) scalars per kv head, plus
+// 2·d·n/P (blocks), n·L bucket entries of 4 bytes and L·2^K bucket headers (lsh_sample), or
+// n·L entries and L·m headers (lsf).
 // attend: exact O(n·(d + dv)) per query head, read once per kv head group; blocks
-// O(n/P·d + top_pages·P·(d + dv)); lsh_sample O(L·K·d + bucket entries + sampled·(d + dv)),
-// plus the exact part (sinks + window) in both.
+// O(n/P·d + top_pages·P·(d + dv)); lsh_sample O(L·K·d + bucket entries + sampled·(d + dv));
+// lsf O(L·m·d + found·(d + dv)); plus the exact part (sinks + window).
 //
 // Threads. attend() is const and keeps no mutable state (its scratch is local to the call), so
 // any number of threads may attend to one cache at once; append/save/load are not to be run
@@ -36,10 +38,11 @@
 //     intersect that range, all are attended and the result equals exact decoding up to
 //     rounding. lsh_sample: a key whose inclusion probability underflows is weighted as if
 //     p = 1e-300; with lsh_bits = 0 every key collides (p = 1) and the result is exact.
+//     lsf: with lsf_threshold = −inf every filter opens and the result is exact.
 //   A query head with no key scored (sinks = window = 0 and nothing retrieved) outputs a zero
 //     row, counted in DecodeReport::empty_heads.
-//   Centring (centre_tokens) with lsh_sample: keys cached before the mean is fixed are hashed
-//     once when it is; until then every retrieval candidate is scored with p = 1 (exactly).
+//   Centring (centre_tokens) with lsh_sample or lsf: keys cached before the mean is fixed are
+//     indexed once when it is; until then every retrieval candidate is scored exactly (p = 1).
 //     For blocks, centring lowers every page bound of a query by the same q·k̄, so the pages
 //     chosen are those without centring; it is accepted for uniformity.
 //   Huge norms: logits are formed in Scalar and shifted by their maximum before exp, so large

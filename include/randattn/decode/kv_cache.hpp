@@ -298,7 +298,8 @@ class KvCache {
       acc.finalize_into(out.middleRows(h * group, group));
     }
     detail::require(detail::all_finite(out), where,
-                    "the result overflowed: scale·q·k exceeds the floating-point range; "
+                    "the result overflowed: scale·q·k exceeds the floating-point range ",
+                    "(or the cache holds NaN/Inf, appended with check_finite = false); ",
                     "rescale the queries, keys or the logit scale");
     if (record) {
       for (auto& keys : rep.scored_keys) std::sort(keys.begin(), keys.end());

@@ -128,7 +128,7 @@ TEMPLATE_TEST_CASE("KvCache retrieval of every key equals exact decoding", "[kv_
   const RowMatrix<S> q = needle_queries(tok, qh, 7, 6.0);
   const RowMatrix<S> exact = filled(tok, KvCacheOptions{}).attend(q);
 
-  for (const auto [sinks, window] : {std::pair<Index, Index>{0, 0}, {4, 64}, {3, 997}}) {
+  for (const auto& [sinks, window] : {std::pair<Index, Index>{0, 0}, {4, 64}, {3, 997}}) {
     KvCacheOptions blocks;
     blocks.mode = DecodeMode::blocks;
     blocks.sinks = sinks;

@@ -9,6 +9,7 @@
 #include "core/scaled_features.hpp"
 #include "core/softmax_accumulator.hpp"
 #include "core/types.hpp"
+#include "decode/kv_cache.hpp"
 #include "features/dense_exponential.hpp"
 #include "features/feature_maps.hpp"
 #include "features/hybrid.hpp"

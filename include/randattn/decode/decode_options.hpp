@@ -1,0 +1,98 @@
+#pragma once
+// Options and per-call report of decoding over a key/value cache (decode/kv_cache.hpp).
+//
+// Modes:
+//   exact       softmax over every cached key, tiled (flash-attention style); the reference.
+//   blocks      page retrieval after Quest (Tang et al., arXiv 2406.10774): per page of
+//               `page_size` tokens the per-coordinate min and max of its keys; a query scores a
+//               page by the upper bound Σ_c max(q_c·min_c, q_c·max_c) ≥ q·k of every key in it and
+//               attends exactly to the `top_pages` pages with the highest bound.
+//   lsh_sample  SimHash sampling after MagicPIG (Chen et al., arXiv 2410.16179): K = `lsh_bits`
+//               sign bits per table, L = `lsh_tables` tables; a key is sampled when it collides
+//               with the query in at least two tables, and its logit is lowered by log p, p its
+//               exact inclusion probability (self-normalised importance sampling).
+//   lsf         locality-sensitive filters (decode/filter_tables.hpp): each key is stored in its
+//               best filter of each of `lsf_tables` tables of `lsf_filters` Gaussian filters; the
+//               query opens the filters whose cosine with it reaches the threshold (and at least
+//               its `lsf_min_probes` best per table) and attends exactly to the keys found.
+// In every retrieval mode the first `sinks` and the last `window` tokens are attended exactly and
+// are never candidates of the retrieval, so no key is counted twice.
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "../core/types.hpp"
+
+namespace randattn {
+
+enum class DecodeMode : std::uint32_t { exact = 0, blocks = 1, lsh_sample = 2, lsf = 3 };
+
+inline const char* to_string(DecodeMode mode) {
+  switch (mode) {
+    case DecodeMode::exact: return "exact";
+    case DecodeMode::blocks: return "blocks";
+    case DecodeMode::lsh_sample: return "lsh_sample";
+    case DecodeMode::lsf: return "lsf";
+  }
+  return "unknown";
+}
+
+struct KvCacheOptions {
+  DecodeMode mode = DecodeMode::exact;
+  // Logits are scale·q·k; default 1/sqrt(head_dim).
+  std::optional<double> scale;
+  // Always exact (retrieval modes): the first `sinks` tokens and the last `window` tokens.
+  Index sinks = 4;
+  Index window = 256;
+  // Key tile length of the exact parts; rounding only. 0 = automatic (256), at most 256.
+  Index block_size = 0;
+
+  // blocks: tokens per page and pages attended per query head.
+  Index page_size = 32;
+  Index top_pages = 64;
+
+  // lsh_sample: bits per table (0..16), tables (2..1024), seed of the hyperplanes.
+  int lsh_bits = 8;
+  int lsh_tables = 64;
+  std::uint64_t seed = 0;
+
+  // lsf: filters per table (>= 2), tables (1..64), target cosine α in (0, 1) of the threshold
+  // η = α·√(2 ln m) − √(2(1 − α²) ln ln m), or η itself (−inf opens every filter), and the
+  // number of best filters per table that always open. The hyperplanes use `seed` too.
+  Index lsf_filters = 256;
+  int lsf_tables = 4;
+  double lsf_alpha = 0.5;
+  std::optional<double> lsf_threshold;
+  Index lsf_min_probes = 1;
+
+  // Key centring for retrieval scores (hash codes, page bounds) only; logits always use the raw
+  // keys. Either the mean of the first `centre_tokens` tokens of each kv head (fixed once that
+  // many tokens are cached), or a given `key_centre` (1 x head_dim for every kv head, or
+  // kv_heads x head_dim). Both empty / 0: no centring.
+  Index centre_tokens = 0;
+  RowMatrix<double> key_centre;
+
+  // Reject NaN / Inf in appended keys and values and in queries.
+  bool check_finite = true;
+};
+
+// What one attend() call did, summed over query heads.
+struct DecodeReport {
+  // Input: also record, per query head, the indices of every key scored (exact and retrieved).
+  bool record_keys = false;
+
+  Index exact_keys = 0;      // keys of the always-exact part (every key in exact mode)
+  Index retrieved_keys = 0;  // keys scored by the retrieval
+  Index pages_scored = 0;    // blocks: page bounds evaluated
+  Index pages_opened = 0;    // blocks: pages attended
+  Index tables_probed = 0;   // lsh_sample: hash tables looked up
+  Index bucket_entries = 0;  // lsh_sample, lsf: bucket entries visited
+  Index filters_opened = 0;  // lsf: filters opened (all tables)
+  Index empty_heads = 0;     // query heads with no key scored at all (their output row is 0)
+  std::vector<std::vector<std::int32_t>> scored_keys;  // per query head, when record_keys
+
+  Index keys_scored() const { return exact_keys + retrieved_keys; }
+};
+
+}  // namespace randattn

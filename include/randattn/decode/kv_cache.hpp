@@ -1,0 +1,755 @@
+#pragma once
+// Decoding over a key/value cache: one new token's queries attend to the n cached keys of one
+// layer, exactly where it matters (attention sinks and a recent window, Xiao et al., "Efficient
+// Streaming Language Models with Attention Sinks", arXiv 2309.17453) and by sublinear retrieval
+// for the rest: Quest page bounds (arXiv 2406.10774), MagicPIG SimHash sampling with
+// importance weights (arXiv 2410.16179) or locality-sensitive filters (Christiani, SODA 2017).
+// See decode_options.hpp for the modes and options.
+//
+// Layout. A cache holds `kv_heads` key/value heads of head_dim (d) and value_dim (dv) columns.
+//   append(k, v): k is (kv_heads·t) x d and v is (kv_heads·t) x dv, row-major, rows ordered
+//     head-major: rows [h·t, (h + 1)·t) are the t new tokens of kv head h, oldest first.
+//     t = 1 appends one token; t = 0 does nothing.
+//   attend(q): q is q_heads x d, q_heads a positive multiple of kv_heads; query head i uses kv
+//     head i / (q_heads / kv_heads) (grouped-query attention; the cache is never copied).
+//     Returns q_heads x dv: softmax(scale · q_i·K_hᵀ) V_h, exactly (exact mode) or over the
+//     exact part plus the retrieved keys.
+//
+// Every part of a query head's result (sinks + window tiles, retrieved keys) is an unnormalised
+// (num, den, log-scale) triple merged by the online-softmax rule of SoftmaxAccumulator.
+//
+// Cost. append: O(d + dv) per token and kv head, plus O(d) for the page min/max (blocks),
+// O(L·K·d) for the hash codes (lsh_sample) or O(L·m·d) for the filters (lsf); storage grows by
+// amortised doubling and no index is ever rebuilt. Memory: n·(d + dv) scalars per kv head, plus
+// 2·d·n/P (blocks), n·L bucket entries of 4 bytes and L·2^K bucket headers (lsh_sample), or
+// n·L entries and L·m headers (lsf).
+// attend: exact O(n·(d + dv)) per query head, read once per kv head group; blocks
+// O(n/P·d + top_pages·P·(d + dv)); lsh_sample O(L·K·d + bucket entries + sampled·(d + dv));
+// lsf O(L·m·d + found·(d + dv)); plus the exact part (sinks + window).
+//
+// Threads. attend() is const and keeps no mutable state (its scratch is local to the call), so
+// any number of threads may attend to one cache at once; append/save/load are not to be run
+// concurrently with anything else on the same cache.
+//
+// Edge behaviour.
+//   n = 0: attend throws std::invalid_argument (attention over no keys is undefined).
+//   n = 1, or n ≤ sinks + window: every key is in the exact part; retrieval modes equal exact.
+//   Retrieval candidates are the keys in [sinks, n − window). blocks: if at most top_pages pages
+//     intersect that range, all are attended and the result equals exact decoding up to
+//     rounding. lsh_sample: a key whose inclusion probability underflows is weighted as if
+//     p = 1e-300; with lsh_bits = 0 every key collides (p = 1) and the result is exact.
+//     lsf: with lsf_threshold = −inf every filter opens and the result is exact.
+//   A query head with no key scored (sinks = window = 0 and nothing retrieved) outputs a zero
+//     row, counted in DecodeReport::empty_heads.
+//   Centring (centre_tokens) with lsh_sample or lsf: keys cached before the mean is fixed are
+//     indexed once when it is; until then every retrieval candidate is scored exactly (p = 1).
+//     For blocks, centring lowers every page bound of a query by the same q·k̄, so the pages
+//     chosen are those without centring; it is accepted for uniformity.
+//   Huge norms: logits are formed in Scalar and shifted by their maximum before exp, so large
+//     but finite logits are fine; if scale·q·k overflows, attend throws std::invalid_argument
+//     ("overflowed") rather than returning Inf or NaN.
+//
+// Errors: wrong shapes, q_heads not a multiple of kv_heads, non-finite values (check_finite),
+// d = 0, bad options, attend on an empty cache → std::invalid_argument naming the argument; the
+// cache is checked before it is changed, so a failed append leaves it unchanged.
+//
+// Files: save(path) writes a portable little-endian file (magic "RAKVCACH", format version,
+// scalar width, shapes, options, keys and values, FNV-1a checksum); load(path) rebuilds the
+// index by replaying the appends, so a loaded cache gives bit-identical results. A corrupt,
+// truncated or mismatched file throws std::invalid_argument and nothing is returned.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "../core/options.hpp"
+#include "../core/softmax_accumulator.hpp"
+#include "../core/types.hpp"
+#include "../detail/gemm.hpp"
+#include "../detail/validation.hpp"
+#include "binary_io.hpp"
+#include "decode_options.hpp"
+#include "filter_tables.hpp"
+#include "growable_rows.hpp"
+#include "page_bounds.hpp"
+#include "simhash_tables.hpp"
+
+namespace randattn {
+
+template <typename Scalar_>
+class KvCache {
+ public:
+  using Scalar = Scalar_;
+  using Matrix = RowMatrix<Scalar>;
+  static_assert(std::is_same<Scalar, float>::value || std::is_same<Scalar, double>::value,
+                "KvCache holds float or double");
+
+  // Largest number of cached tokens (key indices are 32-bit).
+  static constexpr Index kMaxTokens = std::numeric_limits<std::int32_t>::max();
+  static constexpr std::uint32_t kFileVersion = 1;
+
+  KvCache(Index head_dim, Index value_dim, Index kv_heads, KvCacheOptions options = {})
+      : d_(head_dim), dv_(value_dim), kv_heads_(kv_heads), opt_(std::move(options)) {
+    const char* where = "KvCache";
+    detail::require(head_dim >= 1, where, "head_dim must be >= 1, got ", head_dim);
+    detail::require(value_dim >= 1, where, "value_dim must be >= 1, got ", value_dim);
+    detail::require(kv_heads >= 1, where, "kv_heads must be >= 1, got ", kv_heads);
+    detail::require(opt_.mode == DecodeMode::exact || opt_.mode == DecodeMode::blocks ||
+                        opt_.mode == DecodeMode::lsh_sample || opt_.mode == DecodeMode::lsf,
+                    where, "options.mode ", std::uint32_t(opt_.mode), " is not a DecodeMode");
+    detail::require(opt_.sinks >= 0, where, "options.sinks must be >= 0, got ", opt_.sinks);
+    detail::require(opt_.window >= 0, where, "options.window must be >= 0, got ", opt_.window);
+    detail::require(opt_.block_size >= 0 && opt_.block_size <= detail::kMaxGemmDepth, where,
+                    "options.block_size must be in [0, ", detail::kMaxGemmDepth, "], got ",
+                    opt_.block_size);
+    detail::require(opt_.page_size >= 1, where, "options.page_size must be >= 1, got ",
+                    opt_.page_size);
+    detail::require(opt_.top_pages >= 0, where, "options.top_pages must be >= 0, got ",
+                    opt_.top_pages);
+    detail::require(opt_.lsh_bits >= 0 && opt_.lsh_bits <= 16, where,
+                    "options.lsh_bits must be in [0, 16], got ", opt_.lsh_bits);
+    detail::require(opt_.lsh_tables >= 2 && opt_.lsh_tables <= 1024, where,
+                    "options.lsh_tables must be in [2, 1024], got ", opt_.lsh_tables);
+    detail::require(opt_.lsf_filters >= 2 && opt_.lsf_filters <= 65536, where,
+                    "options.lsf_filters must be in [2, 65536], got ", opt_.lsf_filters);
+    detail::require(opt_.lsf_tables >= 1 && opt_.lsf_tables <= 64, where,
+                    "options.lsf_tables must be in [1, 64], got ", opt_.lsf_tables);
+    detail::require(opt_.lsf_alpha > 0 && opt_.lsf_alpha < 1, where,
+                    "options.lsf_alpha must be in (0, 1), got ", opt_.lsf_alpha);
+    detail::require(!opt_.lsf_threshold || !std::isnan(*opt_.lsf_threshold), where,
+                    "options.lsf_threshold must not be NaN");
+    detail::require(opt_.lsf_min_probes >= 0, where, "options.lsf_min_probes must be >= 0, got ",
+                    opt_.lsf_min_probes);
+    detail::require(opt_.centre_tokens >= 0, where, "options.centre_tokens must be >= 0, got ",
+                    opt_.centre_tokens);
+    const bool given = opt_.key_centre.size() > 0;
+    detail::require(!given || opt_.centre_tokens == 0, where,
+                    "give either options.key_centre or options.centre_tokens, not both");
+    detail::require(!given || ((opt_.key_centre.rows() == 1 || opt_.key_centre.rows() == kv_heads) &&
+                               opt_.key_centre.cols() == head_dim),
+                    where, "options.key_centre is ", detail::shape_of(opt_.key_centre),
+                    ", expected 1x", head_dim, " or ", kv_heads, "x", head_dim);
+    detail::require(!given || opt_.key_centre.allFinite(), where,
+                    "options.key_centre has a non-finite entry");
+    AttentionOptions scale_option;
+    scale_option.scale = opt_.scale;
+    scale_ = detail::resolve_scale<Scalar>(where, scale_option, detail::inverse_sqrt_dim(head_dim));
+
+    heads_.resize(static_cast<std::size_t>(kv_heads));
+    for (Index h = 0; h < kv_heads; ++h) {
+      Head& head = heads_[h];
+      head.keys = detail::GrowableRows<Scalar>(d_);
+      head.values = detail::GrowableRows<Scalar>(dv_);
+      head.centre = Vector<Scalar>::Zero(d_);
+      head.key_sum = Eigen::VectorXd::Zero(d_);
+      if (given) {
+        head.centre = opt_.key_centre.row(opt_.key_centre.rows() == 1 ? 0 : h)
+                          .transpose()
+                          .template cast<Scalar>();
+      }
+      if (opt_.mode == DecodeMode::blocks)
+        head.pages = detail::PageBounds<Scalar>(d_, opt_.page_size);
+      if (opt_.mode == DecodeMode::lsh_sample)
+        head.tables = detail::SimHashTables<Scalar>(d_, opt_.lsh_bits, opt_.lsh_tables, opt_.seed, h);
+      if (opt_.mode == DecodeMode::lsf)
+        head.filters = detail::FilterTables<Scalar>(d_, opt_.lsf_filters, opt_.lsf_tables, opt_.seed, h);
+    }
+    centred_ = given || opt_.centre_tokens > 0;
+    centre_fixed_ = given;
+    lsf_threshold_ = Scalar(opt_.lsf_threshold ? *opt_.lsf_threshold
+                                               : filter_threshold(opt_.lsf_alpha, opt_.lsf_filters));
+  }
+
+  Index size() const { return n_; }
+  Index head_dim() const { return d_; }
+  Index value_dim() const { return dv_; }
+  Index kv_heads() const { return kv_heads_; }
+  Scalar scale() const { return scale_; }
+  const KvCacheOptions& options() const { return opt_; }
+
+  // Cached keys (n x d) and values (n x dv) of kv head h; valid until the next append.
+  ConstRowMatrixMap<Scalar> keys(Index h) const { return head_at(h, "keys").keys.view(); }
+  ConstRowMatrixMap<Scalar> values(Index h) const { return head_at(h, "values").values.view(); }
+  // The key centre used for retrieval scores (zero without centring or before it is fixed).
+  const Vector<Scalar>& key_centre(Index h) const { return head_at(h, "key_centre").centre; }
+
+  // Bytes held: keys and values, and the retrieval index.
+  std::size_t storage_bytes() const {
+    std::size_t b = 0;
+    for (const Head& h : heads_) b += h.keys.bytes() + h.values.bytes();
+    return b;
+  }
+  std::size_t index_bytes() const {
+    std::size_t b = 0;
+    for (const Head& h : heads_)
+      b += h.pages.bytes() + h.tables.bytes() + h.filters.bytes() +
+           h.centred_norm.capacity() * sizeof(Scalar);
+    return b;
+  }
+
+  // Allocates (and touches) storage for `tokens` cached tokens in total, so appends up to that
+  // size only copy; for lsh_sample every bucket gets room for its uniform share of them. Never
+  // needed for correctness.
+  void reserve(Index tokens) {
+    detail::require(tokens >= 0 && tokens <= kMaxTokens, "KvCache::reserve", "tokens must be in [0, ",
+                    kMaxTokens, "], got ", tokens);
+    for (Head& h : heads_) {
+      h.keys.reserve_rows(tokens);
+      h.values.reserve_rows(tokens);
+      if (opt_.mode == DecodeMode::blocks) h.pages.reserve_tokens(tokens);
+      if (opt_.mode == DecodeMode::lsh_sample) {
+        h.centred_norm.reserve(static_cast<std::size_t>(tokens));
+        h.tables.reserve_buckets(static_cast<std::size_t>(tokens >> opt_.lsh_bits) + 1);
+      }
+      if (opt_.mode == DecodeMode::lsf)
+        h.filters.reserve_buckets(static_cast<std::size_t>(tokens / opt_.lsf_filters) + 1);
+    }
+  }
+
+  // Appends t tokens: k (kv_heads·t) x d, v (kv_heads·t) x dv, head-major rows (see top).
+  void append(const Eigen::Ref<const Matrix>& k, const Eigen::Ref<const Matrix>& v) {
+    const char* where = "KvCache::append";
+    detail::require(k.cols() == d_, where, "k is ", detail::shape_of(k), " but head_dim is ", d_);
+    detail::require(v.cols() == dv_, where, "v is ", detail::shape_of(v), " but value_dim is ",
+                    dv_);
+    detail::require(k.rows() % kv_heads_ == 0, where, "k has ", k.rows(),
+                    " rows, not a multiple of kv_heads = ", kv_heads_,
+                    " (rows are kv_heads blocks of t tokens)");
+    detail::require(v.rows() == k.rows(), where, "v (", detail::shape_of(v), ") and k (",
+                    detail::shape_of(k), ") must have the same number of rows");
+    const Index t = k.rows() / kv_heads_;
+    detail::require(t <= kMaxTokens - n_, where, "the cache would exceed ", kMaxTokens,
+                    " tokens (", n_, " cached, ", t, " appended)");
+    detail::require_finite(k, where, "k", opt_.check_finite);
+    detail::require_finite(v, where, "v", opt_.check_finite);
+    if (t == 0) return;
+    for (Head& h : heads_) {  // allocation failures happen here, before any token is added
+      h.keys.reserve_rows(n_ + t);
+      h.values.reserve_rows(n_ + t);
+    }
+    for (Index i = 0; i < t; ++i) {
+      push_token([&](Index h) { return k.row(h * t + i).data(); },
+                 [&](Index h) { return v.row(h * t + i).data(); });
+    }
+  }
+
+  // Attention of q (q_heads x d) over the cache -> q_heads x dv. See the top of this file.
+  Matrix attend(const Eigen::Ref<const Matrix>& q, DecodeReport* report = nullptr) const {
+    const char* where = "KvCache::attend";
+    detail::require(n_ > 0, where, "the cache is empty: attention over no keys is undefined");
+    detail::require(q.cols() == d_, where, "q is ", detail::shape_of(q), " but head_dim is ", d_);
+    detail::require(q.rows() >= 1 && q.rows() % kv_heads_ == 0, where, "q has ", q.rows(),
+                    " query heads, which must be a positive multiple of kv_heads = ", kv_heads_);
+    detail::require_finite(q, where, "q", opt_.check_finite);
+
+    const Index q_heads = q.rows(), group = q_heads / kv_heads_;
+    DecodeReport local;
+    DecodeReport& rep = report ? *report : local;
+    const bool record = rep.record_keys;
+    rep = DecodeReport{};
+    rep.record_keys = record;
+    if (record) rep.scored_keys.assign(static_cast<std::size_t>(q_heads), {});
+
+    const bool retrieval = opt_.mode != DecodeMode::exact;
+    // Exact part: [0, s_end) and [w_begin, n); retrieval candidates: [s_end, w_begin).
+    Index s_end = n_, w_begin = n_;
+    if (retrieval) {
+      s_end = std::min(opt_.sinks, n_);
+      w_begin = std::max(s_end, n_ - std::min(opt_.window, n_));
+    }
+    const Index block = opt_.block_size > 0 ? opt_.block_size : Index(256);
+
+    Matrix out(q_heads, dv_);
+    Scratch scratch;
+    if (opt_.mode == DecodeMode::lsh_sample || opt_.mode == DecodeMode::lsf)
+      scratch.counts.assign(static_cast<std::size_t>(n_), 0);
+    for (Index h = 0; h < kv_heads_; ++h) {
+      const Head& head = heads_[h];
+      const auto qg = q.middleRows(h * group, group);
+      const Matrix qs = scale_ * qg;
+      SoftmaxAccumulator<Scalar> acc(group, dv_);
+      exact_range(qs, head, 0, s_end, block, scratch, acc);
+      exact_range(qs, head, w_begin, n_, block, scratch, acc);
+      rep.exact_keys += group * (s_end + n_ - w_begin);
+      if (record) {
+        for (Index r = 0; r < group; ++r) {
+          auto& keys = rep.scored_keys[h * group + r];
+          for (Index j = 0; j < s_end; ++j) keys.push_back(std::int32_t(j));
+          for (Index j = w_begin; j < n_; ++j) keys.push_back(std::int32_t(j));
+        }
+      }
+      if (retrieval && w_begin > s_end) {
+        if (opt_.mode == DecodeMode::blocks) {
+          retrieve_pages(head, qg, s_end, w_begin, acc, scratch, rep, h * group);
+        } else if (opt_.mode == DecodeMode::lsf) {
+          retrieve_filtered(head, qg, s_end, w_begin, acc, scratch, rep, h * group);
+        } else {
+          retrieve_sampled(head, qg, s_end, w_begin, acc, scratch, rep, h * group);
+        }
+      }
+      for (Index r = 0; r < group; ++r) rep.empty_heads += acc.log_scale()(r) == -kInf;
+      acc.finalize_into(out.middleRows(h * group, group));
+    }
+    detail::require(detail::all_finite(out), where,
+                    "the result overflowed: scale·q·k exceeds the floating-point range ",
+                    "(or the cache holds NaN/Inf, appended with check_finite = false); ",
+                    "rescale the queries, keys or the logit scale");
+    if (record) {
+      for (auto& keys : rep.scored_keys) std::sort(keys.begin(), keys.end());
+    }
+    return out;
+  }
+
+  // Writes the cache (shapes, options, keys and values) to a portable little-endian file.
+  void save(const std::string& path) const {
+    detail::LittleEndianWriter w(path, "KvCache::save");
+    w.raw(kMagic, 8);
+    w.u32(kFileVersion);
+    w.u32(sizeof(Scalar));
+    w.u64(std::uint64_t(d_));
+    w.u64(std::uint64_t(dv_));
+    w.u64(std::uint64_t(kv_heads_));
+    w.u64(std::uint64_t(n_));
+    w.u32(std::uint32_t(opt_.mode));
+    w.u8(opt_.scale.has_value());
+    w.f64(opt_.scale.value_or(0.0));
+    w.u64(std::uint64_t(opt_.sinks));
+    w.u64(std::uint64_t(opt_.window));
+    w.u64(std::uint64_t(opt_.block_size));
+    w.u64(std::uint64_t(opt_.page_size));
+    w.u64(std::uint64_t(opt_.top_pages));
+    w.u32(std::uint32_t(opt_.lsh_bits));
+    w.u32(std::uint32_t(opt_.lsh_tables));
+    w.u64(opt_.seed);
+    w.u64(std::uint64_t(opt_.lsf_filters));
+    w.u32(std::uint32_t(opt_.lsf_tables));
+    w.f64(opt_.lsf_alpha);
+    w.u8(opt_.lsf_threshold.has_value());
+    w.f64(opt_.lsf_threshold.value_or(0.0));
+    w.u64(std::uint64_t(opt_.lsf_min_probes));
+    w.u64(std::uint64_t(opt_.centre_tokens));
+    w.u8(opt_.check_finite);
+    w.u64(std::uint64_t(opt_.key_centre.rows()));
+    w.reals(opt_.key_centre.data(), static_cast<std::size_t>(opt_.key_centre.size()));
+    for (const Head& h : heads_) {
+      w.reals(h.keys.row_ptr(0), static_cast<std::size_t>(n_ * d_));
+      w.reals(h.values.row_ptr(0), static_cast<std::size_t>(n_ * dv_));
+    }
+    w.finish();
+  }
+
+  // Reads a file written by save() with the same Scalar; throws std::invalid_argument for a
+  // missing, corrupt, truncated or mismatched file.
+  static KvCache load(const std::string& path) {
+    const char* where = "KvCache::load";
+    detail::LittleEndianReader r(path, where);
+    const unsigned char* magic = r.take(8, "magic");
+    detail::require(std::equal(magic, magic + 8, reinterpret_cast<const unsigned char*>(kMagic)),
+                    where, "'", path, "' is not a KvCache file (bad magic)");
+    const std::uint32_t version = r.u32("version");
+    detail::require(version == kFileVersion, where, "'", path, "' has format version ", version,
+                    ", this build reads version ", kFileVersion);
+    const std::uint32_t width = r.u32("scalar width");
+    detail::require(width == sizeof(Scalar), where, "'", path, "' holds ", width * 8,
+                    "-bit values, loading as ", sizeof(Scalar) * 8, "-bit");
+    detail::require(r.checksum_ok(), where, "'", path, "' is corrupt or truncated (checksum mismatch)");
+    constexpr std::uint64_t kLimit = std::uint64_t(1) << 31;
+    const std::uint64_t d = r.u64("head_dim"), dv = r.u64("value_dim"), kvh = r.u64("kv_heads"),
+                        n = r.u64("size");
+    detail::require(d >= 1 && d < kLimit && dv >= 1 && dv < kLimit && kvh >= 1 && kvh < kLimit &&
+                        n < kLimit,
+                    where, "'", path, "' has implausible shapes: head_dim ", d, ", value_dim ",
+                    dv, ", kv_heads ", kvh, ", size ", n);
+    KvCacheOptions o;
+    o.mode = DecodeMode(r.u32("mode"));
+    const bool has_scale = r.u8("scale flag") != 0;
+    const double scale = r.f64("scale");
+    if (has_scale) o.scale = scale;
+    o.sinks = Index(r.u64("sinks"));
+    o.window = Index(r.u64("window"));
+    o.block_size = Index(r.u64("block_size"));
+    o.page_size = Index(r.u64("page_size"));
+    o.top_pages = Index(r.u64("top_pages"));
+    o.lsh_bits = int(r.u32("lsh_bits"));
+    o.lsh_tables = int(r.u32("lsh_tables"));
+    o.seed = r.u64("seed");
+    o.lsf_filters = Index(r.u64("lsf_filters"));
+    o.lsf_tables = int(r.u32("lsf_tables"));
+    o.lsf_alpha = r.f64("lsf_alpha");
+    const bool has_threshold = r.u8("lsf_threshold flag") != 0;
+    const double threshold = r.f64("lsf_threshold");
+    if (has_threshold) o.lsf_threshold = threshold;
+    o.lsf_min_probes = Index(r.u64("lsf_min_probes"));
+    o.centre_tokens = Index(r.u64("centre_tokens"));
+    o.check_finite = r.u8("check_finite") != 0;
+    const std::uint64_t centre_rows = r.u64("key_centre rows");
+    detail::require(centre_rows <= kvh, where, "'", path, "' has ", centre_rows,
+                    " key_centre rows for ", kvh, " kv heads");
+    if (centre_rows > 0) {
+      o.key_centre.resize(Index(centre_rows), Index(d));
+      r.reals(o.key_centre.data(), std::size_t(centre_rows * d), "key_centre");
+    }
+    const std::uint64_t per_head = n * (d + dv);
+    detail::require(r.remaining() / sizeof(Scalar) / kvh >= per_head &&
+                        r.remaining() == kvh * per_head * sizeof(Scalar),
+                    where, "'", path, "' has ", r.remaining(), " bytes of keys and values, expected ",
+                    kvh * per_head * sizeof(Scalar), " (truncated or corrupt)");
+    // Constructing validates the options (a message naming the bad one); then replay the
+    // appends so the index is the one the original cache built.
+    KvCache cache = [&] {
+      try {
+        return KvCache(Index(d), Index(dv), Index(kvh), std::move(o));
+      } catch (const std::invalid_argument& e) {
+        detail::fail(where, "'", path, "' holds invalid options: ", e.what());
+      }
+    }();
+    std::vector<Matrix> k(kvh), v(kvh);
+    for (std::uint64_t h = 0; h < kvh; ++h) {
+      k[h].resize(Index(n), Index(d));
+      v[h].resize(Index(n), Index(dv));
+      r.reals(k[h].data(), std::size_t(n * d), "keys");
+      r.reals(v[h].data(), std::size_t(n * dv), "values");
+      detail::require_finite(k[h], where, "keys", cache.opt_.check_finite);
+      detail::require_finite(v[h], where, "values", cache.opt_.check_finite);
+    }
+    for (Head& h : cache.heads_) {
+      h.keys.reserve_rows(Index(n));
+      h.values.reserve_rows(Index(n));
+    }
+    for (Index i = 0; i < Index(n); ++i)
+      cache.push_token([&](Index h) { return k[h].row(i).data(); },
+                       [&](Index h) { return v[h].row(i).data(); });
+    return cache;
+  }
+
+ private:
+  static constexpr Scalar kInf = std::numeric_limits<Scalar>::infinity();
+  static constexpr char kMagic[9] = "RAKVCACH";
+
+  struct Head {
+    detail::GrowableRows<Scalar> keys, values;
+    detail::PageBounds<Scalar> pages;        // blocks
+    detail::SimHashTables<Scalar> tables;    // lsh_sample
+    detail::FilterTables<Scalar> filters;    // lsf
+    std::vector<Scalar> centred_norm;        // lsh_sample: ‖k_j − centre‖ of hashed keys
+    Vector<Scalar> centre;                   // zero without centring
+    Eigen::VectorXd key_sum;                 // sum of the first centre_tokens keys
+  };
+
+  // Per-call scratch of attend (local to the call: attend keeps no state).
+  struct Scratch {
+    std::vector<std::int32_t> idx;
+    Eigen::Matrix<Scalar, 1, Eigen::Dynamic> logits;
+    std::vector<std::pair<std::size_t, std::size_t>> runs;  // (first position in idx, length)
+    typename detail::SimHashTables<Scalar>::HashScratch hash;
+    typename detail::FilterTables<Scalar>::Scratch filter;
+    std::vector<std::int32_t> touched;
+    std::vector<std::uint8_t> counts;
+    std::vector<std::uint32_t> codes;
+    std::vector<std::pair<Scalar, std::int32_t>> ranked;
+    RowMatrix<Scalar> bounds, bound_q, tile, tile_nd;
+    Vector<Scalar> tile_max;
+    Eigen::Matrix<Scalar, 1, Eigen::Dynamic> nd;
+  };
+
+  const Head& head_at(Index h, const char* what) const {
+    detail::require(h >= 0 && h < kv_heads_, what, "kv head ", h, " is outside [0, ", kv_heads_,
+                    ")");
+    return heads_[h];
+  }
+
+  // Adds one token to every kv head: key_of(h) and value_of(h) point at its rows.
+  template <typename KeyOf, typename ValueOf>
+  void push_token(KeyOf key_of, ValueOf value_of) {
+    const bool indexed = opt_.mode == DecodeMode::lsh_sample || opt_.mode == DecodeMode::lsf;
+    for (Index h = 0; h < kv_heads_; ++h) {
+      Head& head = heads_[h];
+      const Scalar* k = key_of(h);
+      head.keys.push_row(k);
+      head.values.push_row(value_of(h));
+      if (opt_.mode == DecodeMode::blocks) head.pages.append(k);
+      if (centred_ && !centre_fixed_) {
+        for (Index c = 0; c < d_; ++c) head.key_sum(c) += double(k[c]);
+      }
+      if (indexed && (!centred_ || centre_fixed_)) index_key(head, n_);
+    }
+    ++n_;
+    if (centred_ && !centre_fixed_ && n_ == opt_.centre_tokens) {
+      centre_fixed_ = true;
+      for (Head& head : heads_) {
+        head.centre = (head.key_sum / double(n_)).template cast<Scalar>();
+        if (indexed)
+          for (Index j = 0; j < n_; ++j) index_key(head, j);
+      }
+    }
+  }
+
+  void index_key(Head& head, Index j) {
+    if (opt_.mode == DecodeMode::lsf) {
+      head.filters.insert(std::int32_t(j), head.keys.row_ptr(j),
+                          centred_ ? head.centre.data() : nullptr, filter_scratch_);
+    } else {
+      hash_key(head, j);
+    }
+  }
+
+  void hash_key(Head& head, Index j) {
+    // Scratch sized on first use; no allocation per token afterwards.
+    hash_codes_.resize(static_cast<std::size_t>(opt_.lsh_tables));
+    const Scalar* k = head.keys.row_ptr(j);
+    const Scalar* centre = centred_ ? head.centre.data() : nullptr;
+    head.tables.codes(k, centre, hash_scratch_, hash_codes_.data());
+    head.tables.insert(std::int32_t(j), hash_codes_.data());
+    Scalar sq = 0;
+    for (Index c = 0; c < d_; ++c) {
+      const Scalar x = centre ? k[c] - centre[c] : k[c];
+      sq += x * x;
+    }
+    head.centred_norm.push_back(std::sqrt(sq));
+  }
+
+  // Keys [first, last) for the group's scaled queries qs, in tiles of `block` keys. Each query
+  // row is a matrix-vector product against the tile (no packing of the keys: decoding has a few
+  // query rows, so it streams K and V once per kv head and is bound by memory bandwidth).
+  void exact_range(const Matrix& qs, const Head& head, Index first, Index last, Index block,
+                   Scratch& s, SoftmaxAccumulator<Scalar>& acc) const {
+    const Index g = qs.rows();
+    s.tile.resize(g, block);
+    s.tile_nd.resize(g, dv_ + 1);
+    s.tile_max.resize(g);
+    for (Index j0 = first; j0 < last; j0 += block) {
+      const Index bk = std::min(block, last - j0);
+      const auto kb = head.keys.block(j0, bk);
+      const auto vb = head.values.block(j0, bk);
+      auto sc = s.tile.leftCols(bk);
+      for (Index r = 0; r < g; ++r) {
+        sc.row(r).noalias() = qs.row(r) * kb.transpose();
+        const Scalar c = sc.row(r).maxCoeff();
+        s.tile_max(r) = c;
+        sc.row(r).array() = (sc.row(r).array() - c).exp();
+        s.tile_nd.row(r).head(dv_).noalias() = sc.row(r) * vb;
+        s.tile_nd(r, dv_) = sc.row(r).sum();
+      }
+      acc.merge_rows(0, s.tile_nd, s.tile_max);
+    }
+  }
+
+  // Gathered rows are read in index order with software prefetch a few rows ahead: scattered
+  // keys would otherwise pay one memory latency per row.
+  static constexpr std::size_t kPrefetchAhead = 6;
+  static constexpr std::size_t kMinRun = 4;  // shorter runs are read row by row
+  static void prefetch_row(const Scalar* row, Index count) {
+#if defined(__GNUC__) || defined(__clang__)
+    const char* p = reinterpret_cast<const char*>(row);
+    const std::size_t bytes = sizeof(Scalar) * static_cast<std::size_t>(count);
+    for (std::size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 1);
+#else
+    (void)row;
+    (void)count;
+#endif
+  }
+
+  template <typename QRow>
+  Scalar dot_key(const Head& head, const QRow& q, std::int32_t j) const {
+    return Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(head.keys.row_ptr(j), d_)
+        .dot(q);
+  }
+
+  template <typename QG>
+  void retrieve_pages(const Head& head, const QG& qg, Index first, Index last,
+                      SoftmaxAccumulator<Scalar>& acc, Scratch& s, DecodeReport& rep,
+                      Index head0) const {
+    const Index P = opt_.page_size;
+    const Index p0 = first / P, p1 = (last - 1) / P + 1, np = p1 - p0;
+    head.pages.bounds(qg, p0, np, s.bounds, s.bound_q);
+    if (centre_fixed_) {
+      // Lowers each row by q·k̄: the ranking is unchanged (see the top of the file).
+      const Vector<Scalar> shift = qg * head.centre;
+      s.bounds.colwise() -= shift;
+    }
+    const Index take = std::min(np, opt_.top_pages);
+    for (Index r = 0; r < qg.rows(); ++r) {
+      rep.pages_scored += np;
+      s.ranked.resize(static_cast<std::size_t>(np));
+      for (Index p = 0; p < np; ++p) s.ranked[p] = {s.bounds(r, p), std::int32_t(p0 + p)};
+      if (take < np) {
+        // Highest bound first; ties by page index, so the choice is deterministic.
+        std::nth_element(s.ranked.begin(), s.ranked.begin() + take, s.ranked.end(),
+                         [](const auto& a, const auto& b) {
+                           return a.first > b.first || (a.first == b.first && a.second < b.second);
+                         });
+        s.ranked.resize(static_cast<std::size_t>(take));
+      }
+      std::sort(s.ranked.begin(), s.ranked.end(),
+                [](const auto& a, const auto& b) { return a.second < b.second; });
+      rep.pages_opened += Index(s.ranked.size());
+      s.idx.clear();
+      for (const auto& [bound, page] : s.ranked) {
+        const Index j0 = std::max(first, Index(page) * P), j1 = std::min(last, (Index(page) + 1) * P);
+        for (Index j = j0; j < j1; ++j) s.idx.push_back(std::int32_t(j));
+      }
+      score_and_merge(head, qg.row(r), r, head0, s, rep, acc);
+    }
+  }
+
+  template <typename QG>
+  void retrieve_sampled(const Head& head, const QG& qg, Index first, Index last,
+                        SoftmaxAccumulator<Scalar>& acc, Scratch& s, DecodeReport& rep,
+                        Index head0) const {
+    const int L = opt_.lsh_tables;
+    s.codes.resize(static_cast<std::size_t>(L));
+    for (Index r = 0; r < qg.rows(); ++r) {
+      const Eigen::Matrix<Scalar, 1, Eigen::Dynamic> q = qg.row(r);
+      s.idx.clear();
+      if (!centre_fixed_ && centred_) {
+        // The centre is not fixed yet, so no key is hashed: score every candidate (p = 1).
+        for (Index j = first; j < last; ++j) s.idx.push_back(std::int32_t(j));
+        score_and_merge(head, q, r, head0, s, rep, acc);
+        continue;
+      }
+      head.tables.codes(q.data(), nullptr, s.hash, s.codes.data());
+      rep.tables_probed += L;
+      for (int t = 0; t < L; ++t) {
+        const auto& bucket = head.tables.bucket(t, s.codes[t]);
+        rep.bucket_entries += Index(bucket.size());
+        for (const std::int32_t j : bucket) {
+          std::uint8_t& c = s.counts[j];
+          if (c < 2 && ++c == 2 && j >= first && j < last) s.idx.push_back(j);
+        }
+      }
+      for (int t = 0; t < L; ++t)
+        for (const std::int32_t j : head.tables.bucket(t, s.codes[t])) s.counts[j] = 0;
+      std::sort(s.idx.begin(), s.idx.end());
+      const Scalar q_norm = q.norm();
+      const Scalar q_centre = centred_ ? q.dot(head.centre.transpose()) : Scalar(0);
+      const auto correction = [&](std::int32_t j, Scalar dot) {
+        const Scalar denom = q_norm * head.centred_norm[j];
+        const double cos = denom > 0 ? double(dot - q_centre) / double(denom) : 0.0;
+        const double p = simhash_sample_probability(cos, opt_.lsh_bits, L);
+        return Scalar(std::log(std::max(p, 1e-300)));
+      };
+      score_and_merge(head, q, r, head0, s, rep, acc, &correction);
+    }
+  }
+
+  template <typename QG>
+  void retrieve_filtered(const Head& head, const QG& qg, Index first, Index last,
+                         SoftmaxAccumulator<Scalar>& acc, Scratch& s, DecodeReport& rep,
+                         Index head0) const {
+    for (Index r = 0; r < qg.rows(); ++r) {
+      const Eigen::Matrix<Scalar, 1, Eigen::Dynamic> q = qg.row(r);
+      s.idx.clear();
+      if (!centre_fixed_ && centred_) {
+        // The centre is not fixed yet, so no key is stored in a filter: score every candidate.
+        for (Index j = first; j < last; ++j) s.idx.push_back(std::int32_t(j));
+      } else {
+        s.touched.clear();
+        rep.filters_opened += head.filters.probe(
+            q.data(), lsf_threshold_, opt_.lsf_min_probes, s.filter,
+            [&](const std::vector<std::int32_t>& bucket) {
+              rep.bucket_entries += Index(bucket.size());
+              for (const std::int32_t j : bucket) {
+                if (s.counts[j]) continue;  // the union counts every key once
+                s.counts[j] = 1;
+                s.touched.push_back(j);
+                if (j >= first && j < last) s.idx.push_back(j);
+              }
+            });
+        for (const std::int32_t j : s.touched) s.counts[j] = 0;
+        std::sort(s.idx.begin(), s.idx.end());
+      }
+      score_and_merge(head, q, r, head0, s, rep, acc);
+    }
+  }
+
+  struct NoCorrection {};
+
+  // Softmax over the keys s.idx (ascending) of one query head, logits scale·q·k_j (minus
+  // log p_j with a correction), merged into row r of acc. Consecutive keys form runs read as
+  // blocks (matrix-vector products over contiguous rows, as pages give); isolated keys are
+  // read one row at a time with software prefetch.
+  template <typename QRow, typename Correction = NoCorrection>
+  void score_and_merge(const Head& head, const QRow& q, Index r, Index head0, Scratch& s,
+                       DecodeReport& rep, SoftmaxAccumulator<Scalar>& acc,
+                       const Correction* correction = nullptr) const {
+    const std::size_t m = s.idx.size();
+    rep.retrieved_keys += Index(m);
+    if (rep.record_keys) {
+      auto& keys = rep.scored_keys[head0 + r];
+      keys.insert(keys.end(), s.idx.begin(), s.idx.end());
+    }
+    if (m == 0) return;
+    s.runs.clear();
+    for (std::size_t u = 0; u < m;) {
+      std::size_t e = u + 1;
+      while (e < m && s.idx[e] == s.idx[e - 1] + 1) ++e;
+      s.runs.push_back({u, e - u});
+      u = e;
+    }
+    s.logits.resize(Index(m));
+    const Eigen::Matrix<Scalar, 1, Eigen::Dynamic> qrow = q;
+    for (std::size_t t = 0; t < s.runs.size(); ++t) {
+      const auto [u0, len] = s.runs[t];
+      const Index j0 = s.idx[u0];
+      if (len >= kMinRun) {
+        s.logits.segment(Index(u0), Index(len)).noalias() =
+            qrow * head.keys.block(j0, Index(len)).transpose();
+      } else {
+        for (std::size_t u = u0; u < u0 + len; ++u) {
+          if (u + kPrefetchAhead < m) prefetch_row(head.keys.row_ptr(s.idx[u + kPrefetchAhead]), d_);
+          s.logits(Index(u)) = dot_key(head, qrow, s.idx[u]);
+        }
+      }
+    }
+    if constexpr (!std::is_same<Correction, NoCorrection>::value) {
+      for (std::size_t u = 0; u < m; ++u) {
+        const Scalar dot = s.logits(Index(u));
+        s.logits(Index(u)) = scale_ * dot - (*correction)(s.idx[u], dot);
+      }
+    } else {
+      s.logits *= scale_;
+    }
+    const Scalar c = s.logits.maxCoeff();
+    if (c == -kInf) return;
+    s.logits = (s.logits.array() - c).exp();  // the weights, vectorised
+    s.nd.setZero(dv_ + 1);
+    auto num = s.nd.head(dv_);
+    for (std::size_t t = 0; t < s.runs.size(); ++t) {
+      const auto [u0, len] = s.runs[t];
+      if (len >= kMinRun) {
+        num.noalias() += s.logits.segment(Index(u0), Index(len)) *
+                         head.values.block(s.idx[u0], Index(len));
+      } else {
+        for (std::size_t u = u0; u < u0 + len; ++u) {
+          if (u + kPrefetchAhead < m)
+            prefetch_row(head.values.row_ptr(s.idx[u + kPrefetchAhead]), dv_);
+          num.noalias() += s.logits(Index(u)) *
+                           Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(
+                               head.values.row_ptr(s.idx[u]), dv_);
+        }
+      }
+    }
+    s.nd(dv_) = s.logits.sum();
+    acc.merge_rows(r, s.nd, Vector<Scalar>::Constant(1, c));
+  }
+
+  Index d_, dv_, kv_heads_;
+  KvCacheOptions opt_;
+  Scalar scale_ = 1;
+  Index n_ = 0;
+  bool centred_ = false, centre_fixed_ = false;
+  std::vector<Head> heads_;
+  typename detail::SimHashTables<Scalar>::HashScratch hash_scratch_;  // append scratch
+  typename detail::FilterTables<Scalar>::Scratch filter_scratch_;
+  Scalar lsf_threshold_ = 0;
+  std::vector<std::uint32_t> hash_codes_;
+};
+
+}  // namespace randattn

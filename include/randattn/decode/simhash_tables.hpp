@@ -1,0 +1,142 @@
+#pragma once
+// SimHash tables for sampling keys as in MagicPIG (Chen et al., "MagicPIG: LSH Sampling for
+// Efficient LLM Generation", arXiv 2410.16179), after Charikar's SimHash (STOC 2002).
+//
+// L tables of K sign bits: bit b of table t for a vector x is [r_{tK+b}·x > 0] with r ~ N(0, I_d)
+// drawn from Philox (a pure function of seed, kv head, hyperplane and coordinate). For the angle
+// θ between q and k, one table collides with probability c = (1 − θ/π)^K, independently across
+// tables, so a key collides in at least two of the L tables with probability
+//     p = P[Binomial(L, c) ≥ 2] = 1 − (1 − c)^L − L·c·(1 − c)^{L−1}.
+// A zero vector has every bit 0 and collides like θ = π/2.
+//
+// Each key's codes are computed once on append (O(L·K·d)) and its index is appended to one
+// bucket per table; a query looks up its L buckets.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "../core/types.hpp"
+#include "../detail/validation.hpp"
+#include "../random/fill.hpp"
+#include "../random/philox.hpp"
+
+namespace randattn {
+
+// Philox stream of the SimHash hyperplanes of the key/value cache ("KVC" + 1).
+namespace streams {
+constexpr std::uint32_t kv_cache_simhash = 0x4B564301u;
+}
+
+// Collision probability of one table of `bits` SimHash bits at cosine cos_theta.
+inline double simhash_collision_probability(double cos_theta, int bits) {
+  const double c = std::clamp(cos_theta, -1.0, 1.0);
+  constexpr double pi = 3.141592653589793238462643383279502884;
+  const double base = 1.0 - std::acos(c) / pi;
+  double power = 1.0;  // base^bits by multiplication (bits is small)
+  for (int b = 0; b < bits; ++b) power *= base;
+  return power;
+}
+
+// P[Binomial(tables, c) ≥ 2] for c = simhash_collision_probability(cos_theta, bits): the
+// probability that a key at that cosine is sampled. Small probabilities are summed term by term
+// (no cancellation), so the result keeps its relative accuracy down to the smallest doubles.
+inline double simhash_sample_probability(double cos_theta, int bits, int tables) {
+  if (tables < 2) return 0.0;
+  const double c = simhash_collision_probability(cos_theta, bits);
+  if (c >= 1.0) return 1.0;
+  if (c <= 0.0) return 0.0;
+  const double L = tables;
+  const double log_miss = std::log1p(-c);
+  if (L * c > 1.0) {
+    // 1 − (1 − c)^L − L c (1 − c)^{L−1}, with one exponential.
+    const double miss = std::exp((L - 1) * log_miss);
+    return 1.0 - miss * (1.0 - c) - L * c * miss;
+  }
+  // Σ_{i ≥ 2} C(L, i) c^i (1 − c)^{L − i}, from term 2 by the ratio of consecutive terms.
+  double term = 0.5 * L * (L - 1) * c * c * std::exp((L - 2) * log_miss);
+  double sum = 0.0;
+  const double odds = c / (1.0 - c);
+  for (int i = 2; i <= tables && term > 0.0; ++i) {
+    sum += term;
+    if (term < 1e-17 * sum) break;
+    term *= (L - i) / (i + 1.0) * odds;
+  }
+  return std::min(sum, 1.0);
+}
+
+namespace detail {
+
+template <typename Scalar>
+class SimHashTables {
+ public:
+  SimHashTables() = default;
+
+  // Hyperplanes for kv head `head`: rows head·L·K .. (head + 1)·L·K − 1 of the Philox draw.
+  SimHashTables(Index dim, int bits, int tables, std::uint64_t seed, Index head)
+      : bits_(bits), tables_(tables), dim_(dim) {
+    const Index planes = Index(bits) * tables;
+    planes_.resize(planes, dim);
+    fill_gaussian(Philox(seed, streams::kv_cache_simhash), planes_, head * planes, 0);
+    buckets_.resize(static_cast<std::size_t>(tables) << bits);
+  }
+
+  struct HashScratch {
+    Vector<Scalar> x, proj;
+  };
+
+  int bits() const { return bits_; }
+  int tables() const { return tables_; }
+  Index planes() const { return Index(bits_) * tables_; }
+
+  // Codes of x − centre (centre may be null) into codes[0 .. tables). The projections are one
+  // matrix-vector product of fixed shape on an aligned copy of x, so a vector's codes do not
+  // depend on where it is stored or how many vectors were appended with it.
+  void codes(const Scalar* x, const Scalar* centre, HashScratch& scratch, std::uint32_t* codes) const {
+    scratch.x.resize(dim_);
+    scratch.proj.resize(planes());
+    for (Index c = 0; c < dim_; ++c) scratch.x(c) = centre ? x[c] - centre[c] : x[c];
+    scratch.proj.noalias() = planes_ * scratch.x;
+    for (int t = 0; t < tables_; ++t) {
+      std::uint32_t code = 0;
+      for (int b = 0; b < bits_; ++b) code |= std::uint32_t(scratch.proj(t * bits_ + b) > 0) << b;
+      codes[t] = code;
+    }
+  }
+
+  // Room for `per_bucket` entries in every bucket (a hint: buckets fill unevenly).
+  void reserve_buckets(std::size_t per_bucket) {
+    for (auto& b : buckets_) b.reserve(per_bucket);
+  }
+
+  void insert(std::int32_t key, const std::uint32_t* codes) {
+    for (int t = 0; t < tables_; ++t) bucket_mut(t, codes[t]).push_back(key);
+  }
+
+  const std::vector<std::int32_t>& bucket(int table, std::uint32_t code) const {
+    return buckets_[(static_cast<std::size_t>(table) << bits_) + code];
+  }
+
+  std::size_t bytes() const {
+    std::size_t b = sizeof(Scalar) * static_cast<std::size_t>(planes_.size());
+    for (const auto& v : buckets_) b += v.capacity() * sizeof(std::int32_t) + sizeof(v);
+    return b;
+  }
+
+ private:
+  std::vector<std::int32_t>& bucket_mut(int table, std::uint32_t code) {
+    return buckets_[(static_cast<std::size_t>(table) << bits_) + code];
+  }
+
+  int bits_ = 0, tables_ = 0;
+  Index dim_ = 0;
+  RowMatrix<Scalar> planes_;  // one hyperplane per row, table t owns rows [t·K, (t + 1)·K)
+  std::vector<std::vector<std::int32_t>> buckets_;
+};
+
+}  // namespace detail
+}  // namespace randattn

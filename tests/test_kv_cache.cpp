@@ -1,0 +1,720 @@
+// Decoding over a key/value cache (decode/kv_cache.hpp): exact mode against exact attention,
+// retrieval modes that retrieve everything against exact decoding, SimHash inclusion
+// probabilities against Monte Carlo collision rates, append/save/load bit identity, threads,
+// grouped-query heads and argument checks.
+
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+
+#include <randattn/decode/kv_cache.hpp>
+
+#include "support.hpp"
+
+using randattn::DecodeMode;
+using randattn::Index;
+using randattn::RowMatrix;
+using randattn::DecodeReport;
+using randattn::KvCache;
+using randattn::KvCacheOptions;
+
+namespace {
+
+template <typename Scalar>
+double rel_diff(const RowMatrix<Scalar>& a, const RowMatrix<Scalar>& b) {
+  return (a.template cast<double>() - b.template cast<double>()).norm() /
+         std::max(1e-300, b.template cast<double>().norm());
+}
+
+template <typename Scalar>
+bool bit_identical(const RowMatrix<Scalar>& a, const RowMatrix<Scalar>& b) {
+  return a.rows() == b.rows() && a.cols() == b.cols() &&
+         std::memcmp(a.data(), b.data(), sizeof(Scalar) * std::size_t(a.size())) == 0;
+}
+
+// Keys and values of kv_heads heads in the cache's head-major block layout: rows
+// [h·n, (h + 1)·n) are head h. Keys share a mean offset and cluster, so attention is peaked.
+template <typename Scalar>
+struct Tokens {
+  RowMatrix<Scalar> k, v;
+  Index n, kv_heads;
+  Tokens(std::uint64_t seed, Index n_, Index kv_heads_, Index d, Index dv)
+      : n(n_), kv_heads(kv_heads_) {
+    k = testing::clustered<Scalar>(seed, n * kv_heads, d, 7, 0.5);
+    k.rowwise() += testing::gaussian<Scalar>(seed + 2, 1, d, 1.0).row(0);
+    v = testing::gaussian<Scalar>(seed + 3, n * kv_heads, dv);
+  }
+  // Tokens [i0, i0 + t) of every head, head-major.
+  RowMatrix<Scalar> keys(Index i0, Index t) const { return slice(k, i0, t); }
+  RowMatrix<Scalar> values(Index i0, Index t) const { return slice(v, i0, t); }
+  RowMatrix<Scalar> head_keys(Index h) const { return k.middleRows(h * n, n); }
+  RowMatrix<Scalar> head_values(Index h) const { return v.middleRows(h * n, n); }
+
+ private:
+  RowMatrix<Scalar> slice(const RowMatrix<Scalar>& m, Index i0, Index t) const {
+    RowMatrix<Scalar> out(kv_heads * t, m.cols());
+    for (Index h = 0; h < kv_heads; ++h) out.middleRows(h * t, t) = m.middleRows(h * n + i0, t);
+    return out;
+  }
+};
+
+// Queries that point at a few keys of their kv head (peaked attention).
+template <typename Scalar>
+RowMatrix<Scalar> needle_queries(const Tokens<Scalar>& tok, Index q_heads, std::uint64_t seed,
+                                 double strength) {
+  const Index d = tok.k.cols(), group = q_heads / tok.kv_heads;
+  RowMatrix<Scalar> q = testing::gaussian<Scalar>(seed, q_heads, d, 0.3);
+  for (Index i = 0; i < q_heads; ++i) {
+    const Index h = i / group;
+    const Index j = (i * 7919 + 13) % tok.n;
+    q.row(i) += Scalar(strength) * tok.k.row(h * tok.n + j) / tok.k.row(h * tok.n + j).norm();
+  }
+  return q;
+}
+
+template <typename Scalar>
+KvCache<Scalar> filled(const Tokens<Scalar>& tok, const KvCacheOptions& opt) {
+  KvCache<Scalar> cache(tok.k.cols(), tok.v.cols(), tok.kv_heads, opt);
+  cache.append(tok.k, tok.v);
+  return cache;
+}
+
+std::string temp_path(const std::string& name) {
+  return "/tmp/randattn_test_kv_cache_" + std::to_string(::getpid()) + "_" + name;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("KvCache exact mode equals exact_attention of the same rows", "[kv_cache]",
+                   float, double) {
+  using S = TestType;
+  const Index d = 24, dv = 10, kvh = 2, qh = 6, n = 700;
+  const Tokens<S> tok(11, n, kvh, d, dv);
+  KvCacheOptions opt;
+  opt.block_size = 128;
+  const auto cache = filled(tok, opt);
+  REQUIRE(cache.size() == n);
+  const RowMatrix<S> q = needle_queries(tok, qh, 5, 4.0);
+  DecodeReport rep;
+  const RowMatrix<S> out = cache.attend(q, &rep);
+  CHECK(rep.exact_keys == qh * n);
+  CHECK(rep.retrieved_keys == 0);
+  const Index group = qh / kvh;
+  randattn::ExactOptions eo;
+  eo.block_size = 128;
+  for (Index h = 0; h < kvh; ++h) {
+    const RowMatrix<S> ref = randattn::exact_attention(q.middleRows(h * group, group),
+                                                       tok.head_keys(h), tok.head_values(h), eo);
+    const RowMatrix<S> got = out.middleRows(h * group, group);
+    CHECK(rel_diff(got, ref) <= (std::is_same<S, float>::value ? 1e-6 : 1e-14));
+  }
+}
+
+TEMPLATE_TEST_CASE("KvCache retrieval of every key equals exact decoding", "[kv_cache]", float,
+                   double) {
+  using S = TestType;
+  const double tol = std::is_same<S, float>::value ? 1e-5 : 1e-12;
+  const Index d = 32, dv = 16, kvh = 2, qh = 8, n = 1000;
+  const Tokens<S> tok(21, n, kvh, d, dv);
+  const RowMatrix<S> q = needle_queries(tok, qh, 7, 6.0);
+  const RowMatrix<S> exact = filled(tok, KvCacheOptions{}).attend(q);
+
+  for (const auto& [sinks, window] : {std::pair<Index, Index>{0, 0}, {4, 64}, {3, 997}}) {
+    KvCacheOptions blocks;
+    blocks.mode = DecodeMode::blocks;
+    blocks.sinks = sinks;
+    blocks.window = window;
+    blocks.page_size = 16;
+    blocks.top_pages = n / 16 + 1;  // every page
+    DecodeReport rep;
+    rep.record_keys = true;
+    CHECK(rel_diff(filled(tok, blocks).attend(q, &rep), exact) <= tol);
+    CHECK(rep.keys_scored() == qh * n);  // sinks and window never counted twice
+    for (const auto& keys : rep.scored_keys) {
+      CHECK(Index(std::set<std::int32_t>(keys.begin(), keys.end()).size()) == n);
+    }
+
+    KvCacheOptions lsh;
+    lsh.mode = DecodeMode::lsh_sample;
+    lsh.sinks = sinks;
+    lsh.window = window;
+    lsh.lsh_bits = 0;  // every key collides in every table: p = 1
+    lsh.lsh_tables = 2;
+    CHECK(rel_diff(filled(tok, lsh).attend(q, &rep), exact) <= tol);
+    CHECK(rep.keys_scored() == qh * n);
+    for (const auto& keys : rep.scored_keys) {
+      CHECK(Index(std::set<std::int32_t>(keys.begin(), keys.end()).size()) == n);
+      CHECK(Index(keys.size()) == n);
+    }
+  }
+}
+
+TEST_CASE("KvCache blocks attends to the pages with the highest bound", "[kv_cache]") {
+  const Index d = 16, dv = 8, n = 640, P = 32;
+  const Tokens<double> tok(31, n, 1, d, dv);
+  KvCacheOptions opt;
+  opt.mode = DecodeMode::blocks;
+  opt.sinks = 0;
+  opt.window = 0;
+  opt.page_size = P;
+  opt.top_pages = 3;
+  const auto cache = filled(tok, opt);
+  const RowMatrix<double> q = needle_queries(tok, 1, 3, 5.0);
+  DecodeReport rep;
+  rep.record_keys = true;
+  const RowMatrix<double> out = cache.attend(q, &rep);
+  CHECK(rep.pages_opened == 3);
+  CHECK(rep.pages_scored == n / P);
+  // The bounds by hand; every key's score is below its page's bound.
+  std::vector<std::pair<double, Index>> bounds;
+  for (Index p = 0; p < n / P; ++p) {
+    const RowMatrix<double> keys = tok.k.middleRows(p * P, P);
+    double b = 0;
+    for (Index c = 0; c < d; ++c)
+      b += std::max(q(0, c) * keys.col(c).minCoeff(), q(0, c) * keys.col(c).maxCoeff());
+    CHECK((keys * q.row(0).transpose()).maxCoeff() <= b + 1e-12);
+    bounds.push_back({-b, p});
+  }
+  std::sort(bounds.begin(), bounds.end());
+  std::set<std::int32_t> expected;
+  for (int t = 0; t < 3; ++t)
+    for (Index j = 0; j < P; ++j) expected.insert(std::int32_t(bounds[t].second * P + j));
+  CHECK(std::set<std::int32_t>(rep.scored_keys[0].begin(), rep.scored_keys[0].end()) == expected);
+  // Output: softmax over exactly those keys.
+  std::map<Index, int> targets;
+  for (auto j : expected) targets[j] = 1;
+  const Eigen::RowVectorXd ref = testing::softmax_over_targets(
+      q, 0, tok.k, tok.v, targets, 1.0 / std::sqrt(double(d)));
+  CHECK((out.row(0) - ref).norm() <= 1e-12 * ref.norm());
+
+  // Centring lowers every bound of a query by the same amount: same pages.
+  KvCacheOptions centred = opt;
+  centred.centre_tokens = 50;
+  DecodeReport rep2;
+  rep2.record_keys = true;
+  const RowMatrix<double> out2 = filled(tok, centred).attend(q, &rep2);
+  CHECK(rep2.scored_keys == rep.scored_keys);
+  CHECK((out2 - out).norm() <= 1e-12 * out.norm());
+}
+
+TEST_CASE("SimHash sample probability is P[Binomial(L, c) >= 2]", "[kv_cache]") {
+  for (const double cos : {-0.9, -0.2, 0.0, 0.3, 0.7, 0.95, 1.0}) {
+    for (const int K : {0, 1, 4, 10}) {
+      for (const int L : {2, 3, 8, 64, 200}) {
+        const double c = randattn::simhash_collision_probability(cos, K);
+        CHECK(c == Approx(std::pow(1.0 - std::acos(cos) / M_PI, K)).epsilon(1e-14));
+        // Direct binomial sum in long double.
+        long double p = 0, term = std::pow(1.0L - c, L);
+        for (int i = 0; i <= L; ++i) {
+          if (i >= 2) p += term;
+          term *= (long double)(L - i) / (i + 1) * c / (1.0L - c);
+        }
+        if (c >= 1) p = 1;
+        const double got = randattn::simhash_sample_probability(cos, K, L);
+        CHECK(got == Approx(double(p)).epsilon(1e-9).margin(1e-300));
+      }
+    }
+  }
+  // Tiny probabilities keep their relative accuracy: C(L,2) c^2 leading term.
+  const double c = randattn::simhash_collision_probability(-0.99, 16);
+  CHECK(randattn::simhash_sample_probability(-0.99, 16, 10) ==
+        Approx(45 * c * c * std::pow(1 - c, 8)).epsilon(1e-6));
+  CHECK(randattn::simhash_sample_probability(0.5, 4, 1) == 0.0);
+}
+
+TEST_CASE("KvCache lsh_sample inclusion probability matches the collision rate over seeds",
+          "[kv_cache]") {
+  // Keys at known cosines to one query; for each hash seed, record which keys were sampled.
+  // Each key's inclusion over seeds is Bernoulli(p); the check is |rate − p| ≤ 4σ with
+  // σ = sqrt(p(1 − p)/M) (a two-sided 4σ band: ~6e-5 chance per key for a correct p).
+  const Index d = 16, dv = 2;
+  const int K = 3, L = 5, M = 3000;
+  const std::vector<double> cosines = {0.95, 0.8, 0.5, 0.2, 0.0, -0.4};
+  const RowMatrix<double> g = testing::gaussian<double>(41, Index(cosines.size()) + 1, d);
+  Eigen::RowVectorXd qhat = g.row(0).normalized();
+  RowMatrix<double> keys(Index(cosines.size()), d);
+  for (Index i = 0; i < keys.rows(); ++i) {
+    Eigen::RowVectorXd u = g.row(i + 1) - g.row(i + 1).dot(qhat) * qhat;
+    u.normalize();
+    keys.row(i) = (2.0 + i) * (cosines[i] * qhat + std::sqrt(1 - cosines[i] * cosines[i]) * u);
+  }
+  const RowMatrix<double> values = RowMatrix<double>::Zero(keys.rows(), dv);
+  RowMatrix<double> q(1, d);
+  q.row(0) = 1.7 * qhat;
+  std::vector<int> hits(cosines.size(), 0);
+  for (int seed = 0; seed < M; ++seed) {
+    KvCacheOptions opt;
+    opt.mode = DecodeMode::lsh_sample;
+    opt.sinks = 0;
+    opt.window = 0;
+    opt.lsh_bits = K;
+    opt.lsh_tables = L;
+    opt.seed = 1000 + seed;
+    KvCache<double> cache(d, dv, 1, opt);
+    cache.append(keys, values);
+    DecodeReport rep;
+    rep.record_keys = true;
+    cache.attend(q, &rep);
+    for (const auto j : rep.scored_keys[0]) ++hits[j];
+  }
+  for (std::size_t i = 0; i < cosines.size(); ++i) {
+    const double p = randattn::simhash_sample_probability(cosines[i], K, L);
+    const double rate = double(hits[i]) / M;
+    const double sigma = std::sqrt(p * (1 - p) / M);
+    INFO("cos " << cosines[i] << ": p " << p << ", rate " << rate << ", sigma " << sigma);
+    CHECK(std::abs(rate - p) <= 4 * sigma + 1e-12);
+  }
+}
+
+TEST_CASE("KvCache lsh_sample weights sampled keys by 1/p and merges the exact part",
+          "[kv_cache]") {
+  const Index d = 24, dv = 6, n = 900;
+  const Tokens<double> tok(51, n, 1, d, dv);
+  KvCacheOptions opt;
+  opt.mode = DecodeMode::lsh_sample;
+  opt.sinks = 3;
+  opt.window = 40;
+  opt.lsh_bits = 4;
+  opt.lsh_tables = 6;
+  opt.centre_tokens = 100;
+  const auto cache = filled(tok, opt);
+  const RowMatrix<double> q = needle_queries(tok, 2, 9, 5.0);
+  DecodeReport rep;
+  rep.record_keys = true;
+  const RowMatrix<double> out = cache.attend(q, &rep);
+  const double scale = 1.0 / std::sqrt(double(d));
+  const Eigen::RowVectorXd centre = tok.k.topRows(100).colwise().mean();
+  REQUIRE((cache.key_centre(0).transpose() - centre).norm() <= 1e-12);
+  for (Index i = 0; i < 2; ++i) {
+    double top = -INFINITY;
+    std::vector<std::pair<Index, double>> logits;
+    for (const auto j : rep.scored_keys[i]) {
+      double s = scale * q.row(i).dot(tok.k.row(j));
+      if (j >= opt.sinks && j < n - opt.window) {
+        const Eigen::RowVectorXd kc = tok.k.row(j) - centre;
+        const double cos = q.row(i).dot(kc) / (q.row(i).norm() * kc.norm());
+        s -= std::log(randattn::simhash_sample_probability(cos, opt.lsh_bits, opt.lsh_tables));
+      }
+      logits.push_back({j, s});
+      top = std::max(top, s);
+    }
+    Eigen::RowVectorXd num = Eigen::RowVectorXd::Zero(dv);
+    double den = 0;
+    for (const auto& [j, s] : logits) {
+      num += std::exp(s - top) * tok.v.row(j);
+      den += std::exp(s - top);
+    }
+    CHECK((out.row(i) - num / den).norm() <= 1e-12 * (num / den).norm());
+  }
+  CHECK(rep.exact_keys == 2 * (3 + 40));
+  CHECK(rep.tables_probed == 2 * 6);
+}
+
+TEST_CASE("KvCache lsh_sample error falls as the number of tables grows", "[kv_cache]") {
+  // Mean relative error over 6 hash seeds and 8 query heads; with more tables more keys reach
+  // two collisions, so the importance-weighted estimate approaches exact decoding.
+  const Index d = 32, dv = 16, kvh = 2, qh = 8, n = 3000;
+  const Tokens<float> tok(61, n, kvh, d, dv);
+  const RowMatrix<float> q = needle_queries(tok, qh, 4, 3.0);
+  const RowMatrix<float> exact = filled(tok, KvCacheOptions{}).attend(q);
+  std::vector<double> errors;
+  for (const int L : {4, 16, 64}) {
+    double err = 0;
+    for (int seed = 0; seed < 6; ++seed) {
+      KvCacheOptions opt;
+      opt.mode = DecodeMode::lsh_sample;
+      opt.sinks = 0;
+      opt.window = 16;
+      opt.lsh_bits = 6;
+      opt.lsh_tables = L;
+      opt.seed = 77 + seed;
+      opt.centre_tokens = 64;
+      err += rel_diff(filled(tok, opt).attend(q), exact) / 6;
+    }
+    errors.push_back(err);
+  }
+  INFO("mean relative error for L = 4, 16, 64: " << errors[0] << ", " << errors[1] << ", "
+                                                 << errors[2]);
+  CHECK(errors[1] < errors[0]);
+  CHECK(errors[2] < errors[1]);
+}
+
+TEMPLATE_TEST_CASE("KvCache appending token by token equals one block, bit for bit",
+                   "[kv_cache]", float, double) {
+  using S = TestType;
+  const Index d = 20, dv = 12, kvh = 2, qh = 4, n = 300;
+  const Tokens<S> tok(71, n, kvh, d, dv);
+  const RowMatrix<S> q = needle_queries(tok, qh, 8, 4.0);
+  for (const DecodeMode mode : {DecodeMode::exact, DecodeMode::blocks, DecodeMode::lsh_sample,
+                                DecodeMode::lsf}) {
+    for (const Index centre_tokens : {Index(0), Index(37)}) {
+      KvCacheOptions opt;
+      opt.mode = mode;
+      opt.sinks = 2;
+      opt.window = 20;
+      opt.page_size = 8;
+      opt.top_pages = 5;
+      opt.lsh_bits = 5;
+      opt.lsh_tables = 12;
+      opt.lsf_filters = 16;
+      opt.lsf_tables = 3;
+      opt.centre_tokens = centre_tokens;
+      const auto block = filled(tok, opt);
+      KvCache<S> single(d, dv, kvh, opt), mixed(d, dv, kvh, opt);
+      for (Index i = 0; i < n; ++i) single.append(tok.keys(i, 1), tok.values(i, 1));
+      for (Index i0 = 0; i0 < n;) {
+        const Index t = std::min<Index>(n - i0, 1 + (i0 % 23));
+        mixed.append(tok.keys(i0, t), tok.values(i0, t));
+        i0 += t;
+      }
+      INFO("mode " << randattn::to_string(mode) << ", centre_tokens " << centre_tokens);
+      const RowMatrix<S> ref = block.attend(q);
+      CHECK(bit_identical<S>(single.attend(q), ref));
+      CHECK(bit_identical<S>(mixed.attend(q), ref));
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("KvCache save/load round trip is bit-identical", "[kv_cache]", float,
+                   double) {
+  using S = TestType;
+  const Index d = 16, dv = 8, kvh = 2, qh = 6, n = 250;
+  const Tokens<S> tok(81, n, kvh, d, dv);
+  const RowMatrix<S> q = needle_queries(tok, qh, 2, 4.0);
+  const std::string path = temp_path("roundtrip.bin");
+  for (const DecodeMode mode : {DecodeMode::exact, DecodeMode::blocks, DecodeMode::lsh_sample,
+                                DecodeMode::lsf}) {
+    KvCacheOptions opt;
+    opt.mode = mode;
+    opt.sinks = 1;
+    opt.window = 10;
+    opt.page_size = 4;
+    opt.top_pages = 7;
+    opt.lsh_bits = 4;
+    opt.lsh_tables = 9;
+    opt.lsf_filters = 12;
+    opt.lsf_tables = 2;
+    opt.lsf_threshold = 0.4;
+    opt.lsf_min_probes = 2;
+    opt.seed = 5;
+    opt.scale = 0.3;
+    opt.key_centre = testing::gaussian<double>(3, kvh, d, 0.5);
+    const auto cache = filled(tok, opt);
+    cache.save(path);
+    const auto loaded = KvCache<S>::load(path);
+    INFO("mode " << randattn::to_string(mode));
+    CHECK(loaded.size() == n);
+    CHECK(loaded.options().mode == mode);
+    CHECK(loaded.scale() == cache.scale());
+    for (Index h = 0; h < kvh; ++h) {
+      CHECK(bit_identical<S>(RowMatrix<S>(loaded.keys(h)), RowMatrix<S>(cache.keys(h))));
+      CHECK(bit_identical<S>(RowMatrix<S>(loaded.values(h)), RowMatrix<S>(cache.values(h))));
+    }
+    DecodeReport a, b;
+    CHECK(bit_identical<S>(loaded.attend(q, &a), cache.attend(q, &b)));
+    CHECK(a.keys_scored() == b.keys_scored());
+    // The loaded cache keeps growing like the original.
+    auto grown = KvCache<S>::load(path);
+    auto twin = filled(tok, opt);
+    const Tokens<S> more(82, 5, kvh, d, dv);
+    grown.append(more.k, more.v);
+    twin.append(more.k, more.v);
+    CHECK(bit_identical<S>(grown.attend(q), twin.attend(q)));
+  }
+  std::remove(path.c_str());
+}
+
+TEST_CASE("KvCache load rejects corrupt, truncated and mismatched files", "[kv_cache]") {
+  const Index d = 8, dv = 4, kvh = 1, n = 40;
+  const Tokens<float> tok(91, n, kvh, d, dv);
+  KvCacheOptions opt;
+  opt.mode = DecodeMode::blocks;
+  const auto cache = filled(tok, opt);
+  const std::string path = temp_path("corrupt.bin"), bad = temp_path("bad.bin");
+  cache.save(path);
+  std::vector<char> bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const auto write = [&](const std::vector<char>& b) {
+    std::ofstream out(bad, std::ios::binary | std::ios::trunc);
+    out.write(b.data(), std::streamsize(b.size()));
+  };
+  const auto load_error = [&]() -> std::string {
+    try {
+      KvCache<float>::load(bad);
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+    return "";
+  };
+  // Truncations at every interesting length.
+  for (const std::size_t keep : {std::size_t(0), std::size_t(5), std::size_t(8), std::size_t(40),
+                                 bytes.size() / 2, bytes.size() - 9, bytes.size() - 1}) {
+    write(std::vector<char>(bytes.begin(), bytes.begin() + std::ptrdiff_t(keep)));
+    const std::string msg = load_error();
+    INFO("kept " << keep << " bytes: " << msg);
+    CHECK(!msg.empty());
+  }
+  // A flipped bit in the header, the payload and the checksum.
+  for (const std::size_t at : {std::size_t(2), std::size_t(30), bytes.size() / 2, bytes.size() - 3}) {
+    std::vector<char> b = bytes;
+    b[at] ^= 0x10;
+    write(b);
+    const std::string msg = load_error();
+    INFO("flipped byte " << at << ": " << msg);
+    CHECK(!msg.empty());
+  }
+  {  // bad magic
+    std::vector<char> b = bytes;
+    b[0] = 'X';
+    write(b);
+    CHECK_THAT(load_error(), Catch::Contains("magic"));
+  }
+  {  // wrong scalar type
+    CHECK_THROWS_WITH(KvCache<double>::load(path), Catch::Contains("32-bit"));
+  }
+  {  // trailing garbage
+    std::vector<char> b = bytes;
+    b.push_back(0);
+    write(b);
+    CHECK(!load_error().empty());
+  }
+  CHECK_THROWS_AS(KvCache<float>::load(temp_path("missing.bin")), std::invalid_argument);
+  // The intact file still loads.
+  CHECK(KvCache<float>::load(path).size() == n);
+  std::remove(path.c_str());
+  std::remove(bad.c_str());
+}
+
+TEST_CASE("KvCache concurrent attend equals serial", "[kv_cache][threads]") {
+  const Index d = 32, dv = 16, kvh = 2, qh = 8, n = 2000;
+  const Tokens<float> tok(101, n, kvh, d, dv);
+  for (const DecodeMode mode : {DecodeMode::exact, DecodeMode::blocks, DecodeMode::lsh_sample,
+                                DecodeMode::lsf}) {
+    KvCacheOptions opt;
+    opt.mode = mode;
+    opt.page_size = 16;
+    opt.top_pages = 8;
+    opt.lsh_bits = 5;
+    opt.lsh_tables = 16;
+    opt.lsf_filters = 32;
+    const auto cache = filled(tok, opt);
+    std::vector<RowMatrix<float>> queries, serial;
+    for (int i = 0; i < 16; ++i) {
+      queries.push_back(needle_queries(tok, qh, 200 + i, 4.0));
+      serial.push_back(cache.attend(queries.back()));
+    }
+    std::atomic<int> mismatches{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t) {
+      threads.emplace_back([&, t] {
+        for (int rep = 0; rep < 3; ++rep)
+          for (int i = 0; i < 16; ++i) {
+            const int k = (i + 5 * t) % 16;
+            if (!bit_identical<float>(cache.attend(queries[k]), serial[k])) ++mismatches;
+          }
+      });
+    }
+    for (auto& th : threads) th.join();
+    INFO("mode " << randattn::to_string(mode));
+    CHECK(mismatches == 0);
+  }
+}
+
+TEST_CASE("KvCache grouped-query heads equal repeated kv heads", "[kv_cache]") {
+  const Index d = 16, dv = 8, kvh = 2, group = 3, n = 400;
+  const Tokens<double> tok(111, n, kvh, d, dv);
+  // The same keys with every kv head repeated `group` times.
+  const Index rep_heads = kvh * group;
+  RowMatrix<double> k(rep_heads * n, d), v(rep_heads * n, dv);
+  for (Index h = 0; h < rep_heads; ++h) {
+    k.middleRows(h * n, n) = tok.head_keys(h / group);
+    v.middleRows(h * n, n) = tok.head_values(h / group);
+  }
+  const RowMatrix<double> q = needle_queries(tok, kvh * group, 12, 4.0);
+  for (const DecodeMode mode : {DecodeMode::exact, DecodeMode::blocks}) {
+    KvCacheOptions opt;
+    opt.mode = mode;
+    opt.page_size = 8;
+    opt.top_pages = 6;
+    opt.window = 16;
+    const auto gqa = filled(tok, opt);
+    KvCache<double> mha(d, dv, rep_heads, opt);
+    mha.append(k, v);
+    INFO("mode " << randattn::to_string(mode));
+    CHECK(rel_diff(gqa.attend(q), mha.attend(q)) <= 1e-13);
+  }
+}
+
+TEST_CASE("KvCache rejects bad input and stays unchanged", "[kv_cache]") {
+  const Index d = 8, dv = 4, kvh = 2, n = 30;
+  const Tokens<float> tok(121, n, kvh, d, dv);
+  KvCacheOptions opt;
+  opt.mode = DecodeMode::blocks;
+  opt.page_size = 4;
+  opt.top_pages = 2;
+  opt.window = 4;
+
+  KvCache<float> empty(d, dv, kvh, opt);
+  const RowMatrix<float> q = needle_queries(tok, 4, 1, 2.0);
+  CHECK_THROWS_WITH(empty.attend(q), Catch::Contains("empty"));
+
+  auto cache = filled(tok, opt);
+  const RowMatrix<float> before = cache.attend(q);
+  const auto unchanged = [&] {
+    CHECK(cache.size() == n);
+    CHECK(bit_identical<float>(cache.attend(q), before));
+  };
+  using Catch::Contains;
+  CHECK_THROWS_WITH(cache.append(RowMatrix<float>::Zero(2, d + 1), RowMatrix<float>::Zero(2, dv)),
+                    Contains("head_dim"));
+  unchanged();
+  CHECK_THROWS_WITH(cache.append(RowMatrix<float>::Zero(2, d), RowMatrix<float>::Zero(2, dv + 1)),
+                    Contains("value_dim"));
+  unchanged();
+  CHECK_THROWS_WITH(cache.append(RowMatrix<float>::Zero(3, d), RowMatrix<float>::Zero(3, dv)),
+                    Contains("kv_heads"));
+  unchanged();
+  CHECK_THROWS_WITH(cache.append(RowMatrix<float>::Zero(2, d), RowMatrix<float>::Zero(4, dv)),
+                    Contains("same number of rows"));
+  unchanged();
+  RowMatrix<float> nan_k = RowMatrix<float>::Ones(4, d);
+  nan_k(3, 2) = std::numeric_limits<float>::quiet_NaN();
+  CHECK_THROWS_WITH(cache.append(nan_k, RowMatrix<float>::Ones(4, dv)), Contains("k ("));
+  unchanged();
+  RowMatrix<float> inf_v = RowMatrix<float>::Ones(4, dv);
+  inf_v(0, 0) = std::numeric_limits<float>::infinity();
+  CHECK_THROWS_WITH(cache.append(RowMatrix<float>::Ones(4, d), inf_v), Contains("v ("));
+  unchanged();
+
+  CHECK_THROWS_WITH(cache.attend(RowMatrix<float>::Zero(3, d)), Contains("multiple of kv_heads"));
+  CHECK_THROWS_WITH(cache.attend(RowMatrix<float>::Zero(0, d)), Contains("multiple of kv_heads"));
+  CHECK_THROWS_WITH(cache.attend(RowMatrix<float>::Zero(4, d + 2)), Contains("head_dim"));
+  RowMatrix<float> nan_q = q;
+  nan_q(1, 1) = std::numeric_limits<float>::quiet_NaN();
+  CHECK_THROWS_WITH(cache.attend(nan_q), Contains("q ("));
+  unchanged();
+
+  // Constructor arguments and options.
+  CHECK_THROWS_WITH(KvCache<float>(0, dv, kvh), Contains("head_dim"));
+  CHECK_THROWS_WITH(KvCache<float>(d, 0, kvh), Contains("value_dim"));
+  CHECK_THROWS_WITH(KvCache<float>(d, dv, 0), Contains("kv_heads"));
+  auto bad = [&](auto edit, const char* name) {
+    KvCacheOptions o;
+    edit(o);
+    CHECK_THROWS_WITH(KvCache<float>(d, dv, kvh, o), Contains(name));
+  };
+  bad([](KvCacheOptions& o) { o.page_size = 0; }, "page_size");
+  bad([](KvCacheOptions& o) { o.top_pages = -1; }, "top_pages");
+  bad([](KvCacheOptions& o) { o.lsh_bits = 17; }, "lsh_bits");
+  bad([](KvCacheOptions& o) { o.lsh_tables = 1; }, "lsh_tables");
+  bad([](KvCacheOptions& o) { o.sinks = -1; }, "sinks");
+  bad([](KvCacheOptions& o) { o.window = -2; }, "window");
+  bad([](KvCacheOptions& o) { o.block_size = 1000; }, "block_size");
+  bad([](KvCacheOptions& o) { o.scale = std::nan(""); }, "scale");
+  bad([](KvCacheOptions& o) { o.key_centre = RowMatrix<double>::Zero(3, 8); }, "key_centre");
+  bad([](KvCacheOptions& o) { o.mode = DecodeMode(9); }, "mode");
+  bad([](KvCacheOptions& o) { o.lsf_filters = 1; }, "lsf_filters");
+  bad([](KvCacheOptions& o) { o.lsf_tables = 0; }, "lsf_tables");
+  bad([](KvCacheOptions& o) { o.lsf_alpha = 1.5; }, "lsf_alpha");
+  bad([](KvCacheOptions& o) { o.lsf_threshold = std::nan(""); }, "lsf_threshold");
+  bad([](KvCacheOptions& o) { o.lsf_min_probes = -1; }, "lsf_min_probes");
+
+  // Opting out of the finiteness check is allowed.
+  KvCacheOptions lax = opt;
+  lax.check_finite = false;
+  KvCache<float> loose(d, dv, kvh, lax);
+  CHECK_NOTHROW(loose.append(nan_k, RowMatrix<float>::Ones(4, dv)));
+}
+
+TEST_CASE("KvCache edge cases: one token, short caches, huge norms, empty retrieval",
+          "[kv_cache]") {
+  const Index d = 8, dv = 3;
+  const Tokens<double> tok(131, 50, 1, d, dv);
+  for (const DecodeMode mode : {DecodeMode::exact, DecodeMode::blocks, DecodeMode::lsh_sample,
+                                DecodeMode::lsf}) {
+    KvCacheOptions opt;
+    opt.mode = mode;
+    KvCache<double> cache(d, dv, 1, opt);
+    cache.append(tok.keys(0, 1), tok.values(0, 1));
+    const RowMatrix<double> q = testing::gaussian<double>(3, 2, d);
+    const RowMatrix<double> out = cache.attend(q);  // one key: its value, whatever q
+    CHECK((out.row(0) - tok.v.row(0)).norm() <= 1e-15);
+    CHECK((out.row(1) - tok.v.row(0)).norm() <= 1e-15);
+  }
+  // Huge but finite logits are fine; an overflowing logit is an error, not Inf/NaN.
+  KvCache<float> big(d, dv, 1, KvCacheOptions{});
+  RowMatrix<float> k = tok.keys(0, 10).cast<float>() * 1e18f;
+  big.append(k, tok.values(0, 10).cast<float>());
+  RowMatrix<float> q = testing::gaussian<float>(4, 1, d) * 1e-16f;
+  CHECK(big.attend(q).allFinite());
+  q *= 1e37f;  // |q·k| ~ 1e39 > FLT_MAX
+  CHECK_THROWS_WITH(big.attend(q), Catch::Contains("overflowed"));
+  // Nothing exact and nothing retrieved: a zero row, reported.
+  KvCacheOptions none;
+  none.mode = DecodeMode::blocks;
+  none.sinks = 0;
+  none.window = 0;
+  none.top_pages = 0;
+  KvCache<double> c(d, dv, 1, none);
+  c.append(tok.k, tok.v);
+  DecodeReport rep;
+  const RowMatrix<double> zero = c.attend(testing::gaussian<double>(5, 1, d), &rep);
+  CHECK(zero.isZero(0));
+  CHECK(rep.empty_heads == 1);
+}
+
+TEMPLATE_TEST_CASE("KvCache lsf: every filter open equals exact; probes follow the threshold",
+                   "[kv_cache]", float, double) {
+  using S = TestType;
+  const double tol = std::is_same<S, float>::value ? 1e-5 : 1e-12;
+  const Index d = 32, dv = 16, kvh = 2, qh = 8, n = 1200;
+  const Tokens<S> tok(141, n, kvh, d, dv);
+  const RowMatrix<S> q = needle_queries(tok, qh, 3, 6.0);
+  const RowMatrix<S> exact = filled(tok, KvCacheOptions{}).attend(q);
+  KvCacheOptions opt;
+  opt.mode = DecodeMode::lsf;
+  opt.sinks = 2;
+  opt.window = 30;
+  opt.lsf_filters = 24;
+  opt.lsf_tables = 3;
+  opt.lsf_threshold = -std::numeric_limits<double>::infinity();
+  DecodeReport rep;
+  rep.record_keys = true;
+  CHECK(rel_diff(filled(tok, opt).attend(q, &rep), exact) <= tol);
+  CHECK(rep.filters_opened == qh * 3 * 24);
+  for (const auto& keys : rep.scored_keys) CHECK(Index(keys.size()) == n);  // each key once
+
+  // A high threshold opens only the min_probes best filters of each table; the keys scored are
+  // exactly those stored there (checked against the filter each key went to).
+  opt.lsf_threshold = 50.0;
+  opt.lsf_min_probes = 1;
+  opt.centre_tokens = 0;
+  const auto cache = filled(tok, opt);
+  const RowMatrix<S> out = cache.attend(q, &rep);
+  CHECK(rep.filters_opened == qh * 3);
+  CHECK(out.allFinite());
+  // The support found is a subset of the candidates, and it is attended exactly.
+  for (Index i = 0; i < qh; ++i) {
+    std::map<Index, int> targets;
+    for (const auto j : rep.scored_keys[i]) targets[j] = 1;
+    const Index h = i / (qh / kvh);
+    const Eigen::MatrixXd keys = tok.head_keys(h).template cast<double>();
+    const Eigen::MatrixXd values = tok.head_values(h).template cast<double>();
+    const Eigen::MatrixXd qd = q.template cast<double>();
+    const Eigen::RowVectorXd ref = testing::softmax_over_targets(
+        qd, i, keys, values, targets, 1.0 / std::sqrt(double(d)));
+    CHECK((out.row(i).template cast<double>() - ref).norm() <= 10 * tol * ref.norm());
+  }
+}

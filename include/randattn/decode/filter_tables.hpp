@@ -24,13 +24,9 @@
 #include "../lsf/filters.hpp"
 #include "../random/fill.hpp"
 #include "../random/philox.hpp"
+#include "../random/streams.hpp"
 
 namespace randattn {
-
-namespace streams {
-// Philox stream of the cache's filters ("KVC" + 2).
-constexpr std::uint32_t kv_cache_filters = 0x4B564302u;
-}  // namespace streams
 
 namespace detail {
 

@@ -24,13 +24,9 @@
 #include "../detail/validation.hpp"
 #include "../random/fill.hpp"
 #include "../random/philox.hpp"
+#include "../random/streams.hpp"
 
 namespace randattn {
-
-// Philox stream of the SimHash hyperplanes of the key/value cache ("KVC" + 1).
-namespace streams {
-constexpr std::uint32_t kv_cache_simhash = 0x4B564301u;
-}
 
 // Collision probability of one table of `bits` SimHash bits at cosine cos_theta.
 inline double simhash_collision_probability(double cos_theta, int bits) {

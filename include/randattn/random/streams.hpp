@@ -30,4 +30,8 @@ constexpr std::uint32_t kernel_variance_pairs = 0x56415201u;
 constexpr std::uint32_t lsf_dense_filters = 0x4C534601u;     // Gaussian (tables, m, d)
 constexpr std::uint32_t lsf_hadamard_filters = 0x4C534602u;  // seed of the H D3 H D2 H D1 rotations
 
+// Retrieval indexes of the key/value cache (decode/): "KVC" + purpose.
+constexpr std::uint32_t kv_cache_simhash = 0x4B564301u;  // SimHash hyperplanes (simhash_tables.hpp)
+constexpr std::uint32_t kv_cache_filters = 0x4B564302u;  // filters (filter_tables.hpp)
+
 }  // namespace randattn::streams

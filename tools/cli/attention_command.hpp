@@ -1,5 +1,7 @@
 #pragma once
-// `randattn-cli attention`: attention of .npy inputs, written to a .npy output.
+// `randattn-mpi attention`: attention of .npy inputs, written to a .npy output, with the method
+// classes of methods.hpp (randattn-cli's attention command is generated from the registry, see
+// registry_command.hpp).
 
 #include <randattn/io/npy.hpp>
 
@@ -34,10 +36,10 @@ class AttentionCommand {
         ->capture_default_str();
     cmd_->add_option("--q", q_path_, "Queries .npy: (n_q, d) or (batch, heads, n_q, d)")
         ->required();
-    k_opt_ = cmd_->add_option(
-        "--k", k_path_,
-        "Keys .npy: (n_k, d) or (batch, heads, n_k, d); methods that share queries and keys "
-        "(lsh) use the queries when omitted");
+    k_opt_ = cmd_->add_option("--k", k_path_, "Keys .npy: (n_k, d) or (batch, heads, n_k, d)");
+    cmd_->add_flag("--shared-qk", shared_qk_,
+                   "No --k: the keys are the normalised queries, each query's own key excluded "
+                   "(lsh)");
     cmd_->add_option("--v", v_path_, "Values .npy: (n_k, dv) or (batch, heads, n_k, dv)")
         ->required();
     cmd_->add_option("--out", out_path_,
@@ -67,6 +69,7 @@ class AttentionCommand {
     const randattn::io::NpyArray v = load("--v", v_path_);
     const randattn::BatchShape shape = check_shapes(info(q), info(k), info(v));
     const double scale = settings_.scale ? *settings_.scale : method.default_scale(shape.d);
+    settings_.scale = scale;  // every method gets the resolved scale, whatever its library default
     const Shape out_shape = output_shape(q.ndim(), shape);
 
     double seconds = 0, rel_error = 0;
@@ -108,11 +111,15 @@ class AttentionCommand {
 #endif
     }
 
-    settings_.shared_qk = k_opt_->count() == 0;
+    settings_.shared_qk = shared_qk_;
     settings_.report = report_ || compare_;
     settings_.compare = compare_;
-    if (settings_.shared_qk && !method.keys_optional())
-      throw CliError(std::string("--k is required for --method ") + method.name());
+    if (shared_qk_ && !method.keys_optional())
+      throw CliError(std::string("--method ") + method.name() + " does not support --shared-qk");
+    if (shared_qk_ && k_opt_->count() > 0) throw CliError("--k and --shared-qk exclude each other");
+    if (!shared_qk_ && k_opt_->count() == 0)
+      throw CliError(std::string("--k is required for --method ") + method.name() +
+                     (method.keys_optional() ? ", or --shared-qk" : ""));
     return method;
   }
 
@@ -278,6 +285,7 @@ class AttentionCommand {
   int threads_ = 1;
   bool report_ = false;
   bool compare_ = false;
+  bool shared_qk_ = false;
   CommonSettings settings_;
 };
 

@@ -198,7 +198,6 @@ class LshMethod final : public TypedMethod<LshMethod> {
   bool keys_optional() const override { return true; }
   // Shared QK compares with exact shared-QK attention (normalised keys, self rule).
   bool own_comparison() const override { return true; }
-  double default_scale(std::int64_t /*d*/) const override { return 1.0; }
 
   void add_options(CLI::App& cmd) override {
     buckets_opt_ = add_method_option(cmd, "--buckets", buckets_,

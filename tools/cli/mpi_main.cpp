@@ -156,6 +156,7 @@ class ShardedAttentionCommand : public AttentionCommand {
     });
     const randattn::BatchShape shape = check_shapes(q, k, v);
     const double scale = settings_.scale ? *settings_.scale : method.default_scale(shape.d);
+    settings_.scale = scale;  // every method gets the resolved scale, whatever its library default
     const Shape out_shape = output_shape(q.ndim(), shape);
     const randattn::mpi::RowPartition q_rows(shape.n_q, comm.size(), layout),
         k_rows(shape.n_k, comm.size(), layout);

@@ -7,6 +7,8 @@
 #                            the build tools; scripts append what else they use)
 #   randattn_require_packages   check the Debian packages, install the missing ones if root
 #   randattn_configure_and_build [cmake args...]   configure and build every enabled target
+#   RANDATTN_LAUNCHER        cmake arguments that put ccache in front of the compiler, when
+#                            ccache is installed (set RANDATTN_CCACHE=0 to build without it)
 
 RANDATTN_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RANDATTN_BUILD_DIR="${RANDATTN_BUILD_DIR:-$RANDATTN_ROOT/build}"
@@ -49,7 +51,21 @@ randattn_require_packages() {
     apt-get install -y --no-install-recommends "${missing[@]}"
 }
 
+# A compiler cache makes a rebuild of an unchanged tree, on the same machine, nearly free, also
+# from another clone: paths under the repository are hashed relative to it (base_dir), and the
+# build directory's own path is left out of the hash (hash_dir), so every clone shares objects.
+randattn_use_ccache() {
+    RANDATTN_LAUNCHER=()
+    if [ "${RANDATTN_CCACHE:-1}" != 0 ] && command -v ccache >/dev/null 2>&1; then
+        export CCACHE_BASEDIR="$RANDATTN_ROOT" CCACHE_NOHASHDIR=true
+        export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-10G}"
+        RANDATTN_LAUNCHER=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+    fi
+}
+
 randattn_configure_and_build() {
-    cmake -S "$RANDATTN_ROOT" -B "$RANDATTN_BUILD_DIR" -DCMAKE_BUILD_TYPE=Release "$@"
+    randattn_use_ccache
+    cmake -S "$RANDATTN_ROOT" -B "$RANDATTN_BUILD_DIR" -DCMAKE_BUILD_TYPE=Release \
+        "${RANDATTN_LAUNCHER[@]}" "$@"
     cmake --build "$RANDATTN_BUILD_DIR" -j"$(nproc)"
 }

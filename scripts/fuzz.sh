@@ -7,11 +7,13 @@ set -euo pipefail
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/common.sh"
 
 seconds=${1:-60}
-RANDATTN_PACKAGES+=(clang libclang-rt-14-dev libomp-14-dev)
+RANDATTN_PACKAGES+=(clang libclang-rt-14-dev libomp-14-dev ccache)
 randattn_require_packages
+randattn_use_ccache
 
 build="$RANDATTN_ROOT/build-fuzz"
 cmake -S "$RANDATTN_ROOT" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=clang++ \
+    "${RANDATTN_LAUNCHER[@]}" \
     -DRANDATTN_BUILD_FUZZERS=ON -DRANDATTN_BUILD_TESTS=OFF -DRANDATTN_BUILD_BENCHMARKS=OFF \
     -DRANDATTN_BUILD_EXAMPLES=OFF -DRANDATTN_INSTALL=OFF -DRANDATTN_PYTHON=OFF -DRANDATTN_MPI=OFF
 cmake --build "$build" -j"$(nproc)"

@@ -6,14 +6,15 @@
 set -euo pipefail
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/common.sh"
 
-RANDATTN_PACKAGES+=(catch2 clang libclang-rt-14-dev libomp-14-dev)
+RANDATTN_PACKAGES+=(catch2 clang libclang-rt-14-dev libomp-14-dev ccache)
 randattn_require_packages
+randattn_use_ccache
 
 archer=/usr/lib/llvm-14/lib/libarcher.so
 sanitized_build() {  # <dir> <sanitizers> <targets...>
     local dir=$1 sanitizers=$2
     shift 2
-    cmake -S "$RANDATTN_ROOT" -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    cmake -S "$RANDATTN_ROOT" -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo "${RANDATTN_LAUNCHER[@]}" \
         -DCMAKE_CXX_COMPILER=clang++ -DRANDATTN_SANITIZE="$sanitizers" \
         -DRANDATTN_BUILD_BENCHMARKS=OFF -DRANDATTN_INSTALL=OFF -DRANDATTN_MPI=OFF
     cmake --build "$dir" -j"$(nproc)" --target "$@"

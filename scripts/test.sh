@@ -4,7 +4,7 @@
 set -euo pipefail
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/common.sh"
 
-RANDATTN_PACKAGES+=(catch2 libbenchmark-dev)
+RANDATTN_PACKAGES+=(catch2 libbenchmark-dev ccache)
 # MPI is required here so that CI always tests the distributed layer (label "mpi").
 RANDATTN_PACKAGES+=(openmpi-bin libopenmpi-dev)
 # The Python module and its tests: Debian's interpreter and packages (no PyPI).
@@ -13,4 +13,4 @@ RANDATTN_PACKAGES+=(python3-dev python3-numpy python3-pytest pybind11-dev python
 randattn_require_packages
 randattn_configure_and_build -DRANDATTN_BUILD_TESTS=ON -DRANDATTN_BUILD_BENCHMARKS=ON -DRANDATTN_BUILD_EXAMPLES=ON \
     -DRANDATTN_PYTHON=ON -DPython_EXECUTABLE="${RANDATTN_PYTHON_EXECUTABLE:-/usr/bin/python3}" -DRANDATTN_MPI=ON
-ctest --test-dir "$RANDATTN_BUILD_DIR" --output-on-failure "$@"
+ctest --test-dir "$RANDATTN_BUILD_DIR" --output-on-failure -j"$(nproc)" "$@"

@@ -201,10 +201,9 @@ py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj,
   const reg::Call call = reg::make_call(method, std::move(given), settings, shape, kPython);
   const bool four_d = q.ndim() == 4;
   const py::array* kp = k ? &*k : nullptr;
-  return dtype == Dtype::float32 ? run_method<float>(method, call, four_d, q, kp, v, thread_count,
-                                                     settings.report)
-                                 : run_method<double>(method, call, four_d, q, kp, v, thread_count,
-                                                      settings.report);
+  return dtype == Dtype::float32
+             ? run_method<float>(method, call, four_d, q, kp, v, thread_count, settings.report)
+             : run_method<double>(method, call, four_d, q, kp, v, thread_count, settings.report);
 }
 
 }  // namespace

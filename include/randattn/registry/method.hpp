@@ -4,8 +4,8 @@
 // and shape to a job over contiguous row-major (batch, heads, n, d) buffers. A job returns the
 // method's report fields.
 
-#include <randattn/core/types.hpp>
 #include <randattn/core/options.hpp>
+#include <randattn/core/types.hpp>
 
 #include <chrono>
 #include <cmath>
@@ -29,10 +29,10 @@ struct Settings {
   bool causal = false;
   double scale = 1.0;  // always resolved: the given scale or default_scale(d)
   std::uint64_t seed = 0;
-  bool shared_qk = false;     // keys := normalised queries (methods with supports_shared_qk())
-  bool check_finite = true;   // reject NaN and infinities in the inputs
-  bool report = false;        // also compute the report's statistics (pairs, predicted error)
-  bool compare = false;       // methods with their own reference add "rel_error" (see Method)
+  bool shared_qk = false;    // keys := normalised queries (methods with supports_shared_qk())
+  bool check_finite = true;  // reject NaN and infinities in the inputs
+  bool report = false;       // also compute the report's statistics (pairs, predicted error)
+  bool compare = false;      // methods with their own reference add "rel_error" (see Method)
 };
 
 // What a builder sees.

@@ -59,9 +59,9 @@ struct OptionSpec {
   OptionType type;
   Value fallback;  // the default, monostate when there is none
   std::string help;
-  std::optional<Bound> min, max;      // integer and real options
-  bool finite = false;                // real options: reject NaN and infinities
-  std::vector<std::string> choices;   // text options; empty: any text
+  std::optional<Bound> min, max;     // integer and real options
+  bool finite = false;               // real options: reject NaN and infinities
+  std::vector<std::string> choices;  // text options; empty: any text
 };
 
 // How a front end spells options and settings in its messages: "--rounds 3" on the command line,
@@ -116,11 +116,11 @@ inline bool within(double x, const std::optional<Bound>& lo, const std::optional
 // "at least 1", "in (0, 1)", "positive".
 inline std::string range_text(const OptionSpec& s) {
   if (s.min && !s.max) {
-    if (s.min->open) return s.min->value == 0 ? "positive" : "greater than " + number_text(s.min->value);
+    if (s.min->open)
+      return s.min->value == 0 ? "positive" : "greater than " + number_text(s.min->value);
     return s.min->value == 0 ? "non-negative" : "at least " + number_text(s.min->value);
   }
-  if (s.max && !s.min)
-    return (s.max->open ? "less than " : "at most ") + number_text(s.max->value);
+  if (s.max && !s.min) return (s.max->open ? "less than " : "at most ") + number_text(s.max->value);
   return std::string("in ") + (s.min->open ? "(" : "[") + number_text(s.min->value) + ", " +
          number_text(s.max->value) + (s.max->open ? ")" : "]");
 }
@@ -131,16 +131,15 @@ inline std::string range_text(const OptionSpec& s) {
 inline void check_value(const OptionSpec& s, const Value& v, const Spelling& spell) {
   if (std::holds_alternative<std::monostate>(v)) return;
   const std::string name = spell.option(s.name);
-  const bool type_ok =
-      (s.type == OptionType::flag && std::holds_alternative<bool>(v)) ||
-      (s.type == OptionType::integer && std::holds_alternative<std::int64_t>(v)) ||
-      (s.type == OptionType::real && std::holds_alternative<double>(v)) ||
-      (s.type == OptionType::text && std::holds_alternative<std::string>(v)) ||
-      (s.type == OptionType::array && std::holds_alternative<ArrayValue>(v));
+  const bool type_ok = (s.type == OptionType::flag && std::holds_alternative<bool>(v)) ||
+                       (s.type == OptionType::integer && std::holds_alternative<std::int64_t>(v)) ||
+                       (s.type == OptionType::real && std::holds_alternative<double>(v)) ||
+                       (s.type == OptionType::text && std::holds_alternative<std::string>(v)) ||
+                       (s.type == OptionType::array && std::holds_alternative<ArrayValue>(v));
   if (!type_ok) throw OptionError(name + " must be of type " + type_name(s.type));
   if (s.type == OptionType::integer || s.type == OptionType::real) {
-    const double x = s.type == OptionType::integer ? double(std::get<std::int64_t>(v))
-                                                   : std::get<double>(v);
+    const double x =
+        s.type == OptionType::integer ? double(std::get<std::int64_t>(v)) : std::get<double>(v);
     const std::string text = s.type == OptionType::integer
                                  ? std::to_string(std::get<std::int64_t>(v))
                                  : detail::number_text(x);

@@ -87,8 +87,7 @@ inline void check_keys(const Method& method, bool keys_given, bool shared_qk,
                        const Spelling& spell) {
   std::string sharing;  // the methods that support shared QK
   for (const auto& m : methods())
-    if (m->supports_shared_qk())
-      sharing += (sharing.empty() ? "" : ", ") + spell.method(m->name());
+    if (m->supports_shared_qk()) sharing += (sharing.empty() ? "" : ", ") + spell.method(m->name());
   if (shared_qk && !method.supports_shared_qk())
     throw OptionError(spell.method(method.name()) + " does not support " + spell.shared_qk() +
                       " (only " + sharing + ")");
@@ -97,10 +96,10 @@ inline void check_keys(const Method& method, bool keys_given, bool shared_qk,
                       " exclude each other (shared QK uses the normalised queries as keys)");
   if (!shared_qk && !keys_given) {
     if (method.supports_shared_qk())
-      throw OptionError(spell.keys() + " is required for " + spell.method(method.name()) +
-                        ", or " + spell.shared_qk() + " for keys := normalised queries");
-    throw OptionError(spell.keys() + " is required for " + spell.method(method.name()) +
-                      " (" + spell.shared_qk() + " is only for " + sharing + ")");
+      throw OptionError(spell.keys() + " is required for " + spell.method(method.name()) + ", or " +
+                        spell.shared_qk() + " for keys := normalised queries");
+    throw OptionError(spell.keys() + " is required for " + spell.method(method.name()) + " (" +
+                      spell.shared_qk() + " is only for " + sharing + ")");
   }
 }
 

@@ -19,11 +19,11 @@ class ExactMethod final : public TypedMethod<ExactMethod> {
     opt.causal = call.settings.causal;
     opt.scale = call.settings.scale;
     opt.check_finite = call.settings.check_finite;
-    return [opt, shape = call.shape](const Scalar* q, const Scalar* k, const Scalar* v,
-                                     Scalar* out) {
-      exact_attention_batched(q, k, v, out, shape, opt);
-      return Report{};
-    };
+    return
+        [opt, shape = call.shape](const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out) {
+          exact_attention_batched(q, k, v, out, shape, opt);
+          return Report{};
+        };
   }
 };
 

@@ -233,9 +233,9 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
   template <typename Map, typename = void>
   struct has_closed_form_mse : std::false_type {};
   template <typename Map>
-  struct has_closed_form_mse<Map, std::void_t<decltype(kernel_relative_mse(
-                                      std::declval<const Map&>(), Eigen::VectorXd(),
-                                      Eigen::VectorXd()))>> : std::true_type {};
+  struct has_closed_form_mse<
+      Map, std::void_t<decltype(kernel_relative_mse(std::declval<const Map&>(), Eigen::VectorXd(),
+                                                    Eigen::VectorXd()))>> : std::true_type {};
 
   // The fitted statistic: averaged over every (batch, heads) slice, or the calibration rows.
   template <typename Map>
@@ -373,9 +373,8 @@ struct SderfFamily : FittedMap<DenseExponentialFeatures> {
 
 // Hybrids draw their own projections of the selected kind; omega is not among their options.
 template <typename Scalar, typename P>
-using DrawnProjection =
-    std::conditional_t<std::is_same<P, UserProjection<Scalar>>::value, OrthogonalProjection<Scalar>,
-                       P>;
+using DrawnProjection = std::conditional_t<std::is_same<P, UserProjection<Scalar>>::value,
+                                           OrthogonalProjection<Scalar>, P>;
 
 struct HybridFamily {
   static constexpr const char* name = "hybrid";

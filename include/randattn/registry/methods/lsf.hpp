@@ -69,9 +69,8 @@ class LsfMethod final : public TypedMethod<LsfMethod> {
     opt.scale = s.scale;
     opt.check_finite = s.check_finite;
     Report head = {{"filters", filters}, {"tables", o.integer("tables")}};
-    Report tail = {{"min_probes", opt.min_probes},
-                   {"rotation", rotation},
-                   {"seed", std::int64_t(s.seed)}};
+    Report tail = {
+        {"min_probes", opt.min_probes}, {"rotation", rotation}, {"seed", std::int64_t(s.seed)}};
     return [lsf, opt, head, tail, s, shape = call.shape](const Scalar* q, const Scalar* k,
                                                          const Scalar* v, Scalar* out) {
       const auto start = std::chrono::steady_clock::now();

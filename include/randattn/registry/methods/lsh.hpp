@@ -70,9 +70,9 @@ class LshMethod final : public TypedMethod<LshMethod> {
     opt.dedupe = o.flag("dedupe");
     opt.check_finite = s.check_finite;
     if (!s.shared_qk && !opt.exact_buckets)
-      throw OptionError("separate keys need " + o.spelling().setting("exact_buckets", "True") +
-                        " (sort-and-chunk attention shares queries and keys: " +
-                        o.spelling().shared_qk() + ")");
+      throw OptionError(
+          "separate keys need " + o.spelling().setting("exact_buckets", "True") +
+          " (sort-and-chunk attention shares queries and keys: " + o.spelling().shared_qk() + ")");
     Report report = {{"buckets", std::int64_t(hash->buckets())},
                      {"chunk", opt.chunk},
                      {"rounds", std::int64_t(hash->rounds())},

@@ -213,9 +213,11 @@ TEST_CASE("cli: 4-D float64 causal attention with --report", "[cli]") {
       R"({"method":"exact","dtype":"float64","q":[2,3,6,4],"k":[2,3,6,4],"v":[2,3,6,5],"out":[2,3,6,5],)"
       R"("causal":true,"scale":0.3,"threads":)";
   CHECK(line.rfind(head, 0) == 0);
+  const std::size_t shared = line.find(",\"shared_qk\":false,\"seconds\":");
+  REQUIRE(shared != std::string::npos);
   const std::size_t sec = line.find(",\"seconds\":");
   REQUIRE(sec != std::string::npos);
-  const std::string threads = line.substr(head.size(), sec - head.size());
+  const std::string threads = line.substr(head.size(), shared - head.size());
   CHECK((threads == "1" || threads == "2"));
   const std::string seconds = line.substr(sec + 11, line.size() - sec - 12);
   char* end = nullptr;

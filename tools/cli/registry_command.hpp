@@ -13,8 +13,8 @@
 #include <omp.h>
 #endif
 
-#include <chrono>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -35,8 +35,8 @@ namespace reg = randattn::registry;
 // The command line's spelling of a registered option: "--lambda-features", or "--no-dedupe" for
 // a flag that is on by default.
 inline std::string flag_of(const reg::OptionSpec& s) {
-  const bool negated = s.type == reg::OptionType::flag && std::holds_alternative<bool>(s.fallback) &&
-                       std::get<bool>(s.fallback);
+  const bool negated = s.type == reg::OptionType::flag &&
+                       std::holds_alternative<bool>(s.fallback) && std::get<bool>(s.fallback);
   return (negated ? "--no-" : "--") + reg::Spelling::kebab(s.name);
 }
 
@@ -90,9 +90,46 @@ class RegistryAttentionCommand {
   bool selected() const { return cmd_->parsed(); }
 
   int run() {
+    const reg::Method& method = prepare();
+    const randattn::io::NpyArray q = read_input("--q", q_path_);
+    const randattn::io::NpyArray k_file =
+        shared_qk_ ? randattn::io::NpyArray() : read_input("--k", k_path_);
+    const randattn::io::NpyArray& k = shared_qk_ ? q : k_file;
+    const randattn::io::NpyArray v = read_input("--v", v_path_);
+    const reg::Call call = make_call(method, info(q), info(k), info(v));
+    const Shape out_shape = output_shape(q.ndim(), call.shape);
+    Outcome outcome = q.is_float32() ? compute<float>(method, call, q, k, v, out_shape)
+                                     : compute<double>(method, call, q, k, v, out_shape);
+
+    if (report_ || compare_) {
+      JsonObject json =
+          report_json(method, call, info(q), info(k), info(v), out_shape, outcome.report);
+      if (compare_ && !method.own_comparison()) json.add("rel_error", outcome.rel_error);
+      json.add("seconds", outcome.seconds);
+      std::cout << json.str() << std::endl;
+    }
+    return 0;
+  }
+
+ protected:
+  // The shape and dtype of an input, whether read whole or only its header.
+  struct InputInfo {
+    Shape shape;
+    randattn::io::NpyDtype dtype;
+    std::size_t ndim() const { return shape.size(); }
+  };
+  static InputInfo info(const randattn::io::NpyArray& a) { return {a.shape, a.dtype()}; }
+
+  struct Outcome {
+    reg::Report report;
+    double seconds = 0, rel_error = 0;
+  };
+
+  // The selected method, after checking the flags that do not need the inputs (applies
+  // --threads).
+  const reg::Method& prepare() const {
     const reg::Method& method = select_method();
-    const reg::Spelling spell{true};
-    reg::check_keys(method, k_opt_->count() > 0, shared_qk_, spell);
+    reg::check_keys(method, k_opt_->count() > 0, shared_qk_, reg::Spelling{true});
     if (threads_opt_->count() > 0) {
       if (threads_ < 1)
         throw CliError("--threads must be at least 1, got " + std::to_string(threads_));
@@ -100,15 +137,15 @@ class RegistryAttentionCommand {
       omp_set_num_threads(threads_);
 #endif
     }
+    return method;
+  }
+
+  // The method's call on inputs of these shapes: option values and settings checked.
+  reg::Call make_call(const reg::Method& method, const InputInfo& q, const InputInfo& k,
+                      const InputInfo& v) const {
+    const reg::Spelling spell{true};
     std::map<std::string, reg::Value> given = option_values(method);
-
-    const randattn::io::NpyArray q = read_input("--q", q_path_);
-    const randattn::io::NpyArray k_file =
-        shared_qk_ ? randattn::io::NpyArray() : read_input("--k", k_path_);
-    const randattn::io::NpyArray& k = shared_qk_ ? q : k_file;
-    const randattn::io::NpyArray v = read_input("--v", v_path_);
     const randattn::BatchShape shape = check_shapes(q, k, v);
-
     reg::Settings settings;
     settings.causal = causal_;
     settings.scale = reg::resolve_scale(
@@ -117,41 +154,36 @@ class RegistryAttentionCommand {
     settings.shared_qk = shared_qk_;
     settings.report = report_ || compare_;
     settings.compare = compare_;
-    const reg::Call call = reg::make_call(method, std::move(given), settings, shape, spell);
-
-    Shape out_shape;
-    if (q.ndim() == 4) out_shape = {shape.batch, shape.heads};
-    out_shape.push_back(shape.n_q);
-    out_shape.push_back(shape.dv);
-    Outcome outcome = q.is_float32() ? compute<float>(method, call, q, k, v, out_shape)
-                                     : compute<double>(method, call, q, k, v, out_shape);
-
-    if (report_ || compare_) {
-      JsonObject json;
-      json.add("method", method.name())
-          .add("dtype", randattn::io::dtype_name(q.dtype()))
-          .add("q", q.shape)
-          .add("k", k.shape)
-          .add("v", v.shape)
-          .add("out", out_shape)
-          .add("causal", causal_)
-          .add("scale", settings.scale)
-          .add("threads", effective_threads());
-      for (const auto& [key, value] : outcome.report)
-        std::visit([&, &key = key](const auto& x) { json.add(key, x); }, value);
-      json.add("shared_qk", shared_qk_);
-      if (compare_ && !method.own_comparison()) json.add("rel_error", outcome.rel_error);
-      json.add("seconds", outcome.seconds);
-      std::cout << json.str() << std::endl;
-    }
-    return 0;
+    return reg::make_call(method, std::move(given), settings, shape, spell);
   }
 
- private:
-  struct Outcome {
-    reg::Report report;
-    double seconds = 0, rel_error = 0;
-  };
+  static Shape output_shape(std::size_t ndim, const randattn::BatchShape& shape) {
+    Shape out;
+    if (ndim == 4) out = {shape.batch, shape.heads};
+    out.push_back(shape.n_q);
+    out.push_back(shape.dv);
+    return out;
+  }
+
+  // The --report line without the comparison and timing fields.
+  JsonObject report_json(const reg::Method& method, const reg::Call& call, const InputInfo& q,
+                         const InputInfo& k, const InputInfo& v, const Shape& out_shape,
+                         const reg::Report& fields) const {
+    JsonObject json;
+    json.add("method", method.name())
+        .add("dtype", randattn::io::dtype_name(q.dtype))
+        .add("q", q.shape)
+        .add("k", k.shape)
+        .add("v", v.shape)
+        .add("out", out_shape)
+        .add("causal", causal_)
+        .add("scale", call.settings.scale)
+        .add("threads", effective_threads());
+    for (const auto& [key, value] : fields)
+      std::visit([&, &key = key](const auto& x) { json.add(key, x); }, value);
+    json.add("shared_qk", shared_qk_);
+    return json;
+  }
 
   static std::string shared_qk_methods() {
     std::string names;
@@ -170,8 +202,9 @@ class RegistryAttentionCommand {
     const std::string def = json_value(s.fallback);
     if (s.type != reg::OptionType::flag && def != "null") help += " (default " + def + ")";
     const std::string flag = flag_of(s);
+    // Flags are read from their count; add_flag(name, x) would take x as the flag's target.
     CLI::Option* opt = s.type == reg::OptionType::flag
-                           ? cmd_->add_flag(flag, help)
+                           ? cmd_->add_flag(flag)->description(help)
                            : cmd_->add_option(flag, text_[s.name], help);
     registered_.push_back({s, opt});
   }
@@ -242,12 +275,11 @@ class RegistryAttentionCommand {
 #endif
   }
 
-  static randattn::BatchShape check_shapes(const randattn::io::NpyArray& q,
-                                           const randattn::io::NpyArray& k,
-                                           const randattn::io::NpyArray& v) {
+  static randattn::BatchShape check_shapes(const InputInfo& q, const InputInfo& k,
+                                           const InputInfo& v) {
     const struct {
       const char* flag;
-      const randattn::io::NpyArray& a;
+      const InputInfo& a;
     } inputs[] = {{"--q", q}, {"--k", k}, {"--v", v}};
     for (const auto& in : inputs) {
       if (in.a.ndim() != 2 && in.a.ndim() != 4)
@@ -257,11 +289,11 @@ class RegistryAttentionCommand {
     }
     const std::string shapes =
         "q " + shape_str(q.shape) + ", k " + shape_str(k.shape) + ", v " + shape_str(v.shape);
-    if (q.dtype() != k.dtype() || q.dtype() != v.dtype())
+    if (q.dtype != k.dtype || q.dtype != v.dtype)
       throw CliError(std::string("--q, --k and --v must have the same dtype, got q ") +
-                     randattn::io::dtype_name(q.dtype()) + ", k " +
-                     randattn::io::dtype_name(k.dtype()) + ", v " +
-                     randattn::io::dtype_name(v.dtype()));
+                     randattn::io::dtype_name(q.dtype) + ", k " +
+                     randattn::io::dtype_name(k.dtype) + ", v " +
+                     randattn::io::dtype_name(v.dtype));
     if (q.ndim() != k.ndim() || q.ndim() != v.ndim())
       throw CliError("--q, --k and --v must have the same number of dimensions, got " + shapes);
 
@@ -288,9 +320,9 @@ class RegistryAttentionCommand {
   }
 
   template <typename Scalar>
-  Outcome compute(const reg::Method& method, const reg::Call& call,
-                  const randattn::io::NpyArray& q, const randattn::io::NpyArray& k,
-                  const randattn::io::NpyArray& v, const Shape& out_shape) const {
+  Outcome compute(const reg::Method& method, const reg::Call& call, const randattn::io::NpyArray& q,
+                  const randattn::io::NpyArray& k, const randattn::io::NpyArray& v,
+                  const Shape& out_shape) const {
     const reg::Job<Scalar> job = method.build(call, Scalar());
     std::uint64_t count = 1;
     for (std::int64_t dim : out_shape) {
@@ -364,8 +396,8 @@ class MethodsCommand {
         std::cout << m->name() << ": " << m->summary()
                   << (m->supports_shared_qk() ? " [--shared-qk]" : "") << "\n";
         for (const reg::OptionSpec& s : m->options())
-          std::cout << "  " << flag_of(s) << " (" << reg::type_name(s.type)
-                    << ", default " << json_value(s.fallback) << "): " << s.help << "\n";
+          std::cout << "  " << flag_of(s) << " (" << reg::type_name(s.type) << ", default "
+                    << json_value(s.fallback) << "): " << s.help << "\n";
       }
       return 0;
     }

@@ -10,7 +10,7 @@
 
 Each timing is the minimum over interleaved repeats. Usage (from a build with the module and
 randattn-cli, e.g. scripts/test.sh's):
-    PYTHONPATH=build/python /usr/bin/python3 bench/python_bench.py --cli build/examples/randattn-cli
+    PYTHONPATH=build/python /usr/bin/python3 bench/python_bench.py --cli build/tools/cli/randattn-cli
 """
 
 import argparse
@@ -55,7 +55,7 @@ def inputs(n, d, shared, dtype, workdir):
 CASES = [  # method, options, CLI flags
     ("exact", {}, []),
     ("favor", {"features": 256}, ["--features", "256"]),
-    ("lsh", {"chunk": 64, "rounds": 4}, ["--chunk", "64", "--rounds", "4"]),
+    ("lsh", {"chunk": 64, "rounds": 4, "shared_qk": True}, ["--chunk", "64", "--rounds", "4", "--shared-qk"]),
 ]
 
 

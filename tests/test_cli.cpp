@@ -59,10 +59,10 @@ class Workspace {
   std::string flag(const std::string& name, const std::string& file) const {
     return " --" + name + " " + quote(path(file));
   }
-  // The attention inputs q.npy, k.npy (unless keys are shared), v.npy and the output o.npy.
+  // The attention inputs q.npy, k.npy (or --shared-qk), v.npy and the output o.npy.
   std::string attention_io(bool with_keys = true) const {
-    return flag("q", "q.npy") + (with_keys ? flag("k", "k.npy") : "") + flag("v", "v.npy") +
-           flag("out", "o.npy");
+    return flag("q", "q.npy") + (with_keys ? flag("k", "k.npy") : " --shared-qk") +
+           flag("v", "v.npy") + flag("out", "o.npy");
   }
 
   // Runs randattn-cli with `args` (already shell-quoted where needed).
@@ -213,9 +213,11 @@ TEST_CASE("cli: 4-D float64 causal attention with --report", "[cli]") {
       R"({"method":"exact","dtype":"float64","q":[2,3,6,4],"k":[2,3,6,4],"v":[2,3,6,5],"out":[2,3,6,5],)"
       R"("causal":true,"scale":0.3,"threads":)";
   CHECK(line.rfind(head, 0) == 0);
+  const std::size_t shared = line.find(",\"shared_qk\":false,\"seconds\":");
+  REQUIRE(shared != std::string::npos);
   const std::size_t sec = line.find(",\"seconds\":");
   REQUIRE(sec != std::string::npos);
-  const std::string threads = line.substr(head.size(), sec - head.size());
+  const std::string threads = line.substr(head.size(), shared - head.size());
   CHECK((threads == "1" || threads == "2"));
   const std::string seconds = line.substr(sec + 11, line.size() - sec - 12);
   char* end = nullptr;
@@ -587,18 +589,21 @@ TEST_CASE("cli: lsh with shared QK, a user rotation file and the --report fields
   shape.dv = 3;
   const std::string io = ws.attention_io(/*with_keys=*/false);
 
-  SECTION("drawn rotation, defaults: b = 2 ceil(n / 64), r = 4, seed 0, scale 1") {
+  SECTION("drawn rotation, defaults: b = 2 ceil(n / 64), r = 4, seed 0, scale 1/sqrt(d)") {
     const Result r = ws.run("attention --method lsh --threads 1 --report" + io);
     INFO("stderr: " << r.err);
     REQUIRE(r.exit_code == 0);
-    CHECK(json_field(r.out, "scale") == "1");
+    CHECK(std::stod(json_field(r.out, "scale")) == 1 / std::sqrt(6.0));
+    CHECK(json_field(r.out, "shared_qk") == "true");
     CHECK(json_field(r.out, "buckets") == "2");
     CHECK(json_field(r.out, "rounds") == "4");
     CHECK(json_field(r.out, "rotation") == "\"dense\"");
     CHECK(json_field(r.out, "dedupe") == "true");
+    randattn::LshOptions opt;
+    opt.scale = 1 / std::sqrt(6.0);
     const auto expected = lsh_reference<float>(
         q, nullptr, v, shape,
-        randattn::CrossPolytopeHash<float>(randattn::RotationKind::dense, 6, 2, 4, 0), {});
+        randattn::CrossPolytopeHash<float>(randattn::RotationKind::dense, 6, 2, 4, 0), opt);
     const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));
     CHECK(o.shape == std::vector<std::int64_t>{40, 3});
     for (std::size_t i = 0; i < expected.size(); ++i)
@@ -621,6 +626,7 @@ TEST_CASE("cli: lsh with shared QK, a user rotation file and the --report fields
     opt.chunk = 8;
     opt.causal = true;
     opt.dedupe = false;
+    opt.scale = 1 / std::sqrt(6.0);
     const auto expected =
         lsh_reference<float>(q, nullptr, v, shape, randattn::CrossPolytopeHash<float>(rm, 3), opt);
     const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));
@@ -680,11 +686,16 @@ TEST_CASE("cli: lsh errors are one stderr line, exit code 2 and no output", "[cl
   save<float>(ws, "R_d5.npy", {5, 2, 3}, 5);
   const std::string q = ws.flag("q", "q.npy"), v = ws.flag("v", "v.npy"),
                     out = ws.flag("out", "o.npy");
-  const std::string lsh = "attention --method lsh" + q + v + out;
+  const std::string lsh = "attention --method lsh --shared-qk" + q + v + out;
   require_error(ws, "attention" + q + v + out, "--k is required for --method exact");
+  require_error(ws, "attention" + q + v + out, "--shared-qk");
+  require_error(ws, "attention --method lsh" + q + v + out, "--shared-qk");
+  require_error(ws, "attention --shared-qk" + q + v + out, "does not support --shared-qk");
   require_error(ws, "attention --chunk 8" + q + " --k " + quote(ws.path("q.npy")) + v + out,
                 "belongs to --method lsh");
-  require_error(ws, lsh + " --k " + quote(ws.path("q.npy")), "--exact-buckets");
+  require_error(ws, "attention --method lsh" + q + " --k " + quote(ws.path("q.npy")) + v + out,
+                "--exact-buckets");
+  require_error(ws, lsh + " --k " + quote(ws.path("q.npy")), "exclude each other");
   require_error(ws, lsh + " --buckets 7", "buckets must be even");
   require_error(ws, lsh + " --rounds 0", "rounds");
   require_error(ws, lsh + " --chunk 0", "--chunk");
@@ -786,6 +797,10 @@ TEST_CASE("cli: lsf errors are one stderr line, exit code 2 and no output", "[cl
   const std::string io = ws.attention_io();
   const std::string lsf = "attention --method lsf" + io;
   require_error(ws, "attention --method lsf --eta 1" + ws.attention_io(/*with_keys=*/false),
+                "--method lsf does not support --shared-qk");
+  require_error(ws,
+                "attention --method lsf --eta 1" + ws.flag("q", "q.npy") + ws.flag("v", "v.npy") +
+                    ws.flag("out", "o.npy"),
                 "--k is required for --method lsf");
   require_error(ws, "attention --filters 8" + io, "belongs to --method lsf");
   require_error(ws, "attention --method lsh --exact-buckets --tables 2" + io,

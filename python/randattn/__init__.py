@@ -19,39 +19,53 @@ __all__ = ["attention", "methods", "FeatureMap", "Decoder", "sparsify", "hosvd",
 
 
 def methods():
-    """{name: {"summary", "keys_optional", "options": {option: default}}} for every method."""
-    return {name: {"summary": m["summary"], "keys_optional": m["keys_optional"], "options": dict(m["options"])}
+    """{name: {"summary", "shared_qk", "options": {option: default}}} for every method, from the
+    library's method registry (the command line's ``randattn-cli methods --json`` lists the same)."""
+    return {name: {"summary": m["summary"], "shared_qk": m["shared_qk"], "options": dict(m["options"])}
             for name, m in _core.methods.items()}
 
 
 def attention(q, k, v, *, method="exact", causal=False, scale=None, seed=0, check_finite=True, threads=None,
-              **options):
+              shared_qk=False, report=False, **options):
     """softmax(scale · q kᵀ) v, exactly or estimated by ``method``.
 
-    q: (n_q, d) or (batch, heads, n_q, d); k: (n_k, d) or (batch, heads, n_k, d), or None for
-    methods that share queries and keys (lsh); v: (n_k, dv) or (batch, heads, n_k, dv). Returns
-    (n_q, dv) or (batch, heads, n_q, dv), as a NumPy array or a torch tensor like q.
+    q: (n_q, d) or (batch, heads, n_q, d); k: (n_k, d) or (batch, heads, n_k, d), or None with
+    shared_qk=True (methods that support it: lsh); v: (n_k, dv) or (batch, heads, n_k, dv).
+    Returns (n_q, dv) or (batch, heads, n_q, dv), as a NumPy array or a torch tensor like q; with
+    report=True, (out, report) where report is the command line's --report fields as a dict
+    (method, scale, the method's effective parameters, feature_dim, pairs_scored,
+    predicted_rel_mse where the method gives them, shared_qk, seconds).
 
     Options of every method (the command line's ``randattn-cli attention`` flags):
       causal        query i sees keys j <= i only (needs n_q == n_k)
-      scale         logit scale (default 1/sqrt(d); 1 for lsh, whose keys are unit vectors)
+      scale         logit scale (default 1/sqrt(d), for every method)
       seed          seed of the method's random draws (ignored by exact)
       check_finite  reject NaN and Inf inputs (ValueError naming the first one)
       threads       OpenMP threads for this call (default: the process setting)
+      shared_qk     keys := the normalised queries, each query's own key excluded (k=None; lsh)
+      report        also return the report dict
 
     Method-specific keyword options, with the command line's defaults:
       favor, favor-hyp, trig: features=256, projection="orthogonal" ("iid", "hadamard"),
                               omega=None (an (m, d) array of projections, used as given)
+      oprf, sderf:            as favor, and fit="queries+keys" ("given"), rho=None,
+                              calibration=None (an (r, d) array of sample rows)
       hybrid:                 features=256, projection="orthogonal", lambda_features=16
       hybrid-gaussian:        as hybrid, and bandwidth=1.0
       lsh:                    buckets=None (2*ceil(n/chunk)), chunk=64, rounds=4,
                               rotation="dense" ("hadamard"), rotations=None ((d, r, b/2) array),
                               dedupe=True, exact_buckets=False
+      lsf:                    filters=256, tables=4, eta=None, alpha=None (exactly one of the
+                              two), min_probes=1, rotation="dense" ("hadamard")
     ``methods()`` lists them all. An option of another method raises TypeError.
     """
     arrays = [as_numpy(q, "q"), None if k is None else as_numpy(k, "k"), as_numpy(v, "v")]
-    out = _core.attention(*arrays, method, causal, scale, seed, check_finite, threads, options)
-    return like(out, q)
+    result = _core.attention(*arrays, method, causal, scale, seed, check_finite, threads, shared_qk, report,
+                             options)
+    if report:
+        out, fields = result
+        return like(out, q), fields
+    return like(result, q)
 
 
 class FeatureMap:

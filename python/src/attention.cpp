@@ -1,262 +1,95 @@
-// randattn._core.attention: every attention method of the library behind one call, chosen by
-// name from the method table below.
-//
-// To add a method: write a class deriving from TypedMethod<YourClass> with name(), summary(),
-// options() (its keyword options and their defaults) and
-//     template <class Scalar> Job<Scalar> plan(const Settings&, const KeywordOptions&, const
-//     BatchShape&) const;
-// which reads the options (with the GIL held) and returns the computation, run without the GIL;
-// then append it in methods() below.
+// randattn._core.attention: every attention method of the library's registry
+// (include/randattn/registry/) behind one call, chosen by name. Keywords are converted here to
+// the registry's typed values (TypeError for a wrong type, checked first); every value and
+// combination is then checked by the registry (ValueError), as on the command line.
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
-#include <randattn/randattn.hpp>
+#include <randattn/registry/registry.hpp>
 
-#include <functional>
-#include <memory>
+#include <chrono>
+#include <map>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "arguments.hpp"
 #include "bindings.hpp"
-#include "feature_maps.hpp"
-#include "options.hpp"
 
 namespace randattn_python {
 
 namespace {
 
+namespace reg = randattn::registry;
 using randattn::BatchShape;
 
-// Options shared by every method.
-struct Settings {
-  bool causal = false;
-  std::optional<double> scale;  // unset: the method's default
-  std::uint64_t seed = 0;       // the method's random draws (unused by exact)
-  bool check_finite = true;
-  bool shared_qk = false;  // k is None: the keys are the queries (methods with keys_optional())
-};
+const reg::Spelling kPython{false};
 
-// The computation of one call on contiguous (batch, heads, n, ·) buffers; k is null for shared QK.
-template <typename Scalar>
-using Job = std::function<void(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out)>;
-
-class Method {
- public:
-  virtual ~Method() = default;
-  virtual const char* name() const = 0;
-  virtual const char* summary() const = 0;
-  virtual bool keys_optional() const { return false; }
-  virtual std::vector<OptionSpec> options() const { return {}; }
-  virtual Job<float> plan(const Settings&, const KeywordOptions&, const BatchShape&,
-                          float) const = 0;
-  virtual Job<double> plan(const Settings&, const KeywordOptions&, const BatchShape&,
-                           double) const = 0;
-};
-
-// Implements both plan() overloads from Derived's plan<Scalar>.
-template <typename Derived>
-class TypedMethod : public Method {
- public:
-  Job<float> plan(const Settings& s, const KeywordOptions& o, const BatchShape& b,
-                  float) const final {
-    return static_cast<const Derived&>(*this).template plan<float>(s, o, b);
-  }
-  Job<double> plan(const Settings& s, const KeywordOptions& o, const BatchShape& b,
-                   double) const final {
-    return static_cast<const Derived&>(*this).template plan<double>(s, o, b);
-  }
-};
-
-class ExactMethod final : public TypedMethod<ExactMethod> {
- public:
-  const char* name() const override { return "exact"; }
-  const char* summary() const override { return "exact softmax attention"; }
-
-  template <typename Scalar>
-  Job<Scalar> plan(const Settings& s, const KeywordOptions&, const BatchShape& shape) const {
-    randattn::ExactOptions opt;
-    opt.causal = s.causal;
-    opt.scale = s.scale;
-    opt.check_finite = s.check_finite;
-    return [opt, shape](const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out) {
-      randattn::exact_attention_batched(q, k, v, out, shape, opt);
-    };
-  }
-};
-
-// Random-feature attention with a map of one kind (feature_maps.hpp), one ω for every slice.
-class FeatureMethod final : public TypedMethod<FeatureMethod> {
- public:
-  FeatureMethod(const char* name, const char* summary, MapKind kind)
-      : name_(name), summary_(summary), kind_(kind) {}
-  const char* name() const override { return name_; }
-  const char* summary() const override { return summary_; }
-  std::vector<OptionSpec> options() const override { return map_kind(kind_).options; }
-
-  template <typename Scalar>
-  Job<Scalar> plan(const Settings& s, const KeywordOptions& o, const BatchShape& shape) const {
-    const MapSpec spec = map_spec(kind_, shape.d, s.seed, o);
-    randattn::RandomFeatureOptions opt;
-    opt.causal = s.causal;
-    opt.scale = s.scale;
-    opt.check_finite = s.check_finite;
-    return [spec, opt, shape](const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out) {
-      const AnyMap<Scalar> map = build_map<Scalar>(spec);
-      std::visit(
-          [&](const auto& m) {
-            randattn::random_feature_attention_batched(m, q, k, v, out, shape, opt);
-          },
-          map);
-    };
-  }
-
- private:
-  const char* name_;
-  const char* summary_;
-  MapKind kind_;
-};
-
-// LSH attention (Reformer): k = None shares queries and keys (sort-and-chunk or exact buckets);
-// separate keys need exact_buckets=True. Every slice uses the same rotations.
-class LshMethod final : public TypedMethod<LshMethod> {
- public:
-  const char* name() const override { return "lsh"; }
-  const char* summary() const override {
-    return "LSH attention (Reformer, cross-polytope buckets)";
-  }
-  bool keys_optional() const override { return true; }
-  std::vector<OptionSpec> options() const override {
-    return {{"buckets", std::monostate{}, "number of buckets b, even (default 2*ceil(n/chunk))"},
-            {"chunk", std::int64_t(64), "chunk length c of sort-and-chunk"},
-            {"rounds", std::int64_t(4), "hash rounds r"},
-            {"rotation", std::string("dense"), "random rotation: 'dense' or 'hadamard'"},
-            {"rotations", std::monostate{}, "dense rotations (d, r, b/2), used as given"},
-            {"dedupe", true,
-             "count a key once however many rounds see it (False: once per round, trax/HF)"},
-            {"exact_buckets", false, "attend to whole buckets instead of sorted chunks"}};
-  }
-
-  template <typename Scalar>
-  Job<Scalar> plan(const Settings& s, const KeywordOptions& o, const BatchShape& shape) const {
-    randattn::LshOptions opt;
-    opt.causal = s.causal;
-    opt.scale = s.scale;
-    opt.check_finite = s.check_finite;
-    opt.chunk = o.integer("chunk");
-    opt.exact_buckets = o.flag("exact_buckets");
-    opt.dedupe = o.flag("dedupe");
-    if (!s.shared_qk && !opt.exact_buckets)
-      throw py::value_error(
-          "separate keys need exact_buckets=True (sort-and-chunk attention shares queries and "
-          "keys; pass k=None)");
-    if (opt.chunk < 1)
-      throw py::value_error("chunk must be at least 1, got " + std::to_string(opt.chunk));
-    const HashSpec hash = hash_spec(o, shape, s.seed);
-    return [hash, opt, shape, shared = s.shared_qk](const Scalar* q, const Scalar* k,
-                                                    const Scalar* v, Scalar* out) {
-      const randattn::CrossPolytopeHash<Scalar> h = hash.build<Scalar>();
-      if (shared)
-        randattn::lsh_attention_batched(h, q, v, out, shape, opt);
-      else
-        randattn::lsh_attention_batched(h, q, k, v, out, shape, opt);
-    };
-  }
-
- private:
-  struct HashSpec {
-    randattn::RotationKind kind = randattn::RotationKind::dense;
-    Index dim = 0, buckets = 0, rounds = 0;
-    std::uint64_t seed = 0;
-    std::optional<randattn::RowMatrix<double>> rotations;  // d x (rounds * buckets / 2)
-
-    template <typename Scalar>
-    randattn::CrossPolytopeHash<Scalar> build() const {
-      if (rotations) return randattn::CrossPolytopeHash<Scalar>(rotations->cast<Scalar>(), rounds);
-      return randattn::CrossPolytopeHash<Scalar>(kind, dim, buckets, rounds, seed);
-    }
-  };
-
-  static HashSpec hash_spec(const KeywordOptions& o, const BatchShape& shape, std::uint64_t seed) {
-    HashSpec h;
-    h.dim = shape.d;
-    h.seed = seed;
-    const std::string rotation = o.text("rotation");
-    if (rotation != "dense" && rotation != "hadamard")
-      throw py::value_error("rotation must be 'dense' or 'hadamard', got '" + rotation + "'");
-    h.kind =
-        rotation == "hadamard" ? randattn::RotationKind::hadamard : randattn::RotationKind::dense;
-    h.rounds = o.integer("rounds");
-    if (!o.given("rotations")) {
-      h.buckets = o.given("buckets") ? o.integer("buckets")
-                                     : randattn::reformer_buckets(shape.n_k, o.integer("chunk"));
-      return h;
-    }
-    if (o.given("rotation")) throw py::value_error("rotation and rotations exclude each other");
-    const py::array r = as_float_array(o.value("rotations"), "rotations");
-    if (r.ndim() != 3 || r.shape(0) != shape.d || r.shape(1) < 1 || r.shape(2) < 1)
-      throw py::value_error("rotations: expected shape (d, r, b/2) with d = " +
-                            std::to_string(shape.d) + ", got " + shape_str(shape_of(r)));
-    if (o.given("rounds") && h.rounds != r.shape(1))
-      throw py::value_error("rounds=" + std::to_string(h.rounds) +
-                            " disagrees with rotations of shape " + shape_str(shape_of(r)));
-    if (o.given("buckets") && o.integer("buckets") != 2 * r.shape(2))
-      throw py::value_error("buckets=" + std::to_string(o.integer("buckets")) +
-                            " disagrees with rotations of shape " + shape_str(shape_of(r)));
-    h.rounds = r.shape(1);
-    h.buckets = 2 * r.shape(2);
-    const auto rd = py::array_t<double, py::array::c_style | py::array::forcecast>::ensure(r);
-    h.rotations = Eigen::Map<const randattn::RowMatrix<double>>(rd.data(), r.shape(0),
-                                                                r.shape(1) * r.shape(2));
-    return h;
-  }
-};
-
-// The method table: one entry per method, in the order listed to users.
-const std::vector<std::unique_ptr<Method>>& methods() {
-  static const std::vector<std::unique_ptr<Method>> table = [] {
-    std::vector<std::unique_ptr<Method>> t;
-    t.push_back(std::make_unique<ExactMethod>());
-    t.push_back(std::make_unique<FeatureMethod>(
-        "favor", "FAVOR+ positive random features (m features)", MapKind::positive));
-    t.push_back(std::make_unique<FeatureMethod>(
-        "favor-hyp", "hyperbolic positive random features (2m features)", MapKind::hyperbolic));
-    t.push_back(std::make_unique<FeatureMethod>(
-        "trig", "trigonometric random features (2m features, guarded denominator)", MapKind::trig));
-    t.push_back(std::make_unique<FeatureMethod>(
-        "hybrid", "angular hybrid lambda*hyperbolic + (1-lambda)*trig, lambda = angle/pi",
-        MapKind::angular_hybrid));
-    t.push_back(std::make_unique<FeatureMethod>(
-        "hybrid-gaussian",
-        "Gaussian hybrid lambda*trig + (1-lambda)*positive, lambda = exp(-s^2|x-y|^2/2)",
-        MapKind::gaussian_hybrid));
-    t.push_back(std::make_unique<LshMethod>());
-    return t;
-  }();
-  return table;
+// A registry value as a Python object (None when unset).
+py::object to_python(const reg::Value& v) {
+  return std::visit(
+      [](const auto& x) -> py::object {
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same<T, std::monostate>::value ||
+                      std::is_same<T, reg::ArrayValue>::value) {
+          return py::none();
+        } else {
+          return py::cast(x);
+        }
+      },
+      v);
 }
 
-const Method& find_method(const std::string& name) {
-  std::string names;
-  for (const auto& m : methods()) {
-    if (name == m->name()) return *m;
-    names += std::string(names.empty() ? "" : ", ") + m->name();
+// A keyword as the registry's typed value; TypeError for a wrong type.
+reg::Value to_value(const reg::OptionSpec& spec, py::handle h) {
+  if (h.is_none()) return std::monostate{};
+  switch (spec.type) {
+    case reg::OptionType::flag:
+      return to_flag(h, spec.name);
+    case reg::OptionType::integer:
+      return to_integer(h, spec.name);
+    case reg::OptionType::real:
+      return to_real(h, spec.name);
+    case reg::OptionType::text:
+      return to_text(h, spec.name);
+    case reg::OptionType::array: {
+      const py::array a = as_float_array(h, spec.name);
+      const auto d = py::array_t<double, py::array::c_style | py::array::forcecast>::ensure(a);
+      reg::ArrayValue out;
+      out.shape = shape_of(a);
+      out.data.assign(d.data(), d.data() + d.size());
+      out.source = "array";
+      return out;
+    }
   }
-  throw py::value_error("unknown method '" + name + "' (available: " + names + ")");
+  return std::monostate{};
 }
 
-// The methods other than `self` that own option `name` ("method 'lsh'"), or "".
-std::string owners_of(const std::string& name, const Method& self) {
-  std::string owners;
-  for (const auto& m : methods()) {
-    if (m.get() == &self) continue;
-    for (const OptionSpec& s : m->options())
-      if (s.name == name)
+// The method's keywords as typed values: TypeError for a keyword it does not own (naming the
+// methods that do) or a value of the wrong type.
+std::map<std::string, reg::Value> keyword_values(const reg::Method& method,
+                                                 const py::dict& options) {
+  std::map<std::string, reg::Value> values;
+  const std::vector<reg::OptionSpec> specs = method.options();
+  for (const auto& item : options) {
+    const std::string name = py::str(item.first);
+    const reg::OptionSpec* spec = nullptr;
+    for (const reg::OptionSpec& s : specs)
+      if (s.name == name) spec = &s;
+    if (!spec) {
+      std::string owners;
+      for (const reg::Method* m : reg::owners(name))
         owners += std::string(owners.empty() ? "method '" : ", '") + m->name() + "'";
+      if (!owners.empty())
+        throw py::type_error("attention() got option '" + name + "', which belongs to " + owners +
+                             ", not method '" + method.name() + "'");
+      throw py::type_error("attention() got an unexpected keyword argument '" + name + "'");
+    }
+    values[name] = to_value(*spec, item.second);
   }
-  return owners;
+  return values;
 }
 
 // Checks the shapes of q, k (absent for shared QK) and v: 2-D (n, d) or 4-D (batch, heads, n, d).
@@ -300,61 +133,77 @@ BatchShape batch_shape(const py::array& q, const py::array* k, const py::array& 
   return s;
 }
 
+py::object report_dict(const reg::Method& method, const reg::Call& call, const reg::Report& fields,
+                       double seconds) {
+  py::dict d;
+  d["method"] = method.name();
+  d["scale"] = call.settings.scale;
+  for (const auto& [key, value] : fields)
+    d[py::str(key)] = std::visit([](const auto& x) { return py::cast(x); }, value);
+  d["shared_qk"] = call.settings.shared_qk;
+  d["seconds"] = seconds;
+  return std::move(d);
+}
+
 template <typename Scalar>
-py::array run_method(const Method& method, const Settings& settings, const KeywordOptions& options,
-                     const BatchShape& shape, bool four_d, const py::array& q, const py::array* k,
-                     const py::array& v, std::optional<int> threads) {
-  const Job<Scalar> job = method.plan(settings, options, shape, Scalar());
+py::object run_method(const reg::Method& method, const reg::Call& call, bool four_d,
+                      const py::array& q, const py::array* k, const py::array& v,
+                      std::optional<int> threads, bool report) {
+  const reg::Job<Scalar> job = method.build(call, Scalar());
   const RowMajorInput<Scalar> qin(q), vin(v);
   const RowMajorInput<Scalar> kin = k ? RowMajorInput<Scalar>(*k) : RowMajorInput<Scalar>();
+  const BatchShape& shape = call.shape;
   std::vector<py::ssize_t> out_shape;
   if (four_d) out_shape = {shape.batch, shape.heads};
   out_shape.push_back(shape.n_q);
   out_shape.push_back(shape.dv);
   py::array_t<Scalar> out(out_shape);
   Scalar* out_data = out.mutable_data();
-  run_without_gil(threads, [&] { job(qin.data(), kin.data(), vin.data(), out_data); });
-  return std::move(out);
+  reg::Report fields;
+  double seconds = 0;
+  run_without_gil(threads, [&] {
+    const auto start = std::chrono::steady_clock::now();
+    fields = job(qin.data(), kin.data(), vin.data(), out_data);
+    seconds = reg::seconds_since(start);
+  });
+  if (!report) return std::move(out);
+  return py::make_tuple(out, report_dict(method, call, fields, seconds));
 }
 
-py::array attention(py::handle q_obj, py::handle k_obj, py::handle v_obj,
-                    const std::string& method_name, py::handle causal, py::handle scale,
-                    py::handle seed, py::handle check_finite, py::handle threads,
-                    const py::dict& options) {
-  const Method& method = find_method(method_name);
-  const std::vector<OptionSpec> specs = method.options();
-  check_keywords(options, specs, "attention", "method '" + method_name + "'",
-                 [&](const std::string& name) { return owners_of(name, method); });
+py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj,
+                     const std::string& method_name, py::handle causal, py::handle scale,
+                     py::handle seed, py::handle check_finite, py::handle threads,
+                     py::handle shared_qk, py::handle report, const py::dict& options) {
+  const reg::Method& method = reg::find_method(method_name, kPython);
+  std::map<std::string, reg::Value> given = keyword_values(method, options);
 
-  Settings settings;
+  reg::Settings settings;
   settings.causal = to_flag(causal, "causal");
-  if (!scale.is_none()) settings.scale = to_real(scale, "scale");
+  std::optional<double> scale_value;
+  if (!scale.is_none()) scale_value = to_real(scale, "scale");
   settings.seed = to_seed(seed, "seed");
   settings.check_finite = to_flag(check_finite, "check_finite");
-  settings.shared_qk = k_obj.is_none();
+  settings.shared_qk = to_flag(shared_qk, "shared_qk");
+  settings.report = to_flag(report, "report");
   const std::optional<int> thread_count = to_threads(threads);
 
   const py::array q = as_float_array(q_obj, "q"), v = as_float_array(v_obj, "v");
   std::optional<py::array> k;
-  if (settings.shared_qk) {
-    if (!method.keys_optional())
-      throw py::value_error(std::string("k is required for method '") + method.name() + "'");
-  } else {
-    k = as_float_array(k_obj, "k");
-  }
+  if (!k_obj.is_none()) k = as_float_array(k_obj, "k");
   const Dtype dtype = dtype_of(q);
   if (dtype_of(v) != dtype || (k && dtype_of(*k) != dtype))
     throw py::type_error(std::string("q, k and v must have the same dtype, got q ") +
                          dtype_name(dtype) + ", k " + (k ? dtype_name(dtype_of(*k)) : "None") +
                          ", v " + dtype_name(dtype_of(v)));
+  reg::check_keys(method, k.has_value(), settings.shared_qk, kPython);
   const BatchShape shape = batch_shape(q, k ? &*k : nullptr, v);
-  const KeywordOptions keywords(specs, options);
+  settings.scale = reg::resolve_scale(scale_value, shape.d, kPython);
+  const reg::Call call = reg::make_call(method, std::move(given), settings, shape, kPython);
   const bool four_d = q.ndim() == 4;
   const py::array* kp = k ? &*k : nullptr;
   return dtype == Dtype::float32
-             ? run_method<float>(method, settings, keywords, shape, four_d, q, kp, v, thread_count)
-             : run_method<double>(method, settings, keywords, shape, four_d, q, kp, v,
-                                  thread_count);
+             ? run_method<float>(method, call, four_d, q, kp, v, thread_count, settings.report)
+             : run_method<double>(method, call, four_d, q, kp, v, thread_count, settings.report);
 }
 
 }  // namespace
@@ -362,13 +211,16 @@ py::array attention(py::handle q_obj, py::handle k_obj, py::handle v_obj,
 void bind_attention(py::module_& m) {
   using namespace pybind11::literals;
   m.def("attention", &attention, "q"_a, "k"_a.none(true), "v"_a, "method"_a, "causal"_a,
-        "scale"_a.none(true), "seed"_a, "check_finite"_a, "threads"_a.none(true), "options"_a);
+        "scale"_a.none(true), "seed"_a, "check_finite"_a, "threads"_a.none(true), "shared_qk"_a,
+        "report"_a, "options"_a);
   py::dict table;
-  for (const auto& method : methods()) {
-    py::dict entry;
+  for (const auto& method : reg::methods()) {
+    py::dict entry, defaults;
     entry["summary"] = method->summary();
-    entry["keys_optional"] = method->keys_optional();
-    entry["options"] = defaults_of(method->options());
+    entry["shared_qk"] = method->supports_shared_qk();
+    for (const reg::OptionSpec& s : method->options())
+      defaults[py::str(s.name)] = to_python(s.fallback);
+    entry["options"] = defaults;
     table[py::str(method->name())] = entry;
   }
   m.attr("methods") = table;

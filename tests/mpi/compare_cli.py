@@ -104,7 +104,7 @@ def main():
             for causal in ([], ["--causal"]):
                 yield "%s%s" % (m, " causal" if causal else ""), ["--method", m, "--seed", "3"] + qkv + causal, []
         for causal in ([], ["--causal"]):
-            yield "lsh%s" % (" causal" if causal else ""), ["--method", "lsh", "--chunk", "4", "--seed", "3", "--q",
+            yield "lsh%s" % (" causal" if causal else ""), ["--method", "lsh", "--shared-qk", "--chunk", "4", "--seed", "3", "--q",
                                                             w("q.npy"), "--v", w("v.npy")] + causal, []
             yield "exact zigzag%s" % (" causal" if causal else ""), ["--method", "exact"] + qkv + causal, \
                 ["--layout", "zigzag"]

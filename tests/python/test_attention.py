@@ -118,9 +118,10 @@ def test_lsh_matches_the_cli(rng, tmp_path, dtype, layout, variant):
     if variant == "hadamard":
         flags += ["--rotation", "hadamard", "--no-dedupe"]
         options.update(rotation="hadamard", dedupe=False)
-    out = randattn.attention(q, keys, v, method="lsh", **options)
+    out = randattn.attention(q, keys, v, method="lsh", shared_qk=keys is None, **options)
     arrays = dict(q=q, v=v) if keys is None else dict(q=q, k=keys, v=v)
-    cli = run_cli(tmp_path, ["attention", "--method", "lsh"] + flags, **arrays)
+    shared = ["--shared-qk"] if keys is None else []
+    cli = run_cli(tmp_path, ["attention", "--method", "lsh"] + shared + flags, **arrays)
     assert out.dtype == dtype and out.shape == cli.shape
     assert_close(out, cli, dtype, terms=8)
 
@@ -132,7 +133,8 @@ def test_lsh_with_given_rotations_matches_numpy_limit(rng):
     q = rng.standard_normal((n, d))
     v = rng.standard_normal((n, 3))
     rotations = np.zeros((d, 2, 1))
-    out = randattn.attention(q, None, v, method="lsh", rotations=rotations, exact_buckets=True, dedupe=True)
+    out = randattn.attention(q, None, v, method="lsh", shared_qk=True, rotations=rotations, exact_buckets=True,
+                             dedupe=True, scale=1.0)
     keys = q / np.linalg.norm(q, axis=1, keepdims=True)
     logits = q @ keys.T
     np.fill_diagonal(logits, -np.inf)
@@ -140,18 +142,23 @@ def test_lsh_with_given_rotations_matches_numpy_limit(rng):
     assert_close(out, (w @ v) / w.sum(axis=1, keepdims=True), np.float64, terms=2 * n)
 
 
+OPTIONS = {"lsf": dict(eta=0.5)}
+
+
 @pytest.mark.parametrize("method", list(randattn.methods()))
 def test_thread_count_does_not_change_results(rng, method):
     q, k, v = qkv(rng, "4d", np.float64)
+    options = OPTIONS.get(method, {})
     keys = None if method == "lsh" else k
-    one = randattn.attention(q, keys, v, method=method, threads=1)
-    two = randattn.attention(q, keys, v, method=method, threads=2)
+    one = randattn.attention(q, keys, v, method=method, shared_qk=keys is None, threads=1, **options)
+    two = randattn.attention(q, keys, v, method=method, shared_qk=keys is None, threads=2, **options)
     np.testing.assert_array_equal(one, two)
 
 
 def test_method_table_defaults_are_the_cli_defaults():
     m = randattn.methods()
-    assert list(m) == ["exact", "favor", "favor-hyp", "trig", "hybrid", "hybrid-gaussian", "lsh"]
+    assert list(m) == ["exact", "favor", "favor-hyp", "trig", "oprf", "sderf", "hybrid", "hybrid-gaussian",
+                       "lsh", "lsf"]
     assert m["exact"]["options"] == {}
     for name in ("favor", "favor-hyp", "trig"):
         assert m[name]["options"] == {"features": 256, "projection": "orthogonal", "omega": None}
@@ -160,7 +167,12 @@ def test_method_table_defaults_are_the_cli_defaults():
                                                "lambda_features": 16, "bandwidth": 1.0}
     assert m["lsh"]["options"] == {"buckets": None, "chunk": 64, "rounds": 4, "rotation": "dense",
                                    "rotations": None, "dedupe": True, "exact_buckets": False}
-    assert m["lsh"]["keys_optional"] and not m["favor"]["keys_optional"]
+    for name in ("oprf", "sderf"):
+        assert m[name]["options"] == {"features": 256, "projection": "orthogonal", "omega": None,
+                                      "fit": "queries+keys", "rho": None, "calibration": None}
+    assert m["lsf"]["options"] == {"filters": 256, "tables": 4, "eta": None, "alpha": None, "min_probes": 1,
+                                   "rotation": "dense"}
+    assert m["lsh"]["shared_qk"] and not any(m[name]["shared_qk"] for name in m if name != "lsh")
 
 
 def test_defaults_equal_explicit_options(rng):

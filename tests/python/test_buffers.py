@@ -20,12 +20,17 @@ def copies_during(fn):
     return _core.input_copies() - before, result
 
 
+# Options a method needs to run at all (lsf: a threshold).
+OPTIONS = {"lsf": dict(eta=0.5)}
+
+
 @pytest.mark.parametrize("method", list(randattn.methods()))
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_c_contiguous_inputs_are_not_copied(rng, method, dtype):
     q, k, v = (rng.standard_normal((2, 2, 16, 4)).astype(dtype) for _ in range(3))
     keys = None if method == "lsh" else k
-    copies, out = copies_during(lambda: randattn.attention(q, keys, v, method=method))
+    copies, out = copies_during(lambda: randattn.attention(q, keys, v, method=method, shared_qk=keys is None,
+                                                           **OPTIONS.get(method, {})))
     assert copies == 0
     assert out.dtype == dtype and out.flags.c_contiguous
 
@@ -60,8 +65,12 @@ def test_inputs_are_never_written(rng):
     for a in (q, k, v):
         a.flags.writeable = False  # a write through the buffer would fail
     for method in randattn.methods():
-        randattn.attention(q, None if method == "lsh" else k, v, method=method)
-        randattn.attention(q, None if method == "lsh" else k, v, method=method, causal=True)
+        keys = None if method == "lsh" else k
+        for causal in (False, True):
+            if method in ("oprf", "sderf") and causal:
+                continue  # a fit on the sequence is not causal
+            randattn.attention(q, keys, v, method=method, causal=causal, shared_qk=keys is None,
+                               **OPTIONS.get(method, {}))
     for a, s in zip((q, k, v), saved):
         np.testing.assert_array_equal(a, s)
 
@@ -92,8 +101,9 @@ def test_2d_and_4d_layouts_agree(rng):
     q, k, v = (rng.standard_normal((1, 1, 20, 4)) for _ in range(3))
     for method in randattn.methods():
         keys = None if method == "lsh" else k
-        four = randattn.attention(q, keys, v, method=method)
-        two = randattn.attention(q[0, 0], None if keys is None else keys[0, 0], v[0, 0], method=method)
+        options = dict(shared_qk=keys is None, **OPTIONS.get(method, {}))
+        four = randattn.attention(q, keys, v, method=method, **options)
+        two = randattn.attention(q[0, 0], None if keys is None else keys[0, 0], v[0, 0], method=method, **options)
         assert four.shape == (1, 1, 20, 4) and two.shape == (20, 4)
         np.testing.assert_array_equal(four[0, 0], two)
 

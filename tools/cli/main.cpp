@@ -1,7 +1,8 @@
 // randattn-cli: command-line front end of randattn.
 //
 //   randattn-cli attention --method exact --q q.npy --k k.npy --v v.npy --out o.npy
-//                          [--causal] [--scale s] [--threads t] [--report]
+//                          [--causal] [--scale s] [--threads t] [--report] [method options]
+//   randattn-cli methods [--json]
 //   randattn-cli sparsify --in A.npy --budget n [--scheme spa|ndt|l2|uniform] [--seed s] --out
 //   Ahat.npy [--report] randattn-cli hosvd --in A.npy --ranks r1,r2,... [--budget n [--seed s]]
 //   --out-prefix P [--report]
@@ -16,7 +17,7 @@
 #include <iostream>
 #include <string>
 
-#include "attention_command.hpp"
+#include "registry_command.hpp"
 #include "sketch_commands.hpp"
 
 #ifndef RANDATTN_CLI_VERSION
@@ -45,7 +46,8 @@ int main(int argc, char** argv) {
         "randattn-cli"};
     app.set_version_flag("--version", std::string("randattn-cli ") + RANDATTN_CLI_VERSION);
     app.require_subcommand(1);
-    randattn_cli::AttentionCommand attention(app);
+    randattn_cli::RegistryAttentionCommand attention(app);
+    randattn_cli::MethodsCommand methods(app);
     randattn_cli::SparsifyCommand sparsify(app);
     randattn_cli::HosvdCommand hosvd(app);
 
@@ -57,6 +59,7 @@ int main(int argc, char** argv) {
     }
 
     if (attention.selected()) return attention.run();
+    if (methods.selected()) return methods.run();
     if (sparsify.selected()) return sparsify.run();
     if (hosvd.selected()) return hosvd.run();
     return report_error("no subcommand given (try --help)");

@@ -17,8 +17,6 @@
 // Exit codes: 0 on success, 2 on any error on any rank: every rank exits 2, rank 0 prints one
 // line "randattn-mpi: error: ..." on stderr, and no output file is created.
 
-#define RANDATTN_CLI_MPI 1
-
 #include <mpi.h>
 
 #include <CLI/CLI.hpp>
@@ -33,7 +31,8 @@
 #include <string>
 #include <vector>
 
-#include "attention_command.hpp"
+#include "registry_command.hpp"
+#include "sharded_methods.hpp"
 #include "sketch_commands.hpp"
 
 #ifndef RANDATTN_CLI_VERSION
@@ -130,9 +129,11 @@ double timed(Communicator& comm, Fn&& fn) {
   return seconds;
 }
 
-class ShardedAttentionCommand : public AttentionCommand {
+// randattn-cli's attention command (the registry's methods and flags), each method run by its
+// sharded runner (sharded_methods.hpp).
+class ShardedAttentionCommand : public RegistryAttentionCommand {
  public:
-  explicit ShardedAttentionCommand(CLI::App& app) : AttentionCommand(app) {
+  explicit ShardedAttentionCommand(CLI::App& app) : RegistryAttentionCommand(app) {
     cmd_->add_option("--layout", layout_,
                      "Rows per rank: contiguous (default) or zigzag (exact: rank p holds chunks p "
                      "and 2P-1-p of 2P, "
@@ -141,7 +142,10 @@ class ShardedAttentionCommand : public AttentionCommand {
   }
 
   int run(Communicator& comm) {
-    const AttentionMethod& method = prepare();
+    const reg::Method& method = prepare();
+    if (!sharded_runners<float>().count(method.name()))
+      throw CliError(std::string("randattn-mpi: --method ") + method.name() +
+                     " is not distributed; run it with randattn-cli");
     if (compare_)
       throw CliError("--compare is not available in randattn-mpi (compare with randattn-cli)");
     const auto layout = layout_ == "zigzag" ? randattn::mpi::RowLayout::zigzag
@@ -151,11 +155,11 @@ class ShardedAttentionCommand : public AttentionCommand {
     InputInfo q, k, v;
     collectively(comm, [&] {
       q = header("--q", q_path_);
-      k = settings_.shared_qk ? q : header("--k", k_path_);
+      k = shared_qk_ ? q : header("--k", k_path_);
       v = header("--v", v_path_);
     });
-    const randattn::BatchShape shape = check_shapes(q, k, v);
-    const double scale = settings_.scale ? *settings_.scale : method.default_scale(shape.d);
+    const reg::Call call = make_call(method, q, k, v);
+    const randattn::BatchShape& shape = call.shape;
     const Shape out_shape = output_shape(q.ndim(), shape);
     const randattn::mpi::RowPartition q_rows(shape.n_q, comm.size(), layout),
         k_rows(shape.n_k, comm.size(), layout);
@@ -164,22 +168,23 @@ class ShardedAttentionCommand : public AttentionCommand {
     local.n_k = k_rows.local_rows(comm.rank());
 
     double seconds = 0;
+    reg::Report fields;
     const auto compute = [&](auto tag) {
       using Scalar = decltype(tag);
       std::vector<Scalar> ql, kl, vl;
       collectively(comm, [&] {
         ql = read_rows<Scalar>("--q", q_path_, q, q_rows, comm.rank());
-        if (!settings_.shared_qk) kl = read_rows<Scalar>("--k", k_path_, k, k_rows, comm.rank());
+        if (!shared_qk_) kl = read_rows<Scalar>("--k", k_path_, k, k_rows, comm.rank());
         vl = read_rows<Scalar>("--v", v_path_, v, k_rows, comm.rank());
       });
-      const std::vector<Scalar>& keys = settings_.shared_qk ? ql : kl;
+      const std::vector<Scalar>& keys = shared_qk_ ? ql : kl;
       std::vector<Scalar> out(std::size_t(local.slices() * local.n_q * local.dv));
       const Shards shards{comm, layout, shape.n_q};
       comm.reset_bytes_sent();
       try {
         seconds = timed(comm, [&] {
-          method.run_sharded(shards, ql.data(), keys.data(), vl.data(), out.data(), local,
-                             settings_);
+          fields = sharded_runners<Scalar>().at(method.name())(shards, call, ql.data(), keys.data(),
+                                                               vl.data(), out.data(), local);
         });
       } catch (const std::invalid_argument& e) {  // thrown on every rank by the distributed methods
         throw CliError(e.what());
@@ -203,7 +208,7 @@ class ShardedAttentionCommand : public AttentionCommand {
       compute(double());
 
     if (report_) {
-      JsonObject json = report_json(method, q, k, v, out_shape, scale);
+      JsonObject json = report_json(method, call, q, k, v, out_shape, fields);
       json.add("layout", layout_).add("seconds", seconds);
       add_traffic(comm, json);
       if (comm.rank() == 0) std::cout << json.str() << std::endl;

@@ -1,0 +1,98 @@
+#pragma once
+// The interface of a registered attention method: its name, summary and options, whether it
+// shares queries and keys on request, and a builder from a call's resolved options, settings
+// and shape to a job over contiguous row-major (batch, heads, n, d) buffers. A job returns the
+// method's report fields.
+
+#include <randattn/core/options.hpp>
+#include <randattn/core/types.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "options.hpp"
+
+namespace randattn::registry {
+
+// One field of a run's report (a JSON scalar).
+using ReportValue = std::variant<bool, std::int64_t, double, std::string>;
+using Report = std::vector<std::pair<std::string, ReportValue>>;
+
+// The settings every method shares, resolved by the front end (see resolve_settings()).
+struct Settings {
+  bool causal = false;
+  double scale = 1.0;  // always resolved: the given scale or default_scale(d)
+  std::uint64_t seed = 0;
+  bool shared_qk = false;    // keys := normalised queries (methods with supports_shared_qk())
+  bool check_finite = true;  // reject NaN and infinities in the inputs
+  bool report = false;       // also compute the report's statistics (pairs, predicted error)
+  bool compare = false;      // methods with their own reference add "rel_error" (see Method)
+};
+
+// What a builder sees.
+struct Call {
+  Options options;
+  Settings settings;
+  BatchShape shape;
+  const Spelling& spelling() const { return options.spelling(); }
+};
+
+// Runs on the inputs (k is null under shared QK) and returns the report fields. Owns
+// everything it needs: it may run on another thread or without Python's GIL.
+template <typename Scalar>
+using Job = std::function<Report(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out)>;
+
+class Method {
+ public:
+  virtual ~Method() = default;
+  virtual const char* name() const = 0;
+  virtual const char* summary() const = 0;
+  // The options the method owns, each declared once (shared ones come from one function).
+  virtual std::vector<OptionSpec> options() const = 0;
+  // True when the method can run with keys := normalised queries, self excluded (Reformer).
+  virtual bool supports_shared_qk() const { return false; }
+  // True when the method's report holds its own "rel_error" under Settings::compare (a
+  // reference other than plain exact attention, or timings of its own).
+  virtual bool own_comparison() const { return false; }
+  // Checks the options against the shape and returns the job; throws OptionError.
+  virtual Job<float> build(const Call& call, float) const = 0;
+  virtual Job<double> build(const Call& call, double) const = 0;
+};
+
+// Implements both build() overloads from Derived::build<Scalar>(call).
+template <typename Derived>
+class TypedMethod : public Method {
+ public:
+  Job<float> build(const Call& call, float) const final {
+    return static_cast<const Derived&>(*this).template make<float>(call);
+  }
+  Job<double> build(const Call& call, double) const final {
+    return static_cast<const Derived&>(*this).template make<double>(call);
+  }
+};
+
+// The logit scale of every method when none is given: 1/sqrt(d).
+inline double default_scale(std::int64_t d) { return randattn::detail::inverse_sqrt_dim(d); }
+
+inline double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// ‖out − exact‖_F / ‖exact‖_F in double.
+template <typename Scalar>
+double relative_error(const Scalar* out, const Scalar* exact, std::size_t count) {
+  double diff = 0, norm = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    diff += (double(out[i]) - double(exact[i])) * (double(out[i]) - double(exact[i]));
+    norm += double(exact[i]) * double(exact[i]);
+  }
+  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+}
+
+}  // namespace randattn::registry

@@ -1,0 +1,423 @@
+#pragma once
+// Registered random-feature methods: favor (positive features), favor-hyp (hyperbolic positive
+// features), trig, oprf (optimal positive features), sderf (symmetric dense-exponential
+// features), hybrid (angular hybrid of hyperbolic and trig) and hybrid-gaussian (Gaussian-kernel
+// hybrid of trig and positive). They share one family of options (features, projection, omega,
+// lambda_features, bandwidth, fit, rho, calibration), each declared once below and owned by the
+// methods that use it. Every (batch, heads) slice uses the same map, drawn from the seed.
+//
+// oprf and sderf fit their parameters once per call: to the queries and keys (fit
+// "queries+keys", the default; one statistic averaged over the slices), or to given values (fit
+// "given" with rho, the mean of scale·|q_i + k_j|^2 over pairs, or calibration, rows of sample
+// queries/keys). A fit on the sequence lets every output depend on every key, so causal
+// attention requires fit "given".
+
+#include <randattn/randattn.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "../method.hpp"
+
+namespace randattn::registry {
+
+namespace feature_options {
+
+inline OptionSpec features() {
+  OptionSpec s{"features", OptionType::integer, std::int64_t(256),
+               "number m of random projections"};
+  s.min = Bound{1};
+  return s;
+}
+inline OptionSpec projection() {
+  OptionSpec s{"projection", OptionType::text, std::string("orthogonal"),
+               "iid, orthogonal (Haar blocks, chi row norms) or hadamard"};
+  s.choices = {"iid", "orthogonal", "hadamard"};
+  return s;
+}
+inline OptionSpec omega() {
+  return {"omega", OptionType::array, std::monostate{},
+          "(m, d) array whose rows are the projections omega_i (m = its rows)"};
+}
+inline OptionSpec lambda_features() {
+  OptionSpec s{"lambda_features", OptionType::integer, std::int64_t(16),
+               "hybrids: random features n_lambda of the weight estimator"};
+  s.min = Bound{1};
+  return s;
+}
+inline OptionSpec bandwidth() {
+  OptionSpec s{"bandwidth", OptionType::real, 1.0,
+               "hybrid-gaussian: bandwidth s of lambda = exp(-s^2 |x - y|^2 / 2) on normalised "
+               "rows"};
+  s.min = Bound{0, true};
+  s.finite = true;
+  return s;
+}
+inline OptionSpec fit() {
+  OptionSpec s{"fit", OptionType::text, std::string("queries+keys"),
+               "oprf, sderf: fit the parameters to queries+keys (not with causal) or to given "
+               "values (rho or calibration)"};
+  s.choices = {"queries+keys", "given"};
+  return s;
+}
+inline OptionSpec rho() {
+  OptionSpec s{"rho", OptionType::real, std::monostate{},
+               "oprf, sderf with fit given: mean of scale*|q_i + k_j|^2 over query-key pairs "
+               "(sderf: isotropic second moment rho/d I)"};
+  s.min = Bound{0};
+  s.finite = true;
+  return s;
+}
+inline OptionSpec calibration() {
+  return {"calibration", OptionType::array, std::monostate{},
+          "oprf, sderf with fit given: (r, d) array, rows of sample queries/keys to fit to"};
+}
+
+}  // namespace feature_options
+
+namespace detail {
+
+// The (batch, heads) slices of contiguous q and k buffers as matrices.
+template <typename Scalar>
+struct SliceView {
+  const Scalar* q_data;
+  const Scalar* k_data;
+  BatchShape shape;
+  ConstRowMatrixMap<Scalar> q(Index s) const {
+    return {q_data + s * shape.n_q * shape.d, shape.n_q, shape.d};
+  }
+  ConstRowMatrixMap<Scalar> k(Index s) const {
+    return {k_data + s * shape.n_k * shape.d, shape.n_k, shape.d};
+  }
+};
+
+// An ArrayValue as a row-major matrix of Scalar (2-D arrays only).
+template <typename Scalar>
+RowMatrix<Scalar> as_matrix(const ArrayValue& a) {
+  return Eigen::Map<const RowMatrix<double>>(a.data.data(), a.shape[0], a.shape[1])
+      .template cast<Scalar>();
+}
+
+inline std::string shape_text(const std::vector<std::int64_t>& s) {
+  std::string out = "(";
+  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  if (s.size() == 1) out += ",";
+  return out + ")";
+}
+
+}  // namespace detail
+
+// A random-feature method: Family supplies name, summary, the options it owns and
+// make<Scalar>(projection, options, seed, d), the map built on that projection (hybrids take only
+// its kind). The map's feature dimension is reported.
+template <typename Family>
+class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
+ public:
+  const char* name() const override { return Family::name; }
+  const char* summary() const override { return Family::summary; }
+  std::vector<OptionSpec> options() const override { return Family::options(); }
+
+  template <typename Scalar>
+  Job<Scalar> make(const Call& call) const {
+    check(call);
+    return [call](const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out) {
+      const detail::SliceView<Scalar> data{q, k, call.shape};
+      return with_map<Scalar>(call, &data, [&](const auto& map, const RandomFeatureOptions& opt) {
+        random_feature_attention_batched(map, q, k, v, out, call.shape, opt);
+      });
+    };
+  }
+
+  // Checks the options against the shape before anything runs.
+  static void check(const Call& call) {
+    const Options& o = call.options;
+    const std::int64_t d = call.shape.d;
+    if (o.given("omega")) {
+      const ArrayValue& w = o.array("omega");
+      if (o.given("projection"))
+        throw OptionError(o.spelled("omega") + " and " + o.spelled("projection") +
+                          " cannot be combined");
+      if (w.shape.size() != 2 || w.shape[1] != d || w.shape[0] < 1)
+        throw OptionError(o.spelled("omega") + ": expected an (m, " + std::to_string(d) +
+                          ") array with m >= 1, got shape " + detail::shape_text(w.shape));
+      if (o.given("features") && w.shape[0] != o.integer("features"))
+        throw OptionError(o.spelling().setting("features", std::to_string(o.integer("features"))) +
+                          " disagrees with the " + std::to_string(w.shape[0]) + " rows of " +
+                          o.spelled("omega"));
+    }
+    if (!Family::fitted) return;
+    if (o.text("fit") == "queries+keys") {
+      if (call.settings.causal)
+        throw OptionError(o.spelling().setting("fit", "queries+keys") +
+                          " would let every causal output depend on every key; use " +
+                          o.spelling().setting("fit", "given") + " with " + o.spelled("rho") +
+                          " or " + o.spelled("calibration"));
+      if (o.given("rho") || o.given("calibration"))
+        throw OptionError(o.spelled("rho") + " and " + o.spelled("calibration") + " need " +
+                          o.spelling().setting("fit", "given"));
+      return;
+    }
+    if (o.given("rho") == o.given("calibration"))
+      throw OptionError(o.spelling().setting("fit", "given") + " needs exactly one of " +
+                        o.spelled("rho") + " and " + o.spelled("calibration"));
+    if (o.given("calibration")) {
+      const ArrayValue& c = o.array("calibration");
+      if (c.shape.size() != 2 || c.shape[1] != d || c.shape[0] < 1)
+        throw OptionError(o.spelled("calibration") + ": expected an (r, " + std::to_string(d) +
+                          ") array with r >= 1, got shape " + detail::shape_text(c.shape));
+    }
+  }
+
+  // Calls fn(map, options) with the map the options select, fitted (oprf, sderf) to the rows of
+  // `data` or to the given statistic, and returns the report. data == nullptr: the rows are
+  // elsewhere (sharded across processes), so only a given statistic fits and no predicted error
+  // is computed.
+  template <typename Scalar, typename Fn>
+  static Report with_map(const Call& call, const detail::SliceView<Scalar>* data, Fn&& fn) {
+    const Options& o = call.options;
+    const std::int64_t d = call.shape.d;
+    RandomFeatureOptions opt;
+    opt.causal = call.settings.causal;
+    opt.scale = call.settings.scale;
+    opt.check_finite = call.settings.check_finite;
+    const double normaliser = std::sqrt(call.settings.scale);
+    const std::uint64_t seed = call.settings.seed;
+    Report report;
+    std::int64_t feature_dim = 0;
+    std::optional<double> predicted;
+    auto run = [&](auto projection) {
+      auto map = Family::template make<Scalar>(std::move(projection), o, seed, d);
+      if constexpr (is_fitted<decltype(map)>::value) fit_map(map, call, data, normaliser);
+      feature_dim = map.feature_dim();
+      if constexpr (has_closed_form_mse<decltype(map)>::value)
+        if (data && call.settings.report && data->shape.slices() > 0 && data->shape.n_q > 0)
+          predicted = predicted_rel_mse(map, *data, normaliser);
+      fn(std::as_const(map), opt);
+    };
+    const std::string& projection = o.text("projection");
+    if (o.given("omega") && Family::uses_omega)
+      run(UserProjection<Scalar>(detail::as_matrix<double>(o.array("omega"))));
+    else if (projection == "iid")
+      run(GaussianProjection<Scalar>(o.integer("features"), d, seed));
+    else if (projection == "hadamard")
+      run(HadamardProjection<Scalar>(o.integer("features"), d, seed));
+    else
+      run(OrthogonalProjection<Scalar>(o.integer("features"), d, seed));
+
+    if (o.given("omega") && Family::uses_omega)
+      report = {{"features", std::int64_t(o.array("omega").shape[0])},
+                {"projection", std::string("user")},
+                {"omega", o.array("omega").source}};
+    else
+      report = {{"features", o.integer("features")},
+                {"projection", projection},
+                {"seed", std::int64_t(seed)}};
+    Family::report(o, report);
+    if (feature_dim > 0) report.emplace_back("feature_dim", feature_dim);
+    if (predicted) report.emplace_back("predicted_rel_mse", *predicted);
+    return report;
+  }
+
+ private:
+  // Maps with a fit(q, k, normaliser) step (oprf, sderf).
+  template <typename Map, typename = void>
+  struct is_fitted : std::false_type {};
+  template <typename Map>
+  struct is_fitted<Map, std::void_t<decltype(&Map::fit)>> : std::true_type {};
+  // Maps with a closed-form kernel MSE (features/kernel_variance.hpp).
+  template <typename Map, typename = void>
+  struct has_closed_form_mse : std::false_type {};
+  template <typename Map>
+  struct has_closed_form_mse<
+      Map, std::void_t<decltype(kernel_relative_mse(std::declval<const Map&>(), Eigen::VectorXd(),
+                                                    Eigen::VectorXd()))>> : std::true_type {};
+
+  // The fitted statistic: averaged over every (batch, heads) slice, or the calibration rows.
+  template <typename Map>
+  static void fit_map(Map& map, const Call& call,
+                      const detail::SliceView<typename Map::Scalar>* sequence, double normaliser) {
+    using Scalar = typename Map::Scalar;
+    const Options& o = call.options;
+    if (o.text("fit") == "queries+keys") {
+      if (!sequence)
+        throw OptionError(o.spelling().setting("fit", "queries+keys") +
+                          " needs every query and key in one process; use " +
+                          o.spelling().setting("fit", "given") + " with " + o.spelled("rho") +
+                          " or " + o.spelled("calibration"));
+      const detail::SliceView<Scalar>& data = *sequence;
+      if (data.shape.slices() == 0 || data.shape.n_q == 0) return;  // no output rows
+      Family::fit(
+          map,
+          [&](auto statistic) {
+            auto sum = statistic(data.q(0), data.k(0));
+            for (Index s = 1; s < data.shape.slices(); ++s) sum += statistic(data.q(s), data.k(s));
+            return decltype(sum)(sum / double(data.shape.slices()));
+          },
+          normaliser);
+      return;
+    }
+    if (o.given("rho")) {
+      Family::set_rho(map, o.real("rho"));
+      return;
+    }
+    const RowMatrix<Scalar> rows = detail::as_matrix<Scalar>(o.array("calibration"));
+    try {
+      map.fit(rows, rows, normaliser);
+    } catch (const std::invalid_argument& e) {
+      throw OptionError(o.spelled("calibration") + ": " + e.what());
+    }
+  }
+
+  // Mean closed-form relative kernel MSE over 1024 sampled pairs of each slice, averaged.
+  template <typename Map>
+  static double predicted_rel_mse(const Map& map,
+                                  const detail::SliceView<typename Map::Scalar>& data,
+                                  double normaliser) {
+    double sum = 0;
+    for (Index s = 0; s < data.shape.slices(); ++s)
+      sum += mean_kernel_relative_mse(map, data.q(s), data.k(s), normaliser);
+    return sum / double(std::max<Index>(1, data.shape.slices()));
+  }
+};
+
+// One map on the given projection.
+template <template <typename, typename> class Map>
+struct SingleMap {
+  static constexpr bool fitted = false;
+  static constexpr bool uses_omega = true;
+  static std::vector<OptionSpec> options() {
+    namespace f = feature_options;
+    return {f::features(), f::projection(), f::omega()};
+  }
+  template <typename Scalar, typename Projection>
+  static Map<Scalar, Projection> make(Projection projection, const Options&, std::uint64_t,
+                                      std::int64_t) {
+    return Map<Scalar, Projection>(std::move(projection));
+  }
+  static void report(const Options&, Report&) {}
+};
+
+struct FavorFamily : SingleMap<PositiveFeatures> {
+  static constexpr const char* name = "favor";
+  static constexpr const char* summary = "FAVOR+ positive random features (m features)";
+};
+
+struct FavorHypFamily : SingleMap<HyperbolicFeatures> {
+  static constexpr const char* name = "favor-hyp";
+  static constexpr const char* summary = "hyperbolic positive random features (2m features)";
+};
+
+struct TrigFamily : SingleMap<TrigFeatures> {
+  static constexpr const char* name = "trig";
+  static constexpr const char* summary =
+      "trigonometric random features (2m features, guarded denominator)";
+};
+
+// Maps fitted to a statistic of the queries and keys (see the header comment). `fit` receives
+// a callable that averages a pair statistic over the slices.
+template <template <typename, typename> class Map>
+struct FittedMap : SingleMap<Map> {
+  static constexpr bool fitted = true;
+  static std::vector<OptionSpec> options() {
+    namespace f = feature_options;
+    return {f::features(), f::projection(), f::omega(), f::fit(), f::rho(), f::calibration()};
+  }
+  static void report(const Options& o, Report& r) {
+    r.emplace_back("fit", o.text("fit"));
+    if (o.given("rho")) r.emplace_back("rho", o.real("rho"));
+    if (o.given("calibration")) r.emplace_back("calibration", o.array("calibration").source);
+  }
+};
+
+struct OprfFamily : FittedMap<OptimalPositiveFeatures> {
+  static constexpr const char* name = "oprf";
+  static constexpr const char* summary =
+      "optimal positive random features, A fitted to the data (m features)";
+  template <typename Map, typename Average>
+  static void fit(Map& map, Average&& average, double c) {
+    using Scalar = typename Map::Scalar;
+    map.set_rho(average([&](const auto& q, const auto& k) {
+      Eigen::VectorXd rho(1);
+      rho(0) = pair_sum_sq_norm<Scalar>(q, k, c);
+      return rho;
+    })(0));
+  }
+  template <typename Map>
+  static void set_rho(Map& map, double rho) {
+    map.set_rho(rho);
+  }
+};
+
+struct SderfFamily : FittedMap<DenseExponentialFeatures> {
+  static constexpr const char* name = "sderf";
+  static constexpr const char* summary =
+      "symmetric dense-exponential random features, fitted to the data's second moment (m "
+      "features)";
+  template <typename Map, typename Average>
+  static void fit(Map& map, Average&& average, double c) {
+    using Scalar = typename Map::Scalar;
+    map.set_moment(average(
+        [&](const auto& q, const auto& k) { return pair_sum_second_moment<Scalar>(q, k, c); }));
+  }
+  template <typename Map>
+  static void set_rho(Map& map, double rho) {
+    const Index d = map.input_dim();
+    map.set_moment(Eigen::MatrixXd::Identity(d, d) * (rho / double(d)));
+  }
+};
+
+// Hybrids draw their own projections of the selected kind; omega is not among their options.
+template <typename Scalar, typename P>
+using DrawnProjection = std::conditional_t<std::is_same<P, UserProjection<Scalar>>::value,
+                                           OrthogonalProjection<Scalar>, P>;
+
+struct HybridFamily {
+  static constexpr const char* name = "hybrid";
+  static constexpr const char* summary =
+      "angular hybrid lambda*hyperbolic + (1-lambda)*trig, lambda = angle/pi (guarded denominator)";
+  static constexpr bool fitted = false;
+  static constexpr bool uses_omega = false;
+  static std::vector<OptionSpec> options() {
+    namespace f = feature_options;
+    return {f::features(), f::projection(), f::lambda_features()};
+  }
+  template <typename Scalar, typename Projection>
+  static HybridFeatures<Scalar> make(Projection, const Options& o, std::uint64_t seed,
+                                     std::int64_t d) {
+    return angular_hybrid<Scalar, DrawnProjection<Scalar, Projection>>(
+        o.integer("features"), o.integer("lambda_features"), d, seed);
+  }
+  static void report(const Options& o, Report& r) {
+    r.emplace_back("lambda_features", o.integer("lambda_features"));
+  }
+};
+
+struct HybridGaussianFamily {
+  static constexpr const char* name = "hybrid-gaussian";
+  static constexpr const char* summary =
+      "Gaussian hybrid lambda*trig + (1-lambda)*positive, lambda = exp(-s^2|x-y|^2/2) (guarded "
+      "denominator)";
+  static constexpr bool fitted = false;
+  static constexpr bool uses_omega = false;
+  static std::vector<OptionSpec> options() {
+    namespace f = feature_options;
+    return {f::features(), f::projection(), f::lambda_features(), f::bandwidth()};
+  }
+  template <typename Scalar, typename Projection>
+  static HybridFeatures<Scalar> make(Projection, const Options& o, std::uint64_t seed,
+                                     std::int64_t d) {
+    return gaussian_hybrid<Scalar, DrawnProjection<Scalar, Projection>>(
+        o.integer("features"), o.integer("lambda_features"), d, o.real("bandwidth"), seed);
+  }
+  static void report(const Options& o, Report& r) {
+    r.emplace_back("lambda_features", o.integer("lambda_features"));
+    r.emplace_back("bandwidth", o.real("bandwidth"));
+  }
+};
+
+}  // namespace randattn::registry

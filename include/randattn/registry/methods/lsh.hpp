@@ -1,0 +1,159 @@
+#pragma once
+// Registered method "lsh": LSH attention (Reformer), cross-polytope buckets, sort-and-chunk or
+// exact buckets, r rounds. Under shared QK the keys are the normalised queries, each query's own
+// key excluded; separate keys need exact_buckets. Every (batch, head) slice uses the same
+// rotations.
+
+#include <randattn/core/exact_attention.hpp>
+#include <randattn/lsh/lsh_attention.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../method.hpp"
+#include "features.hpp"  // detail::shape_text
+
+namespace randattn::registry {
+
+namespace lsh_options {
+
+// Shared by lsh and lsf.
+inline OptionSpec rotation() {
+  OptionSpec s{"rotation", OptionType::text, std::string("dense"),
+               "random rotation: dense or hadamard"};
+  s.choices = {"dense", "hadamard"};
+  return s;
+}
+
+}  // namespace lsh_options
+
+class LshMethod final : public TypedMethod<LshMethod> {
+ public:
+  const char* name() const override { return "lsh"; }
+  const char* summary() const override {
+    return "LSH attention (Reformer, cross-polytope buckets)";
+  }
+  bool supports_shared_qk() const override { return true; }
+  // Shared QK compares with exact shared-QK attention (normalised keys, self rule).
+  bool own_comparison() const override { return true; }
+
+  std::vector<OptionSpec> options() const override {
+    OptionSpec chunk{"chunk", OptionType::integer, std::int64_t(64),
+                     "chunk length c of sort-and-chunk"};
+    chunk.min = Bound{1};
+    return {{"buckets", OptionType::integer, std::monostate{},
+             "number of buckets b, even (default 2*ceil(n/chunk))"},
+            chunk,
+            {"rounds", OptionType::integer, std::int64_t(4), "hash rounds r"},
+            {"rotations", OptionType::array, std::monostate{},
+             "dense rotations of shape (d, r, b/2), used as given"},
+            lsh_options::rotation(),
+            {"dedupe", OptionType::flag, true,
+             "count a key once however many rounds see it (off: once per round, trax/HF)"},
+            {"exact_buckets", OptionType::flag, false,
+             "attend to whole buckets instead of sorted chunks"}};
+  }
+
+  template <typename Scalar>
+  Job<Scalar> make(const Call& call) const {
+    const Options& o = call.options;
+    const Settings& s = call.settings;
+    auto hash = std::make_shared<const CrossPolytopeHash<Scalar>>(make_hash<Scalar>(call));
+    LshOptions opt;
+    opt.chunk = o.integer("chunk");
+    opt.exact_buckets = o.flag("exact_buckets");
+    opt.causal = s.causal;
+    opt.scale = s.scale;
+    opt.dedupe = o.flag("dedupe");
+    opt.check_finite = s.check_finite;
+    if (!s.shared_qk && !opt.exact_buckets)
+      throw OptionError(
+          "separate keys need " + o.spelling().setting("exact_buckets", "True") +
+          " (sort-and-chunk attention shares queries and keys: " + o.spelling().shared_qk() + ")");
+    Report report = {{"buckets", std::int64_t(hash->buckets())},
+                     {"chunk", opt.chunk},
+                     {"rounds", std::int64_t(hash->rounds())},
+                     {"rotation", o.given("rotations") ? std::string("file") : o.text("rotation")},
+                     {"dedupe", opt.dedupe},
+                     {"exact_buckets", opt.exact_buckets},
+                     {"seed", std::int64_t(s.seed)}};
+    return [hash, opt, report, s, shape = call.shape](const Scalar* q, const Scalar* k,
+                                                      const Scalar* v, Scalar* out) {
+      const auto start = std::chrono::steady_clock::now();
+      if (s.shared_qk)
+        lsh_attention_batched(*hash, q, v, out, shape, opt);
+      else
+        lsh_attention_batched(*hash, q, k, v, out, shape, opt);
+      const double lsh_seconds = seconds_since(start);
+      Report r = report;
+      if (s.compare) add_comparison(r, q, k, v, out, shape, opt, s.shared_qk, lsh_seconds);
+      return r;
+    };
+  }
+
+  // The hash the options select for this shape (public: the distributed runner draws the same).
+  template <typename Scalar>
+  static CrossPolytopeHash<Scalar> make_hash(const Call& call) {
+    const Options& o = call.options;
+    const Spelling& spell = o.spelling();
+    const std::int64_t chunk = o.integer("chunk");
+    if (!o.given("rotations")) {
+      const std::int64_t buckets =
+          o.has("buckets") ? o.integer("buckets") : reformer_buckets(call.shape.n_k, chunk);
+      const auto kind =
+          o.text("rotation") == "hadamard" ? RotationKind::hadamard : RotationKind::dense;
+      return CrossPolytopeHash<Scalar>(kind, call.shape.d, buckets, o.integer("rounds"),
+                                       call.settings.seed);
+    }
+    if (o.given("rotation"))
+      throw OptionError(o.spelled("rotation") + " and " + o.spelled("rotations") +
+                        " exclude each other");
+    const ArrayValue& r = o.array("rotations");
+    const std::string shape = detail::shape_text(r.shape);
+    if (r.shape.size() != 3 || r.shape[0] != call.shape.d || r.shape[1] < 1 || r.shape[2] < 1)
+      throw OptionError(o.spelled("rotations") + ": expected shape (d, r, b/2) with d = " +
+                        std::to_string(call.shape.d) + ", got " + shape);
+    if (o.given("rounds") && o.integer("rounds") != r.shape[1])
+      throw OptionError(spell.setting("rounds", std::to_string(o.integer("rounds"))) +
+                        " disagrees with " + o.spelled("rotations") + " of shape " + shape);
+    if (o.given("buckets") && o.integer("buckets") != 2 * r.shape[2])
+      throw OptionError(spell.setting("buckets", std::to_string(o.integer("buckets"))) +
+                        " disagrees with " + o.spelled("rotations") + " of shape " + shape);
+    RowMatrix<Scalar> m(r.shape[0], r.shape[1] * r.shape[2]);
+    std::copy(r.data.begin(), r.data.end(), m.data());
+    return CrossPolytopeHash<Scalar>(std::move(m), r.shape[1]);
+  }
+
+ private:
+  template <typename Scalar>
+  static void add_comparison(Report& r, const Scalar* q, const Scalar* k, const Scalar* v,
+                             const Scalar* out, const BatchShape& shape, const LshOptions& opt,
+                             bool shared_qk, double lsh_seconds) {
+    std::vector<Scalar> exact(static_cast<std::size_t>(shape.slices() * shape.n_q * shape.dv));
+    const auto start = std::chrono::steady_clock::now();
+    if (shared_qk) {
+      using CMap = Eigen::Map<const RowMatrix<Scalar>>;
+      for (Index s = 0; s < shape.slices(); ++s) {
+        Eigen::Map<RowMatrix<Scalar>>(exact.data() + s * shape.n_q * shape.dv, shape.n_q,
+                                      shape.dv) =
+            shared_qk_attention(CMap(q + s * shape.n_q * shape.d, shape.n_q, shape.d),
+                                CMap(v + s * shape.n_k * shape.dv, shape.n_k, shape.dv), opt);
+      }
+    } else {
+      ExactOptions eopt;
+      eopt.causal = opt.causal;
+      eopt.scale = opt.scale;
+      exact_attention_batched(q, k, v, exact.data(), shape, eopt);
+    }
+    const double exact_seconds = seconds_since(start);
+    r.emplace_back("lsh_seconds", lsh_seconds);
+    r.emplace_back("exact_seconds", exact_seconds);
+    r.emplace_back("speedup", exact_seconds / lsh_seconds);
+    r.emplace_back("rel_error", relative_error(out, exact.data(), exact.size()));
+  }
+};
+
+}  // namespace randattn::registry

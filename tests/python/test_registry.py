@@ -1,0 +1,114 @@
+"""Every registered method is reachable from both front ends with the same defaults, and gives
+the same bits from Python as from randattn-cli on the same inputs, options and seed."""
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+import randattn
+from conftest import DTYPES, cli_path, run_cli
+
+
+def cli_methods():
+    out = subprocess.run([cli_path(), "methods", "--json"], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def test_cli_and_python_list_the_same_methods_and_defaults():
+    cli = cli_methods()
+    py = randattn.methods()
+    assert list(cli) == list(py)
+    for name, m in py.items():
+        assert cli[name]["summary"] == m["summary"]
+        assert cli[name]["shared_qk"] == m["shared_qk"]
+        assert {o: spec["default"] for o, spec in cli[name]["options"].items()} == m["options"], name
+
+
+def test_help_lists_every_method_and_option():
+    text = subprocess.run([cli_path(), "attention", "--help"], check=True, capture_output=True, text=True).stdout
+    assert "(" + ", ".join(randattn.methods()) + ")" in text
+    assert "--shared-qk" in text
+    for m in cli_methods().values():
+        for spec in m["options"].values():
+            assert spec["flag"] in text
+
+
+# Options each method is run with (besides its defaults), as Python keywords; flags are derived.
+RUNS = {
+    "exact": [{}, {"causal": True}],
+    "favor": [{"features": 16}, {"features": 16, "projection": "hadamard", "causal": True}],
+    "favor-hyp": [{"features": 16, "projection": "iid"}],
+    "trig": [{"features": 16}],
+    "oprf": [{"features": 16}, {"features": 16, "fit": "given", "rho": 2.5, "causal": True}],
+    "sderf": [{"features": 16}, {"features": 16, "fit": "given", "rho": 1.5}],
+    "hybrid": [{"features": 8, "lambda_features": 4}],
+    "hybrid-gaussian": [{"features": 8, "lambda_features": 4, "bandwidth": 0.8}],
+    "lsh": [{"chunk": 8, "rounds": 3}, {"chunk": 8, "causal": True, "dedupe": False},
+            {"buckets": 4, "exact_buckets": True, "separate": True}],
+    "lsf": [{"filters": 16, "tables": 3, "eta": 0.5}, {"filters": 16, "alpha": 0.6, "causal": True}],
+}
+
+
+def test_every_registered_method_is_exercised():
+    assert set(RUNS) == set(randattn.methods())
+
+
+def flags_of(options):
+    flags = []
+    for name, value in options.items():
+        if value is True:
+            flags.append("--" + name.replace("_", "-"))
+        elif value is False:
+            flags.append("--no-" + name.replace("_", "-"))
+        else:
+            flags += ["--" + name.replace("_", "-"), str(value)]
+    return flags
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("method", list(RUNS))
+def test_python_and_cli_give_the_same_bits(tmp_path, method, dtype):
+    rng = np.random.default_rng(20261201)
+    q, k, v = (rng.standard_normal((2, 2, 24, 8)).astype(dtype) for _ in range(3))
+    shared_qk = randattn.methods()[method]["shared_qk"]
+    for i, options in enumerate(RUNS[method]):
+        options = dict(options)
+        separate = options.pop("separate", False) or not shared_qk
+        keys = k if separate else None
+        out, report = randattn.attention(q, keys, v, method=method, seed=7, shared_qk=keys is None, report=True,
+                                         **options)
+        arrays = dict(q=q, v=v) if keys is None else dict(q=q, k=k, v=v)
+        flags = ["attention", "--method", method, "--seed", "7"] + flags_of(options)
+        flags += [] if separate else ["--shared-qk"]
+        cli = run_cli(tmp_path, flags, **arrays)
+        assert out.dtype == cli.dtype == dtype
+        assert np.array_equal(out, cli), (method, options)
+        assert report["method"] == method and report["shared_qk"] == (keys is None)
+        assert report["seconds"] >= 0
+
+
+@pytest.mark.parametrize("method", list(RUNS))
+def test_python_report_has_the_cli_report_fields(tmp_path, method):
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((16, 8)) for _ in range(3))
+    options = {key: value for key, value in RUNS[method][0].items() if key != "separate"}
+    shared = randattn.methods()[method]["shared_qk"]
+    keys = None if shared else k
+    _, report = randattn.attention(q, keys, v, method=method, shared_qk=shared, report=True, **options)
+    cmd = [cli_path(), "attention", "--method", method, "--report"] + flags_of(options)
+    for name, a in (("q", q), ("v", v)) + ((("k", k),) if not shared else ()):
+        np.save(tmp_path / f"{name}.npy", a)
+        cmd += [f"--{name}", str(tmp_path / f"{name}.npy")]
+    cmd += ["--shared-qk"] if shared else []
+    line = subprocess.run(cmd + ["--out", str(tmp_path / "o.npy")], check=True, capture_output=True,
+                          text=True).stdout
+    cli = json.loads(line)
+    # The CLI adds what only it knows (file shapes, dtype, threads); every Python field is there.
+    for key, value in report.items():
+        assert key in cli, key
+        if key not in ("seconds",):
+            assert cli[key] == pytest.approx(value) if isinstance(value, float) else cli[key] == value, key
+    for key in ("feature_dim", "pairs_scored", "predicted_rel_mse"):
+        assert (key in cli) == (key in report)

@@ -1,0 +1,427 @@
+#pragma once
+// `randattn-cli attention` and `randattn-cli methods`, generated from the method registry
+// (include/randattn/registry/): one flag per registered option (--kebab-case of its name; a flag
+// on by default is turned off with --no-NAME), converted here from text to a typed value and
+// checked by the registry. A flag of another method than the selected one is refused.
+
+#include <randattn/io/npy.hpp>
+#include <randattn/registry/registry.hpp>
+
+#include <CLI/CLI.hpp>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <iostream>
+#include <limits>
+#include <map>
+#include <new>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "common.hpp"
+
+namespace randattn_cli {
+
+namespace reg = randattn::registry;
+
+// The command line's spelling of a registered option: "--lambda-features", or "--no-dedupe" for
+// a flag that is on by default.
+inline std::string flag_of(const reg::OptionSpec& s) {
+  const bool negated = s.type == reg::OptionType::flag &&
+                       std::holds_alternative<bool>(s.fallback) && std::get<bool>(s.fallback);
+  return (negated ? "--no-" : "--") + reg::Spelling::kebab(s.name);
+}
+
+// A default as JSON ("null" when there is none).
+inline std::string json_value(const reg::Value& v) {
+  JsonObject one;
+  if (const auto* b = std::get_if<bool>(&v)) one.add("v", *b);
+  if (const auto* i = std::get_if<std::int64_t>(&v)) one.add("v", *i);
+  if (const auto* x = std::get_if<double>(&v)) one.add("v", *x);
+  if (const auto* t = std::get_if<std::string>(&v)) one.add("v", *t);
+  const std::string s = one.str();  // {"v":...} or {}
+  return s.size() > 2 ? s.substr(5, s.size() - 6) : "null";
+}
+
+// Text of a JSON string.
+inline std::string json_string(const std::string& s) {
+  const std::string o = JsonObject().add("v", s).str();
+  return o.substr(5, o.size() - 6);
+}
+
+class RegistryAttentionCommand {
+ public:
+  explicit RegistryAttentionCommand(CLI::App& app) {
+    cmd_ = app.add_subcommand("attention", "Compute attention of Q, K, V given as .npy files");
+    cmd_->add_option("--method", method_, "Attention method (" + reg::method_names() + ")")
+        ->capture_default_str();
+    cmd_->add_option("--q", q_path_, "Queries .npy: (n_q, d) or (batch, heads, n_q, d)")
+        ->required();
+    k_opt_ = cmd_->add_option("--k", k_path_, "Keys .npy: (n_k, d) or (batch, heads, n_k, d)");
+    cmd_->add_option("--v", v_path_, "Values .npy: (n_k, dv) or (batch, heads, n_k, dv)")
+        ->required();
+    cmd_->add_option("--out", out_path_,
+                     "Output .npy: (n_q, dv) or (batch, heads, n_q, dv), dtype of the inputs")
+        ->required();
+    cmd_->add_flag("--shared-qk", shared_qk_,
+                   "No --k: the keys are the normalised queries, each query's own key excluded "
+                   "(methods that support it: " +
+                       shared_qk_methods() + ")");
+    cmd_->add_flag("--causal", causal_, "Query i attends to keys j <= i only (needs n_q == n_k)");
+    scale_opt_ = cmd_->add_option("--scale", scale_, "Logit scale (default 1/sqrt(d))");
+    threads_opt_ = cmd_->add_option("--threads", threads_, "Number of OpenMP threads");
+    cmd_->add_flag("--report", report_, "Print one JSON line describing the run to stdout");
+    cmd_->add_option("--seed", seed_, "Seed of the method's random draws (default 0)");
+    cmd_->add_flag(
+        "--compare", compare_,
+        "Also compute exact attention and add \"rel_error\" (relative Frobenius error) to the "
+        "--report line (implies --report)");
+    for (const reg::OptionSpec& s : reg::all_options()) add_registered(s);
+  }
+
+  bool selected() const { return cmd_->parsed(); }
+
+  int run() {
+    const reg::Method& method = prepare();
+    const randattn::io::NpyArray q = read_input("--q", q_path_);
+    const randattn::io::NpyArray k_file =
+        shared_qk_ ? randattn::io::NpyArray() : read_input("--k", k_path_);
+    const randattn::io::NpyArray& k = shared_qk_ ? q : k_file;
+    const randattn::io::NpyArray v = read_input("--v", v_path_);
+    const reg::Call call = make_call(method, info(q), info(k), info(v));
+    const Shape out_shape = output_shape(q.ndim(), call.shape);
+    Outcome outcome = q.is_float32() ? compute<float>(method, call, q, k, v, out_shape)
+                                     : compute<double>(method, call, q, k, v, out_shape);
+
+    if (report_ || compare_) {
+      JsonObject json =
+          report_json(method, call, info(q), info(k), info(v), out_shape, outcome.report);
+      if (compare_ && !method.own_comparison()) json.add("rel_error", outcome.rel_error);
+      json.add("seconds", outcome.seconds);
+      std::cout << json.str() << std::endl;
+    }
+    return 0;
+  }
+
+ protected:
+  // The shape and dtype of an input, whether read whole or only its header.
+  struct InputInfo {
+    Shape shape;
+    randattn::io::NpyDtype dtype;
+    std::size_t ndim() const { return shape.size(); }
+  };
+  static InputInfo info(const randattn::io::NpyArray& a) { return {a.shape, a.dtype()}; }
+
+  struct Outcome {
+    reg::Report report;
+    double seconds = 0, rel_error = 0;
+  };
+
+  // The selected method, after checking the flags that do not need the inputs (applies
+  // --threads).
+  const reg::Method& prepare() const {
+    const reg::Method& method = select_method();
+    reg::check_keys(method, k_opt_->count() > 0, shared_qk_, reg::Spelling{true});
+    if (threads_opt_->count() > 0) {
+      if (threads_ < 1)
+        throw CliError("--threads must be at least 1, got " + std::to_string(threads_));
+#ifdef _OPENMP
+      omp_set_num_threads(threads_);
+#endif
+    }
+    return method;
+  }
+
+  // The method's call on inputs of these shapes: option values and settings checked.
+  reg::Call make_call(const reg::Method& method, const InputInfo& q, const InputInfo& k,
+                      const InputInfo& v) const {
+    const reg::Spelling spell{true};
+    std::map<std::string, reg::Value> given = option_values(method);
+    const randattn::BatchShape shape = check_shapes(q, k, v);
+    reg::Settings settings;
+    settings.causal = causal_;
+    settings.scale = reg::resolve_scale(
+        scale_opt_->count() ? std::optional<double>(scale_) : std::nullopt, shape.d, spell);
+    settings.seed = seed_;
+    settings.shared_qk = shared_qk_;
+    settings.report = report_ || compare_;
+    settings.compare = compare_;
+    return reg::make_call(method, std::move(given), settings, shape, spell);
+  }
+
+  static Shape output_shape(std::size_t ndim, const randattn::BatchShape& shape) {
+    Shape out;
+    if (ndim == 4) out = {shape.batch, shape.heads};
+    out.push_back(shape.n_q);
+    out.push_back(shape.dv);
+    return out;
+  }
+
+  // The --report line without the comparison and timing fields.
+  JsonObject report_json(const reg::Method& method, const reg::Call& call, const InputInfo& q,
+                         const InputInfo& k, const InputInfo& v, const Shape& out_shape,
+                         const reg::Report& fields) const {
+    JsonObject json;
+    json.add("method", method.name())
+        .add("dtype", randattn::io::dtype_name(q.dtype))
+        .add("q", q.shape)
+        .add("k", k.shape)
+        .add("v", v.shape)
+        .add("out", out_shape)
+        .add("causal", causal_)
+        .add("scale", call.settings.scale)
+        .add("threads", effective_threads());
+    for (const auto& [key, value] : fields)
+      std::visit([&, &key = key](const auto& x) { json.add(key, x); }, value);
+    json.add("shared_qk", shared_qk_);
+    return json;
+  }
+
+  static std::string shared_qk_methods() {
+    std::string names;
+    for (const auto& m : reg::methods())
+      if (m->supports_shared_qk()) names += std::string(names.empty() ? "" : ", ") + m->name();
+    return names;
+  }
+
+  // One flag per registered option, its help tagged with the methods that own it.
+  void add_registered(const reg::OptionSpec& s) {
+    std::string owners;
+    for (const reg::Method* m : reg::owners(s.name))
+      owners += std::string(owners.empty() ? "" : ", ") + m->name();
+    std::string help = "[" + owners + "] " + s.help;
+    if (s.type == reg::OptionType::array) help += " (.npy file)";
+    const std::string def = json_value(s.fallback);
+    if (s.type != reg::OptionType::flag && def != "null") help += " (default " + def + ")";
+    const std::string flag = flag_of(s);
+    // Flags are read from their count; add_flag(name, x) would take x as the flag's target.
+    CLI::Option* opt = s.type == reg::OptionType::flag
+                           ? cmd_->add_flag(flag)->description(help)
+                           : cmd_->add_option(flag, text_[s.name], help);
+    registered_.push_back({s, opt});
+  }
+
+  const reg::Method& select_method() const {
+    const reg::Method& chosen = reg::find_method(method_, reg::Spelling{true});
+    for (const auto& [spec, opt] : registered_) {
+      if (opt->count() == 0 || reg::owns(chosen, spec.name)) continue;
+      throw CliError("option " + opt->get_name() + " belongs to --method " +
+                     reg::owners(spec.name).front()->name() + ", not " + method_);
+    }
+    return chosen;
+  }
+
+  // The given flags of `method` as typed values; the registry checks them.
+  std::map<std::string, reg::Value> option_values(const reg::Method& method) const {
+    std::map<std::string, reg::Value> values;
+    for (const auto& [spec, opt] : registered_) {
+      if (opt->count() == 0 || !reg::owns(method, spec.name)) continue;
+      const std::string flag = opt->get_name();
+      const std::string& text = text_.count(spec.name) ? text_.at(spec.name) : std::string();
+      switch (spec.type) {
+        case reg::OptionType::flag:
+          values[spec.name] = flag.rfind("--no-", 0) != 0;
+          break;
+        case reg::OptionType::integer: {
+          char* end = nullptr;
+          errno = 0;
+          const long long i = std::strtoll(text.c_str(), &end, 10);
+          if (text.empty() || *end != '\0' || errno == ERANGE)
+            throw CliError(flag + ": expected an integer, got '" + text + "'");
+          values[spec.name] = std::int64_t(i);
+          break;
+        }
+        case reg::OptionType::real: {
+          char* end = nullptr;
+          const double x = std::strtod(text.c_str(), &end);
+          if (text.empty() || *end != '\0')
+            throw CliError(flag + ": expected a number, got '" + text + "'");
+          values[spec.name] = x;
+          break;
+        }
+        case reg::OptionType::text:
+          values[spec.name] = text;
+          break;
+        case reg::OptionType::array:
+          values[spec.name] = read_array(flag, text);
+          break;
+      }
+    }
+    return values;
+  }
+
+  static reg::ArrayValue read_array(const std::string& flag, const std::string& path) {
+    const randattn::io::NpyArray a = read_input(flag.c_str(), path);
+    reg::ArrayValue out;
+    out.shape = a.shape;
+    out.source = path;
+    std::visit([&](const auto& data) { out.data.assign(data.begin(), data.end()); }, a.data);
+    return out;
+  }
+
+  static int effective_threads() {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+  }
+
+  static randattn::BatchShape check_shapes(const InputInfo& q, const InputInfo& k,
+                                           const InputInfo& v) {
+    const struct {
+      const char* flag;
+      const InputInfo& a;
+    } inputs[] = {{"--q", q}, {"--k", k}, {"--v", v}};
+    for (const auto& in : inputs) {
+      if (in.a.ndim() != 2 && in.a.ndim() != 4)
+        throw CliError(std::string(in.flag) +
+                       ": expected a 2-D (n, d) or 4-D (batch, heads, n, d) array, got shape " +
+                       shape_str(in.a.shape));
+    }
+    const std::string shapes =
+        "q " + shape_str(q.shape) + ", k " + shape_str(k.shape) + ", v " + shape_str(v.shape);
+    if (q.dtype != k.dtype || q.dtype != v.dtype)
+      throw CliError(std::string("--q, --k and --v must have the same dtype, got q ") +
+                     randattn::io::dtype_name(q.dtype) + ", k " +
+                     randattn::io::dtype_name(k.dtype) + ", v " +
+                     randattn::io::dtype_name(v.dtype));
+    if (q.ndim() != k.ndim() || q.ndim() != v.ndim())
+      throw CliError("--q, --k and --v must have the same number of dimensions, got " + shapes);
+
+    const std::size_t r = q.ndim() - 2;  // index of the token axis
+    randattn::BatchShape s;
+    if (r == 2) {
+      if (k.shape[0] != q.shape[0] || v.shape[0] != q.shape[0] || k.shape[1] != q.shape[1] ||
+          v.shape[1] != q.shape[1])
+        throw CliError("batch and head dimensions of --q, --k and --v differ: " + shapes);
+      s.batch = q.shape[0];
+      s.heads = q.shape[1];
+    }
+    s.n_q = q.shape[r];
+    s.d = q.shape[r + 1];
+    s.n_k = k.shape[r];
+    s.dv = v.shape[r + 1];
+    if (k.shape[r + 1] != s.d)
+      throw CliError("--q and --k must have the same feature dimension d: " + shapes);
+    if (v.shape[r] != s.n_k)
+      throw CliError("--k and --v must have the same number of tokens n_k: " + shapes);
+    if (s.d == 0) throw CliError("feature dimension d must be positive: " + shapes);
+    if (s.n_k == 0) throw CliError("at least one key is needed: " + shapes);
+    return s;
+  }
+
+  template <typename Scalar>
+  Outcome compute(const reg::Method& method, const reg::Call& call, const randattn::io::NpyArray& q,
+                  const randattn::io::NpyArray& k, const randattn::io::NpyArray& v,
+                  const Shape& out_shape) const {
+    const reg::Job<Scalar> job = method.build(call, Scalar());
+    std::uint64_t count = 1;
+    for (std::int64_t dim : out_shape) {
+      const auto u = static_cast<std::uint64_t>(dim);
+      if (u != 0 && count > std::numeric_limits<std::uint64_t>::max() / sizeof(Scalar) / u)
+        throw CliError("output shape " + shape_str(out_shape) + " is too large");
+      count *= u;
+    }
+    std::vector<Scalar> out;
+    try {
+      out.resize(static_cast<std::size_t>(count));
+    } catch (const std::bad_alloc&) {
+      throw CliError("out of memory allocating the output " + shape_str(out_shape));
+    } catch (const std::length_error&) {
+      throw CliError("output shape " + shape_str(out_shape) + " is too large");
+    }
+
+    Outcome outcome;
+    const Scalar* keys = call.settings.shared_qk ? nullptr : k.values<Scalar>().data();
+    const auto start = std::chrono::steady_clock::now();
+    outcome.report = job(q.values<Scalar>().data(), keys, v.values<Scalar>().data(), out.data());
+    outcome.seconds = reg::seconds_since(start);
+    if (compare_ && !method.own_comparison()) {
+      std::vector<Scalar> exact(out.size());
+      randattn::ExactOptions opt;
+      opt.causal = call.settings.causal;
+      opt.scale = call.settings.scale;
+      randattn::exact_attention_batched(q.values<Scalar>().data(), k.values<Scalar>().data(),
+                                        v.values<Scalar>().data(), exact.data(), call.shape, opt);
+      outcome.rel_error = reg::relative_error(out.data(), exact.data(), out.size());
+    }
+    try {
+      randattn::io::write_npy(out_path_, out.data(), out_shape);
+    } catch (const std::exception& e) {
+      throw CliError(std::string("--out: ") + e.what());
+    }
+    return outcome;
+  }
+
+  struct Registered {
+    reg::OptionSpec spec;
+    CLI::Option* option;
+  };
+
+  CLI::App* cmd_ = nullptr;
+  CLI::Option* k_opt_ = nullptr;
+  CLI::Option* scale_opt_ = nullptr;
+  CLI::Option* threads_opt_ = nullptr;
+  std::string method_ = "exact";
+  std::string q_path_, k_path_, v_path_, out_path_;
+  bool shared_qk_ = false, causal_ = false, report_ = false, compare_ = false;
+  double scale_ = 0;
+  int threads_ = 1;
+  std::uint64_t seed_ = 0;
+  std::vector<Registered> registered_;
+  std::map<std::string, std::string> text_;  // the text of each non-flag option
+};
+
+// `randattn-cli methods [--json]`: the registered methods, their options and defaults.
+class MethodsCommand {
+ public:
+  explicit MethodsCommand(CLI::App& app) {
+    cmd_ = app.add_subcommand("methods", "List the attention methods and their options");
+    cmd_->add_flag("--json", json_, "One JSON object: {name: {summary, shared_qk, options}}");
+  }
+  bool selected() const { return cmd_->parsed(); }
+
+  int run() const {
+    if (!json_) {
+      for (const auto& m : reg::methods()) {
+        std::cout << m->name() << ": " << m->summary()
+                  << (m->supports_shared_qk() ? " [--shared-qk]" : "") << "\n";
+        for (const reg::OptionSpec& s : m->options())
+          std::cout << "  " << flag_of(s) << " (" << reg::type_name(s.type) << ", default "
+                    << json_value(s.fallback) << "): " << s.help << "\n";
+      }
+      return 0;
+    }
+    std::string out = "{";
+    for (const auto& m : reg::methods()) {
+      if (out.size() > 1) out += ",";
+      out += json_string(m->name()) + ":{\"summary\":" + json_string(m->summary()) +
+             ",\"shared_qk\":" + (m->supports_shared_qk() ? "true" : "false") + ",\"options\":{";
+      bool first = true;
+      for (const reg::OptionSpec& s : m->options()) {
+        out += (first ? "" : ",") + json_string(s.name) + ":{\"flag\":" + json_string(flag_of(s)) +
+               ",\"type\":" + json_string(reg::type_name(s.type)) +
+               ",\"default\":" + json_value(s.fallback) + "}";
+        first = false;
+      }
+      out += "}}";
+    }
+    std::cout << out << "}" << std::endl;
+    return 0;
+  }
+
+ private:
+  CLI::App* cmd_ = nullptr;
+  bool json_ = false;
+};
+
+}  // namespace randattn_cli

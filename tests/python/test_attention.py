@@ -101,19 +101,20 @@ def test_random_methods_match_the_cli(rng, tmp_path, dtype, method, extra):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["2d", "4d"])
-@pytest.mark.parametrize("variant", ["chunked", "chunked-causal", "exact-buckets", "separate-keys", "hadamard"])
+@pytest.mark.parametrize("variant", ["chunked", "chunked-causal", "exact-buckets", "separate-keys",
+                                     "separate-keys-chunked", "separate-keys-chunked-causal", "hadamard"])
 def test_lsh_matches_the_cli(rng, tmp_path, dtype, layout, variant):
     q, k, v = qkv(rng, layout, dtype, spread=1.5)
     flags = ["--chunk", "8", "--rounds", "3", "--seed", "11"]
     options = dict(chunk=8, rounds=3, seed=11)
     keys = None
-    if variant == "chunked-causal":
+    if variant.endswith("-causal"):
         flags.append("--causal")
         options["causal"] = True
     if variant in ("exact-buckets", "separate-keys"):
         flags += ["--exact-buckets", "--buckets", "6"]
         options.update(exact_buckets=True, buckets=6)
-    if variant == "separate-keys":
+    if variant.startswith("separate-keys"):
         keys = k
     if variant == "hadamard":
         flags += ["--rotation", "hadamard", "--no-dedupe"]

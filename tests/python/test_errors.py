@@ -69,7 +69,6 @@ BAD_ATTENTION = [
     (dict(method="trig", omega=np.full((3, 4), np.nan)), ValueError, "non-finite"),
     (dict(method="hybrid-gaussian", bandwidth=-1.0), ValueError, "bandwidth"),
     (dict(method="hybrid", lambda_features=0), ValueError, "lambda_features"),
-    (dict(method="lsh"), ValueError, "exact_buckets"),
     (dict(method="lsh", k=None, shared_qk=True, buckets=7), ValueError, "buckets must be even"),
     (dict(method="lsh", k=None, shared_qk=True, rounds=0), ValueError, "rounds"),
     (dict(method="lsh", k=None, shared_qk=True, chunk=0), ValueError, "chunk"),

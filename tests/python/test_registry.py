@@ -46,7 +46,8 @@ RUNS = {
     "hybrid": [{"features": 8, "lambda_features": 4}],
     "hybrid-gaussian": [{"features": 8, "lambda_features": 4, "bandwidth": 0.8}],
     "lsh": [{"chunk": 8, "rounds": 3}, {"chunk": 8, "causal": True, "dedupe": False},
-            {"buckets": 4, "exact_buckets": True, "separate": True}],
+            {"buckets": 4, "exact_buckets": True, "separate": True},
+            {"chunk": 8, "rounds": 2, "separate": True}, {"chunk": 8, "causal": True, "separate": True}],
     "lsf": [{"filters": 16, "tables": 3, "eta": 0.5}, {"filters": 16, "alpha": 0.6, "causal": True}],
 }
 

@@ -3,6 +3,8 @@
 // values, help) and the typed values a front end hands over. Front ends only convert their
 // strings or objects to these values; every range and choice is checked here, once.
 
+#include <randattn/core/invalid_argument.hpp>
+
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -93,9 +95,9 @@ struct Spelling {
 };
 
 // A bad option value or combination (ValueError in Python, exit code 2 on the command line).
-class OptionError : public std::invalid_argument {
+class OptionError : public randattn::invalid_argument {
  public:
-  using std::invalid_argument::invalid_argument;
+  using randattn::invalid_argument::invalid_argument;
 };
 
 namespace detail {

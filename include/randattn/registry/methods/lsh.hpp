@@ -1,8 +1,9 @@
 #pragma once
 // Registered method "lsh": LSH attention (Reformer), cross-polytope buckets, sort-and-chunk or
 // exact buckets, r rounds. Under shared QK the keys are the normalised queries, each query's own
-// key excluded; separate keys need exact_buckets. Every (batch, head) slice uses the same
-// rotations.
+// key excluded; separate keys are sorted by bucket apart from the queries, and each query chunk
+// attends to the key chunk at its sorted position and the one before (lsh/lsh_attention.hpp).
+// Every (batch, head) slice uses the same rotations.
 
 #include <randattn/core/exact_attention.hpp>
 #include <randattn/lsh/lsh_attention.hpp>
@@ -54,7 +55,8 @@ class LshMethod final : public TypedMethod<LshMethod> {
             {"dedupe", OptionType::flag, true,
              "count a key once however many rounds see it (off: once per round, trax/HF)"},
             {"exact_buckets", OptionType::flag, false,
-             "attend to whole buckets instead of sorted chunks"}};
+             "attend to whole buckets instead of sorted chunks (chunk then only sets the default "
+             "bucket count 2*ceil(n/chunk))"}};
   }
 
   template <typename Scalar>
@@ -69,10 +71,6 @@ class LshMethod final : public TypedMethod<LshMethod> {
     opt.scale = s.scale;
     opt.dedupe = o.flag("dedupe");
     opt.check_finite = s.check_finite;
-    if (!s.shared_qk && !opt.exact_buckets)
-      throw OptionError(
-          "separate keys need " + o.spelling().setting("exact_buckets", "True") +
-          " (sort-and-chunk attention shares queries and keys: " + o.spelling().shared_qk() + ")");
     Report report = {{"buckets", std::int64_t(hash->buckets())},
                      {"chunk", opt.chunk},
                      {"rounds", std::int64_t(hash->rounds())},

@@ -43,17 +43,6 @@ inline std::string shape_str(const Shape& s) {
   return out + ")";
 }
 
-// ‖out − exact‖_F / ‖exact‖_F over `count` entries, in double.
-template <typename Scalar>
-double relative_error(const Scalar* out, const Scalar* exact, std::size_t count) {
-  double diff = 0, norm = 0;
-  for (std::size_t i = 0; i < count; ++i) {
-    diff += (double(out[i]) - double(exact[i])) * (double(out[i]) - double(exact[i]));
-    norm += double(exact[i]) * double(exact[i]);
-  }
-  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
-}
-
 // One JSON object on one line, built key by key.
 class JsonObject {
  public:

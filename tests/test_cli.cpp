@@ -505,12 +505,18 @@ TEST_CASE("cli: oprf and sderf, their fit modes and the predicted kernel MSE", "
   save<float>(ws, "v.npy", {2, 1, n, dv}, 43);
   save<double>(ws, "c.npy", {16, d}, 44);
   save<double>(ws, "c_bad.npy", {16, d + 1}, 45);
+  save<double>(ws, "ck.npy", {20, d}, 46);
+  save<double>(ws, "c_heads.npy", {1, 16, d}, 47);
+  save<double>(ws, "c_heads_bad.npy", {2, 16, d}, 48);
   const std::string io = ws.attention_io();
   const std::string calibration = " --fit given --calibration " + quote(ws.path("c.npy"));
   for (const std::string method : {"oprf", "sderf"}) {
     INFO(method);
     for (const std::string fit : {std::string(""), std::string(" --fit given --rho 0.4"),
-                                  calibration, " --causal" + calibration}) {
+                                  calibration, " --causal" + calibration,
+                                  " --fit given --calibration-q " + quote(ws.path("c.npy")) +
+                                      " --calibration-k " + quote(ws.path("ck.npy")),
+                                  " --fit given --calibration " + quote(ws.path("c_heads.npy"))}) {
       INFO(fit);
       const Result r =
           ws.run("attention --method " + method + " --features 128 --seed 2 --compare" + fit + io);
@@ -526,7 +532,8 @@ TEST_CASE("cli: oprf and sderf, their fit modes and the predicted kernel MSE", "
     }
     const std::string base = "attention --method " + method + io;
     require_error(ws, base + " --causal", "--fit given");
-    require_error(ws, base + " --fit given", "exactly one of --rho and --calibration");
+    require_error(ws, base + " --fit given",
+                  "exactly one of --rho, --calibration, or --calibration-q with --calibration-k");
     require_error(ws, base + " --fit given --rho 1" + " --calibration " + quote(ws.path("c.npy")),
                   "exactly one");
     require_error(ws, base + " --rho 1", "need --fit given");
@@ -536,6 +543,14 @@ TEST_CASE("cli: oprf and sderf, their fit modes and the predicted kernel MSE", "
                   "--calibration");
     require_error(ws, base + " --fit given --calibration " + quote(ws.path("missing.npy")),
                   "--calibration");
+    require_error(ws, base + " --fit given --calibration " + quote(ws.path("c_heads_bad.npy")),
+                  "per-head (1, r, 8)");
+    require_error(ws, base + " --fit given --calibration-q " + quote(ws.path("c.npy")),
+                  "--calibration-k is missing");
+    require_error(ws,
+                  base + " --calibration-q " + quote(ws.path("c.npy")) + " --calibration-k " +
+                      quote(ws.path("ck.npy")),
+                  "need --fit given");
   }
   require_error(ws, "attention --method favor --rho 1" + io, "--rho");
   require_error(ws, "attention --method hybrid --fit given" + io, "--fit");

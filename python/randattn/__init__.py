@@ -49,7 +49,13 @@ def attention(q, k, v, *, method="exact", causal=False, scale=None, seed=0, chec
       favor, favor-hyp, trig: features=256, projection="orthogonal" ("iid", "hadamard"),
                               omega=None (an (m, d) array of projections, used as given)
       oprf, sderf:            as favor, and fit="queries+keys" ("given"), rho=None,
-                              calibration=None (an (r, d) array of sample rows)
+                              calibration=None, calibration_q=None, calibration_k=None.
+                              fit="queries+keys" fits each (batch, head) slice to its own
+                              queries and keys; fit="given" takes exactly one of rho,
+                              calibration (sample rows used as both queries and keys) or
+                              calibration_q with calibration_k (sample queries and sample
+                              keys). Calibration arrays are (r, d), one fit for every slice, or
+                              (heads, r, d), head h's rows for every slice (b, h).
       hybrid:                 features=256, projection="orthogonal", lambda_features=16
       hybrid-gaussian:        as hybrid, and bandwidth=1.0
       lsh:                    buckets=None (2*ceil(n/chunk)), chunk=64, rounds=4,

@@ -170,7 +170,8 @@ def test_method_table_defaults_are_the_cli_defaults():
                                    "rotations": None, "dedupe": True, "exact_buckets": False}
     for name in ("oprf", "sderf"):
         assert m[name]["options"] == {"features": 256, "projection": "orthogonal", "omega": None,
-                                      "fit": "queries+keys", "rho": None, "calibration": None}
+                                      "fit": "queries+keys", "rho": None, "calibration": None,
+                                      "calibration_q": None, "calibration_k": None}
     assert m["lsf"]["options"] == {"filters": 256, "tables": 4, "eta": None, "alpha": None, "min_probes": 1,
                                    "rotation": "dense"}
     assert m["lsh"]["shared_qk"] and not any(m[name]["shared_qk"] for name in m if name != "lsh")

@@ -64,18 +64,20 @@ reg::Report exact(const Shards& shards, const reg::Call& call, const Scalar* q, 
   return {};
 }
 
-// Every rank draws the same map from the seed; only key summaries move.
+// Every rank draws the same map(s) from the seed; only key summaries move.
 template <typename Family, typename Scalar>
 reg::Report features(const Shards& shards, const reg::Call& call, const Scalar* q, const Scalar* k,
                      const Scalar* v, Scalar* out, const randattn::BatchShape& local) {
   using Method = reg::FeatureMethod<Family>;
   Method::check(call);
   return Method::template with_map<Scalar>(
-      call, nullptr, [&](const auto& map, const randattn::RandomFeatureOptions& opt) {
-        for_each_local_slice(
-            q, k, v, out, local, [&](const auto& qs, const auto& ks, const auto& vs, auto& os) {
-              os = randattn::mpi::random_feature_attention(shards.comm, map, qs, ks, vs, opt);
-            });
+      call, nullptr, [&](const auto& maps, const randattn::RandomFeatureOptions& opt) {
+        randattn::Index s = 0;  // slice index: per-head calibration gives each head its map
+        for_each_local_slice(q, k, v, out, local,
+                             [&](const auto& qs, const auto& ks, const auto& vs, auto& os) {
+                               os = randattn::mpi::random_feature_attention(
+                                   shards.comm, maps.of_slice(s++), qs, ks, vs, opt);
+                             });
       });
 }
 

@@ -3,14 +3,25 @@
 // features), trig, oprf (optimal positive features), sderf (symmetric dense-exponential
 // features), hybrid (angular hybrid of hyperbolic and trig) and hybrid-gaussian (Gaussian-kernel
 // hybrid of trig and positive). They share one family of options (features, projection, omega,
-// lambda_features, bandwidth, fit, rho, calibration), each declared once below and owned by the
-// methods that use it. Every (batch, heads) slice uses the same map, drawn from the seed.
+// lambda_features, bandwidth, fit, rho, calibration, calibration_q, calibration_k), each declared
+// once below and owned by the methods that use it. Every (batch, heads) slice uses the same
+// projection ω, drawn once from the seed.
 //
-// oprf and sderf fit their parameters once per call: to the queries and keys (fit
-// "queries+keys", the default; one statistic averaged over the slices), or to given values (fit
-// "given" with rho, the mean of scale·|q_i + k_j|^2 over pairs, or calibration, rows of sample
-// queries/keys). A fit on the sequence lets every output depend on every key, so causal
-// attention requires fit "given".
+// oprf and sderf fit their parameters (OPRF's A, SDERF's second moment) either
+//   - to the queries and keys (fit "queries+keys", the default): each (batch, head) slice gets
+//     its own map, fitted to that slice's own rows (a 2-D input is one slice); or
+//   - to given values (fit "given" with exactly one of):
+//       rho                           the mean of scale·|q_i + k_j|^2 over pairs, every slice;
+//       calibration                   sample rows used as both queries and keys;
+//       calibration_q + calibration_k separate sample queries and sample keys (fit(q, k, c)).
+//     A calibration array is (r, d) (one map for every slice) or (heads, r, d) (head h's rows fit
+//     the map of every slice (b, h)); calibration_q and calibration_k have the same order, and
+//     may have different r.
+// Slices with their own maps run one by one through the 2-D computation, so each equals a 2-D
+// call on that slice with the matching 2-D calibration (or, fitted to queries+keys, on the
+// slice's own rows) bit for bit. The report's predicted_rel_mse is the mean over slices of each
+// slice's predicted error under its own map. A fit on the sequence lets every output depend on
+// every key, so causal attention requires fit "given".
 
 #include <randattn/randattn.hpp>
 
@@ -18,6 +29,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -75,7 +87,18 @@ inline OptionSpec rho() {
 }
 inline OptionSpec calibration() {
   return {"calibration", OptionType::array, std::monostate{},
-          "oprf, sderf with fit given: (r, d) array, rows of sample queries/keys to fit to"};
+          "oprf, sderf with fit given: (r, d) or per-head (heads, r, d) array, rows of sample "
+          "queries/keys (each row used as both) to fit to"};
+}
+inline OptionSpec calibration_q() {
+  return {"calibration_q", OptionType::array, std::monostate{},
+          "oprf, sderf with fit given: (r, d) or per-head (heads, r, d) sample queries, with "
+          "calibration_k"};
+}
+inline OptionSpec calibration_k() {
+  return {"calibration_k", OptionType::array, std::monostate{},
+          "oprf, sderf with fit given: (r, d) or per-head (heads, r, d) sample keys, with "
+          "calibration_q"};
 }
 
 }  // namespace feature_options
@@ -103,6 +126,66 @@ RowMatrix<Scalar> as_matrix(const ArrayValue& a) {
       .template cast<Scalar>();
 }
 
+// Matrix h of an (n, r, d) ArrayValue, or the whole of an (r, d) one.
+template <typename Scalar>
+RowMatrix<Scalar> matrix_of(const ArrayValue& a, Index h) {
+  if (a.shape.size() == 2) return as_matrix<Scalar>(a);
+  const Index r = a.shape[1], d = a.shape[2];
+  return Eigen::Map<const RowMatrix<double>>(a.data.data() + h * r * d, r, d)
+      .template cast<Scalar>();
+}
+
+// The maps of one call: a single map for every slice, one per head (slice s = b·heads + h uses
+// map h) or one per (batch, head) slice. All share the projection; only fitted values differ.
+template <typename Map>
+class SliceMaps {
+ public:
+  explicit SliceMaps(Map map) { maps_.push_back(std::move(map)); }
+  // n copies of the first map, to be fitted one by one (n = heads or slices).
+  void replicate(Index n) { maps_.resize(std::size_t(std::max<Index>(1, n)), maps_.front()); }
+  Index size() const { return Index(maps_.size()); }
+  Map& operator[](Index i) { return maps_[std::size_t(i)]; }
+  const Map& front() const { return maps_.front(); }
+  // The map of slice s (per head: s % heads, as slices are ordered (batch, heads)).
+  const Map& of_slice(Index s) const { return maps_[std::size_t(s % size())]; }
+
+ private:
+  std::vector<Map> maps_;
+};
+
+// Attention over contiguous (batch, heads, n, ·) buffers with each slice's own map: every slice
+// computed as the 2-D random_feature_attention computes it (every slice validated first).
+template <typename Map>
+void per_slice_feature_attention(const SliceMaps<Map>& maps, const typename Map::Scalar* q,
+                                 const typename Map::Scalar* k, const typename Map::Scalar* v,
+                                 typename Map::Scalar* out, const BatchShape& shape,
+                                 const RandomFeatureOptions& opt) {
+  using Scalar = typename Map::Scalar;
+  namespace rd = randattn::detail;
+  const char* where = "random_feature_attention";
+  const auto slice = [&](Index i) {
+    return std::make_tuple(rd::slice_of(q, i, shape.n_q, shape.d),
+                           rd::slice_of(k, i, shape.n_k, shape.d),
+                           rd::slice_of(v, i, shape.n_k, shape.dv));
+  };
+  rd::for_each_slice(
+      where, shape, q && k && v && out,
+      [&](Index i) {
+        const Map& map = maps.of_slice(i);
+        const auto [qs, ks, vs] = slice(i);
+        rd::check_feature_slice(where, map, qs, ks, vs,
+                                rd::feature_attention_settings(where, map, opt), opt.check_finite);
+      },
+      [&](Index i) {
+        const Map& map = maps.of_slice(i);
+        const auto s = rd::feature_attention_settings(where, map, opt);
+        const auto [qs, ks, vs] = slice(i);
+        auto o = rd::slice_of(out, i, shape.n_q, shape.dv);
+        rd::feature_attention_slice(where, map, qs, ks, vs, s, false)
+            .finalize_into(o, static_cast<Scalar>(s.linear.denominator_epsilon));
+      });
+}
+
 inline std::string shape_text(const std::vector<std::int64_t>& s) {
   std::string out = "(";
   for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
@@ -127,8 +210,11 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
     check(call);
     return [call](const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out) {
       const detail::SliceView<Scalar> data{q, k, call.shape};
-      return with_map<Scalar>(call, &data, [&](const auto& map, const RandomFeatureOptions& opt) {
-        random_feature_attention_batched(map, q, k, v, out, call.shape, opt);
+      return with_map<Scalar>(call, &data, [&](const auto& maps, const RandomFeatureOptions& opt) {
+        if (maps.size() == 1)
+          random_feature_attention_batched(maps.front(), q, k, v, out, call.shape, opt);
+        else
+          detail::per_slice_feature_attention(maps, q, k, v, out, call.shape, opt);
       });
     };
   }
@@ -151,26 +237,40 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
                           o.spelled("omega"));
     }
     if (!Family::fitted) return;
+    const std::string pair = o.spelled("calibration_q") + " and " + o.spelled("calibration_k");
+    if (o.given("calibration_q") != o.given("calibration_k"))
+      throw OptionError(pair + " go together: " +
+                        o.spelled(o.given("calibration_q") ? "calibration_k" : "calibration_q") +
+                        " is missing");
     if (o.text("fit") == "queries+keys") {
       if (call.settings.causal)
         throw OptionError(o.spelling().setting("fit", "queries+keys") +
                           " would let every causal output depend on every key; use " +
-                          o.spelling().setting("fit", "given") + " with " + o.spelled("rho") +
-                          " or " + o.spelled("calibration"));
-      if (o.given("rho") || o.given("calibration"))
-        throw OptionError(o.spelled("rho") + " and " + o.spelled("calibration") + " need " +
-                          o.spelling().setting("fit", "given"));
+                          o.spelling().setting("fit", "given") + " with " + given_choices(o));
+      if (o.given("rho") || o.given("calibration") || o.given("calibration_q"))
+        throw OptionError(o.spelled("rho") + ", " + o.spelled("calibration") + ", " + pair +
+                          " need " + o.spelling().setting("fit", "given"));
       return;
     }
-    if (o.given("rho") == o.given("calibration"))
+    if (int(o.given("rho")) + int(o.given("calibration")) + int(o.given("calibration_q")) != 1)
       throw OptionError(o.spelling().setting("fit", "given") + " needs exactly one of " +
-                        o.spelled("rho") + " and " + o.spelled("calibration"));
-    if (o.given("calibration")) {
-      const ArrayValue& c = o.array("calibration");
-      if (c.shape.size() != 2 || c.shape[1] != d || c.shape[0] < 1)
-        throw OptionError(o.spelled("calibration") + ": expected an (r, " + std::to_string(d) +
-                          ") array with r >= 1, got shape " + detail::shape_text(c.shape));
+                        given_choices(o));
+    for (const char* name : {"calibration", "calibration_q", "calibration_k"}) {
+      if (!o.given(name)) continue;
+      const std::vector<std::int64_t>& s = o.array(name).shape;
+      const std::string dim = std::to_string(d), heads = std::to_string(call.shape.heads);
+      const bool ok = (s.size() == 2 || (s.size() == 3 && s[0] == call.shape.heads)) &&
+                      s.back() == d && s[s.size() - 2] >= 1;
+      if (!ok)
+        throw OptionError(o.spelled(name) + ": expected an (r, " + dim + ") array or a per-head (" +
+                          heads + ", r, " + dim + ") array (heads " + heads + ", d " + dim +
+                          " as in the input) with r >= 1, got shape " + detail::shape_text(s));
     }
+    if (o.given("calibration_q") &&
+        o.array("calibration_q").shape.size() != o.array("calibration_k").shape.size())
+      throw OptionError(pair + " must both be (r, d) or both per-head (heads, r, d), got shapes " +
+                        detail::shape_text(o.array("calibration_q").shape) + " and " +
+                        detail::shape_text(o.array("calibration_k").shape));
   }
 
   // Calls fn(map, options) with the map the options select, fitted (oprf, sderf) to the rows of
@@ -191,13 +291,14 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
     std::int64_t feature_dim = 0;
     std::optional<double> predicted;
     auto run = [&](auto projection) {
-      auto map = Family::template make<Scalar>(std::move(projection), o, seed, d);
-      if constexpr (is_fitted<decltype(map)>::value) fit_map(map, call, data, normaliser);
-      feature_dim = map.feature_dim();
-      if constexpr (has_closed_form_mse<decltype(map)>::value)
+      using Map = decltype(Family::template make<Scalar>(std::move(projection), o, seed, d));
+      detail::SliceMaps<Map> maps(Family::template make<Scalar>(std::move(projection), o, seed, d));
+      if constexpr (is_fitted<Map>::value) fit_maps(maps, call, data, normaliser);
+      feature_dim = maps.front().feature_dim();
+      if constexpr (has_closed_form_mse<Map>::value)
         if (data && call.settings.report && data->shape.slices() > 0 && data->shape.n_q > 0)
-          predicted = predicted_rel_mse(map, *data, normaliser);
-      fn(std::as_const(map), opt);
+          predicted = predicted_rel_mse(maps, *data, normaliser);
+      fn(std::as_const(maps), opt);
     };
     const std::string& projection = o.text("projection");
     if (o.given("omega") && Family::uses_omega)
@@ -237,50 +338,63 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
       Map, std::void_t<decltype(kernel_relative_mse(std::declval<const Map&>(), Eigen::VectorXd(),
                                                     Eigen::VectorXd()))>> : std::true_type {};
 
-  // The fitted statistic: averaged over every (batch, heads) slice, or the calibration rows.
+  // "--rho, --calibration, or --calibration-q with --calibration-k".
+  static std::string given_choices(const Options& o) {
+    return o.spelled("rho") + ", " + o.spelled("calibration") + ", or " +
+           o.spelled("calibration_q") + " with " + o.spelled("calibration_k");
+  }
+
+  // Fits each slice's map to its own queries and keys, each head's map to its calibration rows,
+  // or the one map to the given statistic or calibration rows (see the header comment).
   template <typename Map>
-  static void fit_map(Map& map, const Call& call,
-                      const detail::SliceView<typename Map::Scalar>* sequence, double normaliser) {
+  static void fit_maps(detail::SliceMaps<Map>& maps, const Call& call,
+                       const detail::SliceView<typename Map::Scalar>* sequence, double normaliser) {
     using Scalar = typename Map::Scalar;
     const Options& o = call.options;
     if (o.text("fit") == "queries+keys") {
       if (!sequence)
         throw OptionError(o.spelling().setting("fit", "queries+keys") +
                           " needs every query and key in one process; use " +
-                          o.spelling().setting("fit", "given") + " with " + o.spelled("rho") +
-                          " or " + o.spelled("calibration"));
+                          o.spelling().setting("fit", "given") + " with " + given_choices(o));
       const detail::SliceView<Scalar>& data = *sequence;
       if (data.shape.slices() == 0 || data.shape.n_q == 0) return;  // no output rows
-      Family::fit(
-          map,
-          [&](auto statistic) {
-            auto sum = statistic(data.q(0), data.k(0));
-            for (Index s = 1; s < data.shape.slices(); ++s) sum += statistic(data.q(s), data.k(s));
-            return decltype(sum)(sum / double(data.shape.slices()));
-          },
-          normaliser);
+      maps.replicate(data.shape.slices());
+      for (Index s = 0; s < data.shape.slices(); ++s) maps[s].fit(data.q(s), data.k(s), normaliser);
       return;
     }
     if (o.given("rho")) {
-      Family::set_rho(map, o.real("rho"));
+      Family::set_rho(maps[0], o.real("rho"));
       return;
     }
-    const RowMatrix<Scalar> rows = detail::as_matrix<Scalar>(o.array("calibration"));
-    try {
-      map.fit(rows, rows, normaliser);
-    } catch (const std::invalid_argument& e) {
-      throw OptionError(o.spelled("calibration") + ": " + e.what());
+    const bool pair = o.given("calibration_q");
+    const ArrayValue& qa = o.array(pair ? "calibration_q" : "calibration");
+    const ArrayValue& ka = o.array(pair ? "calibration_k" : "calibration");
+    const Index heads = qa.shape.size() == 3 ? Index(qa.shape[0]) : 1;
+    if (qa.shape.size() == 3) maps.replicate(heads);
+    for (Index h = 0; h < heads; ++h) {
+      const RowMatrix<Scalar> q_rows = detail::matrix_of<Scalar>(qa, h);
+      try {
+        if (pair)
+          maps[h].fit(q_rows, detail::matrix_of<Scalar>(ka, h), normaliser);
+        else
+          maps[h].fit(q_rows, q_rows, normaliser);
+      } catch (const std::invalid_argument& e) {
+        throw OptionError((pair ? o.spelled("calibration_q") + ", " + o.spelled("calibration_k")
+                                : o.spelled("calibration")) +
+                          ": " + e.what());
+      }
     }
   }
 
-  // Mean closed-form relative kernel MSE over 1024 sampled pairs of each slice, averaged.
+  // Mean closed-form relative kernel MSE over 1024 sampled pairs of each slice under the slice's
+  // own map, averaged over the slices.
   template <typename Map>
-  static double predicted_rel_mse(const Map& map,
+  static double predicted_rel_mse(const detail::SliceMaps<Map>& maps,
                                   const detail::SliceView<typename Map::Scalar>& data,
                                   double normaliser) {
     double sum = 0;
     for (Index s = 0; s < data.shape.slices(); ++s)
-      sum += mean_kernel_relative_mse(map, data.q(s), data.k(s), normaliser);
+      sum += mean_kernel_relative_mse(maps.of_slice(s), data.q(s), data.k(s), normaliser);
     return sum / double(std::max<Index>(1, data.shape.slices()));
   }
 };
@@ -318,19 +432,20 @@ struct TrigFamily : SingleMap<TrigFeatures> {
       "trigonometric random features (2m features, guarded denominator)";
 };
 
-// Maps fitted to a statistic of the queries and keys (see the header comment). `fit` receives
-// a callable that averages a pair statistic over the slices.
+// Maps fitted to the queries and keys or to given values (see the header comment).
 template <template <typename, typename> class Map>
 struct FittedMap : SingleMap<Map> {
   static constexpr bool fitted = true;
   static std::vector<OptionSpec> options() {
     namespace f = feature_options;
-    return {f::features(), f::projection(), f::omega(), f::fit(), f::rho(), f::calibration()};
+    return {f::features(), f::projection(),  f::omega(),         f::fit(),
+            f::rho(),      f::calibration(), f::calibration_q(), f::calibration_k()};
   }
   static void report(const Options& o, Report& r) {
     r.emplace_back("fit", o.text("fit"));
     if (o.given("rho")) r.emplace_back("rho", o.real("rho"));
-    if (o.given("calibration")) r.emplace_back("calibration", o.array("calibration").source);
+    for (const char* name : {"calibration", "calibration_q", "calibration_k"})
+      if (o.given(name)) r.emplace_back(name, o.array(name).source);
   }
 };
 
@@ -338,15 +453,6 @@ struct OprfFamily : FittedMap<OptimalPositiveFeatures> {
   static constexpr const char* name = "oprf";
   static constexpr const char* summary =
       "optimal positive random features, A fitted to the data (m features)";
-  template <typename Map, typename Average>
-  static void fit(Map& map, Average&& average, double c) {
-    using Scalar = typename Map::Scalar;
-    map.set_rho(average([&](const auto& q, const auto& k) {
-      Eigen::VectorXd rho(1);
-      rho(0) = pair_sum_sq_norm<Scalar>(q, k, c);
-      return rho;
-    })(0));
-  }
   template <typename Map>
   static void set_rho(Map& map, double rho) {
     map.set_rho(rho);
@@ -358,12 +464,6 @@ struct SderfFamily : FittedMap<DenseExponentialFeatures> {
   static constexpr const char* summary =
       "symmetric dense-exponential random features, fitted to the data's second moment (m "
       "features)";
-  template <typename Map, typename Average>
-  static void fit(Map& map, Average&& average, double c) {
-    using Scalar = typename Map::Scalar;
-    map.set_moment(average(
-        [&](const auto& q, const auto& k) { return pair_sum_second_moment<Scalar>(q, k, c); }));
-  }
   template <typename Map>
   static void set_rho(Map& map, double rho) {
     const Index d = map.input_dim();

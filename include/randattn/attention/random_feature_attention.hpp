@@ -29,7 +29,7 @@
 #include "../core/linear_decoder.hpp"
 #include "../core/options.hpp"
 #include "../core/scaled_features.hpp"
-#include "../core/score_tile.hpp"
+#include "../core/detail/score_tile.hpp"
 #include "../core/softmax_accumulator.hpp"
 #include "../core/types.hpp"
 #include "../detail/batch.hpp"

@@ -17,7 +17,7 @@
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
 #include "options.hpp"
-#include "score_tile.hpp"
+#include "detail/score_tile.hpp"
 #include "softmax_accumulator.hpp"
 #include "types.hpp"
 

@@ -11,7 +11,7 @@
 //               sign bits per table, L = `lsh_tables` tables; a key is sampled when it collides
 //               with the query in at least two tables, and its logit is lowered by log p, p its
 //               exact inclusion probability (self-normalised importance sampling).
-//   lsf         locality-sensitive filters (decode/filter_tables.hpp): each key is stored in its
+//   lsf         locality-sensitive filters (decode/detail/filter_tables.hpp): each key is stored in its
 //               best filter of each of `lsf_tables` tables of `lsf_filters` Gaussian filters; the
 //               query opens the filters whose cosine with it reaches the threshold (and at least
 //               its `lsf_min_probes` best per table) and attends exactly to the keys found.

@@ -74,11 +74,11 @@
 #include "../core/types.hpp"
 #include "../detail/gemm.hpp"
 #include "../detail/validation.hpp"
-#include "binary_io.hpp"
+#include "detail/binary_io.hpp"
 #include "decode_options.hpp"
-#include "filter_tables.hpp"
-#include "growable_rows.hpp"
-#include "page_bounds.hpp"
+#include "detail/filter_tables.hpp"
+#include "detail/growable_rows.hpp"
+#include "detail/page_bounds.hpp"
 #include "simhash_tables.hpp"
 
 namespace randattn {

@@ -15,7 +15,8 @@
 //   x. O(p log p) per vector and round. The rounds are the blocks of one StructuredRotation
 //   (linalg/structured_rotation.hpp).
 //
-// Which one hashes faster at a given shape: see default_rotation in cross_polytope.hpp.
+// Which one hashes faster at a given shape: see default_rotation in lsh/cross_polytope.hpp.
+// Shared by LSH (cross-polytope hashing) and LSF (Hadamard filters).
 
 #include <algorithm>
 #include <cmath>
@@ -33,6 +34,10 @@
 #include "../random/streams.hpp"
 
 namespace randattn {
+
+// The two rotation families (see the top of this file); default_rotation in lsh/cross_polytope.hpp
+// picks the faster one for cross-polytope hashing at a given shape.
+enum class RotationKind { dense, hadamard };
 
 namespace detail {
 

@@ -10,7 +10,7 @@
 //   dense     a_i ~ N(0, I_d) i.i.d.; entry (t m + i, c) is Philox(seed, lsf_dense_filters)
 //             .gaussian(t m + i, c). O(m d) per vector and table. Users may supply the matrix.
 //   hadamard  the first m rows of √p · H D3 H D2 H D1 / p^{3/2} (the pseudo-random rotation of
-//             Andoni et al., lsh/rotation.hpp), p = next power of two >= max(d, m), one rotation
+//             Andoni et al., hashing/rotation.hpp), p = next power of two >= max(d, m), one rotation
 //             per table: a unit vector's rotated coordinates have variance 1/p, so the √p gain
 //             gives unit variance. O(p log p) per vector and table.
 //
@@ -29,9 +29,10 @@
 #include "../detail/gemm.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
-#include "../lsh/cross_polytope.hpp"
-#include "../lsh/lsh_attention.hpp"
-#include "../lsh/rotation.hpp"
+#include "../hashing/detail/tiles.hpp"
+#include "../hashing/hash_codes.hpp"
+#include "../hashing/rotation.hpp"
+#include "../hashing/unit_rows.hpp"
 #include "../random/fill.hpp"
 #include "../random/philox.hpp"
 #include "../random/streams.hpp"
@@ -118,7 +119,7 @@ class LocalitySensitiveFilters {
     detail::require(table >= 0 && table < tables_, where, "table ", table, " is outside [0, ",
                     tables_, ")");
     RowMatrix<Scalar> out(x.rows(), filters_);
-    const RowMatrix<Scalar> unit = detail::unit_rows<Scalar>(x);
+    const RowMatrix<Scalar> unit = unit_rows<Scalar>(x);
     for_each_block(unit,
                    [&](Index i0, const auto& block, RowMatrix<Scalar>& s, RowMatrix<Scalar>& work) {
                      score_block(block, table, s, work);
@@ -130,10 +131,10 @@ class LocalitySensitiveFilters {
   // The filter each row of x is stored in, per table (argmax of its scores): n x tables.
   HashCodes assign(const Eigen::Ref<const RowMatrix<Scalar>>& x, bool check_finite = true) const {
     check_input("LocalitySensitiveFilters::assign", x, check_finite);
-    return assign_unit(detail::unit_rows<Scalar>(x));
+    return assign_unit(unit_rows<Scalar>(x));
   }
 
-  // --- For the attention kernels: rows already normalised (detail::unit_rows). -------------
+  // --- For the attention kernels: rows already normalised (unit_rows). -------------
 
   // Scores of a block of unit rows in table t: out = B x m.
   template <typename X>

@@ -21,7 +21,7 @@
 // position inside a filter); the opened filters of every query are listed (CSR by query and by
 // filter). Table by table, the table's keys and values are permuted into filter order, and for
 // every filter the dense tile (its queries) x (its keys) goes through the shared score tile
-// (core/score_tile.hpp) with gathered global row/column positions (causal masking, dedupe).
+// (core/detail/score_tile.hpp) with gathered global row/column positions (causal masking, dedupe).
 // Tasks own fixed blocks of queries, so each output row is merged by one thread, in the order
 // table, filter, key tile: results do not depend on the thread count.
 // Memory O(n (d + dv) + n L + probes) per slice, probes = Σ_i (filters opened by i), plus the
@@ -46,14 +46,16 @@
 #include <Eigen/Core>
 
 #include "../core/options.hpp"
-#include "../core/score_tile.hpp"
+#include "../core/detail/score_tile.hpp"
 #include "../core/softmax_accumulator.hpp"
 #include "../core/types.hpp"
 #include "../detail/batch.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
-#include "../lsh/lsh_attention.hpp"
-#include "../lsh/target_blocks.hpp"
+#include "../hashing/detail/bucket_sort.hpp"
+#include "../hashing/detail/tiles.hpp"
+#include "../hashing/hash_codes.hpp"
+#include "../hashing/unit_rows.hpp"
 #include "filters.hpp"
 
 namespace randattn {

@@ -1,6 +1,6 @@
 #pragma once
 // Cross-polytope LSH with b buckets and r rounds: h(x) = argmax([x R; -x R]) per round, R the
-// round's rotation restricted to its first b/2 coordinates (see rotation.hpp). Bucket k < b/2
+// round's rotation restricted to its first b/2 coordinates (see hashing/rotation.hpp). Bucket k < b/2
 // means coordinate k is the largest in absolute value and positive, bucket b/2 + k that it is
 // negative. Ties go to the first entry of [x R; -x R] (so a zero vector lands in bucket 0).
 // The hash is invariant to positive scaling of x, which is why Reformer's normalised keys and
@@ -33,19 +33,13 @@
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
 #include "../linalg/hadamard.hpp"
-#include "rotation.hpp"
+#include "../hashing/detail/tiles.hpp"
+#include "../hashing/hash_codes.hpp"
+#include "../hashing/rotation.hpp"
 
 namespace randattn {
 
-enum class RotationKind { dense, hadamard };
-
-// Bucket codes: one row per token, one column per round; entries in [0, buckets).
-using HashCodes = Eigen::Matrix<std::int32_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-
 namespace detail {
-
-constexpr Index kHashTile = 64;     // vectors rotated together: the work buffer stays in cache
-constexpr Index kHashChunk = 1024;  // vectors per parallel work item, which owns one work buffer
 
 #if defined(__GNUC__)
 #pragma GCC diagnostic push

@@ -62,8 +62,10 @@
 #include "../detail/batch.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
+#include "../hashing/detail/bucket_sort.hpp"
+#include "../hashing/unit_rows.hpp"
 #include "cross_polytope.hpp"
-#include "target_blocks.hpp"
+#include "detail/target_blocks.hpp"
 
 namespace randattn {
 
@@ -89,22 +91,6 @@ inline Index reformer_buckets(Index n, Index chunk) {
 namespace detail {
 
 constexpr Index kChunkTokensPerTask = 1024;  // sorted tokens handled by one parallel task
-
-template <typename Scalar>
-RowMatrix<Scalar> unit_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x) {
-  RowMatrix<Scalar> u(x.rows(), x.cols());
-  for (Index i = 0; i < x.rows(); ++i) {
-    // Dividing by the largest entry first keeps the norm finite for any finite row.
-    const Scalar m = x.row(i).cwiseAbs().maxCoeff();
-    if (m == Scalar(0)) {
-      u.row(i).setZero();
-    } else {
-      u.row(i) = x.row(i) / m;
-      u.row(i) /= u.row(i).norm();
-    }
-  }
-  return u;
-}
 
 template <typename Scalar>
 Scalar check_lsh_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& q,

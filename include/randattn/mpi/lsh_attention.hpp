@@ -4,7 +4,7 @@
 // global sorted order of every round. Rank p owns chunks [p C / P, (p + 1) C / P) of the C
 // chunks of every round; it fetches the rows (q and v) of the tokens of its chunks and of their
 // look-back chunks from the rows' owners (MPI_Alltoallv of requests, then of rows), runs the
-// library's LSH kernel (lsh/target_blocks.hpp) on them with global positions (so masks and the
+// library's LSH kernel (lsh/detail/target_blocks.hpp) on them with global positions (so masks and the
 // duplicate correction are those of the single-process call), and sends each token's partial
 // [num | den] and log-scale of each round back to the token's owner (MPI_Alltoallv). Owners
 // merge the partials in round order, then apply the self rule.
@@ -27,7 +27,7 @@
 #include "../detail/validation.hpp"
 #include "../lsh/cross_polytope.hpp"
 #include "../lsh/lsh_attention.hpp"
-#include "../lsh/target_blocks.hpp"
+#include "../lsh/detail/target_blocks.hpp"
 #include "communicator.hpp"
 #include "partition.hpp"
 
@@ -133,7 +133,7 @@ SoftmaxAccumulator<Scalar> lsh_attention_accumulate(Communicator& comm,
   local_qv.rightCols(dv) = v;
   const RowMatrix<Scalar> fetched = detail::fetch_rows(comm, part, tokens, local_qv);
   const RowMatrix<Scalar> queries = scale * fetched.leftCols(d);
-  const RowMatrix<Scalar> keys = randattn::detail::unit_rows<Scalar>(fetched.leftCols(d));
+  const RowMatrix<Scalar> keys = randattn::unit_rows<Scalar>(fetched.leftCols(d));
   const RowMatrix<Scalar> values = fetched.rightCols(dv);
   const auto stored = [&](std::int32_t token) {  // row of a global token in the fetched rows
     return std::int32_t(std::lower_bound(tokens.begin(), tokens.end(), token) - tokens.begin());
@@ -210,7 +210,7 @@ SoftmaxAccumulator<Scalar> lsh_attention_accumulate(Communicator& comm,
       empty.push_back(std::int32_t(i));
   if (!empty.empty()) {
     const RowMatrix<Scalar> own_queries = scale * qk,
-                            own_keys = randattn::detail::unit_rows<Scalar>(qk), own_values = v;
+                            own_keys = randattn::unit_rows<Scalar>(qk), own_values = v;
     randattn::detail::attend_to_self(acc, empty, own_queries, own_keys, own_values);
   }
   comm.agree([&] {

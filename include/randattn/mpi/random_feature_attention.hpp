@@ -5,7 +5,7 @@
 //
 //   bidirectional  every rank summarises its keys, S_r = φ(K_r)ᵀ diag(σ) [V_r | 1] relative to
 //                  exp(c_r); one MPI_Allreduce merges the (S_r, c_r) with the online-softmax rule
-//                  (reduce.hpp), and every rank's queries read the total. M (dv + 1) + 1 values
+//                  (detail/reduce.hpp), and every rank's queries read the total. M (dv + 1) + 1 values
 //                  per rank, whatever n.
 //   causal         one MPI_Exscan of the same summaries gives rank r the state of all keys of
 //                  ranks 0..r−1; the rank's chunked causal prefix runs on its rows and its queries
@@ -30,7 +30,7 @@
 #include "../detail/validation.hpp"
 #include "communicator.hpp"
 #include "partition.hpp"
-#include "reduce.hpp"
+#include "detail/reduce.hpp"
 
 namespace randattn::mpi {
 

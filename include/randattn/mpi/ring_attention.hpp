@@ -26,7 +26,7 @@
 #include <Eigen/Core>
 
 #include "../core/exact_attention.hpp"
-#include "../core/score_tile.hpp"
+#include "../core/detail/score_tile.hpp"
 #include "../core/softmax_accumulator.hpp"
 #include "../core/types.hpp"
 #include "../detail/parallel.hpp"

@@ -24,7 +24,7 @@
 #include "../detail/validation.hpp"
 #include "../random/philox.hpp"
 #include "../sketch/hosvd.hpp"
-#include "../sketch/mode_gram.hpp"
+#include "../sketch/detail/mode_gram.hpp"
 #include "../sketch/sparse_tensor.hpp"
 #include "../sketch/sparsify.hpp"
 #include "../sketch/tensor_view.hpp"

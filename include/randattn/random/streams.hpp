@@ -19,7 +19,7 @@ constexpr std::uint32_t projection_orthogonal = 0x50524a01u;  // Gaussian blocks
 constexpr std::uint32_t projection_row_norm = 0x50524a02u;    // χ(d) row norms
 constexpr std::uint32_t projection_hadamard = 0x50524a03u;    // ±1 diagonals of H D3 H D2 H D1
 
-// Rotations of cross-polytope LSH (lsh/rotation.hpp): "LSH" + purpose.
+// Rotations of cross-polytope LSH (hashing/rotation.hpp): "LSH" + purpose.
 constexpr std::uint32_t lsh_dense_rotation = 0x4C534801u;     // Gaussian (d, rounds, b/2)
 constexpr std::uint32_t lsh_hadamard_rotation = 0x4C534802u;  // ±1 diagonals per round
 
@@ -32,6 +32,6 @@ constexpr std::uint32_t lsf_hadamard_filters = 0x4C534602u;  // seed of the H D3
 
 // Retrieval indexes of the key/value cache (decode/): "KVC" + purpose.
 constexpr std::uint32_t kv_cache_simhash = 0x4B564301u;  // SimHash hyperplanes (simhash_tables.hpp)
-constexpr std::uint32_t kv_cache_filters = 0x4B564302u;  // filters (filter_tables.hpp)
+constexpr std::uint32_t kv_cache_filters = 0x4B564302u;  // filters (decode/detail/filter_tables.hpp)
 
 }  // namespace randattn::streams

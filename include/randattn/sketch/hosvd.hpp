@@ -24,7 +24,7 @@
 #include "../core/types.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
-#include "mode_gram.hpp"
+#include "detail/mode_gram.hpp"
 #include "sparse_tensor.hpp"
 #include "sparsify.hpp"
 #include "tensor_view.hpp"

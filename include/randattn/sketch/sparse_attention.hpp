@@ -25,7 +25,7 @@
 #include <Eigen/SparseCore>
 
 #include "../core/exact_attention.hpp"
-#include "../core/score_tile.hpp"
+#include "../core/detail/score_tile.hpp"
 #include "../core/softmax_accumulator.hpp"
 #include "../core/types.hpp"
 #include "../detail/gemm.hpp"

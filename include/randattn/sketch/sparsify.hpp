@@ -20,7 +20,7 @@
 //   uniform p = c (the same rate for every nonzero entry).
 // Every scheme is one SamplingRule: p(a) = 0 if |a| < cutoff, else min(1, max(scale a^2, floor)).
 //
-// Draws (sketch/keep_draws.hpp). Entry omega is kept when u_omega < p_omega for a uniform
+// Draws (sketch/detail/keep_draws.hpp). Entry omega is kept when u_omega < p_omega for a uniform
 // u_omega = (r_omega + v_omega) / 256: r_omega is a byte of a Philox block shared by a tile of
 // 256 entries (16 blocks per tile, one block per 16 entries), v_omega a 53-bit uniform of its
 // own that is drawn only when r_omega = floor(256 p_omega), which happens for one entry in 256.
@@ -35,7 +35,7 @@
 //
 // Reproducibility. The draws are a pure function of (seed, stream, flat row-major index).
 // ||A||_F^2 and sum p are summed in a fixed order (256 lanes by flat index within aligned
-// chunks of kSketchChunk entries, then the chunk sums in order; sketch/ordered_sum.hpp), so
+// chunks of kSketchChunk entries, then the chunk sums in order; sketch/detail/ordered_sum.hpp), so
 // the in-memory call with any thread count and the streamed call with any block sizes return
 // the identical sketch, bit for bit.
 //
@@ -67,8 +67,8 @@
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
 #include "../random/philox.hpp"
-#include "keep_draws.hpp"
-#include "ordered_sum.hpp"
+#include "detail/keep_draws.hpp"
+#include "detail/ordered_sum.hpp"
 #include "sparse_tensor.hpp"
 #include "tensor_view.hpp"
 

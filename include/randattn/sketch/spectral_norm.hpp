@@ -26,7 +26,7 @@
 #include "../core/types.hpp"
 #include "../detail/validation.hpp"
 #include "../random/philox.hpp"
-#include "mode_gram.hpp"
+#include "detail/mode_gram.hpp"
 #include "sparse_tensor.hpp"
 #include "tensor_view.hpp"
 

@@ -22,9 +22,9 @@
 
 #include <Eigen/Core>
 
-#include "../detail/gemm.hpp"
-#include "softmax_accumulator.hpp"
-#include "types.hpp"
+#include "../../detail/gemm.hpp"
+#include "../softmax_accumulator.hpp"
+#include "../types.hpp"
 
 namespace randattn::detail {
 

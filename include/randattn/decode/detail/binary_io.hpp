@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "../detail/validation.hpp"
+#include "../../detail/validation.hpp"
 
 namespace randattn::detail {
 

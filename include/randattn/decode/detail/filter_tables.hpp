@@ -20,11 +20,11 @@
 
 #include <Eigen/Core>
 
-#include "../core/types.hpp"
-#include "../lsf/filters.hpp"
-#include "../random/fill.hpp"
-#include "../random/philox.hpp"
-#include "../random/streams.hpp"
+#include "../../core/types.hpp"
+#include "../../lsf/filters.hpp"
+#include "../../random/fill.hpp"
+#include "../../random/philox.hpp"
+#include "../../random/streams.hpp"
 
 namespace randattn {
 

@@ -10,7 +10,7 @@
 
 #include <Eigen/Core>
 
-#include "../core/types.hpp"
+#include "../../core/types.hpp"
 
 namespace randattn::detail {
 

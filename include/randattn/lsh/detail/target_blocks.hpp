@@ -2,7 +2,7 @@
 // The compute kernel of LSH attention: query rows attend to an explicit list of key rows
 // (a sorted chunk and its predecessor, or a hash bucket), with the self rule, causal masking
 // and the multi-round duplicate correction, through the shared score tile
-// (core/score_tile.hpp). Long lists are cut into tiles, so no buffer is larger than a tile,
+// (core/detail/score_tile.hpp). Long lists are cut into tiles, so no buffer is larger than a tile,
 // whatever the chunk or bucket size.
 //
 // Duplicate correction. Round rho gives every query and every key a signature s_rho (its chunk
@@ -22,24 +22,13 @@
 
 #include <Eigen/Core>
 
-#include "../core/score_tile.hpp"
-#include "../core/softmax_accumulator.hpp"
-#include "../core/types.hpp"
-#include "../detail/gemm.hpp"
+#include "../../core/detail/score_tile.hpp"
+#include "../../core/softmax_accumulator.hpp"
+#include "../../core/types.hpp"
+#include "../../detail/gemm.hpp"
+#include "../../hashing/detail/tiles.hpp"
 
 namespace randattn::detail {
-
-// Stable counting sort of `n` tokens by code (codes[t * stride] in [0, buckets)): perm lists the
-// tokens bucket by bucket in increasing position; bucket c is perm[start[c], start[c + 1]).
-inline void sort_by_bucket(const std::int32_t* codes, Index stride, Index n, Index buckets,
-                           std::int32_t* perm, std::vector<Index>& start) {
-  start.assign(static_cast<std::size_t>(buckets) + 1, 0);
-  for (Index t = 0; t < n; ++t) ++start[static_cast<std::size_t>(codes[t * stride]) + 1];
-  for (Index c = 0; c < buckets; ++c) start[c + 1] += start[c];
-  std::vector<Index> next(start.begin(), start.end() - 1);
-  for (Index t = 0; t < n; ++t)
-    perm[next[static_cast<std::size_t>(codes[t * stride])]++] = static_cast<std::int32_t>(t);
-}
 
 // Per-round signatures of queries and keys (row-major n x rounds) and the target relation.
 struct RoundSignatures {
@@ -63,10 +52,6 @@ struct TargetProblem {
   // uses stored rows); null: row t is at position t. Lets a shard hold a gathered subset.
   const std::int32_t* position = nullptr;
 };
-
-// Row and column tiles; a chunk of length c <= 128 and its predecessor fit one tile each.
-constexpr Index kTargetRowTile = 128;
-constexpr Index kTargetColTile = 256;
 
 // The dedupe count of the score tile: the number of rounds in which key cols[u] is a target of
 // query i, from the per-round signatures (the keys' gathered per tile into `key_sig`).

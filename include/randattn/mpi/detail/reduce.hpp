@@ -11,9 +11,9 @@
 
 #include <Eigen/Core>
 
-#include "../core/softmax_accumulator.hpp"
-#include "../core/types.hpp"
-#include "communicator.hpp"
+#include "../../core/softmax_accumulator.hpp"
+#include "../../core/types.hpp"
+#include "../communicator.hpp"
 
 namespace randattn::mpi::detail {
 

@@ -23,9 +23,9 @@
 #include <immintrin.h>
 #endif
 
-#include "../core/types.hpp"
-#include "../random/philox.hpp"
-#include "../random/philox_lanes.hpp"
+#include "../../core/types.hpp"
+#include "../../random/philox.hpp"
+#include "../../random/philox_lanes.hpp"
 
 namespace randattn::detail {
 

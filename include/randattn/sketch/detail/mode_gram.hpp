@@ -10,11 +10,11 @@
 #include <Eigen/Core>
 #include <Eigen/Eigenvalues>
 
-#include "../core/types.hpp"
-#include "../detail/gemm.hpp"
-#include "../detail/validation.hpp"
-#include "sparse_tensor.hpp"
-#include "tensor_view.hpp"
+#include "../../core/types.hpp"
+#include "../../detail/gemm.hpp"
+#include "../../detail/validation.hpp"
+#include "../sparse_tensor.hpp"
+#include "../tensor_view.hpp"
 
 namespace randattn::detail {
 

@@ -13,7 +13,7 @@
 #include <cmath>
 #include <vector>
 
-#include "../core/types.hpp"
+#include "../../core/types.hpp"
 
 namespace randattn::detail {
 

@@ -79,7 +79,7 @@ std::string le_payload(const std::vector<T>& values) {
   for (std::size_t i = 0; i < values.size(); ++i) {
     unsigned char b[sizeof(T)];
     std::memcpy(b, &values[i], sizeof(T));
-    if (!randattn::io::detail::host_is_little_endian())
+    if (!randattn::io::host_is_little_endian())
       for (std::size_t j = 0; j < sizeof(T) / 2; ++j) std::swap(b[j], b[sizeof(T) - 1 - j]);
     std::memcpy(&s[i * sizeof(T)], b, sizeof(T));
   }
@@ -298,7 +298,7 @@ TEST_CASE("npy reader accepts the header variants NumPy and other writers produc
     CHECK(a.values<float>() == f4);
   }
   SECTION("native and not-applicable byte-order characters") {
-    if (randattn::io::detail::host_is_little_endian()) {
+    if (randattn::io::host_is_little_endian()) {
       for (const char* descr : {"=f4", "|f4"}) {
         write_bytes(p, npy_image(std::string("{'descr': '") + descr +
                                      "', 'fortran_order': False, 'shape': (4,), }",
@@ -492,7 +492,7 @@ TEST_CASE("npy header reports the stored order and byte order", "[npy]") {
   std::istringstream native(npy_image("{'descr': '=f8', 'fortran_order': False, 'shape': (2,), }",
                                       le_payload(std::vector<double>{1, 2})));
   CHECK(randattn::io::read_npy_header(native, "mem").little_endian ==
-        randattn::io::detail::host_is_little_endian());
+        randattn::io::host_is_little_endian());
 }
 
 TEMPLATE_TEST_CASE("npy partial readers on Fortran-order and big-endian files", "[npy]", float,

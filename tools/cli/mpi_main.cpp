@@ -61,9 +61,9 @@ void write_npy_sharded(Communicator& comm, const std::string& path, const Shape&
                        const char* flag) {
   std::string tmp;
   collectively(comm, [&] {
-    if (!randattn::io::detail::host_is_little_endian())
+    if (!randattn::io::host_is_little_endian())
       throw CliError("randattn-mpi writes on little-endian hosts only");
-    if (comm.rank() == 0) tmp = randattn::io::detail::temporary_sibling(path).string();
+    if (comm.rank() == 0) tmp = randattn::io::temporary_path_beside(path).string();
   });
   std::uint64_t len = tmp.size();
   MPI_Bcast(&len, 1, MPI_UINT64_T, 0, comm.get());
@@ -75,7 +75,7 @@ void write_npy_sharded(Communicator& comm, const std::string& path, const Shape&
                     MPI_INFO_NULL, &file);
   if (opened != MPI_SUCCESS)
     throw CliError(std::string(flag) + ": " + path + ": cannot create output file");
-  const std::string header = randattn::io::detail::header_bytes<Scalar>(shape);
+  const std::string header = randattn::io::npy_header_bytes<Scalar>(shape);
   bool ok = true;
   if (comm.rank() == 0)
     ok = MPI_File_write_at(file, 0, header.data(), int(header.size()), MPI_CHAR,
@@ -87,7 +87,7 @@ void write_npy_sharded(Communicator& comm, const std::string& path, const Shape&
       const MPI_Offset at =
           MPI_Offset(header.size() + (std::size_t(offset) + done) * sizeof(Scalar));
       ok = MPI_File_write_at(file, at, values.data() + done, int(n),
-                             randattn::mpi::detail::datatype<Scalar>(),
+                             randattn::mpi::datatype<Scalar>(),
                              MPI_STATUS_IGNORE) == MPI_SUCCESS;
     }
   }
@@ -219,8 +219,7 @@ class ShardedAttentionCommand : public RegistryAttentionCommand {
  private:
   static InputInfo header(const char* flag, const std::string& path) {
     try {
-      std::ifstream in;
-      const randattn::io::NpyHeader h = randattn::io::detail::open_npy(path, in);
+      const randattn::io::NpyHeader h = randattn::io::read_npy_header(path);
       return {h.shape, h.dtype};
     } catch (const std::exception& e) {
       throw CliError(std::string(flag) + ": " + e.what());
@@ -265,10 +264,9 @@ void with_local_range(Communicator& comm, const std::string& path, std::string& 
   randattn::io::NpyArray local;
   randattn::mpi::Segment range;
   collectively(comm, [&] {
-    std::ifstream in;
     randattn::io::NpyHeader h;
     try {
-      h = randattn::io::detail::open_npy(path, in);
+      h = randattn::io::read_npy_header(path);
     } catch (const std::exception& e) {
       throw CliError(std::string("--in: ") + e.what());
     }

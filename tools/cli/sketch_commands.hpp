@@ -193,7 +193,7 @@ class HosvdCommand : public TensorCommand {
     try {
       for (std::size_t j = 0; j < factors.size(); ++j) {
         finals.emplace_back(prefix_ + std::to_string(j) + ".npy");
-        temps.push_back(randattn::io::detail::temporary_sibling(finals.back()));
+        temps.push_back(randattn::io::temporary_path_beside(finals.back()));
         const auto& u = factors[j];
         randattn::io::write_npy(temps.back(), u.data(),
                                 {std::int64_t(u.rows()), std::int64_t(u.cols())});

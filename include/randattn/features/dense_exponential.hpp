@@ -91,10 +91,10 @@ Eigen::MatrixXd pair_sum_second_moment(const Eigen::Ref<const RowMatrix<Scalar>>
 // Projection is the source of the draws ω' (redraw() redraws it).
 template <typename Scalar, typename Projection = OrthogonalProjection<Scalar>>
 class DenseExponentialFeatures
-    : public detail::QuadraticExponentialMap<DenseExponentialFeatures<Scalar, Projection>, Scalar,
+    : public QuadraticExponentialMap<DenseExponentialFeatures<Scalar, Projection>, Scalar,
                                              UserProjection<Scalar>> {
   using Base =
-      detail::QuadraticExponentialMap<DenseExponentialFeatures, Scalar, UserProjection<Scalar>>;
+      QuadraticExponentialMap<DenseExponentialFeatures, Scalar, UserProjection<Scalar>>;
 
  public:
   // moment: d×d second moment M of the normalised inputs; empty means 0.

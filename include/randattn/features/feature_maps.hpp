@@ -36,91 +36,17 @@
 #include "../core/types.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
+#include "projected_feature_map.hpp"
 #include "projection.hpp"
 
 namespace randattn {
 
-// Which side of the kernel a feature row stands for: φ(q)ᵀ diag(σ) φ(k). The maps of this
-// header are symmetric; hybrid maps may differ between the sides.
-enum class FeatureSide { query, key };
-
-namespace detail {
-
-// What the three maps share: the projection, validation, the tiled projection product and
-// the allocating front ends. Derived supplies `features_for(m)` (feature dimension for m
-// projections), `nonnegative` and `finish_row(row, ‖x‖², c)`, which turns the projections u = ωᵀx
-// (the first m entries of a feature row) into the row's values in place, without allocating, and
-// returns its log-scale.
-template <typename Derived, typename Scalar_, typename Projection_>
-class ProjectedFeatureMap {
- public:
-  using Scalar = Scalar_;
-  using Projection = Projection_;
-
-  explicit ProjectedFeatureMap(Projection projection) : projection_(std::move(projection)) {}
-
-  const Projection& projection() const { return projection_; }
-  // Draws a new ω of the same kind and shape (random projections only).
-  void redraw(std::uint64_t seed) { projection_.redraw(seed); }
-
-  Index input_dim() const { return projection_.input_dim(); }
-  Index projections() const { return projection_.features(); }
-  Index feature_dim() const { return Derived::features_for(projection_.features()); }
-  // Sign vector of φ(q)ᵀ diag(σ) φ(k): empty, i.e. all +1.
-  Vector<Scalar> signs() const { return Vector<Scalar>(); }
-
-  // Features of the rows of normaliser · x into preallocated storage (values n × feature_dim,
-  // log_scale n). The side does not matter for these maps.
-  void features_into(const Eigen::Ref<const RowMatrix<Scalar>>& x, Scalar normaliser,
-                     Eigen::Ref<RowMatrix<Scalar>> values, Eigen::Ref<Vector<Scalar>> log_scale,
-                     FeatureSide = FeatureSide::query) const {
-    const char* where = "feature map";
-    const Index n = x.rows(), m = projections();
-    require(x.cols() == input_dim(), where, "x is ", shape_of(x), " but the projection expects ",
-            input_dim(), " columns");
-    require(values.rows() == n && values.cols() == feature_dim() && log_scale.size() == n, where,
-            "values (", shape_of(values), ") and log_scale (", log_scale.size(), ") must be ", n,
-            "x", feature_dim(), " and ", n);
-    require(normaliser > 0 && std::isfinite(normaliser), where,
-            "normaliser must be positive and finite, got ", normaliser);
-    const Index tiles = (n + kTile - 1) / kTile;
-    // Fixed tiles: each row's rounding depends on the shapes only, not on the thread count.
-    parallel_for(tiles, [&](Index t) {
-      const Index i0 = t * kTile, rows = std::min(kTile, n - i0);
-      const auto xt = x.middleRows(i0, rows);
-      auto vt = values.middleRows(i0, rows);
-      projection_.apply(xt, vt.leftCols(m));
-      for (Index r = 0; r < rows; ++r)
-        log_scale(i0 + r) = derived().finish_row(vt.row(r), xt.row(r).squaredNorm(), normaliser);
-    });
-  }
-
-  ScaledFeatures<Scalar> features(const Eigen::Ref<const RowMatrix<Scalar>>& x,
-                                  Scalar normaliser = 1,
-                                  FeatureSide side = FeatureSide::query) const {
-    ScaledFeatures<Scalar> f{RowMatrix<Scalar>(x.rows(), feature_dim()), Vector<Scalar>(x.rows())};
-    features_into(x, normaliser, f.values, f.log_scale, side);
-    return f;
-  }
-  ScaledFeatures<Scalar> operator()(const Eigen::Ref<const RowMatrix<Scalar>>& x,
-                                    Scalar normaliser = 1) const {
-    return features(x, normaliser);
-  }
-
- protected:
-  static constexpr Index kTile = 256;
-  static Scalar log_sqrt(Index count) { return Scalar(0.5 * std::log(double(count))); }
-  const Derived& derived() const { return static_cast<const Derived&>(*this); }
-  Projection projection_;
-};
-
-}  // namespace detail
 
 // FAVOR+ positive features (m of them). Nonnegative: attention denominators are positive.
 template <typename Scalar, typename Projection = OrthogonalProjection<Scalar>>
 class PositiveFeatures
-    : public detail::ProjectedFeatureMap<PositiveFeatures<Scalar, Projection>, Scalar, Projection> {
-  using Base = detail::ProjectedFeatureMap<PositiveFeatures, Scalar, Projection>;
+    : public ProjectedFeatureMap<PositiveFeatures<Scalar, Projection>, Scalar, Projection> {
+  using Base = ProjectedFeatureMap<PositiveFeatures, Scalar, Projection>;
 
  public:
   static constexpr Index features_for(Index m) { return m; }
@@ -140,9 +66,9 @@ class PositiveFeatures
 // per projection row (Performer, Lemma 1). Nonnegative.
 template <typename Scalar, typename Projection = OrthogonalProjection<Scalar>>
 class HyperbolicFeatures
-    : public detail::ProjectedFeatureMap<HyperbolicFeatures<Scalar, Projection>, Scalar,
+    : public ProjectedFeatureMap<HyperbolicFeatures<Scalar, Projection>, Scalar,
                                          Projection> {
-  using Base = detail::ProjectedFeatureMap<HyperbolicFeatures, Scalar, Projection>;
+  using Base = ProjectedFeatureMap<HyperbolicFeatures, Scalar, Projection>;
 
  public:
   static constexpr Index features_for(Index m) { return 2 * m; }
@@ -165,8 +91,8 @@ class HyperbolicFeatures
 // the large-norm behaviour and its guard.
 template <typename Scalar, typename Projection = OrthogonalProjection<Scalar>>
 class TrigFeatures
-    : public detail::ProjectedFeatureMap<TrigFeatures<Scalar, Projection>, Scalar, Projection> {
-  using Base = detail::ProjectedFeatureMap<TrigFeatures, Scalar, Projection>;
+    : public ProjectedFeatureMap<TrigFeatures<Scalar, Projection>, Scalar, Projection> {
+  using Base = ProjectedFeatureMap<TrigFeatures, Scalar, Projection>;
 
  public:
   static constexpr Index features_for(Index m) { return 2 * m; }

@@ -49,8 +49,8 @@ namespace randattn {
 // Angular weight estimator λ̂ of θ/π from n_lambda sign features (sgn(0) counts as +1).
 template <typename Scalar, typename Projection = GaussianProjection<Scalar>>
 class AngularWeight
-    : public detail::ProjectedFeatureMap<AngularWeight<Scalar, Projection>, Scalar, Projection> {
-  using Base = detail::ProjectedFeatureMap<AngularWeight, Scalar, Projection>;
+    : public ProjectedFeatureMap<AngularWeight<Scalar, Projection>, Scalar, Projection> {
+  using Base = ProjectedFeatureMap<AngularWeight, Scalar, Projection>;
 
  public:
   static constexpr Index features_for(Index n) { return n + 1; }
@@ -76,8 +76,8 @@ class AngularWeight
 // Gaussian-kernel weight estimator of exp(−s²‖x − y‖²/2), s = bandwidth.
 template <typename Scalar, typename Projection = GaussianProjection<Scalar>>
 class GaussianWeight
-    : public detail::ProjectedFeatureMap<GaussianWeight<Scalar, Projection>, Scalar, Projection> {
-  using Base = detail::ProjectedFeatureMap<GaussianWeight, Scalar, Projection>;
+    : public ProjectedFeatureMap<GaussianWeight<Scalar, Projection>, Scalar, Projection> {
+  using Base = ProjectedFeatureMap<GaussianWeight, Scalar, Projection>;
 
  public:
   static constexpr Index features_for(Index n) { return 2 * n; }

@@ -91,34 +91,6 @@ void check_pair_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scala
   require_finite(y, where, "y");
 }
 
-// What OPRF and SDERF share: features exp(quad_r + slope·c·u_r − ½c²‖x‖² + log D)/√m with
-// u = ωᵀx (the projection's output) and quad_r = ω_rᵀAω_r (rotated into the projection's
-// coordinates for SDERF), stabilised per row by the maximum exponent. Derived sets quad_,
-// slope_ and log_d_ from its parameters.
-template <typename Derived, typename Scalar_, typename Projection_>
-class QuadraticExponentialMap : public ProjectedFeatureMap<Derived, Scalar_, Projection_> {
-  using Base = ProjectedFeatureMap<Derived, Scalar_, Projection_>;
-
- public:
-  using Scalar = Scalar_;
-  static constexpr Index features_for(Index m) { return m; }
-  static constexpr bool nonnegative = true;
-  using Base::Base;
-
-  template <typename Row>
-  Scalar finish_row(Row&& row, Scalar sq_norm, Scalar c) const {
-    row = (quad_.transpose().array() + (slope_ * c) * row.array()).matrix();
-    const Scalar top = row.maxCoeff();
-    row = (row.array() - top).exp().matrix();
-    return top + log_d_ - Scalar(0.5) * c * c * sq_norm - this->log_sqrt(this->projections());
-  }
-
- protected:
-  Vector<Scalar> quad_;  // m: ω_rᵀ A ω_r
-  Scalar slope_ = 1;     // B (scalar) or 1 (B folded into the projection)
-  Scalar log_d_ = 0;     // log D
-};
-
 }  // namespace detail
 
 // mean over all pairs (i, j) of ‖c(x_i + y_j)‖², in O((n_x + n_y)·d).
@@ -134,9 +106,9 @@ double pair_sum_sq_norm(const Eigen::Ref<const RowMatrix<Scalar>>& x,
 // OPRF: m positive features with the variance-optimal A for the statistic ρ (ρ = 0: FAVOR+).
 template <typename Scalar, typename Projection = OrthogonalProjection<Scalar>>
 class OptimalPositiveFeatures
-    : public detail::QuadraticExponentialMap<OptimalPositiveFeatures<Scalar, Projection>, Scalar,
+    : public QuadraticExponentialMap<OptimalPositiveFeatures<Scalar, Projection>, Scalar,
                                              Projection> {
-  using Base = detail::QuadraticExponentialMap<OptimalPositiveFeatures, Scalar, Projection>;
+  using Base = QuadraticExponentialMap<OptimalPositiveFeatures, Scalar, Projection>;
 
  public:
   explicit OptimalPositiveFeatures(Projection projection, double rho = 0)

@@ -62,7 +62,9 @@ inline double row_norm(const Philox& rng, RowNorm norm, Index r, Index dim) {
   return std::sqrt(sum);
 }
 
-// Projections stored as a dense ω, applied with one matrix product.
+}  // namespace detail
+
+// The base of the projections stored as a dense ω (m × d), applied with one matrix product.
 template <typename Scalar_>
 class DenseProjection {
  public:
@@ -74,7 +76,7 @@ class DenseProjection {
   // out = x ωᵀ; x is n×d, out n×m (any row-major block, e.g. half of a feature matrix).
   template <typename Out>
   void apply(const Eigen::Ref<const RowMatrix<Scalar>>& x, Out&& out) const {
-    gemm_fixed_depth(out, x, omega_.transpose(), false);
+    detail::gemm_fixed_depth(out, x, omega_.transpose(), false);
   }
 
  protected:
@@ -83,11 +85,10 @@ class DenseProjection {
   RowMatrix<Scalar> omega_;
 };
 
-}  // namespace detail
 
 // ω with i.i.d. standard normal entries.
 template <typename Scalar>
-class GaussianProjection : public detail::DenseProjection<Scalar> {
+class GaussianProjection : public DenseProjection<Scalar> {
  public:
   GaussianProjection(Index m, Index d, std::uint64_t seed = 0) : m_(m), d_(d) {
     detail::check_projection_shape("GaussianProjection", m, d);
@@ -108,7 +109,7 @@ class GaussianProjection : public detail::DenseProjection<Scalar> {
 
 // Block-orthogonal ω: within each block of d rows the rows are orthogonal.
 template <typename Scalar>
-class OrthogonalProjection : public detail::DenseProjection<Scalar> {
+class OrthogonalProjection : public DenseProjection<Scalar> {
  public:
   OrthogonalProjection(Index m, Index d, std::uint64_t seed = 0, RowNorm norm = RowNorm::chi)
       : m_(m), d_(d), norm_(norm) {
@@ -146,11 +147,11 @@ class OrthogonalProjection : public detail::DenseProjection<Scalar> {
 
 // A user-supplied ω (m×d), used as given.
 template <typename Scalar>
-class UserProjection : public detail::DenseProjection<Scalar> {
+class UserProjection : public DenseProjection<Scalar> {
  public:
   template <typename Derived>
   explicit UserProjection(const Eigen::MatrixBase<Derived>& omega)
-      : detail::DenseProjection<Scalar>(omega.template cast<Scalar>()) {
+      : DenseProjection<Scalar>(omega.template cast<Scalar>()) {
     detail::check_projection_shape("UserProjection", omega.rows(), omega.cols());
     detail::require_finite(this->omega_, "UserProjection", "omega");
   }

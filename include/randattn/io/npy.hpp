@@ -530,7 +530,7 @@ std::vector<Scalar> read_array(std::istream& in, const std::string& name, const 
   return out;
 }
 
-// Complete file image (header + data) of a little-endian C-order array.
+// The header bytes (magic, version, length, dict, padding) of a little-endian C-order array.
 template <typename Scalar>
 std::string header_bytes(const std::vector<std::int64_t>& shape) {
   std::string dict = std::string("{'descr': '") + (std::is_same_v<Scalar, float> ? "<f4" : "<f8") +
@@ -676,6 +676,29 @@ inline NpyArray read_npy_runs(const std::filesystem::path& path, std::size_t axi
 }
 
 }  // namespace detail
+
+// Reads only the header of a .npy file, and checks that the file holds all the data the header
+// announces (a truncated file throws NpyError here rather than at the first read of a part).
+inline NpyHeader read_npy_header(const std::filesystem::path& path) {
+  std::ifstream in;
+  return detail::open_npy(path, in);
+}
+
+// The header of a little-endian C-order .npy file of this dtype and shape (what write_npy writes
+// before the values): for writers that place the values themselves, e.g. one shard per process.
+template <typename Scalar>
+std::string npy_header_bytes(const std::vector<std::int64_t>& shape) {
+  return detail::header_bytes<Scalar>(shape);
+}
+
+// Whether this host stores numbers little-endian (the byte order npy_header_bytes announces).
+inline bool host_is_little_endian() { return detail::host_is_little_endian(); }
+
+// A fresh path beside `target` (target + ".tmp-" + 16 random hex digits): write there, then
+// rename onto target, so that target appears complete or not at all.
+inline std::filesystem::path temporary_path_beside(const std::filesystem::path& target) {
+  return detail::temporary_sibling(target);
+}
 
 // Reads only the block of indices [first, first + count) along `axis` of a .npy file (every
 // index of the other axes): the rows a shard of a distributed computation owns. The result has

@@ -33,8 +33,7 @@
 
 namespace randattn::mpi {
 
-namespace detail {
-
+// The MPI datatype of a value type (float, double, the fixed-width integers, char).
 template <typename T>
 MPI_Datatype datatype() {
   if constexpr (std::is_same_v<T, float>)
@@ -52,6 +51,8 @@ MPI_Datatype datatype() {
   else
     static_assert(sizeof(T) == 0, "no MPI datatype for this type");
 }
+
+namespace detail {
 
 inline void check(int rc, const char* call) {
   if (rc != MPI_SUCCESS) {
@@ -132,7 +133,7 @@ class Communicator {
   void allreduce(T* data, std::size_t count, MPI_Op op) {
     bytes_sent_ += count * sizeof(T);
     detail::check(MPI_Allreduce(MPI_IN_PLACE, data, detail::to_count(count, "allreduce"),
-                                detail::datatype<T>(), op, comm_),
+                                datatype<T>(), op, comm_),
                   "MPI_Allreduce");
   }
 
@@ -151,8 +152,8 @@ class Communicator {
     }
     std::vector<T> all(total);
     bytes_sent_ += mine.size() * sizeof(T);
-    detail::check(MPI_Allgatherv(mine.data(), count, detail::datatype<T>(), all.data(),
-                                 counts.data(), displs.data(), detail::datatype<T>(), comm_),
+    detail::check(MPI_Allgatherv(mine.data(), count, datatype<T>(), all.data(),
+                                 counts.data(), displs.data(), datatype<T>(), comm_),
                   "MPI_Allgatherv");
     return all;
   }
@@ -179,8 +180,8 @@ class Communicator {
     }
     std::vector<T> rbuf(total);
     detail::check(
-        MPI_Alltoallv(sbuf.data(), scount.data(), sdispl.data(), detail::datatype<T>(), rbuf.data(),
-                      rcount.data(), rdispl.data(), detail::datatype<T>(), comm_),
+        MPI_Alltoallv(sbuf.data(), scount.data(), sdispl.data(), datatype<T>(), rbuf.data(),
+                      rcount.data(), rdispl.data(), datatype<T>(), comm_),
         "MPI_Alltoallv");
     std::vector<std::vector<T>> received(p);
     for (std::size_t r = 0; r < p; ++r)
@@ -193,7 +194,7 @@ class Communicator {
   MPI_Request isend(const T* data, std::size_t count, int to, int tag) {
     MPI_Request req;
     bytes_sent_ += count * sizeof(T);
-    detail::check(MPI_Isend(data, detail::to_count(count, "isend"), detail::datatype<T>(), to, tag,
+    detail::check(MPI_Isend(data, detail::to_count(count, "isend"), datatype<T>(), to, tag,
                             comm_, &req),
                   "MPI_Isend");
     return req;
@@ -201,7 +202,7 @@ class Communicator {
   template <typename T>
   MPI_Request irecv(T* data, std::size_t count, int from, int tag) {
     MPI_Request req;
-    detail::check(MPI_Irecv(data, detail::to_count(count, "irecv"), detail::datatype<T>(), from,
+    detail::check(MPI_Irecv(data, detail::to_count(count, "irecv"), datatype<T>(), from,
                             tag, comm_, &req),
                   "MPI_Irecv");
     return req;

@@ -25,6 +25,7 @@
 
 #include <Eigen/Core>
 
+#include "../core/input_checks.hpp"
 #include "../core/linear_attention.hpp"
 #include "../core/linear_decoder.hpp"
 #include "../core/options.hpp"
@@ -88,18 +89,13 @@ void check_feature_slice(const char* where, const Map& map,
                          const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
                          const FeatureAttentionSettings<typename Map::Scalar>& s,
                          bool check_finite) {
+  using Scalar = typename Map::Scalar;
   require(q.cols() == map.input_dim() && k.cols() == map.input_dim(), where, "q (", shape_of(q),
           ") and k (", shape_of(k), ") must have the feature map's input dimension ",
           map.input_dim());
-  require(k.rows() == v.rows(), where, "k (", shape_of(k), ") and v (", shape_of(v),
-          ") must have the same number of rows");
-  require(!s.linear.causal || q.rows() == k.rows(), where,
-          "causal attention needs as many queries (", q.rows(), ") as keys (", k.rows(), ")");
-  require(q.rows() == 0 || k.rows() > 0, where, "attention over zero keys is undefined (q ",
-          shape_of(q), ", k ", shape_of(k), ")");
-  require_finite(q, where, "q", check_finite);
-  require_finite(k, where, "k", check_finite);
-  require_finite(v, where, "v", check_finite);
+  check_attention_shapes<Scalar>(where, q, k, v);
+  check_attention_counts(where, q.rows(), k.rows(), s.linear.causal);
+  if (check_finite) check_attention_finite<Scalar>(where, q, k, v);
 }
 
 // Validates one (q, k, v) slice and maps q and k to features.
@@ -152,6 +148,28 @@ class MappedFeatureRows {
   FeatureSide side_;
 };
 
+// The operands of the linear core for one (q, k, v) slice: features of q and k mapped block by
+// block, the map's signs and the chunk length. Holds references to map, q, k and v.
+template <typename Map>
+struct FeatureOperands {
+  using Scalar = typename Map::Scalar;
+  using Rows = MappedFeatureRows<Map>;
+  Rows q, k;
+  Vector<Scalar> signs;
+  LinearOperands<Rows, Rows> in;
+
+  FeatureOperands(const Map& map, const Eigen::Ref<const RowMatrix<Scalar>>& q_rows,
+                  const Eigen::Ref<const RowMatrix<Scalar>>& k_rows,
+                  const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                  const FeatureAttentionSettings<Scalar>& s)
+      : q(map, q_rows, s.normaliser, FeatureSide::query),
+        k(map, k_rows, s.normaliser, FeatureSide::key),
+        signs(map.signs()),
+        in{q, k, v, signs, linear_chunk(s.linear)} {}
+  FeatureOperands(const FeatureOperands&) = delete;
+  FeatureOperands& operator=(const FeatureOperands&) = delete;
+};
+
 template <typename Map>
 SoftmaxAccumulator<typename Map::Scalar> feature_attention_slice(
     const char* where, const Map& map, const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
@@ -161,15 +179,72 @@ SoftmaxAccumulator<typename Map::Scalar> feature_attention_slice(
   using Scalar = typename Map::Scalar;
   check_feature_slice(where, map, q, k, v, s, check_finite);
   if (q.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
-  const MappedFeatureRows<Map> qr(map, q, s.normaliser, FeatureSide::query);
-  const MappedFeatureRows<Map> kr(map, k, s.normaliser, FeatureSide::key);
-  const Vector<Scalar> signs = map.signs();
-  const LinearOperands<MappedFeatureRows<Map>, MappedFeatureRows<Map>> in{qr, kr, v, signs,
-                                                                          linear_chunk(s.linear)};
-  return linear_accumulate(where, in, s.linear.causal, s.linear.check_finite);
+  const FeatureOperands<Map> op(map, q, k, v, s);
+  return linear_accumulate(where, op.in, s.linear.causal, s.linear.check_finite);
 }
 
 }  // namespace detail
+
+// Random-feature attention in parts, for callers that hold the keys in parts (e.g. one part per
+// process of a sharded sequence): the summary of this part's keys, this part's queries against a
+// summary of any keys, and causal attention within the part together with its keys' summary.
+// Summaries of several parts merge with the online-softmax rule in key order. The constructor
+// checks the options, the map's input dimension, the shapes and (when opt.check_finite) the
+// finiteness of q, k and v; the row counts of the whole call are the caller's to check
+// (check_attention_counts). Holds references to map, q, k and v.
+template <typename Map>
+class FeatureAttentionParts {
+ public:
+  using Scalar = typename Map::Scalar;
+
+  FeatureAttentionParts(const char* where, const Map& map,
+                        const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                        const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                        const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                        const RandomFeatureOptions& opt)
+      : settings_(checked_settings(where, map, q, k, v, opt)), op_(map, q, k, v, settings_) {}
+
+  // φ(K)ᵀ diag(σ) [V | 1] of this part's keys (zeros and −inf without keys).
+  KeySummary<Scalar> key_summary() const {
+    KeySummary<Scalar> s{RowMatrix<Scalar>::Zero(op_.in.features(), op_.in.width())};
+    if (op_.k.rows() > 0) s.state = detail::key_state(op_.in, s.log_scale);
+    return s;
+  }
+
+  // This part's queries against the summary of some keys (a summary with log_scale −inf adds
+  // nothing: every row stays empty).
+  SoftmaxAccumulator<Scalar> queries_against(const KeySummary<Scalar>& keys) const {
+    return detail::query_key_state(op_.in, keys.state, keys.log_scale);
+  }
+
+  // Causal attention of this part's queries to its own keys (query i sees keys j <= i of the
+  // part; needs as many queries as keys), and the summary of all its keys.
+  std::pair<SoftmaxAccumulator<Scalar>, KeySummary<Scalar>> causal_with_key_summary() const {
+    return detail::linear_causal_with_summary(op_.in);
+  }
+
+  // The denominator guard finalize() needs for this map and these options.
+  Scalar denominator_epsilon() const {
+    return static_cast<Scalar>(settings_.linear.denominator_epsilon);
+  }
+
+ private:
+  static detail::FeatureAttentionSettings<Scalar> checked_settings(
+      const char* where, const Map& map, const Eigen::Ref<const RowMatrix<Scalar>>& q,
+      const Eigen::Ref<const RowMatrix<Scalar>>& k, const Eigen::Ref<const RowMatrix<Scalar>>& v,
+      const RandomFeatureOptions& opt) {
+    const auto s = detail::feature_attention_settings(where, map, opt);
+    detail::require(q.cols() == map.input_dim() && k.cols() == map.input_dim(), where, "q (",
+                    detail::shape_of(q), ") and k (", detail::shape_of(k),
+                    ") must have the feature map's input dimension ", map.input_dim());
+    check_attention_shapes<Scalar>(where, q, k, v);
+    if (opt.check_finite) check_attention_finite<Scalar>(where, q, k, v);
+    return s;
+  }
+
+  detail::FeatureAttentionSettings<Scalar> settings_;
+  detail::FeatureOperands<Map> op_;
+};
 
 // Unnormalised result as an accumulator (to merge with other partial results).
 template <typename Map>

@@ -16,8 +16,9 @@
 #include "../detail/gemm.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
+#include "exact_tile.hpp"
+#include "input_checks.hpp"
 #include "options.hpp"
-#include "detail/score_tile.hpp"
 #include "softmax_accumulator.hpp"
 #include "types.hpp"
 
@@ -28,38 +29,43 @@ struct ExactOptions : AttentionOptions {
   Index block_size = 0;  // query and key block length; 0 = automatic (128)
 };
 
-namespace detail {
+// The options of exact attention for n_q queries of dimension d (block_size, d >= 1 when there
+// are queries, the scale) and its logit scale.
+template <typename Scalar>
+Scalar check_exact_options(const char* where, const ExactOptions& opt, Index n_q, Index d) {
+  detail::require(opt.block_size >= 0 && opt.block_size <= detail::kMaxGemmDepth, where,
+                  "block_size must be in [0, ", detail::kMaxGemmDepth, "], got ", opt.block_size);
+  detail::require(n_q == 0 || d > 0, where, "d must be >= 1 (", n_q, " queries of dimension ", d,
+                  ")");
+  return detail::resolve_scale<Scalar>(where, opt, detail::inverse_sqrt_dim(d));
+}
 
+// The checks of exact attention's arguments and its logit scale: the shared shape and count
+// contract (core/input_checks.hpp), block_size, d >= 1 when there are queries, and the scale.
+// Finiteness is not scanned here: exact attention finds a NaN or Inf through its result (see
+// detail::check_result_finite).
 template <typename Scalar>
 Scalar check_exact_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& q,
                           const Eigen::Ref<const RowMatrix<Scalar>>& k,
                           const Eigen::Ref<const RowMatrix<Scalar>>& v, const ExactOptions& opt) {
-  require(q.cols() == k.cols(), where, "q (", shape_of(q), ") and k (", shape_of(k),
-          ") must have the same number of columns d");
-  require(k.rows() == v.rows(), where, "k (", shape_of(k), ") and v (", shape_of(v),
-          ") must have the same number of rows");
-  require(!opt.causal || q.rows() == k.rows(), where, "causal attention needs as many queries (",
-          q.rows(), ") as keys (", k.rows(), ")");
-  require(opt.block_size >= 0 && opt.block_size <= kMaxGemmDepth, where,
-          "block_size must be in [0, ", kMaxGemmDepth, "], got ", opt.block_size);
-  if (q.rows() > 0) {
-    require(k.rows() > 0, where, "attention over zero keys is undefined (q ", shape_of(q), ", k ",
-            shape_of(k), ")");
-    require(q.cols() > 0, where, "d must be >= 1 (q ", shape_of(q), ")");
-  }
-  return resolve_scale<Scalar>(where, opt, inverse_sqrt_dim(q.cols()));
+  check_attention_shapes<Scalar>(where, q, k, v);
+  check_attention_counts(where, q.rows(), k.rows(), opt.causal);
+  return check_exact_options<Scalar>(where, opt, q.rows(), q.cols());
 }
+
+// The tile length of exact attention: opt.block_size, or kDefaultExactTile for 0.
+inline Index exact_block_size(const ExactOptions& opt) {
+  return opt.block_size > 0 ? opt.block_size : kDefaultExactTile;
+}
+
+namespace detail {
 
 // Names the first non-finite entry of q, k or v (see check_result_finite).
 template <typename Scalar>
 auto exact_input_scan(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& q,
                       const Eigen::Ref<const RowMatrix<Scalar>>& k,
                       const Eigen::Ref<const RowMatrix<Scalar>>& v) {
-  return [=, &q, &k, &v] {
-    require_finite(q, where, "q");
-    require_finite(k, where, "k");
-    require_finite(v, where, "v");
-  };
+  return [=, &q, &k, &v] { check_attention_finite<Scalar>(where, q, k, v); };
 }
 
 template <typename Scalar>
@@ -72,20 +78,17 @@ SoftmaxAccumulator<Scalar> exact_tiled(const Eigen::Ref<const RowMatrix<Scalar>>
   if (n_q == 0) return acc;
   const RowMatrix<Scalar> qs = scale * q;
   const Index q_blocks = (n_q + block - 1) / block;
-  TileMask<> mask;
-  mask.causal = causal;
   // Query blocks are independent and each runs on one thread: results do not depend on the
   // thread count.
   parallel_for(q_blocks, [&](Index qb) {
     const Index i0 = qb * block, bq = std::min(block, n_q - i0);
-    ScoreTile<Scalar> tile(bq, block, dv);
-    const TileIndex rows = TileIndex::range(i0, bq);
+    ExactTile<Scalar> tile(bq, block, dv, causal);
     // Causal: key blocks wholly after the query block are skipped.
     const Index k_end = causal ? i0 + bq : n_k;
     for (Index j0 = 0; j0 < k_end; j0 += block) {
       const Index bk = std::min(block, k_end - j0);
-      tile.attend(qs.middleRows(i0, bq), k.middleRows(j0, bk), v.middleRows(j0, bk), rows,
-                  TileIndex::range(j0, bk), mask, acc);
+      tile.attend(qs.middleRows(i0, bq), i0, k.middleRows(j0, bk), v.middleRows(j0, bk), j0, acc,
+                  i0);
     }
   });
   return acc;
@@ -99,8 +102,8 @@ SoftmaxAccumulator<Scalar> exact_attention_accumulate(const Eigen::Ref<const Row
                                                       const Eigen::Ref<const RowMatrix<Scalar>>& k,
                                                       const Eigen::Ref<const RowMatrix<Scalar>>& v,
                                                       const ExactOptions& opt = {}) {
-  const Scalar scale = detail::check_exact_inputs<Scalar>("exact_attention", q, k, v, opt);
-  const Index block = opt.block_size > 0 ? opt.block_size : detail::kDefaultTileSize;
+  const Scalar scale = check_exact_inputs<Scalar>("exact_attention", q, k, v, opt);
+  const Index block = exact_block_size(opt);
   SoftmaxAccumulator<Scalar> acc = detail::exact_tiled<Scalar>(q, k, v, scale, opt.causal, block);
   const auto scan = detail::exact_input_scan<Scalar>("exact_attention", q, k, v);
   detail::check_result_finite("exact_attention", acc.numden(), opt.check_finite, scan);
@@ -132,7 +135,7 @@ RowMatrix<typename DQ::Scalar> naive_attention(const Eigen::MatrixBase<DQ>& q,
                                                const ExactOptions& opt = {}) {
   using Scalar = typename DQ::Scalar;
   const RowMatrix<Scalar> qm = q, km = k, vm = v;
-  const Scalar scale = detail::check_exact_inputs<Scalar>("naive_attention", qm, km, vm, opt);
+  const Scalar scale = check_exact_inputs<Scalar>("naive_attention", qm, km, vm, opt);
 
   RowMatrix<Scalar> p = (scale * qm) * km.transpose();
   if (opt.causal) {
@@ -163,7 +166,7 @@ void exact_attention_batched(const Scalar* q, const Scalar* k, const Scalar* v, 
       [&](Index s) {
         const auto qs = slice_of(q, s, shape.n_q, shape.d), ks = slice_of(k, s, shape.n_k, shape.d);
         const auto vs = slice_of(v, s, shape.n_k, shape.dv);
-        detail::check_exact_inputs<Scalar>(where, qs, ks, vs, opt);
+        check_exact_inputs<Scalar>(where, qs, ks, vs, opt);
         if (opt.check_finite) detail::exact_input_scan<Scalar>(where, qs, ks, vs)();
       },
       [&](Index s) {

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 #include <Eigen/Core>
 
@@ -31,6 +32,14 @@ namespace randattn {
 struct LinearOptions : CoreOptions {
   Index block_size = 0;               // rows per chunk (causal) or key panel; 0 = automatic
   double denominator_epsilon = 1e-6;  // finalize guard, see SoftmaxAccumulator::finalize
+};
+
+// A summary S = K'ᵀ [V | 1] of keys (K' their features, signs applied), relative to
+// exp(log_scale): what every later query needs of those keys. No keys: zeros and log_scale = −inf.
+template <typename Scalar>
+struct KeySummary {
+  RowMatrix<Scalar> state;
+  Scalar log_scale = -std::numeric_limits<Scalar>::infinity();
 };
 
 namespace detail {
@@ -311,12 +320,12 @@ void causal_chunk_rows(const In& in, Index i0, const Rows& queries,
 // are computed in parallel, turned into exclusive prefixes in order (S absorbs them one by one),
 // and every chunk's rows are finished in parallel: Q_c S_c for the keys before the chunk, the
 // masked product inside it. The merge order is fixed by the shapes, so results do not depend on
-// the thread count, and memory holds one group's features and states. On return, `total` (if
-// given) holds S of all keys, relative to exp(*total_log).
+// the thread count, and memory holds one group's features and states. Also returns the summary
+// of all keys, which the loop carries anyway (what attention of a later part of the sequence
+// reads).
 template <typename In>
-SoftmaxAccumulator<typename In::Scalar> linear_causal(
-    const In& in, RowMatrix<typename In::Scalar>* total = nullptr,
-    typename In::Scalar* total_log = nullptr) {
+std::pair<SoftmaxAccumulator<typename In::Scalar>, KeySummary<typename In::Scalar>>
+linear_causal_with_summary(const In& in) {
   using Scalar = typename In::Scalar;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   const Index n = in.q.rows(), m = in.features(), w = in.width(), chunk = in.chunk;
@@ -358,9 +367,12 @@ SoftmaxAccumulator<typename In::Scalar> linear_causal(
                         prefix.block(t), prefix.log_scale(t), s, acc);
     });
   }
-  if (total) *total = std::move(carried);
-  if (total_log) *total_log = carried_log;
-  return acc;
+  return {std::move(acc), KeySummary<Scalar>{std::move(carried), carried_log}};
+}
+
+template <typename In>
+SoftmaxAccumulator<typename In::Scalar> linear_causal(const In& in) {
+  return linear_causal_with_summary(in).first;
 }
 
 // Causal or bidirectional attention of the operands, its result checked when check_finite: a

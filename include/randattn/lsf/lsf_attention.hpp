@@ -45,6 +45,7 @@
 
 #include <Eigen/Core>
 
+#include "../core/input_checks.hpp"
 #include "../core/options.hpp"
 #include "../core/detail/score_tile.hpp"
 #include "../core/softmax_accumulator.hpp"
@@ -131,18 +132,9 @@ Scalar check_lsf_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scal
           " but the filters were built for dimension ", filters.dim());
   require(k.rows() == 0 || k.cols() == filters.dim(), where, "k is ", shape_of(k),
           " but the filters were built for dimension ", filters.dim());
-  require(v.rows() == k.rows(), where, "k (", shape_of(k), ") and v (", shape_of(v),
-          ") must have the same number of rows");
-  require(!opt.causal || q.rows() == k.rows(), where, "causal attention needs as many queries (",
-          q.rows(), ") as keys (", k.rows(), ")");
-  require(q.rows() == 0 || k.rows() > 0, where, "attention over zero keys is undefined (q ",
-          shape_of(q), ", k ", shape_of(k), ")");
-  require(q.rows() <= Index(std::numeric_limits<std::int32_t>::max()) &&
-              k.rows() <= Index(std::numeric_limits<std::int32_t>::max()),
-          where, "at most 2^31 - 1 tokens per sequence");
-  require_finite(q, where, "q", opt.check_finite);
-  require_finite(k, where, "k", opt.check_finite);
-  require_finite(v, where, "v", opt.check_finite);
+  check_attention_shapes<Scalar>(where, q, k, v);
+  check_attention_counts(where, q.rows(), k.rows(), opt.causal);
+  if (opt.check_finite) check_attention_finite<Scalar>(where, q, k, v);
   return scale;
 }
 

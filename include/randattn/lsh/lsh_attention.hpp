@@ -56,6 +56,7 @@
 
 #include <Eigen/Core>
 
+#include "../core/input_checks.hpp"
 #include "../core/options.hpp"
 #include "../core/softmax_accumulator.hpp"
 #include "../core/types.hpp"
@@ -64,6 +65,7 @@
 #include "../detail/validation.hpp"
 #include "../hashing/detail/bucket_sort.hpp"
 #include "../hashing/unit_rows.hpp"
+#include "chunk_plan.hpp"
 #include "cross_polytope.hpp"
 #include "detail/target_blocks.hpp"
 
@@ -97,42 +99,21 @@ Scalar check_lsh_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scal
                         const Eigen::Ref<const RowMatrix<Scalar>>* k,
                         const Eigen::Ref<const RowMatrix<Scalar>>& v,
                         const CrossPolytopeHash<Scalar>& hash, const LshOptions& opt) {
-  const Index n_k = k ? k->rows() : q.rows();
+  const Eigen::Ref<const RowMatrix<Scalar>>& keys = k ? *k : q;
   require(opt.chunk >= 1, where, "chunk must be >= 1, got ", opt.chunk);
   const Scalar scale = resolve_scale<Scalar>(where, opt, inverse_sqrt_dim(hash.dim()));
   require(q.rows() == 0 || q.cols() == hash.dim(), where, "q is ", shape_of(q),
           " but the hash was built for dimension ", hash.dim());
-  require(v.rows() == n_k, where, "v (", shape_of(v), ") must have one row per key (", n_k, ")");
-  require(q.rows() <= Index(std::numeric_limits<std::int32_t>::max()) &&
-              n_k <= Index(std::numeric_limits<std::int32_t>::max()),
-          where, "at most 2^31 - 1 tokens per sequence");
-  if (k) {
-    require(k->cols() == q.cols() || k->rows() == 0, where, "q (", shape_of(q), ") and k (",
-            shape_of(*k), ") must have the same number of columns d");
-    require(!opt.causal || q.rows() == k->rows(), where, "causal attention needs as many queries (",
-            q.rows(), ") as keys (", k->rows(), ")");
-    require(q.rows() == 0 || k->rows() > 0, where, "attention over zero keys is undefined (q ",
-            shape_of(q), ", k ", shape_of(*k), ")");
-    require_finite(*k, where, "k", opt.check_finite);
+  require(v.rows() == keys.rows(), where, "v (", shape_of(v), ") must have one row per key (",
+          keys.rows(), ")");
+  check_attention_shapes<Scalar>(where, q, keys, v);
+  check_attention_counts(where, q.rows(), keys.rows(), opt.causal);
+  if (opt.check_finite) {
+    if (k) require_finite(*k, where, "k");
+    require_finite(q, where, "q");
+    require_finite(v, where, "v");
   }
-  require_finite(q, where, "q", opt.check_finite);
-  require_finite(v, where, "v", opt.check_finite);
   return scale;
-}
-
-// Sort-and-chunk: per round the stable sort of the n tokens by bucket (perm, round rho at
-// perm[rho n, (rho + 1) n)) and each token's chunk index in that order (chunk_of, n x rounds).
-inline void sort_into_chunks(const HashCodes& codes, Index buckets, Index chunk,
-                             std::vector<std::int32_t>& perm, HashCodes& chunk_of) {
-  const Index n = codes.rows(), r = codes.cols();
-  perm.resize(static_cast<std::size_t>(n * r));
-  chunk_of.resize(n, r);
-  std::vector<Index> start;
-  for (Index rho = 0; rho < r; ++rho) {
-    std::int32_t* pr = perm.data() + rho * n;
-    sort_by_bucket(codes.data() + rho, r, n, buckets, pr, start);
-    for (Index s = 0; s < n; ++s) chunk_of(pr[s], rho) = static_cast<std::int32_t>(s / chunk);
-  }
 }
 
 // Separate-key sort-and-chunk: the key chunk length c_k = ceil(c n_k / n_q) for query chunk
@@ -197,40 +178,37 @@ class LshSlice {
     const Index c = std::min(opt_.chunk, n_q);  // c >= n_q: one chunk, as with c = n_q
     const Index chunks = (n_q + c - 1) / c;
     const Index ck = shared_ ? c : key_chunk_length(n_q, n_k, c);
-    std::vector<std::int32_t> qperm, kperm_storage;
-    HashCodes qchunk, kchunk_storage;
-    sort_into_chunks(query_codes_, hash_.buckets(), c, qperm, qchunk);
-    if (!shared_) sort_into_chunks(key_codes_, hash_.buckets(), ck, kperm_storage, kchunk_storage);
-    const std::vector<std::int32_t>& kperm = shared_ ? qperm : kperm_storage;
-    const HashCodes& kchunk = shared_ ? qchunk : kchunk_storage;
-    RoundSignatures sig{qchunk.data(), kchunk.data(), r, chunks > 1,
+    const LshChunkPlan qplan(query_codes_, hash_.buckets(), c);
+    std::optional<LshChunkPlan> kplan_storage;
+    if (!shared_) kplan_storage.emplace(key_codes_, hash_.buckets(), ck);
+    const LshChunkPlan& kplan = shared_ ? qplan : *kplan_storage;
+    RoundSignatures sig{qplan.chunk_of().data(), kplan.chunk_of().data(), r, chunks > 1,
                         static_cast<std::int32_t>(1 - chunks)};
     problem_.dedupe = opt_.dedupe ? &sig : nullptr;
 
-    // Sorted keys of key chunk g: [g ck, g ck + key_count(g)); empty beyond the last key.
-    const auto key_count = [&](Index g) { return std::clamp<Index>(n_k - g * ck, 0, ck); };
     const Index per_task = std::max<Index>(1, kChunkTokensPerTask / c);
     const Index tasks = (chunks + per_task - 1) / per_task;
     for (Index rho = 0; rho < r; ++rho) {
-      const std::int32_t* qr = qperm.data() + rho * n_q;
-      const std::int32_t* kr = kperm.data() + rho * n_k;
       // Chunks write disjoint rows; each round completes before the next merges.
       parallel_for(tasks, [&](Index task) {
         TargetBlockKernel<Scalar> kernel(problem_);
         std::vector<std::int32_t> cols(static_cast<std::size_t>(2 * std::min(ck, n_k)));
         for (Index g = task * per_task; g < std::min(chunks, (task + 1) * per_task); ++g) {
-          const Index r0 = g * c, nr = std::min(c, n_q - r0);
-          const Index k0 = g * ck, nk = key_count(g);
+          const std::int32_t* rows = qplan.chunk(rho, g);
+          const Index nr = qplan.chunk_size(g);
+          const std::int32_t* keys = kplan.chunk(rho, g);
+          const Index nk = kplan.chunk_size(g);
           if (chunks == 1) {
-            kernel.attend(qr + r0, nr, kr + k0, nk, acc_);
+            kernel.attend(rows, nr, keys, nk, acc_);
             continue;
           }
           const Index prev = (g + chunks - 1) % chunks;
-          const Index p0 = prev * ck, np = key_count(prev);
+          const std::int32_t* back = kplan.chunk(rho, prev);
+          const Index np = kplan.chunk_size(prev);
           if (nk + np == 0) continue;
-          std::copy(kr + k0, kr + k0 + nk, cols.begin());
-          std::copy(kr + p0, kr + p0 + np, cols.begin() + nk);
-          kernel.attend(qr + r0, nr, cols.data(), nk + np, acc_);
+          std::copy(keys, keys + nk, cols.begin());
+          std::copy(back, back + np, cols.begin() + nk);
+          kernel.attend(rows, nr, cols.data(), nk + np, acc_);
         }
       });
     }
@@ -326,6 +304,25 @@ SoftmaxAccumulator<Scalar> lsh_accumulate(const Eigen::Ref<const RowMatrix<Scala
 }
 
 }  // namespace detail
+
+// The checks of LSH attention's arguments (the shared input contract of core/input_checks.hpp,
+// the hash's dimension, chunk >= 1, at most 2^31 - 1 tokens) and its logit scale. Shared QK:
+// qk n x d, v n x dv.
+template <typename Scalar>
+Scalar check_lsh_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& qk,
+                        const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                        const CrossPolytopeHash<Scalar>& hash, const LshOptions& opt) {
+  return detail::check_lsh_inputs<Scalar>(where, qk, nullptr, v, hash, opt);
+}
+
+// Separate keys: q n_q x d, k n_k x d, v n_k x dv.
+template <typename Scalar>
+Scalar check_lsh_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                        const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                        const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                        const CrossPolytopeHash<Scalar>& hash, const LshOptions& opt) {
+  return detail::check_lsh_inputs<Scalar>(where, q, &k, v, hash, opt);
+}
 
 // Shared-QK LSH attention as an accumulator (for merging with other partial results):
 // qk n x d, v n x dv.

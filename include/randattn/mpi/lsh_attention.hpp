@@ -26,6 +26,8 @@
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
 #include "../lsh/cross_polytope.hpp"
+#include "../hashing/unit_rows.hpp"
+#include "../lsh/chunk_plan.hpp"
 #include "../lsh/lsh_attention.hpp"
 #include "../lsh/detail/target_blocks.hpp"
 #include "communicator.hpp"
@@ -80,7 +82,6 @@ SoftmaxAccumulator<Scalar> lsh_attention_accumulate(Communicator& comm,
                                                     const Eigen::Ref<const RowMatrix<Scalar>>& qk,
                                                     const Eigen::Ref<const RowMatrix<Scalar>>& v,
                                                     const LshOptions& opt = {}) {
-  using randattn::detail::require;
   const char* where = "lsh_attention (MPI)";
   const RowPartition part =
       detail::gather_partition(comm, qk.rows(), RowLayout::contiguous, where, "qk");
@@ -89,9 +90,10 @@ SoftmaxAccumulator<Scalar> lsh_attention_accumulate(Communicator& comm,
   Scalar scale = 0;
   HashCodes codes;
   comm.agree([&] {
-    require(!opt.exact_buckets, where,
-            "exact buckets are not distributed; use sort-and-chunk (exact_buckets = false)");
-    scale = randattn::detail::check_lsh_inputs<Scalar>(where, qk, nullptr, v, hash, opt);
+    randattn::detail::require(
+        !opt.exact_buckets, where,
+        "exact buckets are not distributed; use sort-and-chunk (exact_buckets = false)");
+    scale = check_lsh_inputs<Scalar>(where, qk, v, hash, opt);
     codes = hash.hash(qk, false);
   });
   detail::require_same_everywhere<std::uint64_t>(
@@ -105,17 +107,14 @@ SoftmaxAccumulator<Scalar> lsh_attention_accumulate(Communicator& comm,
   SoftmaxAccumulator<Scalar> acc(qk.rows(), dv);
   if (n == 0) return acc;
   const HashCodes global_codes = Eigen::Map<const HashCodes>(all.data(), n, r);
-  std::vector<std::int32_t> perm;
-  HashCodes chunk_of;
-  randattn::detail::sort_into_chunks(global_codes, hash.buckets(), c, perm, chunk_of);
-  const Index chunks = (n + c - 1) / c;
+  const LshChunkPlan plan(global_codes, hash.buckets(), c);
+  const Index chunks = plan.chunks();
   const Index g0 = comm.rank() * chunks / comm.size(),
               g1 = (comm.rank() + 1) * chunks / comm.size();
 
   // The tokens this rank's chunks read: their own and their look-back chunk's, every round.
   const auto chunk_tokens = [&](Index rho, Index g) {
-    const std::int32_t* pr = perm.data() + rho * n;
-    return std::make_pair(pr + g * c, std::min(c, n - g * c));
+    return std::make_pair(plan.chunk(rho, g), plan.chunk_size(g));
   };
   std::vector<std::int32_t> tokens;
   for (Index rho = 0; rho < r; ++rho) {
@@ -139,8 +138,8 @@ SoftmaxAccumulator<Scalar> lsh_attention_accumulate(Communicator& comm,
     return std::int32_t(std::lower_bound(tokens.begin(), tokens.end(), token) - tokens.begin());
   };
 
-  randattn::detail::RoundSignatures sig{chunk_of.data(), chunk_of.data(), r, chunks > 1,
-                                        static_cast<std::int32_t>(1 - chunks)};
+  randattn::detail::RoundSignatures sig{plan.chunk_of().data(), plan.chunk_of().data(), r,
+                                        chunks > 1, static_cast<std::int32_t>(1 - chunks)};
   randattn::detail::TargetProblem<Scalar> problem;
   problem.queries = &queries;
   problem.keys = &keys;

@@ -19,11 +19,14 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <tuple>
 #include <utility>
 
 #include <Eigen/Core>
 
 #include "../attention/random_feature_attention.hpp"
+#include "../core/input_checks.hpp"
 #include "../core/linear_attention.hpp"
 #include "../core/softmax_accumulator.hpp"
 #include "../core/types.hpp"
@@ -64,7 +67,6 @@ SoftmaxAccumulator<typename Map::Scalar> random_feature_attention_accumulate(
     const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
     const RandomFeatureOptions& opt = {}) {
   using Scalar = typename Map::Scalar;
-  using randattn::detail::require;
   const char* where = "random_feature_attention (MPI)";
   const RowPartition q_part =
       detail::gather_partition(comm, q.rows(), RowLayout::contiguous, where, "q");
@@ -75,51 +77,31 @@ SoftmaxAccumulator<typename Map::Scalar> random_feature_attention_accumulate(
       comm, detail::map_fingerprint(map), where,
       "the feature map (fingerprint of its projections; draw it from the same seed and shape on "
       "every rank)");
-  randattn::detail::FeatureAttentionSettings<Scalar> s{};
+  std::optional<FeatureAttentionParts<Map>> parts;
   comm.agree([&] {
-    s = randattn::detail::feature_attention_settings(where, map, opt);
-    require(q.cols() == map.input_dim() && k.cols() == map.input_dim(), where, "q (",
-            randattn::detail::shape_of(q), ") and k (", randattn::detail::shape_of(k),
-            ") must have the feature map's input dimension ", map.input_dim());
-    require(k.rows() == v.rows(), where, "k (", randattn::detail::shape_of(k), ") and v (",
-            randattn::detail::shape_of(v), ") must have the same number of rows");
-    require(!opt.causal || q_part.rows() == k_part.rows(), where,
-            "causal attention needs as many queries (", q_part.rows(), ") as keys (", k_part.rows(),
-            ")");
-    require(q_part.rows() == 0 || k_part.rows() > 0, where,
-            "attention over zero keys is undefined");
-    randattn::detail::require_finite(q, where, "q", opt.check_finite);
-    randattn::detail::require_finite(k, where, "k", opt.check_finite);
-    randattn::detail::require_finite(v, where, "v", opt.check_finite);
+    check_attention_counts(where, q_part.rows(), k_part.rows(), opt.causal);
+    parts.emplace(where, map, q, k, v, opt);
   });
-
-  const Index dim = map.feature_dim(), dv = v.cols();
-  using Rows = randattn::detail::MappedFeatureRows<Map>;
-  const Rows qr(map, q, s.normaliser, FeatureSide::query),
-      kr(map, k, s.normaliser, FeatureSide::key);
-  const Vector<Scalar> signs = map.signs();
-  const randattn::detail::LinearOperands<Rows, Rows> in{qr, kr, v, signs,
-                                                        randattn::detail::linear_chunk(s.linear)};
 
   // This rank's key summary (causal: with the local causal part, which computes it anyway),
   // then the merge of all ranks' summaries (bidirectional) or of the earlier ranks' (causal).
-  Scalar c = -std::numeric_limits<Scalar>::infinity();
-  RowMatrix<Scalar> local = RowMatrix<Scalar>::Zero(dim, dv + 1);
+  const Index dim = map.feature_dim(), dv = v.cols();
   SoftmaxAccumulator<Scalar> acc(q.rows(), dv);
+  KeySummary<Scalar> local{RowMatrix<Scalar>::Zero(dim, dv + 1)};
   if (opt.causal) {
-    if (q.rows() > 0) acc = randattn::detail::linear_causal(in, &local, &c);
+    if (q.rows() > 0) std::tie(acc, local) = parts->causal_with_key_summary();
   } else if (k.rows() > 0) {
-    local = randattn::detail::key_state(in, c);
+    local = parts->key_summary();
   }
-  detail::ScaledSummary<Scalar> summary(local, c);
+  detail::ScaledSummary<Scalar> summary(local.state, local.log_scale);
   detail::merge_across_ranks(
       comm, summary, opt.causal ? detail::Reduction::exclusive_scan : detail::Reduction::all);
-  const RowMatrix<Scalar> state = summary.state(dim, dv + 1);
+  const KeySummary<Scalar> merged{summary.state(dim, dv + 1), summary.log_scale()};
   if (q.rows() > 0) {
     if (!opt.causal) {
-      acc = randattn::detail::query_key_state(in, state, summary.log_scale());
-    } else if (summary.log_scale() != -std::numeric_limits<Scalar>::infinity()) {
-      acc.merge(randattn::detail::query_key_state(in, state, summary.log_scale()));
+      acc = parts->queries_against(merged);
+    } else if (merged.log_scale != -std::numeric_limits<Scalar>::infinity()) {
+      acc.merge(parts->queries_against(merged));
     }
   }
   comm.agree(
@@ -135,11 +117,10 @@ RowMatrix<typename Map::Scalar> random_feature_attention(
     const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
     const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
     const RandomFeatureOptions& opt = {}) {
-  using Scalar = typename Map::Scalar;
-  const auto s =
-      randattn::detail::feature_attention_settings("random_feature_attention (MPI)", map, opt);
+  std::optional<FeatureAttentionParts<Map>> parts;  // the denominator guard of map and opt
+  comm.agree([&] { parts.emplace("random_feature_attention (MPI)", map, q, k, v, opt); });
   return random_feature_attention_accumulate(comm, map, q, k, v, opt)
-      .finalize(static_cast<Scalar>(s.linear.denominator_epsilon));
+      .finalize(parts->denominator_epsilon());
 }
 
 }  // namespace randattn::mpi

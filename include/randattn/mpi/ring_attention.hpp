@@ -26,7 +26,8 @@
 #include <Eigen/Core>
 
 #include "../core/exact_attention.hpp"
-#include "../core/detail/score_tile.hpp"
+#include "../core/exact_tile.hpp"
+#include "../core/input_checks.hpp"
 #include "../core/softmax_accumulator.hpp"
 #include "../core/types.hpp"
 #include "../detail/parallel.hpp"
@@ -42,11 +43,6 @@ struct RingOptions : ExactOptions {
 
 namespace detail {
 
-using randattn::detail::require;
-using randattn::detail::ScoreTile;
-using randattn::detail::TileIndex;
-using randattn::detail::TileMask;
-
 // A key/value block in flight: rows of [k | v] and the global segments they come from.
 template <typename Scalar>
 struct KeyValueBlock {
@@ -61,8 +57,6 @@ void attend_block(const RowMatrix<Scalar>& qs, const std::vector<Segment>& q_seg
                   const KeyValueBlock<Scalar>& block, Index d, Index block_size, bool causal,
                   SoftmaxAccumulator<Scalar>& acc) {
   const Index dv = acc.value_dim();
-  TileMask<> mask;
-  mask.causal = causal;
   // Query tiles: one task each, across the segments.
   struct Task {
     Index local, global, rows;
@@ -76,10 +70,8 @@ void attend_block(const RowMatrix<Scalar>& qs, const std::vector<Segment>& q_seg
   }
   randattn::detail::parallel_for(Index(tasks.size()), [&](Index t) {
     const Task task = tasks[std::size_t(t)];
-    ScoreTile<Scalar> tile(task.rows, block_size, dv);
+    ExactTile<Scalar> tile(task.rows, block_size, dv, causal);
     const auto q = qs.middleRows(task.local, task.rows);
-    const TileIndex positions = TileIndex::range(task.global, task.rows);
-    const TileIndex acc_rows = TileIndex::range(task.local, task.rows);
     Index key_local = 0;
     for (const Segment& s : block.segments) {
       // Causal: keys after the tile's last query are skipped.
@@ -87,10 +79,8 @@ void attend_block(const RowMatrix<Scalar>& qs, const std::vector<Segment>& q_seg
       for (Index j = 0; j < end; j += block_size) {
         const Index cols = std::min(block_size, end - j);
         const auto rows = block.kv.middleRows(key_local + j, cols);
-        tile.logits(q, rows.leftCols(d));
-        tile.mask(positions, TileIndex::range(s.first + j, cols), mask);
-        tile.exponentiate();
-        tile.merge_into(acc, acc_rows, rows.rightCols(dv));
+        tile.attend(q, task.global, rows.leftCols(d), rows.rightCols(dv), s.first + j, acc,
+                    task.local);
       }
       key_local += s.count;
     }
@@ -112,24 +102,15 @@ SoftmaxAccumulator<Scalar> ring_attention_accumulate(Communicator& comm,
   detail::require_same_everywhere<Index>(comm, q.cols(), where, "the number of columns d of q");
   detail::require_same_everywhere<Index>(comm, v.cols(), where, "the number of columns dv of v");
   const Index n_q = q_part.rows(), n_k = k_part.rows(), d = q.cols(), dv = v.cols();
-  const Index block = opt.block_size > 0 ? opt.block_size : randattn::detail::kDefaultTileSize;
+  const Index block = exact_block_size(opt);
   Scalar scale = 0;
   comm.agree([&] {
-    detail::require(k.cols() == d && v.rows() == k.rows(), where, "k (",
-                    randattn::detail::shape_of(k), ") must have the columns of q (", d,
-                    ") and the rows of v (", randattn::detail::shape_of(v), ")");
-    detail::require(!opt.causal || n_q == n_k, where, "causal attention needs as many queries (",
-                    n_q, ") as keys (", n_k, ")");
-    detail::require(opt.block_size >= 0 && opt.block_size <= randattn::detail::kMaxGemmDepth, where,
-                    "block_size must be in [0, ", randattn::detail::kMaxGemmDepth, "], got ",
-                    opt.block_size);
-    detail::require(n_q == 0 || (n_k > 0 && d > 0), where,
-                    "attention over zero keys or with d = 0 is undefined (", n_q, " queries, ", n_k,
-                    " keys, d = ", d, ")");
-    scale =
-        randattn::detail::resolve_scale<Scalar>(where, opt, randattn::detail::inverse_sqrt_dim(d));
+    // This rank's rows have the shapes of the contract; the counts are those of the whole call.
+    check_attention_shapes<Scalar>(where, q, k, v);
+    check_attention_counts(where, n_q, n_k, opt.causal);
+    scale = check_exact_options<Scalar>(where, opt, n_q, d);
     // NaN/Inf on this rank's slice is reported before any block moves.
-    if (opt.check_finite) randattn::detail::exact_input_scan<Scalar>(where, q, k, v)();
+    if (opt.check_finite) check_attention_finite<Scalar>(where, q, k, v);
   });
 
   const int p = comm.size(), me = comm.rank();

@@ -2,9 +2,9 @@
 // Sharded tensor sparsification (Algorithm 1, scheme spa) and sketched HOSVD (Algorithm 2).
 //
 // Each rank owns a contiguous range of the flat row-major index: the whole aligned chunks of
-// detail::kSketchChunk entries given by sketch_range() (the last rank also takes the partial last
+// sparsify_chunk_size entries given by sketch_range() (the last rank also takes the partial last
 // chunk). ||A||_F^2 is summed exactly as the single-process call sums it: each rank sums its
-// chunks (detail::OrderedSum), every rank gathers all chunk sums and adds them in chunk order.
+// chunks (squared_chunk_sums), every rank gathers all chunk sums and adds them in chunk order.
 // The keep probabilities are therefore the same bits, and the counter-based draws (entry omega
 // uses Philox draw omega, detail::Sampler at the global flat offset) keep the same entries: the
 // union of the ranks' sketches IS randattn::sparsify(A, opt), bit for bit, for any rank count.
@@ -35,7 +35,7 @@ namespace randattn::mpi {
 
 // The flat range [first, first + count) of a D-entry tensor owned by `rank` of `ranks`.
 inline Segment sketch_range(Index size, int rank, int ranks) {
-  const Index chunk = randattn::detail::kSketchChunk, chunks = (size + chunk - 1) / chunk;
+  const Index chunk = sparsify_chunk_size, chunks = (size + chunk - 1) / chunk;
   const Segment blocks = RowPartition(chunks, ranks).range(rank);
   const Index first = std::min(size, blocks.first * chunk);
   return {first, std::min(size, (blocks.first + blocks.count) * chunk) - first};
@@ -58,18 +58,10 @@ std::vector<SparseSketch<Scalar>> sample_shard(Communicator& comm, const std::ve
                                                const SparsifyOptions& opt,
                                                const std::vector<std::uint32_t>& streams,
                                                const char* where) {
-  using randattn::detail::kSketchChunk;
   Index size = 0;
   Segment range;
   comm.agree([&] {
-    randattn::detail::require(dims.size() >= 2, where,
-                              "a tensor of order k >= 2 is needed, got shape ",
-                              randattn::detail::dims_str(dims));
-    size = randattn::detail::checked_size(dims, where);
-    randattn::detail::check_budget(opt.budget, where);
-    randattn::detail::require(opt.scheme == SparsifyScheme::spa, where,
-                              "distributed sparsification supports scheme spa only, got ",
-                              scheme_name(opt.scheme));
+    size = check_spa_arguments(where, dims, opt, "distributed sparsification");
     range = sketch_range(size, comm.rank(), comm.size());
     randattn::detail::require(count == range.count && (count == 0 || local), where, "rank ",
                               comm.rank(), " holds ", count, " entries but owns [", range.first,
@@ -79,17 +71,14 @@ std::vector<SparseSketch<Scalar>> sample_shard(Communicator& comm, const std::ve
   SketchStats stats;
   stats.scheme = opt.scheme;
   stats.budget = opt.budget;
-  const Index chunks = (count + kSketchChunk - 1) / kSketchChunk;
-  std::vector<double> sums(std::size_t(chunks), 0.0);
+  const Index chunk = sparsify_chunk_size, chunks = (count + chunk - 1) / chunk;
+  std::vector<double> sums = squared_chunk_sums(range.first, local, count);
   Index bad = std::numeric_limits<Index>::max();
-  for (Index c = 0; c < chunks; ++c) {
-    randattn::detail::OrderedSum s;
-    const Index t0 = c * kSketchChunk, len = std::min(count, (c + 1) * kSketchChunk) - t0;
-    randattn::detail::add_terms<true>(s, range.first + t0, local + t0, 1, len,
-                                      randattn::detail::Identity{});
-    for (Index t = t0; t < t0 + len && bad == std::numeric_limits<Index>::max(); ++t)
-      if (!std::isfinite(local[t])) bad = range.first + t;
-    sums[std::size_t(c)] = s.value();
+  for (Index t = 0; t < count; ++t) {
+    if (!std::isfinite(local[t])) {
+      bad = range.first + t;
+      break;
+    }
   }
   const double fro2 = ordered_total(comm, sums);
   comm.allreduce(&bad, 1, MPI_MIN);
@@ -112,9 +101,8 @@ std::vector<SparseSketch<Scalar>> sample_shard(Communicator& comm, const std::ve
       std::size_t(chunks), randattn::detail::Sampler<Scalar>(stats.rule, rng, streams, false));
   comm.agree([&] {  // a kept value can overflow the scalar type on one rank
     randattn::detail::parallel_for(chunks, [&](Index c) {
-      const Index t0 = c * kSketchChunk;
-      parts[std::size_t(c)].run(range.first + t0, local + t0, 1,
-                                std::min(kSketchChunk, count - t0));
+      const Index t0 = c * chunk;
+      parts[std::size_t(c)].run(range.first + t0, local + t0, 1, std::min(chunk, count - t0));
     });
   });
   for (std::size_t c = 0; c < parts.size(); ++c) sums[c] = parts[c].expected_nnz();

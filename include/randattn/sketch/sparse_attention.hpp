@@ -138,7 +138,7 @@ SparseScoreAttention<Scalar> sparse_score_attention_accumulate(
   const char* where = "sparse_score_attention";
   ExactOptions exact;
   static_cast<AttentionOptions&>(exact) = opt;
-  const Scalar scale = detail::check_exact_inputs<Scalar>(where, q, k, v, exact);
+  const Scalar scale = check_exact_inputs<Scalar>(where, q, k, v, exact);
   detail::require(opt.block_size >= 0, where, "block_size must be >= 0, got ", opt.block_size);
   const Index n_q = q.rows(), n_k = k.rows();
   const Index rows = std::min(opt.block_size > 0 ? opt.block_size : detail::kSparseRowBlock,

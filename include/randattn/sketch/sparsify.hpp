@@ -567,6 +567,46 @@ class InMemorySparsifier {
 
 }  // namespace detail
 
+// Entries per chunk of the ordered sums behind ||A||_F^2 and the expected nnz: each chunk of
+// sparsify_chunk_size consecutive flat indices is summed on its own, then the chunk sums are
+// added in order, so any split of A at chunk boundaries (threads, streamed blocks, the shards of
+// a sharded tensor) gives the same bits.
+constexpr Index sparsify_chunk_size = detail::kSketchChunk;
+
+// The arguments of a scheme-spa sparsifier that sees A in parts (streamed blocks, shards): order
+// k >= 2, a size that fits, a positive finite budget, scheme spa (`what` names the sparsifier in
+// that message). Returns the number of entries D.
+inline Index check_spa_arguments(const char* where, const std::vector<Index>& dims,
+                                 const SparsifyOptions& opt, const char* what) {
+  detail::require(dims.size() >= 2, where, "a tensor of order k >= 2 is needed, got shape ",
+                  detail::dims_str(dims));
+  const Index size = detail::checked_size(dims, where);
+  detail::check_budget(opt.budget, where);
+  detail::require(opt.scheme == SparsifyScheme::spa, where, what, " supports scheme spa only, got ",
+                  scheme_name(opt.scheme));
+  return size;
+}
+
+// The sums of squares of the `count` entries p[0..count) of flat indices first, first + 1, ...
+// (first a multiple of sparsify_chunk_size), one per chunk, in chunk order, each summed as the
+// whole-tensor sum sums it.
+template <typename Scalar>
+std::vector<double> squared_chunk_sums(Index first, const Scalar* p, Index count) {
+  detail::require(first % sparsify_chunk_size == 0 && count >= 0, "squared_chunk_sums",
+                  "first (", first, ") must be a multiple of ", sparsify_chunk_size,
+                  " and count (", count, ") >= 0");
+  const Index chunks = (count + sparsify_chunk_size - 1) / sparsify_chunk_size;
+  std::vector<double> sums(static_cast<std::size_t>(chunks), 0.0);
+  for (Index c = 0; c < chunks; ++c) {
+    detail::OrderedSum s;
+    const Index t0 = c * sparsify_chunk_size,
+                len = std::min(count, (c + 1) * sparsify_chunk_size) - t0;
+    detail::add_terms<true>(s, first + t0, p + t0, 1, len, detail::Identity{});
+    sums[static_cast<std::size_t>(c)] = s.value();
+  }
+  return sums;
+}
+
 // Sparsifies a tensor given as anything tensor_view() accepts (TensorView, Eigen::Tensor or
 // TensorMap of any order >= 2, a dense Eigen matrix). Parallel over chunks when OpenMP is on;
 // the result does not depend on the thread count.
@@ -597,13 +637,7 @@ class StreamingSparsifier {
       : dims_(std::move(dims)),
         opt_(opt),
         sampler_(SamplingRule{}, Philox(opt.seed), {opt.stream}, true) {
-    const char* where = "StreamingSparsifier";
-    detail::require(dims_.size() >= 2, where, "a tensor of order k >= 2 is needed, got shape ",
-                    detail::dims_str(dims_));
-    size_ = detail::checked_size(dims_, where);
-    detail::check_budget(opt.budget, where);
-    detail::require(opt.scheme == SparsifyScheme::spa, where,
-                    "streaming supports scheme spa only, got ", scheme_name(opt.scheme));
+    size_ = check_spa_arguments("StreamingSparsifier", dims_, opt, "streaming");
     stats_.scheme = opt.scheme;
     stats_.budget = opt.budget;
     if (size_ == 0) start_sampling();

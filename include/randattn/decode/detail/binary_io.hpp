@@ -41,8 +41,9 @@ class LittleEndianWriter {
  public:
   LittleEndianWriter(const std::string& path, const char* where)
       : where_(where), path_(path), out_(path, std::ios::binary | std::ios::trunc) {
-    if (!out_) throw std::runtime_error(std::string("randattn::") + where + ": cannot open '" +
-                                        path + "' for writing");
+    // An unwritable path is a bad argument, as for the .npy writers.
+    if (!out_) throw randattn::invalid_argument(std::string("randattn::") + where +
+                                                ": cannot open '" + path + "' for writing");
   }
 
   void u8(std::uint8_t x) { put(&x, 1); }
@@ -72,8 +73,8 @@ class LittleEndianWriter {
     store_le(b, hash_);
     out_.write(reinterpret_cast<const char*>(b), 8);
     out_.close();
-    if (!out_) throw std::runtime_error(std::string("randattn::") + where_ +
-                                        ": writing '" + path_ + "' failed");
+    if (!out_) throw randattn::invalid_argument(std::string("randattn::") + where_ +
+                                                ": writing '" + path_ + "' failed");
   }
 
  private:

@@ -87,8 +87,7 @@ void write_npy_sharded(Communicator& comm, const std::string& path, const Shape&
       const MPI_Offset at =
           MPI_Offset(header.size() + (std::size_t(offset) + done) * sizeof(Scalar));
       ok = MPI_File_write_at(file, at, values.data() + done, int(n),
-                             randattn::mpi::datatype<Scalar>(),
-                             MPI_STATUS_IGNORE) == MPI_SUCCESS;
+                             randattn::mpi::datatype<Scalar>(), MPI_STATUS_IGNORE) == MPI_SUCCESS;
     }
   }
   ok = MPI_File_close(&file) == MPI_SUCCESS && ok;

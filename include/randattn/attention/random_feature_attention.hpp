@@ -25,12 +25,12 @@
 
 #include <Eigen/Core>
 
+#include "../core/detail/score_tile.hpp"
 #include "../core/input_checks.hpp"
 #include "../core/linear_attention.hpp"
 #include "../core/linear_decoder.hpp"
 #include "../core/options.hpp"
 #include "../core/scaled_features.hpp"
-#include "../core/detail/score_tile.hpp"
 #include "../core/softmax_accumulator.hpp"
 #include "../core/types.hpp"
 #include "../detail/batch.hpp"

@@ -11,9 +11,9 @@
 //               sign bits per table, L = `lsh_tables` tables; a key is sampled when it collides
 //               with the query in at least two tables, and its logit is lowered by log p, p its
 //               exact inclusion probability (self-normalised importance sampling).
-//   lsf         locality-sensitive filters (decode/detail/filter_tables.hpp): each key is stored in its
-//               best filter of each of `lsf_tables` tables of `lsf_filters` Gaussian filters; the
-//               query opens the filters whose cosine with it reaches the threshold (and at least
+//   lsf         locality-sensitive filters (decode/detail/filter_tables.hpp): each key is stored
+//               in its best filter of each of `lsf_tables` tables of `lsf_filters` Gaussian
+//               filters; the query opens the filters whose cosine with it reaches the threshold (and at least
 //               its `lsf_min_probes` best per table) and attends exactly to the keys found.
 // In every retrieval mode the first `sinks` and the last `window` tokens are attended exactly and
 // are never candidates of the retrieval, so no key is counted twice.

@@ -92,9 +92,8 @@ Eigen::MatrixXd pair_sum_second_moment(const Eigen::Ref<const RowMatrix<Scalar>>
 template <typename Scalar, typename Projection = OrthogonalProjection<Scalar>>
 class DenseExponentialFeatures
     : public QuadraticExponentialMap<DenseExponentialFeatures<Scalar, Projection>, Scalar,
-                                             UserProjection<Scalar>> {
-  using Base =
-      QuadraticExponentialMap<DenseExponentialFeatures, Scalar, UserProjection<Scalar>>;
+                                     UserProjection<Scalar>> {
+  using Base = QuadraticExponentialMap<DenseExponentialFeatures, Scalar, UserProjection<Scalar>>;
 
  public:
   // moment: d×d second moment M of the normalised inputs; empty means 0.

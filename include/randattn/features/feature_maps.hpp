@@ -41,7 +41,6 @@
 
 namespace randattn {
 
-
 // FAVOR+ positive features (m of them). Nonnegative: attention denominators are positive.
 template <typename Scalar, typename Projection = OrthogonalProjection<Scalar>>
 class PositiveFeatures
@@ -66,8 +65,7 @@ class PositiveFeatures
 // per projection row (Performer, Lemma 1). Nonnegative.
 template <typename Scalar, typename Projection = OrthogonalProjection<Scalar>>
 class HyperbolicFeatures
-    : public ProjectedFeatureMap<HyperbolicFeatures<Scalar, Projection>, Scalar,
-                                         Projection> {
+    : public ProjectedFeatureMap<HyperbolicFeatures<Scalar, Projection>, Scalar, Projection> {
   using Base = ProjectedFeatureMap<HyperbolicFeatures, Scalar, Projection>;
 
  public:

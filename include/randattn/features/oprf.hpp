@@ -107,7 +107,7 @@ double pair_sum_sq_norm(const Eigen::Ref<const RowMatrix<Scalar>>& x,
 template <typename Scalar, typename Projection = OrthogonalProjection<Scalar>>
 class OptimalPositiveFeatures
     : public QuadraticExponentialMap<OptimalPositiveFeatures<Scalar, Projection>, Scalar,
-                                             Projection> {
+                                     Projection> {
   using Base = QuadraticExponentialMap<OptimalPositiveFeatures, Scalar, Projection>;
 
  public:

@@ -56,13 +56,13 @@ class ProjectedFeatureMap {
                      FeatureSide = FeatureSide::query) const {
     const char* where = "feature map";
     const Index n = x.rows(), m = projections();
-    detail::require(x.cols() == input_dim(), where, "x is ", detail::shape_of(x), " but the projection expects ",
-            input_dim(), " columns");
-    detail::require(values.rows() == n && values.cols() == feature_dim() && log_scale.size() == n, where,
-            "values (", detail::shape_of(values), ") and log_scale (", log_scale.size(), ") must be ", n,
-            "x", feature_dim(), " and ", n);
+    detail::require(x.cols() == input_dim(), where, "x is ", detail::shape_of(x),
+                    " but the projection expects ", input_dim(), " columns");
+    detail::require(values.rows() == n && values.cols() == feature_dim() && log_scale.size() == n,
+                    where, "values (", detail::shape_of(values), ") and log_scale (",
+                    log_scale.size(), ") must be ", n, "x", feature_dim(), " and ", n);
     detail::require(normaliser > 0 && std::isfinite(normaliser), where,
-            "normaliser must be positive and finite, got ", normaliser);
+                    "normaliser must be positive and finite, got ", normaliser);
     const Index tiles = (n + kTile - 1) / kTile;
     // Fixed tiles: each row's rounding depends on the shapes only, not on the thread count.
     detail::parallel_for(tiles, [&](Index t) {
@@ -93,7 +93,6 @@ class ProjectedFeatureMap {
   const Derived& derived() const { return static_cast<const Derived&>(*this); }
   Projection projection_;
 };
-
 
 // What OPRF and SDERF share: features exp(quad_r + slope·c·u_r − ½c²‖x‖² + log D)/√m with
 // u = ωᵀx (the projection's output) and quad_r = ω_rᵀAω_r (rotated into the projection's

@@ -85,7 +85,6 @@ class DenseProjection {
   RowMatrix<Scalar> omega_;
 };
 
-
 // ω with i.i.d. standard normal entries.
 template <typename Scalar>
 class GaussianProjection : public DenseProjection<Scalar> {

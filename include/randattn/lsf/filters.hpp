@@ -10,9 +10,9 @@
 //   dense     a_i ~ N(0, I_d) i.i.d.; entry (t m + i, c) is Philox(seed, lsf_dense_filters)
 //             .gaussian(t m + i, c). O(m d) per vector and table. Users may supply the matrix.
 //   hadamard  the first m rows of √p · H D3 H D2 H D1 / p^{3/2} (the pseudo-random rotation of
-//             Andoni et al., hashing/rotation.hpp), p = next power of two >= max(d, m), one rotation
-//             per table: a unit vector's rotated coordinates have variance 1/p, so the √p gain
-//             gives unit variance. O(p log p) per vector and table.
+//             Andoni et al., hashing/rotation.hpp), p = next power of two >= max(d, m), one
+//             rotation per table: a unit vector's rotated coordinates have variance 1/p, so the √p
+//             gain gives unit variance. O(p log p) per vector and table.
 //
 // Scores are computed for blocks of 64 rows aligned at row 0 of the input, so the scores of a
 // row do not depend on the thread count or on which function asked for them.

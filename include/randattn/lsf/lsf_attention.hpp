@@ -45,9 +45,9 @@
 
 #include <Eigen/Core>
 
+#include "../core/detail/score_tile.hpp"
 #include "../core/input_checks.hpp"
 #include "../core/options.hpp"
-#include "../core/detail/score_tile.hpp"
 #include "../core/softmax_accumulator.hpp"
 #include "../core/types.hpp"
 #include "../detail/batch.hpp"

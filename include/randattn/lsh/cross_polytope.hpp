@@ -1,7 +1,7 @@
 #pragma once
 // Cross-polytope LSH with b buckets and r rounds: h(x) = argmax([x R; -x R]) per round, R the
-// round's rotation restricted to its first b/2 coordinates (see hashing/rotation.hpp). Bucket k < b/2
-// means coordinate k is the largest in absolute value and positive, bucket b/2 + k that it is
+// round's rotation restricted to its first b/2 coordinates (see hashing/rotation.hpp). Bucket k <
+// b/2 means coordinate k is the largest in absolute value and positive, bucket b/2 + k that it is
 // negative. Ties go to the first entry of [x R; -x R] (so a zero vector lands in bucket 0).
 // The hash is invariant to positive scaling of x, which is why Reformer's normalised keys and
 // their unnormalised queries share buckets.
@@ -32,10 +32,10 @@
 #include "../core/types.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
-#include "../linalg/hadamard.hpp"
 #include "../hashing/detail/tiles.hpp"
 #include "../hashing/hash_codes.hpp"
 #include "../hashing/rotation.hpp"
+#include "../linalg/hadamard.hpp"
 
 namespace randattn {
 

@@ -324,6 +324,98 @@ Scalar check_lsh_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scal
   return detail::check_lsh_inputs<Scalar>(where, q, &k, v, hash, opt);
 }
 
+namespace detail {
+
+// Σ_i |P_i| (see the top of this file): the distinct valid (query, key) pairs one slice scores.
+// A shared-QK row left with no other target scores itself; a separate-key row with no valid key
+// in P_i scores all its valid keys (the fallback). Inputs are checked by the caller.
+template <typename Scalar>
+Index lsh_target_pairs(const CrossPolytopeHash<Scalar>& hash,
+                       const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                       const Eigen::Ref<const RowMatrix<Scalar>>* k, const LshOptions& opt) {
+  const bool shared = k == nullptr;
+  const Index n_q = q.rows(), n_k = shared ? n_q : k->rows(), r = hash.rounds();
+  if (n_q == 0) return 0;
+  const HashCodes qcodes = hash.hash(q, false);
+  const HashCodes kcodes = shared ? qcodes : hash.hash(*k, false);
+  // Per round, the keys a query of round signature s sees: by chunk (sorted chunk and the one
+  // before) or by bucket.
+  std::vector<std::vector<std::int32_t>> key_lists(static_cast<std::size_t>(r));
+  std::vector<std::vector<Index>> key_start(static_cast<std::size_t>(r));
+  std::optional<LshChunkPlan> qplan, kplan;
+  Index chunks = 0;
+  if (opt.exact_buckets) {
+    for (Index rho = 0; rho < r; ++rho) {
+      key_lists[std::size_t(rho)].resize(std::size_t(n_k));
+      sort_by_bucket(kcodes.data() + rho, r, n_k, hash.buckets(),
+                     key_lists[std::size_t(rho)].data(), key_start[std::size_t(rho)]);
+    }
+  } else {
+    const Index c = std::min(opt.chunk, n_q);
+    chunks = (n_q + c - 1) / c;
+    qplan.emplace(qcodes, hash.buckets(), c);
+    kplan.emplace(kcodes, hash.buckets(), shared ? c : key_chunk_length(n_q, n_k, c));
+  }
+  Index pairs = 0;
+  std::vector<std::int32_t> seen;
+  for (Index i = 0; i < n_q; ++i) {
+    seen.clear();
+    const auto add = [&](const std::int32_t* keys, Index count) {
+      for (Index u = 0; u < count; ++u) {
+        const std::int32_t j = keys[u];
+        if ((opt.causal && j > i) || (shared && j == i)) continue;
+        seen.push_back(j);
+      }
+    };
+    for (Index rho = 0; rho < r; ++rho) {
+      if (opt.exact_buckets) {
+        const std::vector<Index>& start = key_start[std::size_t(rho)];
+        const Index b = qcodes(i, rho);
+        add(key_lists[std::size_t(rho)].data() + start[std::size_t(b)],
+            start[std::size_t(b) + 1] - start[std::size_t(b)]);
+      } else {
+        const Index g = qplan->chunk_of()(i, rho);
+        add(kplan->chunk(rho, g), kplan->chunk_size(g));
+        if (chunks > 1) {
+          const Index prev = (g + chunks - 1) % chunks;
+          add(kplan->chunk(rho, prev), kplan->chunk_size(prev));
+        }
+      }
+    }
+    std::sort(seen.begin(), seen.end());
+    const Index distinct = Index(std::unique(seen.begin(), seen.end()) - seen.begin());
+    if (distinct > 0)
+      pairs += distinct;
+    else
+      pairs += shared ? 1 : (opt.causal ? i + 1 : n_k);
+  }
+  return pairs;
+}
+
+}  // namespace detail
+
+// The number of distinct (query, key) pairs lsh_attention scores on these inputs: Σ_i |P_i|,
+// with the self rule (shared QK) and the fallback (separate keys) counted as the pairs they
+// score. Divided by n_q n_k it is the fraction of the exact attention's pairs. O(n r c) time for
+// chunks of length c (O(r Σ bucket sizes) with exact buckets). Shared QK: qk n x d.
+template <typename Scalar>
+Index lsh_target_pairs(const CrossPolytopeHash<Scalar>& hash,
+                       const Eigen::Ref<const RowMatrix<Scalar>>& qk, const LshOptions& opt = {}) {
+  const RowMatrix<Scalar> no_values(qk.rows(), 0);
+  detail::check_lsh_inputs<Scalar>("lsh_target_pairs", qk, nullptr, no_values, hash, opt);
+  return detail::lsh_target_pairs<Scalar>(hash, qk, nullptr, opt);
+}
+
+// Separate keys: q n_q x d, k n_k x d.
+template <typename Scalar>
+Index lsh_target_pairs(const CrossPolytopeHash<Scalar>& hash,
+                       const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                       const Eigen::Ref<const RowMatrix<Scalar>>& k, const LshOptions& opt = {}) {
+  const RowMatrix<Scalar> no_values(k.rows(), 0);
+  detail::check_lsh_inputs<Scalar>("lsh_target_pairs", q, &k, no_values, hash, opt);
+  return detail::lsh_target_pairs<Scalar>(hash, q, &k, opt);
+}
+
 // Shared-QK LSH attention as an accumulator (for merging with other partial results):
 // qk n x d, v n x dv.
 template <typename Scalar>

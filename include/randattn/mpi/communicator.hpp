@@ -152,8 +152,8 @@ class Communicator {
     }
     std::vector<T> all(total);
     bytes_sent_ += mine.size() * sizeof(T);
-    detail::check(MPI_Allgatherv(mine.data(), count, datatype<T>(), all.data(),
-                                 counts.data(), displs.data(), datatype<T>(), comm_),
+    detail::check(MPI_Allgatherv(mine.data(), count, datatype<T>(), all.data(), counts.data(),
+                                 displs.data(), datatype<T>(), comm_),
                   "MPI_Allgatherv");
     return all;
   }
@@ -179,10 +179,9 @@ class Communicator {
       total += std::size_t(rcount[r]);
     }
     std::vector<T> rbuf(total);
-    detail::check(
-        MPI_Alltoallv(sbuf.data(), scount.data(), sdispl.data(), datatype<T>(), rbuf.data(),
-                      rcount.data(), rdispl.data(), datatype<T>(), comm_),
-        "MPI_Alltoallv");
+    detail::check(MPI_Alltoallv(sbuf.data(), scount.data(), sdispl.data(), datatype<T>(),
+                                rbuf.data(), rcount.data(), rdispl.data(), datatype<T>(), comm_),
+                  "MPI_Alltoallv");
     std::vector<std::vector<T>> received(p);
     for (std::size_t r = 0; r < p; ++r)
       received[r].assign(rbuf.begin() + rdispl[r], rbuf.begin() + rdispl[r] + rcount[r]);
@@ -194,17 +193,17 @@ class Communicator {
   MPI_Request isend(const T* data, std::size_t count, int to, int tag) {
     MPI_Request req;
     bytes_sent_ += count * sizeof(T);
-    detail::check(MPI_Isend(data, detail::to_count(count, "isend"), datatype<T>(), to, tag,
-                            comm_, &req),
-                  "MPI_Isend");
+    detail::check(
+        MPI_Isend(data, detail::to_count(count, "isend"), datatype<T>(), to, tag, comm_, &req),
+        "MPI_Isend");
     return req;
   }
   template <typename T>
   MPI_Request irecv(T* data, std::size_t count, int from, int tag) {
     MPI_Request req;
-    detail::check(MPI_Irecv(data, detail::to_count(count, "irecv"), datatype<T>(), from,
-                            tag, comm_, &req),
-                  "MPI_Irecv");
+    detail::check(
+        MPI_Irecv(data, detail::to_count(count, "irecv"), datatype<T>(), from, tag, comm_, &req),
+        "MPI_Irecv");
     return req;
   }
   static void wait_all(std::vector<MPI_Request>& reqs) {

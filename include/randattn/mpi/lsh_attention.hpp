@@ -4,8 +4,8 @@
 // global sorted order of every round. Rank p owns chunks [p C / P, (p + 1) C / P) of the C
 // chunks of every round; it fetches the rows (q and v) of the tokens of its chunks and of their
 // look-back chunks from the rows' owners (MPI_Alltoallv of requests, then of rows), runs the
-// library's LSH kernel (lsh/detail/target_blocks.hpp) on them with global positions (so masks and the
-// duplicate correction are those of the single-process call), and sends each token's partial
+// library's LSH kernel (lsh/detail/target_blocks.hpp) on them with global positions (so masks and
+// the duplicate correction are those of the single-process call), and sends each token's partial
 // [num | den] and log-scale of each round back to the token's owner (MPI_Alltoallv). Owners
 // merge the partials in round order, then apply the self rule.
 //
@@ -25,11 +25,11 @@
 #include "../core/types.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
-#include "../lsh/cross_polytope.hpp"
 #include "../hashing/unit_rows.hpp"
 #include "../lsh/chunk_plan.hpp"
-#include "../lsh/lsh_attention.hpp"
+#include "../lsh/cross_polytope.hpp"
 #include "../lsh/detail/target_blocks.hpp"
+#include "../lsh/lsh_attention.hpp"
 #include "communicator.hpp"
 #include "partition.hpp"
 
@@ -208,8 +208,8 @@ SoftmaxAccumulator<Scalar> lsh_attention_accumulate(Communicator& comm,
     if (acc.log_scale()(i) == -std::numeric_limits<Scalar>::infinity())
       empty.push_back(std::int32_t(i));
   if (!empty.empty()) {
-    const RowMatrix<Scalar> own_queries = scale * qk,
-                            own_keys = randattn::unit_rows<Scalar>(qk), own_values = v;
+    const RowMatrix<Scalar> own_queries = scale * qk, own_keys = randattn::unit_rows<Scalar>(qk),
+                            own_values = v;
     randattn::detail::attend_to_self(acc, empty, own_queries, own_keys, own_values);
   }
   comm.agree([&] {

@@ -5,8 +5,8 @@
 //
 //   bidirectional  every rank summarises its keys, S_r = φ(K_r)ᵀ diag(σ) [V_r | 1] relative to
 //                  exp(c_r); one MPI_Allreduce merges the (S_r, c_r) with the online-softmax rule
-//                  (detail/reduce.hpp), and every rank's queries read the total. M (dv + 1) + 1 values
-//                  per rank, whatever n.
+//                  (detail/reduce.hpp), and every rank's queries read the total. M (dv + 1) + 1
+//                  values per rank, whatever n.
 //   causal         one MPI_Exscan of the same summaries gives rank r the state of all keys of
 //                  ranks 0..r−1; the rank's chunked causal prefix runs on its rows and its queries
 //                  also read that carried state. Same volume as bidirectional.
@@ -32,8 +32,8 @@
 #include "../core/types.hpp"
 #include "../detail/validation.hpp"
 #include "communicator.hpp"
-#include "partition.hpp"
 #include "detail/reduce.hpp"
+#include "partition.hpp"
 
 namespace randattn::mpi {
 

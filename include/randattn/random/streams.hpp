@@ -32,6 +32,7 @@ constexpr std::uint32_t lsf_hadamard_filters = 0x4C534602u;  // seed of the H D3
 
 // Retrieval indexes of the key/value cache (decode/): "KVC" + purpose.
 constexpr std::uint32_t kv_cache_simhash = 0x4B564301u;  // SimHash hyperplanes (simhash_tables.hpp)
-constexpr std::uint32_t kv_cache_filters = 0x4B564302u;  // filters (decode/detail/filter_tables.hpp)
+constexpr std::uint32_t kv_cache_filters =
+    0x4B564302u;  // filters (decode/detail/filter_tables.hpp)
 
 }  // namespace randattn::streams

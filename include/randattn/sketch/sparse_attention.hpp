@@ -24,8 +24,8 @@
 #include <Eigen/Core>
 #include <Eigen/SparseCore>
 
-#include "../core/exact_attention.hpp"
 #include "../core/detail/score_tile.hpp"
+#include "../core/exact_attention.hpp"
 #include "../core/softmax_accumulator.hpp"
 #include "../core/types.hpp"
 #include "../detail/gemm.hpp"

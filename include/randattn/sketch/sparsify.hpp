@@ -592,9 +592,9 @@ inline Index check_spa_arguments(const char* where, const std::vector<Index>& di
 // whole-tensor sum sums it.
 template <typename Scalar>
 std::vector<double> squared_chunk_sums(Index first, const Scalar* p, Index count) {
-  detail::require(first % sparsify_chunk_size == 0 && count >= 0, "squared_chunk_sums",
-                  "first (", first, ") must be a multiple of ", sparsify_chunk_size,
-                  " and count (", count, ") >= 0");
+  detail::require(first % sparsify_chunk_size == 0 && count >= 0, "squared_chunk_sums", "first (",
+                  first, ") must be a multiple of ", sparsify_chunk_size, " and count (", count,
+                  ") >= 0");
   const Index chunks = (count + sparsify_chunk_size - 1) / sparsify_chunk_size;
   std::vector<double> sums(static_cast<std::size_t>(chunks), 0.0);
   for (Index c = 0; c < chunks; ++c) {

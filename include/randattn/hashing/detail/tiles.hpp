@@ -6,7 +6,8 @@
 
 namespace randattn::detail {
 
-constexpr Index kHashTile = 64;     // vectors rotated (or scored) together: the work buffer stays in cache
+constexpr Index kHashTile =
+    64;  // vectors rotated (or scored) together: the work buffer stays in cache
 constexpr Index kHashChunk = 1024;  // vectors per parallel work item, which owns one work buffer
 
 // Row and column tiles of the target kernels; a chunk of length c <= 128 and its predecessor

@@ -87,6 +87,8 @@ class LshMethod final : public TypedMethod<LshMethod> {
         lsh_attention_batched(*hash, q, k, v, out, shape, opt);
       const double lsh_seconds = seconds_since(start);
       Report r = report;
+      if (s.report)
+        r.emplace_back("pairs_scored", pairs_scored(*hash, q, k, shape, opt, s.shared_qk));
       if (s.compare) add_comparison(r, q, k, v, out, shape, opt, s.shared_qk, lsh_seconds);
       return r;
     };
@@ -126,6 +128,24 @@ class LshMethod final : public TypedMethod<LshMethod> {
   }
 
  private:
+  // The fraction of all (query, key) pairs the call scored (outside the timed call).
+  template <typename Scalar>
+  static double pairs_scored(const CrossPolytopeHash<Scalar>& hash, const Scalar* q,
+                             const Scalar* k, const BatchShape& shape, const LshOptions& opt,
+                             bool shared_qk) {
+    using CMap = Eigen::Map<const RowMatrix<Scalar>>;
+    double pairs = 0;
+    for (Index i = 0; i < shape.slices(); ++i) {
+      const CMap qs(q + i * shape.n_q * shape.d, shape.n_q, shape.d);
+      pairs += double(
+          shared_qk ? lsh_target_pairs<Scalar>(hash, qs, opt)
+                    : lsh_target_pairs<Scalar>(
+                          hash, qs, CMap(k + i * shape.n_k * shape.d, shape.n_k, shape.d), opt));
+    }
+    const double all = double(shape.slices()) * double(shape.n_q) * double(shape.n_k);
+    return all > 0 ? pairs / all : 0.0;
+  }
+
   template <typename Scalar>
   static void add_comparison(Report& r, const Scalar* q, const Scalar* k, const Scalar* v,
                              const Scalar* out, const BatchShape& shape, const LshOptions& opt,

@@ -954,3 +954,102 @@ TEMPLATE_TEST_CASE("LSH attention edge cases and argument checks", "[lsh]", floa
   CHECK(randattn::reformer_buckets(100, 64) == 4);
   CHECK(randattn::reformer_buckets(1, 64) == 2);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Pairs scored and the chunk plan
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+// Σ_i |valid targets of i|, with a row left without one counted as what it scores: itself
+// (shared QK) or all its valid keys (separate keys).
+Index reference_pairs(const Targets& targets, Index n_k, bool shared, bool causal) {
+  Index pairs = 0;
+  for (Index i = 0; i < Index(targets.size()); ++i) {
+    Index valid = 0;
+    for (const auto& jc : targets[static_cast<std::size_t>(i)])
+      valid += !(causal && jc.first > i) && !(shared && jc.first == i);
+    pairs += valid > 0 ? valid : shared ? 1 : causal ? i + 1 : n_k;
+  }
+  return pairs;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("lsh_target_pairs counts the distinct pairs of the target sets", "[lsh]", float,
+                   double) {
+  using Scalar = TestType;
+  const Index d = 12;
+  struct Case {
+    Index n_q, n_k, buckets;
+  };
+  for (const Case c : {Case{70, 70, 8}, Case{90, 31, 6}, Case{40, 110, 8}, Case{1, 1, 2}}) {
+    const RowMatrix<Scalar> q = clustered<Scalar>(11 + c.n_q, c.n_q, d, 4, 0.6);
+    const RowMatrix<Scalar> k = clustered<Scalar>(17 + c.n_k, c.n_k, d, 4, 0.6);
+    for (Index rounds : {Index(1), Index(3)}) {
+      const CrossPolytopeHash<Scalar> hash(RotationKind::dense, d, c.buckets, rounds, 40 + rounds);
+      const HashCodes qc = hash.hash(q), kc = hash.hash(k);
+      for (Index chunk : {Index(1), Index(8), c.n_q + 5}) {
+        for (bool causal : {false, true}) {
+          for (bool exact : {false, true}) {
+            INFO("n_q " << c.n_q << " n_k " << c.n_k << " rounds " << rounds << " chunk " << chunk
+                        << " causal " << causal << " exact buckets " << exact);
+            LshOptions opt;
+            opt.chunk = chunk;
+            opt.causal = causal;
+            opt.exact_buckets = exact;
+            const Targets shared = exact ? bucket_targets(qc, qc) : chunk_targets(qc, chunk);
+            CHECK(randattn::lsh_target_pairs<Scalar>(hash, q, opt) ==
+                  reference_pairs(shared, c.n_q, true, causal));
+            if (causal && c.n_q != c.n_k) continue;
+            const Targets separate =
+                exact ? bucket_targets(qc, kc) : separate_chunk_targets(qc, kc, chunk);
+            CHECK(randattn::lsh_target_pairs<Scalar>(hash, q, k, opt) ==
+                  reference_pairs(separate, c.n_k, false, causal));
+          }
+        }
+      }
+    }
+  }
+  // One chunk holding the sequence: every pair but the diagonal (shared QK), every pair
+  // (separate keys); causal shared QK scores i earlier keys, and position 0 itself.
+  const Index n = 50;
+  const RowMatrix<Scalar> x = testing::gaussian<Scalar>(3, n, d);
+  const CrossPolytopeHash<Scalar> hash(d, 4, 2, 9);
+  LshOptions one;
+  one.chunk = n;
+  CHECK(randattn::lsh_target_pairs<Scalar>(hash, x, one) == n * (n - 1));
+  CHECK(randattn::lsh_target_pairs<Scalar>(hash, x, x, one) == n * n);
+  one.causal = true;
+  CHECK(randattn::lsh_target_pairs<Scalar>(hash, x, one) == 1 + n * (n - 1) / 2);
+  CHECK(randattn::lsh_target_pairs<Scalar>(hash, x, x, one) == n * (n + 1) / 2);
+  CHECK_THROWS_AS(randattn::lsh_target_pairs<Scalar>(hash, RowMatrix<Scalar>(3, d + 1), one),
+                  randattn::invalid_argument);
+}
+
+TEST_CASE("LshChunkPlan: sorted order by (bucket, position), chunks of c, the last one shorter",
+          "[lsh]") {
+  HashCodes codes(7, 2);
+  codes << 1, 0,  //
+      0, 0,       //
+      1, 1,       //
+      0, 1,       //
+      2, 0,       //
+      0, 1,       //
+      1, 0;
+  const randattn::LshChunkPlan plan(codes, 3, 3);
+  CHECK(plan.tokens() == 7);
+  CHECK(plan.rounds() == 2);
+  CHECK(plan.chunks() == 3);
+  const std::vector<std::int32_t> round0(plan.sorted(0), plan.sorted(0) + 7),
+      round1(plan.sorted(1), plan.sorted(1) + 7);
+  CHECK(round0 == std::vector<std::int32_t>{1, 3, 5, 0, 2, 6, 4});
+  CHECK(round1 == std::vector<std::int32_t>{0, 1, 4, 6, 2, 3, 5});
+  CHECK(plan.chunk_size(0) == 3);
+  CHECK(plan.chunk_size(2) == 1);
+  CHECK(plan.chunk_size(3) == 0);
+  CHECK(*plan.chunk(1, 2) == 5);
+  for (Index rho = 0; rho < 2; ++rho)
+    for (Index s = 0; s < 7; ++s) CHECK(plan.chunk_of()(plan.sorted(rho)[s], rho) == s / 3);
+  CHECK_THROWS_AS(randattn::LshChunkPlan(codes, 3, 0), randattn::invalid_argument);
+}

@@ -113,3 +113,20 @@ def test_python_report_has_the_cli_report_fields(tmp_path, method):
             assert cli[key] == pytest.approx(value) if isinstance(value, float) else cli[key] == value, key
     for key in ("feature_dim", "pairs_scored", "predicted_rel_mse"):
         assert (key in cli) == (key in report)
+
+
+def test_lsh_report_has_pairs_scored():
+    rng = np.random.default_rng(5)
+    n = 24
+    q, k, v = (rng.standard_normal((2, 3, n, 8)) for _ in range(3))
+    # One chunk holding the sequence: shared QK scores every pair but the diagonal, causal shared
+    # QK the i earlier keys of each query (position 0: itself), separate keys every pair.
+    _, r = randattn.attention(q, None, v, method="lsh", shared_qk=True, chunk=n, report=True)
+    assert r["pairs_scored"] == pytest.approx((n - 1) / n)
+    _, r = randattn.attention(q, None, v, method="lsh", shared_qk=True, chunk=n, causal=True, report=True)
+    assert r["pairs_scored"] == pytest.approx((1 + n * (n - 1) / 2) / n**2)
+    _, r = randattn.attention(q, k, v, method="lsh", chunk=n, report=True)
+    assert r["pairs_scored"] == pytest.approx(1.0)
+    # Short chunks score a part of the pairs: at most two chunks of c keys per round and query.
+    _, r = randattn.attention(q, k, v, method="lsh", chunk=4, rounds=2, report=True)
+    assert 0 < r["pairs_scored"] <= 2 * 2 * 4 / n

@@ -8,6 +8,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <randattn/registry/feature_options.hpp>
+
 #include <cmath>
 #include <memory>
 #include <mutex>
@@ -17,23 +19,36 @@ namespace randattn_python {
 
 namespace {
 
+// FeatureMap's options are the registry's (registry/feature_options.hpp): one declaration, the
+// same names, defaults and help as the random-feature methods of randattn.attention. Ranges and
+// choices are checked in map_spec below, with Python's messages.
+OptionSpec from_registry(const randattn::registry::OptionSpec& spec) {
+  OptionDefault fallback;
+  std::visit(
+      [&](const auto& x) {
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same<T, randattn::registry::ArrayValue>::value) {
+          fallback = std::monostate{};  // arrays have no default
+        } else {
+          fallback = x;
+        }
+      },
+      spec.fallback);
+  return {spec.name, fallback, spec.help};
+}
+
 OptionSpec features_option() {
-  return {"features", std::int64_t(256), "number m of random projections"};
+  return from_registry(randattn::registry::feature_options::features());
 }
 OptionSpec projection_option() {
-  return {"projection", std::string("orthogonal"),
-          "'iid', 'orthogonal' (Haar blocks, chi row norms) or 'hadamard'"};
+  return from_registry(randattn::registry::feature_options::projection());
 }
-OptionSpec omega_option() {
-  return {"omega", std::monostate{},
-          "an (m, d) array whose rows are the projections (m = its rows)"};
-}
+OptionSpec omega_option() { return from_registry(randattn::registry::feature_options::omega()); }
 OptionSpec lambda_features_option() {
-  return {"lambda_features", std::int64_t(16),
-          "random features n_lambda of the hybrid's weight estimator"};
+  return from_registry(randattn::registry::feature_options::lambda_features());
 }
 OptionSpec bandwidth_option() {
-  return {"bandwidth", 1.0, "bandwidth s of lambda = exp(-s^2 |x - y|^2 / 2) on normalised rows"};
+  return from_registry(randattn::registry::feature_options::bandwidth());
 }
 
 bool owns(const MapKindInfo& info, const char* name) {

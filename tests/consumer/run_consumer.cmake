@@ -44,6 +44,13 @@ if(MODE STREQUAL "install")
   foreach(file
       include/randattn/randattn.hpp
       include/randattn/io/npy.hpp
+      include/randattn/hashing/unit_rows.hpp
+      include/randattn/hashing/detail/bucket_sort.hpp
+      include/randattn/core/detail/score_tile.hpp
+      include/randattn/lsh/detail/target_blocks.hpp
+      include/randattn/sketch/detail/ordered_sum.hpp
+      include/randattn/decode/detail/binary_io.hpp
+      include/randattn/mpi/detail/reduce.hpp
       share/cmake/randattn/randattnConfig.cmake
       share/cmake/randattn/randattnConfigVersion.cmake
       share/cmake/randattn/randattnTargets.cmake

@@ -117,10 +117,14 @@ RowMatrix<typename Map::Scalar> random_feature_attention(
     const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
     const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
     const RandomFeatureOptions& opt = {}) {
-  std::optional<FeatureAttentionParts<Map>> parts;  // the denominator guard of map and opt
-  comm.agree([&] { parts.emplace("random_feature_attention (MPI)", map, q, k, v, opt); });
-  return random_feature_attention_accumulate(comm, map, q, k, v, opt)
-      .finalize(parts->denominator_epsilon());
+  SoftmaxAccumulator<typename Map::Scalar> acc =
+      random_feature_attention_accumulate(comm, map, q, k, v, opt);
+  // The denominator guard of this map and these options (the inputs were checked above).
+  RandomFeatureOptions checked = opt;
+  checked.check_finite = false;
+  return acc.finalize(
+      FeatureAttentionParts<Map>("random_feature_attention (MPI)", map, q, k, v, checked)
+          .denominator_epsilon());
 }
 
 }  // namespace randattn::mpi

@@ -76,7 +76,7 @@ class ShardedKvCache {
     comm_->agree([&] {
       const char* where = "ShardedKvCache::append";
       const Index kvh = local_.kv_heads();
-      detail_check_rows(k, v, where);
+      check_block(k, v, where);
       const Index t = k.rows() / kvh;
       std::vector<Index> mine;  // positions among the t new tokens held here
       for (Index i = 0; i < t; ++i)
@@ -148,8 +148,9 @@ class ShardedKvCache {
     return std::move(*made);
   }
 
+  // Shapes and the token limit of an appended block (every rank checks the same block).
   template <typename K, typename V>
-  void detail_check_rows(const K& k, const V& v, const char* where) const {
+  void check_block(const K& k, const V& v, const char* where) const {
     const Index kvh = local_.kv_heads();
     randattn::detail::require(k.cols() == local_.head_dim(), where, "k is ",
                               randattn::detail::shape_of(k), " but head_dim is ", local_.head_dim());

@@ -557,6 +557,44 @@ TEST_CASE("KvCache grouped-query heads equal repeated kv heads", "[kv_cache]") {
   }
 }
 
+TEST_CASE("KvCache partial states of split caches merge into the whole", "[kv_cache]") {
+  // Tokens [0, m) in one cache and [m, n) in another; the first holds the sinks, the second the
+  // window, the split lies inside the retrieval range. Hyperplanes depend on (seed, kv head)
+  // only, so both halves sample what the whole cache samples: merged states equal attend up to
+  // the rounding of one merge per row.
+  const Index n = 300, m = 130, d = 16, dv = 8, kvh = 2, qh = 4;
+  const Tokens<double> tok(41, n, kvh, d, dv);
+  const RowMatrix<double> q = needle_queries(tok, qh, 42, 4.0);
+  KvCacheOptions lsh;
+  lsh.mode = DecodeMode::lsh_sample;
+  lsh.sinks = 5;
+  lsh.window = 40;
+  lsh.lsh_bits = 4;
+  lsh.lsh_tables = 16;
+  lsh.seed = 3;
+  for (const KvCacheOptions& opt : {KvCacheOptions{}, lsh}) {
+    const auto whole = filled(tok, opt);
+    KvCache<double> first(d, dv, kvh, opt), second(d, dv, kvh, opt);
+    first.append(tok.keys(0, m), tok.values(0, m));
+    second.append(tok.keys(m, n - m), tok.values(m, n - m));
+    DecodeReport all, a, b;
+    const RowMatrix<double> expected = whole.attend(q, &all);
+    auto acc = first.attend_partial(q, opt.sinks, 0, &a);
+    acc.merge(second.attend_partial(q, 0, opt.window, &b));
+    INFO("mode " << randattn::to_string(opt.mode));
+    CHECK(rel_diff(acc.finalize(), expected) <= 1e-13);
+    CHECK(a.exact_keys + b.exact_keys == all.exact_keys);
+    CHECK(a.retrieved_keys + b.retrieved_keys == all.retrieved_keys);
+  }
+  // An empty cache gives an empty state (attend refuses it).
+  const KvCache<double> empty(d, dv, kvh, lsh);
+  DecodeReport rep;
+  const auto none = empty.attend_partial(q, 5, 40, &rep);
+  CHECK(rep.empty_heads == qh);
+  CHECK(none.log_scale().array().isInf().all());
+  CHECK(none.numden().isZero(0));
+}
+
 TEST_CASE("KvCache rejects bad input and stays unchanged", "[kv_cache]") {
   const Index d = 8, dv = 4, kvh = 2, n = 30;
   const Tokens<float> tok(121, n, kvh, d, dv);

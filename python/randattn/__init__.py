@@ -5,6 +5,12 @@ tensors, exact or approximated (random features, hybrids, LSH)::
 
     out = randattn.attention(q, k, v, method="favor", features=256, seed=0)
 
+One layer's key/value cache for decoding, exact or with sublinear retrieval::
+
+    cache = randattn.KVCache(head_dim=128, value_dim=128, kv_heads=2, mode="lsh-sample", bits=12, tables=128)
+    cache.append(k, v)      # (kv_heads, t, d), (kv_heads, t, dv)
+    out = cache.attend(q)   # (q_heads, d) -> (q_heads, dv)
+
 Results have the kind (NumPy or torch), dtype and layout of ``q``. C-contiguous inputs are read
 in place; others are copied once. Computations release the GIL. Invalid arguments raise
 ValueError (or TypeError for wrong types). See :func:`methods` for every method and its options.
@@ -12,10 +18,11 @@ ValueError (or TypeError for wrong types). See :func:`methods` for every method 
 
 from . import _core
 from ._arrays import as_numpy, dtype_name, like
+from ._kv_cache import KVCache
 from ._sketch import SparseSketch, hosvd, sparsify
 
 __version__ = _core.__version__
-__all__ = ["attention", "methods", "FeatureMap", "Decoder", "sparsify", "hosvd", "SparseSketch"]
+__all__ = ["attention", "methods", "FeatureMap", "Decoder", "KVCache", "sparsify", "hosvd", "SparseSketch"]
 
 
 def methods():

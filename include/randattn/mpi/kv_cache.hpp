@@ -44,7 +44,7 @@
 #include "../decode/kv_cache.hpp"
 #include "../detail/validation.hpp"
 #include "communicator.hpp"
-#include "reduce.hpp"
+#include "detail/reduce.hpp"
 
 namespace randattn::mpi {
 
@@ -114,7 +114,7 @@ class ShardedKvCache {
     });
     MPI_Datatype type;
     MPI_Op op;
-    detail::check(MPI_Type_contiguous(int(dv + 2), detail::datatype<Scalar>(), &type),
+    detail::check(MPI_Type_contiguous(int(dv + 2), datatype<Scalar>(), &type),
                   "MPI_Type_contiguous");
     detail::check(MPI_Type_commit(&type), "MPI_Type_commit");
     detail::check(MPI_Op_create(&detail::merge_scaled_op<Scalar>, /*commute=*/0, &op),

@@ -86,11 +86,11 @@ def _weight_shapes(c):
     return shapes
 
 
-def rope_tables(positions, head_size):
-    """cos and sin of position · 10000^(-2j/hs), (len(positions), hs/2), float32 as run.c computes them."""
-    freq = 1.0 / ROPE_BASE ** (torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)
-    angle = torch.as_tensor(positions, dtype=torch.float32)[:, None] * freq[None, :]
-    return torch.cos(angle), torch.sin(angle)
+def rope_tables(positions, head_size, dtype=torch.float32):
+    """cos and sin of position · 10000^(-2j/hs), (len(positions), hs/2), computed in float64."""
+    freq = 1.0 / ROPE_BASE ** (torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)
+    angle = torch.as_tensor(positions, dtype=torch.float64)[:, None] * freq[None, :]
+    return torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
 
 
 def apply_rope(x, cos, sin):
@@ -165,7 +165,7 @@ class Transformer(torch.nn.Module):
         q = (h @ self.wq[layer].T).unflatten(-1, (c.n_heads, c.head_size)).transpose(1, 2)
         k = (h @ self.wk[layer].T).unflatten(-1, (c.n_kv_heads, c.head_size)).transpose(1, 2)
         v = (h @ self.wv[layer].T).unflatten(-1, (c.n_kv_heads, c.head_size)).transpose(1, 2)
-        cos, sin = rope_tables(positions, c.head_size)
+        cos, sin = rope_tables(positions, c.head_size, x.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def finish_layer(self, layer, x, attended):

@@ -24,6 +24,7 @@ Attention is a callable ``attend(q, k, v)`` on (batch, n_heads, n, hs) queries a
 and :class:`RandattnAttention` runs any ``randattn.attention`` method.
 """
 
+import argparse
 import struct
 import time
 from dataclasses import dataclass
@@ -233,3 +234,45 @@ def byte_tokens(text_bytes, offset=0):
     """Token ids of raw bytes: byte b -> b + offset (offset 0 for a byte-level vocabulary of 256,
     3 for llama2.c's sentencepiece vocabularies, whose byte-fallback tokens <0x00>..<0xFF> are 3..258)."""
     return torch.from_numpy(np.frombuffer(text_bytes, dtype=np.uint8).astype(np.int64) + offset)
+
+
+# Command-line spelling shared by the scripts: "--method NAME [--option KEY=VALUE ...] ...".
+def parse_value(text):
+    """An option value: int, float, true/false, none, else the text itself."""
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def method_label(name, options):
+    """"name key=value ..." as a table row's label."""
+    return name + "".join(f" {k}={v}" for k, v in options.items())
+
+
+def add_method_arguments(parser, flag):
+    """Adds the repeatable `flag NAME` and `--option KEY=VALUE` (applying to the latest `flag`) to an
+    argparse parser; the result is `namespace.methods`, a list of (name, {option: value}), or None."""
+
+    class Method(argparse.Action):
+        def __call__(self, parser, namespace, value, option_string=None):
+            namespace.methods = (namespace.methods or []) + [(value, {})]
+
+    class Option(argparse.Action):
+        def __call__(self, parser, namespace, value, option_string=None):
+            if not namespace.methods:
+                parser.error(f"--option {value}: no {flag} before it")
+            key, sep, text = value.partition("=")
+            if not sep or not key:
+                parser.error(f"--option {value}: expected key=value")
+            namespace.methods[-1][1][key.replace("-", "_")] = parse_value(text)
+
+    parser.add_argument(flag, action=Method, dest="methods", default=None, metavar="NAME")
+    parser.add_argument("--option", action=Option, metavar="KEY=VALUE", help=f"an option of the last {flag}")

@@ -116,35 +116,6 @@ class ExactWithStats(Timed):
         return out
 
 
-def parse_value(text):
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered == "none":
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-class MethodAction(argparse.Action):
-    def __call__(self, parser, namespace, value, option_string=None):
-        namespace.methods = (namespace.methods or []) + [(value, {})]
-
-
-class OptionAction(argparse.Action):
-    def __call__(self, parser, namespace, value, option_string=None):
-        if not namespace.methods:
-            parser.error(f"--option {value}: no --method before it")
-        key, sep, text = value.partition("=")
-        if not sep or not key:
-            parser.error(f"--option {value}: expected key=value")
-        namespace.methods[-1][1][key.replace("-", "_")] = parse_value(text)
-
-
 def make_attention(name, options, head_size, threads):
     """(attention callable, pairs_scored(n, calls) -> float or None) for a method or baseline."""
     if name in BASELINES:
@@ -206,10 +177,6 @@ def load_sequences(path, n_seqs, length, start, token_offset, vocab_size):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def label(name, options):
-    return name + "".join(f" {k}={v}" for k, v in options.items())
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="llama2.c-format model file")
@@ -218,8 +185,7 @@ def main(argv=None):
     ap.add_argument("--len", type=int, default=None, help="tokens per sequence (default: the model's seq_len)")
     ap.add_argument("--start", type=int, default=0, help="byte of the text where the first sequence starts")
     ap.add_argument("--token-offset", type=int, default=0, help="token id of byte 0 (see above)")
-    ap.add_argument("--method", action=MethodAction, dest="methods", default=None, metavar="NAME")
-    ap.add_argument("--option", action=OptionAction, metavar="KEY=VALUE")
+    llama2c.add_method_arguments(ap, "--method")
     ap.add_argument("--threads", type=int, default=None, help="threads of torch and randattn")
     ap.add_argument("--stats", action="store_true", help="print the exact model's attention statistics")
     args = ap.parse_args(argv)
@@ -238,7 +204,8 @@ def main(argv=None):
         inputs, targets = load_sequences(args.text, args.seqs, length, args.start, args.token_offset,
                                          model.config.vocab_size)
         methods = args.methods or DEFAULT_METHODS
-        attentions = [(label(name, options), *make_attention(name, options, model.config.head_size, args.threads))
+        attentions = [(llama2c.method_label(name, options),
+                       *make_attention(name, options, model.config.head_size, args.threads))
                       for name, options in methods]
     except (OSError, ValueError, TypeError) as e:
         ap.error(str(e))

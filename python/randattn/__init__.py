@@ -12,10 +12,11 @@ ValueError (or TypeError for wrong types). See :func:`methods` for every method 
 
 from . import _core
 from ._arrays import as_numpy, dtype_name, like
+from ._kv_cache import KVCache
 from ._sketch import SparseSketch, hosvd, sparsify
 
 __version__ = _core.__version__
-__all__ = ["attention", "methods", "FeatureMap", "Decoder", "sparsify", "hosvd", "SparseSketch"]
+__all__ = ["attention", "methods", "FeatureMap", "Decoder", "KVCache", "sparsify", "hosvd", "SparseSketch"]
 
 
 def methods():

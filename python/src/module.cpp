@@ -23,6 +23,7 @@ PYBIND11_MODULE(_core, m) {
   rp::bind_attention(m);
   rp::bind_feature_maps(m);
   rp::bind_sketch(m);
+  rp::bind_kv_cache(m);
   m.def(
       "input_copies", [] { return rp::input_copies().load(); },
       "Number of inputs copied because they were not C-contiguous (arrays that are used in place "

@@ -244,9 +244,28 @@ class KvCache {
   Matrix attend(const Eigen::Ref<const Matrix>& q, DecodeReport* report = nullptr) const {
     const char* where = "KvCache::attend";
     detail::require(n_ > 0, where, "the cache is empty: attention over no keys is undefined");
+    const SoftmaxAccumulator<Scalar> acc = attend_partial(q, opt_.sinks, opt_.window, report);
+    Matrix out(q.rows(), dv_);
+    acc.finalize_into(out);
+    detail::require(detail::all_finite(out), where, overflow_message());
+    return out;
+  }
+
+  // The unnormalised per-query-head state of attend (q_heads rows of [num | den] relative to
+  // exp(log-scale)), with the first `sinks` and the last `window` cached tokens as the exact part
+  // in retrieval modes (mode exact attends to every token whatever they are). attend() is
+  // attend_partial(q, options().sinks, options().window) finalised; shards of one cache
+  // (mpi/kv_cache.hpp) pass the counts of their own tokens that are global sinks and window and
+  // merge their states with SoftmaxAccumulator::merge. An empty cache gives an empty state
+  // (every log-scale −inf). Throws "overflowed" when scale·q·k overflows.
+  SoftmaxAccumulator<Scalar> attend_partial(const Eigen::Ref<const Matrix>& q, Index sinks,
+                                            Index window, DecodeReport* report = nullptr) const {
+    const char* where = "KvCache::attend";
     detail::require(q.cols() == d_, where, "q is ", detail::shape_of(q), " but head_dim is ", d_);
     detail::require(q.rows() >= 1 && q.rows() % kv_heads_ == 0, where, "q has ", q.rows(),
                     " query heads, which must be a positive multiple of kv_heads = ", kv_heads_);
+    detail::require(sinks >= 0 && window >= 0, where, "sinks and window must be >= 0, got ", sinks,
+                    " and ", window);
     detail::require_finite(q, where, "q", opt_.check_finite);
 
     const Index q_heads = q.rows(), group = q_heads / kv_heads_;
@@ -261,12 +280,16 @@ class KvCache {
     // Exact part: [0, s_end) and [w_begin, n); retrieval candidates: [s_end, w_begin).
     Index s_end = n_, w_begin = n_;
     if (retrieval) {
-      s_end = std::min(opt_.sinks, n_);
-      w_begin = std::max(s_end, n_ - std::min(opt_.window, n_));
+      s_end = std::min(sinks, n_);
+      w_begin = std::max(s_end, n_ - std::min(window, n_));
     }
     const Index block = opt_.block_size > 0 ? opt_.block_size : Index(256);
 
-    Matrix out(q_heads, dv_);
+    SoftmaxAccumulator<Scalar> all(q_heads, dv_);
+    if (n_ == 0) {
+      rep.empty_heads = q_heads;
+      return all;
+    }
     Scratch scratch;
     if (opt_.mode == DecodeMode::lsh_sample || opt_.mode == DecodeMode::lsf)
       scratch.counts.assign(static_cast<std::size_t>(n_), 0);
@@ -295,16 +318,13 @@ class KvCache {
         }
       }
       for (Index r = 0; r < group; ++r) rep.empty_heads += acc.log_scale()(r) == -kInf;
-      acc.finalize_into(out.middleRows(h * group, group));
+      all.merge_rows(h * group, acc.numden(), acc.log_scale());
     }
-    detail::require(detail::all_finite(out), where,
-                    "the result overflowed: scale·q·k exceeds the floating-point range ",
-                    "(or the cache holds NaN/Inf, appended with check_finite = false); ",
-                    "rescale the queries, keys or the logit scale");
+    detail::require(detail::all_finite(all.numden()), where, overflow_message());
     if (record) {
       for (auto& keys : rep.scored_keys) std::sort(keys.begin(), keys.end());
     }
-    return out;
+    return all;
   }
 
   // Writes the cache (shapes, options, keys and values) to a portable little-endian file.
@@ -458,6 +478,12 @@ class KvCache {
     Vector<Scalar> tile_max;
     Eigen::Matrix<Scalar, 1, Eigen::Dynamic> nd;
   };
+
+  static const char* overflow_message() {
+    return "the result overflowed: scale·q·k exceeds the floating-point range (or the cache "
+           "holds NaN/Inf, appended with check_finite = false); rescale the queries, keys or the "
+           "logit scale";
+  }
 
   const Head& head_at(Index h, const char* what) const {
     detail::require(h >= 0 && h < kv_heads_, what, "kv head ", h, " is outside [0, ", kv_heads_,

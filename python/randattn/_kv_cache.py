@@ -1,0 +1,90 @@
+"""randattn.KVCache: one layer's key/value cache for decoding (the library's KvCache)."""
+
+import os
+
+from . import _core
+from ._arrays import as_numpy, dtype_name, like
+
+
+class KVCache:
+    """Softmax attention of a new token's query heads over a growing key/value cache, exact or
+    with sublinear retrieval; one cache per layer.
+
+    ``KVCache(head_dim=d, value_dim=dv, kv_heads=h, mode="exact", sinks=4, window=256,
+    scale=None, dtype="float32", check_finite=True, **mode_options)``
+
+    mode and its options (defaults in parentheses; ``randattn.KVCache.modes()`` lists them):
+      "exact"       every cached key (the reference)
+      "blocks"      Quest page bounds: page_size (32) tokens per page, top_pages (64) attended
+      "lsh-sample"  MagicPIG SimHash sampling with importance weights: bits (8) K per table,
+                    tables (64) L, seed (0)
+      "lsf"         locality-sensitive filters: filters (256) per table, tables (4), eta (None:
+                    from alpha), alpha (0.5), min_probes (1), seed (0)
+    Every retrieval mode also takes centre_tokens (0) or key_centre (None) for key centring, and
+    attends exactly to the first ``sinks`` and last ``window`` tokens. An option of another mode
+    raises ValueError naming it; an unknown keyword raises TypeError.
+
+    Arrays are NumPy arrays or CPU torch tensors of float32 or float64. The cache's dtype is fixed
+    at construction (``dtype``); inputs of the other dtype are converted to it (float64 → float32
+    rounds to nearest), and results have the cache's dtype (a torch tensor when q is one).
+
+    - ``append(k, v)``: k (kv_heads, t, head_dim), v (kv_heads, t, value_dim); t tokens, oldest
+      first ((kv_heads, head_dim) and (kv_heads, value_dim) append one token).
+    - ``attend(q)``: q (q_heads, head_dim), q_heads a multiple of kv_heads (query head i uses kv
+      head i // (q_heads // kv_heads)) → (q_heads, value_dim); ``attend(q, report=True)`` →
+      (out, report dict: keys_scored, exact_keys, retrieved_keys, pages_scored, pages_opened,
+      tables_probed, bucket_entries, filters_opened, empty_heads, mode, size).
+    - ``save(path)``, ``KVCache.load(path)``: portable file; a loaded cache gives bit-identical
+      results and keeps growing like the original.
+    - ``len(cache)``: tokens cached.
+
+    ``attend`` releases the GIL and runs concurrently with other attends on the same cache;
+    ``append`` waits for running attends and blocks new ones while it runs. Bad input (shapes,
+    non-finite values with check_finite, a corrupt or truncated file) raises ValueError and
+    leaves the cache unchanged.
+    """
+
+    def __init__(self, head_dim, value_dim, kv_heads, mode="exact", sinks=4, window=256, scale=None, *,
+                 dtype="float32", check_finite=True, **mode_options):
+        self._cache = _core.KVCache(head_dim, value_dim, kv_heads, mode, sinks, window, scale,
+                                    dtype_name(dtype), check_finite, mode_options)
+
+    @classmethod
+    def load(cls, path):
+        """The cache saved at ``path`` (its dtype is the saved one)."""
+        self = cls.__new__(cls)
+        self._cache = _core.KVCache.load(os.fspath(path))
+        return self
+
+    @staticmethod
+    def modes():
+        """{mode: {option: default}} of every mode."""
+        return {name: dict(options) for name, options in _core.kv_cache_modes.items()}
+
+    def append(self, k, v):
+        self._cache.append(as_numpy(k, "k"), as_numpy(v, "v"))
+
+    def attend(self, q, report=False):
+        if not isinstance(report, bool):
+            raise TypeError(f"report must be True or False, got {type(report).__name__}")
+        out, fields = self._cache.attend(as_numpy(q, "q"), report)
+        return (like(out, q), fields) if report else like(out, q)
+
+    def save(self, path):
+        self._cache.save(os.fspath(path))
+
+    def __len__(self):
+        return self._cache.size
+
+    mode = property(lambda self: self._cache.mode)
+    dtype = property(lambda self: self._cache.dtype)
+    head_dim = property(lambda self: self._cache.head_dim)
+    value_dim = property(lambda self: self._cache.value_dim)
+    kv_heads = property(lambda self: self._cache.kv_heads)
+    scale = property(lambda self: self._cache.scale, doc="the logit scale in use")
+    options = property(lambda self: self._cache.options,
+                       doc="sinks, window, check_finite and the mode's options as in use")
+
+    def __repr__(self):
+        return (f"KVCache(head_dim={self.head_dim}, value_dim={self.value_dim}, kv_heads={self.kv_heads}, "
+                f"mode={self.mode!r}, dtype={self.dtype!r}, size={len(self)})")

@@ -1,0 +1,344 @@
+"""randattn.KVCache: decoding over a key/value cache (exact, blocks, lsh-sample, lsf)."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import randattn
+from conftest import DTYPES, assert_close, softmax_attention
+
+D, DV, KV_HEADS, Q_HEADS = 16, 8, 2, 4
+
+# Small caches whose retrieval part is not empty: sinks + window < n.
+MODES = {
+    "exact": {},
+    "blocks": dict(page_size=8, top_pages=3),
+    "lsh-sample": dict(bits=4, tables=16, seed=7),
+    "lsf": dict(filters=16, tables=3, alpha=0.6, seed=7),
+}
+SMALL = dict(sinks=2, window=8)
+
+
+def tokens(rng, n, dtype=np.float64, kv_heads=KV_HEADS):
+    k = rng.standard_normal((kv_heads, n, D)).astype(dtype)
+    v = rng.standard_normal((kv_heads, n, DV)).astype(dtype)
+    return k, v
+
+
+def queries(rng, dtype=np.float64, q_heads=Q_HEADS):
+    return (2.0 * rng.standard_normal((q_heads, D))).astype(dtype)
+
+
+def filled(k, v, mode="exact", dtype="float64", options=None, **kw):
+    """A cache of the tokens k, v with SMALL and the mode's options (or `options` instead)."""
+    options = MODES[mode] if options is None else options
+    cache = randattn.KVCache(head_dim=D, value_dim=DV, kv_heads=k.shape[0], mode=mode, dtype=dtype,
+                             **{**SMALL, **options, **kw})
+    cache.append(k, v)
+    return cache
+
+
+def identical(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_exact_mode_equals_softmax_attention_with_grouped_heads(rng, dtype):
+    n = 70
+    k, v = tokens(rng, n, dtype)
+    q = queries(rng, dtype)
+    cache = filled(k, v, dtype=np.dtype(dtype).name)
+    out, report = cache.attend(q, report=True)
+    assert out.dtype == dtype and out.shape == (Q_HEADS, DV)
+    group = Q_HEADS // KV_HEADS
+    for i in range(Q_HEADS):
+        h = i // group
+        ref = softmax_attention(q[i:i + 1].astype(np.float64), k[h].astype(np.float64), v[h].astype(np.float64))
+        assert_close(out[i:i + 1], ref, dtype, n + D)
+        lib = randattn.attention(q[i:i + 1], k[h], v[h])
+        assert_close(out[i:i + 1], lib, dtype, n + D)
+    assert report["keys_scored"] == report["exact_keys"] == Q_HEADS * n
+    assert report["retrieved_keys"] == 0 and report["size"] == n and report["mode"] == "exact"
+
+
+@pytest.mark.parametrize("mode,everything", [
+    ("blocks", dict(page_size=8, top_pages=100)),
+    ("lsh-sample", dict(bits=0, tables=4)),
+    ("lsf", dict(filters=16, tables=2, eta=float("-inf"))),
+])
+def test_retrieving_every_key_is_exact_decoding(rng, mode, everything):
+    n = 90
+    k, v = tokens(rng, n, np.float32)
+    q = queries(rng, np.float32)
+    exact = filled(k, v, dtype="float32").attend(q)
+    out, report = filled(k, v, mode, dtype="float32", options=everything).attend(q, report=True)
+    assert report["keys_scored"] == Q_HEADS * n
+    assert report["retrieved_keys"] == Q_HEADS * (n - SMALL["sinks"] - SMALL["window"])
+    assert_close(out, exact, np.float32, n + D)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_token_by_token_equals_one_block_bit_for_bit(rng, mode, dtype):
+    n = 61
+    k, v = tokens(rng, n, dtype)
+    q = queries(rng, dtype)
+    block = filled(k, v, mode, dtype)
+    single = randattn.KVCache(D, DV, KV_HEADS, mode, dtype=dtype, **SMALL, **MODES[mode])
+    mixed = randattn.KVCache(D, DV, KV_HEADS, mode, dtype=dtype, **SMALL, **MODES[mode])
+    for t in range(n):
+        single.append(k[:, t], v[:, t])  # (kv_heads, d): one token
+    for a, b in [(0, 5), (5, 6), (6, 40), (40, n)]:
+        mixed.append(k[:, a:b], v[:, a:b])
+    assert len(single) == len(mixed) == len(block) == n
+    ref = block.attend(q)
+    assert identical(single.attend(q), ref)
+    assert identical(mixed.attend(q), ref)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_save_load_round_trip_is_bit_identical(rng, tmp_path, mode, dtype):
+    k, v = tokens(rng, 75, dtype)
+    q = queries(rng, dtype)
+    cache = filled(k, v, mode, dtype, centre_tokens=20) if mode != "exact" else filled(k, v, mode, dtype)
+    path = tmp_path / "layer.kvc"
+    cache.save(path)
+    loaded = randattn.KVCache.load(path)
+    assert (len(loaded), loaded.mode, loaded.dtype, loaded.scale) == (75, mode, dtype, cache.scale)
+    assert loaded.options == cache.options
+    a, ra = loaded.attend(q, report=True)
+    b, rb = cache.attend(q, report=True)
+    assert identical(a, b) and ra == rb
+    # Both keep growing alike.
+    k2, v2 = tokens(rng, 9, dtype)
+    loaded.append(k2, v2)
+    cache.append(k2, v2)
+    assert identical(loaded.attend(q), cache.attend(q))
+
+
+def test_saved_options_survive(tmp_path):
+    cache = randattn.KVCache(D, DV, KV_HEADS, "lsf", sinks=3, window=5, scale=0.5, dtype="float64",
+                             filters=32, tables=2, eta=0.25, min_probes=2, seed=11)
+    cache.save(str(tmp_path / "c.kvc"))
+    loaded = randattn.KVCache.load(str(tmp_path / "c.kvc"))
+    assert loaded.options == cache.options
+    assert loaded.options["eta"] == 0.25 and loaded.options["tables"] == 2 and loaded.scale == 0.5
+
+
+@pytest.mark.parametrize("mode", ["exact", "blocks"])
+def test_grouped_query_heads_equal_repeated_kv_heads(rng, mode):
+    # blocks chooses pages by deterministic bounds, so repeating a kv head repeats its choice;
+    # the hashing modes draw hyperplanes per kv head and are left out.
+    n = 80
+    k, v = tokens(rng, n)
+    q = queries(rng, q_heads=6)  # 3 query heads per kv head
+    gqa = filled(k, v, mode)
+    mha = filled(np.repeat(k, 3, axis=0), np.repeat(v, 3, axis=0), mode)
+    assert_close(gqa.attend(q), mha.attend(q), np.float64, n + D)
+
+
+def test_dtype_is_the_caches_and_other_inputs_are_converted(rng):
+    k, v = tokens(rng, 30)
+    q = queries(rng)
+    cache32 = randattn.KVCache(D, DV, KV_HEADS)  # float32 by default
+    assert cache32.dtype == "float32"
+    cache32.append(k, v)  # float64 input, rounded to float32
+    out = cache32.attend(q)
+    assert out.dtype == np.float32
+    twin = filled(k.astype(np.float32), v.astype(np.float32), dtype="float32")
+    assert identical(out, twin.attend(q.astype(np.float32)))
+    with pytest.raises(TypeError, match="float32 or float64"):
+        randattn.KVCache(D, DV, KV_HEADS, dtype="int32")
+    with pytest.raises(TypeError, match="dtype"):
+        cache32.append(k.astype(np.int64), v)
+
+
+def test_torch_tensors(rng):
+    torch = pytest.importorskip("torch")
+    k, v = tokens(rng, 40, np.float32)
+    q = queries(rng, np.float32)
+    cache = randattn.KVCache(D, DV, KV_HEADS)
+    cache.append(torch.from_numpy(k), torch.from_numpy(v))
+    out = cache.attend(torch.from_numpy(q))
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float32
+    assert identical(out.numpy(), filled(k, v, dtype="float32").attend(q))
+    with pytest.raises(RuntimeError, match="requires grad"):
+        cache.attend(torch.from_numpy(q).requires_grad_())
+
+
+def test_threads_attend_concurrently_and_equal_serial(rng):
+    n = 3000
+    k, v = tokens(rng, n, np.float32)
+    cache = filled(k, v, "lsh-sample", "float32", window=64)
+    qs = [queries(rng, np.float32) for _ in range(8)]
+    serial = [cache.attend(q) for q in qs]
+    results = [[None] * len(qs) for _ in range(4)]
+    errors = []
+
+    def work(w):
+        try:
+            for r in range(3):
+                for i in range(len(qs)):
+                    results[w][i] = cache.attend(qs[(i + w + r) % len(qs)]), (i + w + r) % len(qs)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for w in range(4):
+        for out, i in results[w]:
+            assert identical(out, serial[i])
+
+
+def test_appends_and_attends_from_threads(rng):
+    # An append waits for running attends; every attend sees a whole number of appends.
+    k, v = tokens(rng, 400, np.float32)
+    q = queries(rng, np.float32)
+    cache = randattn.KVCache(D, DV, KV_HEADS, dtype="float32")
+    cache.append(k[:, :1], v[:, :1])
+    expected = {t: filled(k[:, :t], v[:, :t], dtype="float32").attend(q) for t in range(1, 401, 21)}
+    seen = []
+
+    def reader():
+        while len(cache) < 400:
+            out, report = cache.attend(q, report=True)
+            seen.append((report["size"], out))
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for t in range(1, 400, 21):
+        cache.append(k[:, t:t + 21], v[:, t:t + 21])
+    thread.join()
+    assert len(cache) == 400
+    for size, out in seen:
+        if size in expected:
+            assert identical(out, expected[size])
+
+
+def unchanged(cache, q, before):
+    return identical(cache.attend(q), before)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_bad_input_raises_and_leaves_the_cache_unchanged(rng, mode):
+    k, v = tokens(rng, 40)
+    q = queries(rng)
+    cache = filled(k, v, mode)
+    before = cache.attend(q)
+    kn, vn = tokens(rng, 3)
+    bad_appends = [
+        (kn[:, :, :D - 1], vn, "must be"),               # wrong head_dim
+        (kn, vn[:, :, :DV + 0][:, :, :-1], "must be"),   # wrong value_dim
+        (kn[:1], vn[:1], "must be"),                     # wrong kv_heads
+        (kn, vn[:, :2], "tokens"),                       # t differs
+        (kn.reshape(-1), vn, "must be"),                 # 1-D
+    ]
+    for kb, vb, message in bad_appends:
+        with pytest.raises(ValueError, match=message):
+            cache.append(kb, vb)
+    knan = kn.copy()
+    knan[1, 2, 3] = np.nan
+    with pytest.raises(ValueError, match="non-finite|NaN"):
+        cache.append(knan, vn)
+    vinf = vn.copy()
+    vinf[0, 0, 0] = np.inf
+    with pytest.raises(ValueError, match="non-finite|Inf"):
+        cache.append(kn, vinf)
+    assert len(cache) == 40 and unchanged(cache, q, before)
+
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        cache.attend(q[:3])
+    with pytest.raises(ValueError, match="q must be"):
+        cache.attend(q[:, :D - 1])
+    with pytest.raises(ValueError, match="q must be"):
+        cache.attend(q[0])
+    qnan = q.copy()
+    qnan[2, 1] = np.nan
+    with pytest.raises(ValueError, match="non-finite|NaN"):
+        cache.attend(qnan)
+    assert len(cache) == 40 and unchanged(cache, q, before)
+
+
+def test_corrupt_truncated_and_missing_files(rng, tmp_path):
+    k, v = tokens(rng, 20)
+    q = queries(rng)
+    cache = filled(k, v, "blocks")
+    path = tmp_path / "c.kvc"
+    cache.save(path)
+    data = path.read_bytes()
+    cases = {
+        "truncated": data[:-9],
+        "header only": data[:40],
+        "flipped": data[:200] + bytes([data[200] ^ 1]) + data[201:],
+        "padded": data + b"\0" * 8,
+        "not a cache": b"hello world, not a cache file at all",
+        "empty": b"",
+    }
+    for name, content in cases.items():
+        bad = tmp_path / f"{name}.kvc"
+        bad.write_bytes(content)
+        with pytest.raises(ValueError):
+            randattn.KVCache.load(bad)
+    with pytest.raises(FileNotFoundError):
+        randattn.KVCache.load(tmp_path / "missing.kvc")
+    with pytest.raises(OSError):
+        cache.save(tmp_path / "no such directory" / "c.kvc")
+    assert identical(randattn.KVCache.load(path).attend(q), cache.attend(q))
+
+
+def test_options_belong_to_their_modes():
+    with pytest.raises(ValueError, match="'bits' belongs to mode 'lsh-sample', not to mode 'blocks'"):
+        randattn.KVCache(D, DV, KV_HEADS, mode="blocks", bits=8)
+    with pytest.raises(ValueError, match="'seed' belongs to mode 'lsh-sample' and 'lsf', not to mode 'exact'"):
+        randattn.KVCache(D, DV, KV_HEADS, seed=1)
+    with pytest.raises(ValueError, match="'page_size'.*not to mode 'lsf'"):
+        randattn.KVCache(D, DV, KV_HEADS, mode="lsf", page_size=8)
+    with pytest.raises(ValueError, match="'centre_tokens'.*not to mode 'exact'"):
+        randattn.KVCache(D, DV, KV_HEADS, centre_tokens=4)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'pages'"):
+        randattn.KVCache(D, DV, KV_HEADS, mode="blocks", pages=8)
+    with pytest.raises(ValueError, match="unknown mode 'lsh'"):
+        randattn.KVCache(D, DV, KV_HEADS, mode="lsh")
+    with pytest.raises(ValueError, match="bits must be in"):
+        randattn.KVCache(D, DV, KV_HEADS, mode="lsh-sample", bits=17)
+    with pytest.raises(ValueError, match="eta or alpha"):
+        randattn.KVCache(D, DV, KV_HEADS, mode="lsf", eta=0.5, alpha=0.5)
+    with pytest.raises(ValueError, match="head_dim"):
+        randattn.KVCache(0, DV, KV_HEADS)
+    with pytest.raises(ValueError, match="sinks"):
+        randattn.KVCache(D, DV, KV_HEADS, sinks=-1)
+    with pytest.raises(TypeError, match="integer"):
+        randattn.KVCache(D, DV, KV_HEADS, mode="blocks", page_size=2.5)
+    modes = randattn.KVCache.modes()
+    assert set(modes) == {"exact", "blocks", "lsh-sample", "lsf"}
+    assert set(modes["lsh-sample"]) == {"bits", "tables", "seed", "centre_tokens", "key_centre"}
+
+
+def test_empty_cache_and_one_token(rng):
+    cache = randattn.KVCache(D, DV, KV_HEADS, mode="lsh-sample", dtype="float64")
+    q = queries(rng)
+    with pytest.raises(ValueError, match="empty"):
+        cache.attend(q)
+    assert len(cache) == 0
+    k, v = tokens(rng, 1)
+    cache.append(k, v)
+    out = cache.attend(q)  # one key: its value, whatever the query
+    np.testing.assert_array_equal(out, np.repeat(v[:, 0], Q_HEADS // KV_HEADS, axis=0))
+
+
+def test_key_centre_given(rng):
+    k, v = tokens(rng, 50)
+    k += 5.0  # a large shared offset, as trained keys have
+    q = queries(rng)
+    exact = filled(k, v).attend(q)
+    centre = k.reshape(-1, D).mean(axis=0)
+    out = filled(k, v, "lsh-sample", bits=0, tables=2, key_centre=centre).attend(q)
+    assert_close(out, exact, np.float64, 50 + D)
+    with pytest.raises(ValueError, match="key_centre"):
+        filled(k, v, "blocks", key_centre=np.zeros(D + 1))

@@ -123,12 +123,16 @@ def exact_attention(q, k, v):
 class RandattnAttention:
     """Causal attention by ``randattn.attention(method=..., **options)`` over all heads at once.
     randattn takes as many key/value heads as query heads, so the key/value heads are repeated.
-    Accumulates the seconds spent in randattn and the reports of every call."""
+    ``layer_options`` (one dict per layer, optional) adds options to the calls of each layer, the
+    calls of a forward pass coming in layer order. Accumulates the seconds spent in randattn and the
+    reports of every call."""
 
-    def __init__(self, method, **options):
+    def __init__(self, method, layer_options=None, **options):
         import randattn  # noqa: F401  (imported here: the reader and trainer do not need it)
         self.method = method
         self.options = options
+        self.layer_options = layer_options
+        self.calls = 0
         self.seconds = 0.0
         self.reports = []
 
@@ -137,8 +141,12 @@ class RandattnAttention:
         q = q.detach().contiguous()
         k = repeat_kv(k.detach(), q.shape[1]).contiguous()
         v = repeat_kv(v.detach(), q.shape[1]).contiguous()
+        options = dict(self.options)
+        if self.layer_options:
+            options.update(self.layer_options[self.calls % len(self.layer_options)])
+        self.calls += 1
         start = time.perf_counter()
-        out, report = randattn.attention(q, k, v, method=self.method, causal=True, report=True, **self.options)
+        out, report = randattn.attention(q, k, v, method=self.method, causal=True, report=True, **options)
         self.seconds += time.perf_counter() - start
         self.reports.append(report)
         return out

@@ -16,7 +16,10 @@ rarely in training and its NLL is then high; the comparison with the exact model
 
 Methods (--method, repeatable; the --option key=value that follow it are its options):
   any method of randattn.methods() (exact, favor, oprf, sderf, lsh, lsf, ...), always causal, its
-      options as randattn.attention's keywords (values parsed as int, float, true/false/none, else text);
+      options as randattn.attention's keywords (values parsed as int, float, true/false/none, else text).
+      oprf and sderf (also as sparse-lowrank's remainder) without a fit option are fitted, per layer
+      and head, to the exact model's queries and keys on a calibration sequence: the window after the
+      evaluated ones (the text must then hold --seqs + 1 windows), never an evaluated sequence;
   oracle-topk (option k=16): exact softmax over each query's k highest-logit past keys;
   window (options window=64, sinks=0): exact softmax over the last `window` keys (i - window < j <= i)
       and the first `sinks` keys;
@@ -37,6 +40,7 @@ import torch
 
 import llama2c
 
+CALIBRATED = ("oprf", "sderf")
 BASELINES = {"oracle-topk": {"k": 16}, "window": {"window": 64, "sinks": 0}, "uniform": {}}
 DEFAULT_METHODS = [("exact", {}), ("favor", {}), ("lsh", {}), ("lsf", {"eta": 0.5}),
                    ("oracle-topk", {}), ("window", {}), ("uniform", {})]
@@ -94,6 +98,18 @@ class Timed:
         return out
 
 
+class QKRecorder:
+    """Exact attention keeping each call's (layer's) queries and keys of the first sequence."""
+
+    def __init__(self):
+        self.rows = []
+
+    def __call__(self, q, k, v):
+        self.rows.append((q[0].contiguous().numpy(),
+                          llama2c.repeat_kv(k, q.shape[1])[0].contiguous().numpy()))
+        return llama2c.exact_attention(q, k, v)
+
+
 class ExactWithStats(Timed):
     """Exact attention recording, per call (= per layer), the mean of scale·‖q‖² and of scale·‖k‖²
     and the mean entropy (nats) of the attention rows."""
@@ -116,8 +132,9 @@ class ExactWithStats(Timed):
         return out
 
 
-def make_attention(name, options, head_size, threads):
-    """(attention callable, pairs_scored(n, calls) -> float or None) for a method or baseline."""
+def make_attention(name, options, head_size, threads, calibration):
+    """(attention callable, pairs_scored(n) -> float or None) for a method or baseline; calibration()
+    gives the per-layer (queries, keys) that fit oprf and sderf when their options leave fit out."""
     if name in BASELINES:
         unknown = set(options) - set(BASELINES[name])
         if unknown:
@@ -139,11 +156,18 @@ def make_attention(name, options, head_size, threads):
     if name not in randattn.methods():
         raise ValueError(f"unknown method {name!r} (randattn's: {', '.join(randattn.methods())}; "
                          f"baselines: {', '.join(BASELINES)})")
-    attend = llama2c.RandattnAttention(name, threads=threads, **options)
+    layer_options = None
+    calibrated = name in CALIBRATED or (name == "sparse-lowrank" and options.get("remainder") in CALIBRATED)
+    if calibrated and "fit" not in options:
+        layer_options = [{"fit": "given", "calibration_q": q, "calibration_k": k} for q, k in calibration()]
+    attend = llama2c.RandattnAttention(name, layer_options, threads=threads, **options)
     # A dry run on one small random head: bad options fail here, before any output.
     probe = torch.randn(1, 1, 8, head_size, generator=torch.Generator().manual_seed(0))
+    if layer_options:
+        attend.layer_options = [{"fit": "given", "calibration_q": probe[0, 0].numpy(),
+                                 "calibration_k": probe[0, 0].numpy()}]
     attend(probe, probe, probe)
-    attend.seconds, attend.reports = 0.0, []
+    attend.layer_options, attend.calls, attend.seconds, attend.reports = layer_options, 0, 0.0, []
 
     def pairs_scored(n):
         if name == "exact":
@@ -204,8 +228,20 @@ def main(argv=None):
         inputs, targets = load_sequences(args.text, args.seqs, length, args.start, args.token_offset,
                                          model.config.vocab_size)
         methods = args.methods or DEFAULT_METHODS
+
+        def calibration():
+            """Per layer, the exact model's queries and keys ((n_heads, len, hs) each; key/value heads
+            repeated) on the calibration sequence, the window after the evaluated ones."""
+            if not hasattr(calibration, "rows"):
+                tokens, _ = load_sequences(args.text, args.seqs + 1, length, args.start, args.token_offset,
+                                           model.config.vocab_size)
+                recorder = QKRecorder()
+                with torch.inference_mode():
+                    model(tokens[-1:], recorder)
+                calibration.rows = recorder.rows
+            return calibration.rows
         attentions = [(llama2c.method_label(name, options),
-                       *make_attention(name, options, model.config.head_size, args.threads))
+                       *make_attention(name, options, model.config.head_size, args.threads, calibration))
                       for name, options in methods]
     except (OSError, ValueError, TypeError) as e:
         ap.error(str(e))

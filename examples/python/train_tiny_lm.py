@@ -62,14 +62,22 @@ def main():
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init", default=None,
+                    help="continue from this llama2.c checkpoint (its architecture; new optimizer state)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
     data, n_files = corpus(args.corpus, set(args.holdout))
     tokens = llama2c.byte_tokens(data)
-    config = llama2c.Config(args.dim, args.hidden, args.layers, args.heads, args.kv_heads, 256, args.seq_len)
-    model = llama2c.Transformer(config)
-    init_weights(model, args.seed)
+    if args.init:
+        model = llama2c.read_checkpoint(args.init).train()
+        config = model.config
+        if config.vocab_size != 256 or config.seq_len < args.seq_len:
+            raise SystemExit(f"{args.init}: needs a byte vocabulary (256) and seq_len >= {args.seq_len}")
+    else:
+        config = llama2c.Config(args.dim, args.hidden, args.layers, args.heads, args.kv_heads, 256, args.seq_len)
+        model = llama2c.Transformer(config)
+        init_weights(model, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"corpus: {n_files} files, {len(tokens)} bytes; model: {config}, {n_params} parameters", flush=True)
 

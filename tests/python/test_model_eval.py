@@ -190,6 +190,7 @@ def test_model_eval_end_to_end(checkpoint, text):
     n = 40
     result = run_model_eval(checkpoint, text, "--seqs", 2, "--len", n, "--stats",
                             "--method", "exact", "--method", "favor", "--option", "features=64",
+                            "--method", "oprf", "--option", "features=64",
                             "--method", "lsf", "--option", "eta=0.5", "--option", "filters=16",
                             "--method", "oracle-topk", "--option", "k=8",
                             "--method", "oracle-topk", "--option", "k=40",
@@ -197,7 +198,7 @@ def test_model_eval_end_to_end(checkpoint, text):
                             "--method", "uniform")
     assert result.returncode == 0, result.stderr
     rows = table_rows(result.stdout)
-    assert set(rows) == {"exact", "favor features=64", "lsf eta=0.5 filters=16", "oracle-topk k=8",
+    assert set(rows) == {"exact", "favor features=64", "oprf features=64", "lsf eta=0.5 filters=16", "oracle-topk k=8",
                          "oracle-topk k=40", "window window=4 sinks=1", "uniform"}
     kl, top1, nll, pairs, seconds = rows["exact"]
     assert (float(kl), float(top1), pairs) == (0.0, 1.0, "1.000")
@@ -224,6 +225,79 @@ def test_model_eval_end_to_end(checkpoint, text):
 ])
 def test_model_eval_errors(checkpoint, text, args, message):
     result = run_model_eval(checkpoint, text, *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert result.stdout == ""
+
+
+def kv_cache_factory(model, mode="exact", **options):
+    import randattn
+    c = model.config
+    return lambda: randattn.KVCache(head_dim=c.head_size, value_dim=c.head_size, kv_heads=c.n_kv_heads,
+                                    mode=mode, **options)
+
+
+def test_generate_exact_cache_reproduces_forward(checkpoint):
+    """Token-by-token decoding with exact KVCaches gives the full forward's logits to float32
+    rounding; with steps, the appended tokens are the greedy choices."""
+    pytest.importorskip("randattn")
+    import generate
+    model = llama2c.read_checkpoint(checkpoint)
+    prompt = torch.from_numpy(np.random.default_rng(4).integers(0, 256, size=30))
+    with torch.inference_mode():
+        tokens, logits, seconds, cache_seconds, reports = generate.decode(model, prompt, kv_cache_factory(model), 6)
+        reference = model(tokens[None])[0]
+        reference64 = model.double()(tokens[None])[0]
+    assert tokens.shape == (36,) and torch.equal(tokens[:30], prompt)
+    assert torch.equal(tokens[30:], logits[29:35].argmax(-1))
+    assert len(reports) == 36 * model.config.n_layers and 0 < cache_seconds < seconds
+    rounding = float((reference.double() - reference64).abs().max())
+    assert float((logits - reference).abs().max()) <= 4 * rounding
+    assert 4 * rounding < 1e-4 * float(reference.abs().max())
+
+
+def run_generate(*args):
+    import os
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(EXAMPLES)] + [p for p in sys.path if p])
+    return subprocess.run([sys.executable, str(EXAMPLES / "generate.py"), *map(str, args)],
+                          capture_output=True, text=True, env=env)
+
+
+def test_generate_end_to_end(checkpoint, text):
+    pytest.importorskip("randattn")
+    result = run_generate(checkpoint, text, "--prompt-len", 24, "--steps", 8,
+                          "--mode", "exact",
+                          "--mode", "blocks", "--option", "page_size=4", "--option", "top_pages=100",
+                          "--option", "window=2", "--option", "sinks=1",
+                          "--mode", "blocks", "--option", "page_size=4", "--option", "top_pages=1",
+                          "--option", "window=2", "--option", "sinks=1",
+                          "--mode", "lsh-sample", "--option", "window=2", "--option", "sinks=1",
+                          "--mode", "lsf", "--option", "window=2", "--option", "sinks=1", "--option", "eta=0.5")
+    assert result.returncode == 0, result.stderr
+    rows = {}
+    for line in result.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 7 and cells[0] != "mode":
+            rows[cells[0]] = cells[1:]
+    assert len(rows) == 5, result.stdout
+    for name in ("exact", "blocks page_size=4 top_pages=100 window=2 sinks=1"):
+        tokens_per_s, cache_us, top1_gen, top1_all, kl, _ = rows[name]
+        # Every page attended: exact decoding (up to float rounding in the merge).
+        assert (top1_gen, top1_all) == ("1.0000", "1.0000") and float(kl) < 1e-5, name
+        assert float(tokens_per_s) > 0 and float(cache_us) > 0
+    for name, (tokens_per_s, cache_us, top1_gen, top1_all, kl, _) in rows.items():
+        assert 0 <= float(top1_gen) <= 1 and float(kl) >= 0, name
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mode", "nosuch"], "nosuch"),
+    (["--mode", "blocks", "--option", "bits=3"], "bits"),
+    (["--prompt-len", "40", "--steps", "20"], "seq_len"),
+])
+def test_generate_errors(checkpoint, text, args, message):
+    pytest.importorskip("randattn")
+    result = run_generate(checkpoint, text, *args)
     assert result.returncode == 2
     assert message in result.stderr
     assert result.stdout == ""

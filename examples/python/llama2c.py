@@ -246,12 +246,11 @@ def byte_tokens(text_bytes, offset=0):
 
 # Command-line spelling shared by the scripts: "--method NAME [--option KEY=VALUE ...] ...".
 def parse_value(text):
-    """An option value: int, float, true/false, none, else the text itself."""
+    """An option value: int, float, true/false, else the text itself (so "none" stays text: it is a
+    value of some options; leave an option out for its default)."""
     lowered = text.lower()
     if lowered in ("true", "false"):
         return lowered == "true"
-    if lowered == "none":
-        return None
     for kind in (int, float):
         try:
             return kind(text)

@@ -16,7 +16,7 @@ rarely in training and its NLL is then high; the comparison with the exact model
 
 Methods (--method, repeatable; the --option key=value that follow it are its options):
   any method of randattn.methods() (exact, favor, oprf, sderf, lsh, lsf, ...), always causal, its
-      options as randattn.attention's keywords (values parsed as int, float, true/false/none, else text).
+      options as randattn.attention's keywords (values parsed as int, float, true/false, else text).
       oprf and sderf (also as sparse-lowrank's remainder) without a fit option are fitted, per layer
       and head, to the exact model's queries and keys on a calibration sequence: the window after the
       evaluated ones (the text must then hold --seqs + 1 windows), never an evaluated sequence;

@@ -291,8 +291,8 @@ def test_generate_end_to_end(checkpoint, text):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--mode", "nosuch"], "nosuch"),
-    (["--mode", "blocks", "--option", "bits=3"], "bits"),
+    (["--prompt-len", "20", "--steps", "4", "--mode", "nosuch"], "nosuch"),
+    (["--prompt-len", "20", "--steps", "4", "--mode", "blocks", "--option", "bits=3"], "bits"),
     (["--prompt-len", "40", "--steps", "20"], "seq_len"),
 ])
 def test_generate_errors(checkpoint, text, args, message):

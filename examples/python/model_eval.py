@@ -271,7 +271,7 @@ def main(argv=None):
             kl, top1, nll = compare(reference, logits, targets)
             share = pairs_scored(length) if pairs_scored else None
             share = "-" if share is None else f"{share:.3f}"
-            print(f"| {name} | {kl:.4f} | {top1:.4f} | {nll:.4f} | {share} | {attend.seconds:.3f} |", flush=True)
+            print(f"| {name} | {kl:.3g} | {top1:.4f} | {nll:.4f} | {share} | {attend.seconds:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

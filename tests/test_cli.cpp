@@ -864,6 +864,60 @@ TEST_CASE("cli: lsf errors are one stderr line, exit code 2 and no output", "[cl
   require_error(ws, lsf + " --eta 1 --scale nan", "--scale");
 }
 
+TEST_CASE("cli: sparse-lowrank matches the library, with its report", "[cli][sparse_lowrank]") {
+  Workspace ws;
+  save<double>(ws, "q.npy", {30, 6}, 51);
+  save<double>(ws, "k.npy", {30, 6}, 52);
+  save<double>(ws, "v.npy", {30, 3}, 53);
+  const Result r = ws.run(
+      "attention --method sparse-lowrank --support window,blocks --window 3 --sinks 1 "
+      "--block-size 8 --top-blocks 1 --remainder sample --samples 4 --causal --seed 5 --report" +
+      ws.attention_io());
+  INFO("stderr: " << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(json_field(r.out, "support") == "\"window,blocks\"");
+  CHECK(json_field(r.out, "remainder") == "\"sample\"");
+  CHECK(json_field(r.out, "clamped_rows") == "0");
+  const double pairs = std::stod(json_field(r.out, "pairs_scored"));
+  CHECK(pairs > 0);
+  CHECK(pairs < 0.5);  // causal: at most the lower triangle
+  CHECK(std::stod(json_field(r.out, "samples")) > 0);
+  randattn::SupportSpec<double> support;
+  support.window = randattn::WindowSupport{3, 1};
+  support.blocks = randattn::BlockSupport{8, 1};
+  randattn::SparseLowRankOptions opt;
+  opt.causal = true;
+  opt.seed = 5;
+  const auto q = data<double>(180, 51), k = data<double>(180, 52), v = data<double>(90, 53);
+  using CMap = Eigen::Map<const randattn::RowMatrix<double>>;
+  const randattn::RowMatrix<double> expected = randattn::sparse_lowrank_attention<double>(
+      CMap(q.data(), 30, 6), CMap(k.data(), 30, 6), CMap(v.data(), 30, 3), support,
+      randattn::SampledRemainder{4, false, 8}, opt);
+  const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));
+  REQUIRE(o.shape == std::vector<std::int64_t>{30, 3});
+  for (std::size_t i = 0; i < 90; ++i) CHECK(o.values<double>()[i] == expected.data()[i]);
+}
+
+TEST_CASE("cli: sparse-lowrank errors are one stderr line, exit code 2 and no output",
+          "[cli][sparse_lowrank]") {
+  Workspace ws;
+  save<float>(ws, "q.npy", {20, 4}, 1);
+  save<float>(ws, "k.npy", {20, 4}, 2);
+  save<float>(ws, "v.npy", {20, 3}, 3);
+  const std::string m = "attention --method sparse-lowrank" + ws.attention_io();
+  require_error(ws, m + " --support hash", "unknown support 'hash'");
+  require_error(ws, m + " --support lsh,lsh", "listed twice");
+  require_error(ws, m + " --remainder exact", "--remainder must be one of");
+  require_error(ws, m + " --remainder sample --samples 0", "--samples must be at least 1");
+  require_error(ws, m + " --support window --window=-1", "--window must be non-negative");
+  require_error(ws, m + " --support window --sinks=-1", "--sinks must be non-negative");
+  require_error(ws, m + " --support window --window 0", "window support needs");
+  require_error(ws, m + " --support blocks --block-size 0", "--block-size must be at least 1");
+  require_error(ws, m + " --support lsf", "exactly one of --eta and --alpha");
+  require_error(ws, m + " --no-dedupe", "--dedupe false");
+  require_error(ws, m + " --remainder oprf --causal", "--fit given");
+}
+
 // --- sparsify and hosvd ---------------------------------------------------------------------
 
 TEST_CASE("cli: sparsify an order-3 float32 tensor with --report", "[cli][sketch]") {

@@ -49,6 +49,7 @@
 #include "../core/input_checks.hpp"
 #include "../core/options.hpp"
 #include "../core/softmax_accumulator.hpp"
+#include "../core/target_sets.hpp"
 #include "../core/types.hpp"
 #include "../detail/batch.hpp"
 #include "../detail/parallel.hpp"
@@ -365,6 +366,28 @@ class LsfSlice {
     return st;
   }
 
+  // P_i of every query: the valid keys of its opened filters, each once.
+  TargetSets target_sets() const {
+    TargetSets sets;
+    const Index n_q = Index(probes_.query_start.size()) - 1, n_k = keys_.codes.rows();
+    const Index m = filters_.filters();
+    std::vector<std::int32_t> row;
+    for (Index i = 0; i < n_q; ++i) {
+      row.clear();
+      for (Index e = probes_.query_start[i]; e < probes_.query_start[i + 1]; ++e) {
+        const Index g = probes_.query_filters[std::size_t(e)], t = g / m, f = g % m;
+        const std::int32_t* perm = keys_.perm.data() + t * n_k;
+        const Index* start = keys_.start.data() + t * (m + 1);
+        const Index end =
+            opt_.causal ? Index(std::upper_bound(perm + start[f], perm + start[f + 1], i) - perm)
+                        : start[f + 1];
+        row.insert(row.end(), perm + start[f], perm + end);
+      }
+      sets.append_row(row);
+    }
+    return sets;
+  }
+
   SoftmaxAccumulator<Scalar> attend(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                                     const Eigen::Ref<const RowMatrix<Scalar>>& k,
                                     const Eigen::Ref<const RowMatrix<Scalar>>& v,
@@ -490,6 +513,18 @@ LsfProbeStats lsf_probe_stats(const LocalitySensitiveFilters<Scalar>& filters,
   const RowMatrix<Scalar> no_values(k.rows(), 0);
   detail::check_lsf_inputs<Scalar>("lsf_probe_stats", q, k, no_values, filters, opt);
   return detail::LsfSlice<Scalar>(q, k, filters, opt).stats();
+}
+
+// The target set P_i of every query of LSF attention (the keys lsf_attention scores for query i,
+// each once, causal mask and fallback applied): q n_q x d, k n_k x d.
+template <typename Scalar>
+TargetSets lsf_target_sets(const LocalitySensitiveFilters<Scalar>& filters,
+                           const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                           const Eigen::Ref<const RowMatrix<Scalar>>& k, const LsfOptions& opt = {}) {
+  const RowMatrix<Scalar> no_values(k.rows(), 0);
+  detail::check_lsf_inputs<Scalar>("lsf_target_sets", q, k, no_values, filters, opt);
+  if (q.rows() == 0) return TargetSets{};
+  return detail::LsfSlice<Scalar>(q, k, filters, opt).target_sets();
 }
 
 // Batched multi-head LSF attention over contiguous row-major buffers: q (batch, heads, n_q, d),

@@ -59,6 +59,7 @@
 #include "../core/input_checks.hpp"
 #include "../core/options.hpp"
 #include "../core/softmax_accumulator.hpp"
+#include "../core/target_sets.hpp"
 #include "../core/types.hpp"
 #include "../detail/batch.hpp"
 #include "../detail/parallel.hpp"
@@ -435,6 +436,68 @@ SoftmaxAccumulator<Scalar> lsh_attention_accumulate(const CrossPolytopeHash<Scal
                                                     const Eigen::Ref<const RowMatrix<Scalar>>& v,
                                                     const LshOptions& opt = {}) {
   return detail::lsh_accumulate<Scalar>(q, &k, v, hash, opt);
+}
+
+// The target set P_i of every query of separate-key LSH attention (sort-and-chunk or exact
+// buckets): the keys lsh_attention scores for query i, each once, after the causal mask and with
+// the fallback (a query without a valid target gets every valid key). q n_q x d, k n_k x d.
+template <typename Scalar>
+TargetSets lsh_target_sets(const CrossPolytopeHash<Scalar>& hash,
+                           const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                           const Eigen::Ref<const RowMatrix<Scalar>>& k, const LshOptions& opt = {}) {
+  const RowMatrix<Scalar> no_values(k.rows(), 0);
+  detail::check_lsh_inputs<Scalar>("lsh_target_sets", q, &k, no_values, hash, opt);
+  const Index n_q = q.rows(), n_k = k.rows(), r = hash.rounds(), b = hash.buckets();
+  std::vector<std::vector<std::int32_t>> lists(static_cast<std::size_t>(n_q));
+  const auto append = [&](const std::int32_t* rows, Index nr, const std::int32_t* cols, Index nc) {
+    for (Index t = 0; t < nr; ++t) lists[std::size_t(rows[t])].insert(
+        lists[std::size_t(rows[t])].end(), cols, cols + nc);
+  };
+  if (n_q > 0 && opt.exact_buckets) {
+    const HashCodes qc = hash.hash(q, false), kc = hash.hash(k, false);
+    std::vector<std::int32_t> qperm(static_cast<std::size_t>(n_q)),
+        kperm(static_cast<std::size_t>(n_k));
+    std::vector<Index> qs, ks;
+    for (Index rho = 0; rho < r; ++rho) {
+      detail::sort_by_bucket(qc.data() + rho, r, n_q, b, qperm.data(), qs);
+      detail::sort_by_bucket(kc.data() + rho, r, n_k, b, kperm.data(), ks);
+      for (Index c = 0; c < b; ++c)
+        append(qperm.data() + qs[c], qs[c + 1] - qs[c], kperm.data() + ks[c], ks[c + 1] - ks[c]);
+    }
+  } else if (n_q > 0) {
+    const Index c = std::min(opt.chunk, n_q), chunks = (n_q + c - 1) / c;
+    const Index ck = detail::key_chunk_length(n_q, n_k, c);
+    std::vector<std::int32_t> qperm, kperm;
+    HashCodes qchunk, kchunk;
+    detail::sort_into_chunks(hash.hash(q, false), b, c, qperm, qchunk);
+    detail::sort_into_chunks(hash.hash(k, false), b, ck, kperm, kchunk);
+    const auto key_count = [&](Index g) { return std::clamp<Index>(n_k - g * ck, 0, ck); };
+    for (Index rho = 0; rho < r; ++rho) {
+      const std::int32_t* qr = qperm.data() + rho * n_q;
+      const std::int32_t* kr = kperm.data() + rho * n_k;
+      for (Index g = 0; g < chunks; ++g) {
+        const Index r0 = g * c, nr = std::min(c, n_q - r0);
+        append(qr + r0, nr, kr + g * ck, key_count(g));
+        if (chunks == 1) continue;
+        const Index prev = (g + chunks - 1) % chunks;
+        append(qr + r0, nr, kr + prev * ck, key_count(prev));
+      }
+    }
+  }
+  TargetSets sets;
+  for (Index i = 0; i < n_q; ++i) {
+    std::vector<std::int32_t>& row = lists[std::size_t(i)];
+    const Index valid = valid_keys(i, n_k, opt.causal);
+    row.erase(std::remove_if(row.begin(), row.end(), [&](std::int32_t j) { return j >= valid; }),
+              row.end());
+    if (row.empty()) {  // the fallback: every valid key
+      row.resize(std::size_t(valid));
+      std::iota(row.begin(), row.end(), 0);
+    }
+    sets.append_row(row);
+    std::vector<std::int32_t>().swap(row);
+  }
+  return sets;
 }
 
 // Shared-QK LSH attention (Reformer): qk n x d, v n x dv -> n x dv.

@@ -35,4 +35,8 @@ constexpr std::uint32_t kv_cache_simhash = 0x4B564301u;  // SimHash hyperplanes 
 constexpr std::uint32_t kv_cache_filters =
     0x4B564302u;  // filters (decode/detail/filter_tables.hpp)
 
+// Keys drawn by the sampled remainder of sparse + low-rank attention (sparse/sampled_remainder.hpp):
+// "SPL" + purpose.
+constexpr std::uint32_t sparse_remainder_draws = 0x53504C01u;
+
 }  // namespace randattn::streams

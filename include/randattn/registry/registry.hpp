@@ -18,6 +18,7 @@
 #include "methods/features.hpp"
 #include "methods/lsf.hpp"
 #include "methods/lsh.hpp"
+#include "methods/sparse_lowrank.hpp"
 #include "options.hpp"
 
 namespace randattn::registry {
@@ -36,6 +37,7 @@ inline const std::vector<std::unique_ptr<Method>>& methods() {
     t.push_back(std::make_unique<FeatureMethod<HybridGaussianFamily>>());
     t.push_back(std::make_unique<LshMethod>());
     t.push_back(std::make_unique<LsfMethod>());
+    t.push_back(std::make_unique<SparseLowRankMethod>());
     return t;
   }();
   return table;

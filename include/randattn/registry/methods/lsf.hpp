@@ -50,24 +50,11 @@ class LsfMethod final : public TypedMethod<LsfMethod> {
   Job<Scalar> make(const Call& call) const {
     const Options& o = call.options;
     const Settings& s = call.settings;
-    if (o.given("eta") == o.given("alpha"))
-      throw OptionError("give exactly one of " + o.spelled("eta") + " and " + o.spelled("alpha"));
+    const LsfOptions opt = make_options(call);
+    auto lsf =
+        std::make_shared<const LocalitySensitiveFilters<Scalar>>(make_filters<Scalar>(call));
     const std::int64_t filters = o.integer("filters");
-    if (o.integer("min_probes") > filters)
-      throw OptionError(o.spelled("min_probes") + " must be in [1, " +
-                        o.spelling().setting("filters", std::to_string(filters)) + "], got " +
-                        std::to_string(o.integer("min_probes")));
     const std::string rotation = o.text("rotation");
-    const auto kind = rotation == "hadamard" ? RotationKind::hadamard : RotationKind::dense;
-    auto lsf = std::make_shared<const LocalitySensitiveFilters<Scalar>>(
-        kind, call.shape.d, filters, o.integer("tables"), s.seed);
-    LsfOptions opt;
-    if (o.given("eta")) opt.eta = o.real("eta");
-    if (o.given("alpha")) opt.alpha = o.real("alpha");
-    opt.min_probes = o.integer("min_probes");
-    opt.causal = s.causal;
-    opt.scale = s.scale;
-    opt.check_finite = s.check_finite;
     Report head = {{"filters", filters}, {"tables", o.integer("tables")}};
     Report tail = {
         {"min_probes", opt.min_probes}, {"rotation", rotation}, {"seed", std::int64_t(s.seed)}};
@@ -105,6 +92,37 @@ class LsfMethod final : public TypedMethod<LsfMethod> {
       r.emplace_back("rel_error", relative_error(out, exact.data(), exact.size()));
       return r;
     };
+  }
+
+  // The options of lsf_attention the call selects, checked (public: sparse-lowrank's lsf
+  // support).
+  static LsfOptions make_options(const Call& call) {
+    const Options& o = call.options;
+    if (o.given("eta") == o.given("alpha"))
+      throw OptionError("give exactly one of " + o.spelled("eta") + " and " + o.spelled("alpha"));
+    const std::int64_t filters = o.integer("filters");
+    if (o.integer("min_probes") > filters)
+      throw OptionError(o.spelled("min_probes") + " must be in [1, " +
+                        o.spelling().setting("filters", std::to_string(filters)) + "], got " +
+                        std::to_string(o.integer("min_probes")));
+    LsfOptions opt;
+    if (o.given("eta")) opt.eta = o.real("eta");
+    if (o.given("alpha")) opt.alpha = o.real("alpha");
+    opt.min_probes = o.integer("min_probes");
+    opt.causal = call.settings.causal;
+    opt.scale = call.settings.scale;
+    opt.check_finite = call.settings.check_finite;
+    return opt;
+  }
+
+  // The filters the call selects.
+  template <typename Scalar>
+  static LocalitySensitiveFilters<Scalar> make_filters(const Call& call) {
+    const Options& o = call.options;
+    const auto kind =
+        o.text("rotation") == "hadamard" ? RotationKind::hadamard : RotationKind::dense;
+    return LocalitySensitiveFilters<Scalar>(kind, call.shape.d, o.integer("filters"),
+                                            o.integer("tables"), call.settings.seed);
   }
 };
 

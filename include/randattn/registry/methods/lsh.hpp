@@ -64,13 +64,7 @@ class LshMethod final : public TypedMethod<LshMethod> {
     const Options& o = call.options;
     const Settings& s = call.settings;
     auto hash = std::make_shared<const CrossPolytopeHash<Scalar>>(make_hash<Scalar>(call));
-    LshOptions opt;
-    opt.chunk = o.integer("chunk");
-    opt.exact_buckets = o.flag("exact_buckets");
-    opt.causal = s.causal;
-    opt.scale = s.scale;
-    opt.dedupe = o.flag("dedupe");
-    opt.check_finite = s.check_finite;
+    const LshOptions opt = make_options(call);
     Report report = {{"buckets", std::int64_t(hash->buckets())},
                      {"chunk", opt.chunk},
                      {"rounds", std::int64_t(hash->rounds())},
@@ -92,6 +86,18 @@ class LshMethod final : public TypedMethod<LshMethod> {
       if (s.compare) add_comparison(r, q, k, v, out, shape, opt, s.shared_qk, lsh_seconds);
       return r;
     };
+  }
+
+  // The options of lsh_attention the call selects (public: sparse-lowrank's lsh support).
+  static LshOptions make_options(const Call& call) {
+    LshOptions opt;
+    opt.chunk = call.options.integer("chunk");
+    opt.exact_buckets = call.options.flag("exact_buckets");
+    opt.causal = call.settings.causal;
+    opt.scale = call.settings.scale;
+    opt.dedupe = call.options.flag("dedupe");
+    opt.check_finite = call.settings.check_finite;
+    return opt;
   }
 
   // The hash the options select for this shape (public: the distributed runner draws the same).

@@ -1,0 +1,236 @@
+#pragma once
+// Registered method "sparse-lowrank": exact softmax terms on a support (lsh, lsf, window, blocks
+// or a comma-separated union) plus an unbiased estimate of the keys outside it (remainder none,
+// favor, oprf, sderf or sample), merged in log-scaled form (sparse/sparse_lowrank_attention.hpp).
+// Each part keeps its own method's options, declared once: lsh's (chunk, rounds, buckets, ...),
+// lsf's (filters, tables, eta or alpha, ...) and the random-feature options of favor, oprf and
+// sderf (features, projection, fit, rho, calibration_q, calibration_k, ...). Every (batch, head)
+// slice uses the same hash, filters and projection; the sampled remainder keys its draws by the
+// slice's rows.
+
+#include <randattn/sparse/sparse_lowrank_attention.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "../method.hpp"
+#include "features.hpp"
+#include "lsf.hpp"
+#include "lsh.hpp"
+
+namespace randattn::registry {
+
+class SparseLowRankMethod final : public TypedMethod<SparseLowRankMethod> {
+ public:
+  const char* name() const override { return "sparse-lowrank"; }
+  const char* summary() const override {
+    return "exact on a support (lsh, lsf, window, blocks) + unbiased remainder (features or "
+           "samples)";
+  }
+
+  static constexpr const char* kSupports[] = {"lsh", "lsf", "window", "blocks"};
+
+  std::vector<OptionSpec> options() const override {
+    OptionSpec support{"support", OptionType::text, std::string("lsh"),
+                       "keys scored exactly: lsh, lsf, window, blocks, or a comma-separated union"};
+    OptionSpec remainder{"remainder", OptionType::text, std::string("oprf"),
+                         "estimate of the other keys: none, favor, oprf, sderf or sample"};
+    remainder.choices = {"none", "favor", "oprf", "sderf", "sample"};
+    OptionSpec window{"window", OptionType::integer, std::int64_t(64),
+                      "window support: keys with |i - j| < w (causal: i - w < j <= i)"};
+    window.min = Bound{0};
+    OptionSpec sinks{"sinks", OptionType::integer, std::int64_t(0),
+                     "window support: the first s keys too"};
+    sinks.min = Bound{0};
+    OptionSpec block{"block_size", OptionType::integer, std::int64_t(64),
+                     "blocks support and sample remainder: keys per block B"};
+    block.min = Bound{1};
+    OptionSpec top{"top_blocks", OptionType::integer, std::int64_t(2),
+                   "blocks support: key blocks T with the highest bound per query block"};
+    top.min = Bound{0};
+    OptionSpec samples{"samples", OptionType::integer, std::int64_t(64),
+                       "sample remainder: keys drawn per query s (about)"};
+    samples.min = Bound{1};
+    OptionSpec sampling{"sampling", OptionType::text, std::string("bounds"),
+                        "sample remainder: probabilities from block bounds, or uniform"};
+    sampling.choices = {"bounds", "uniform"};
+    OptionSpec centre{"centre_keys", OptionType::flag, false,
+                      "subtract the mean key before hashing, filtering and bounding"};
+    OptionSpec prefix{"centre_prefix", OptionType::integer, std::int64_t(64),
+                      "causal centring: mean of the first keys (or of calibration_k)"};
+    prefix.min = Bound{1};
+    std::vector<OptionSpec> out = {support, remainder, window, sinks, block, top,
+                                   samples, sampling,  centre, prefix};
+    for (const auto& part : {LshMethod().options(), LsfMethod().options(), OprfFamily::options()})
+      for (const OptionSpec& s : part)
+        if (std::none_of(out.begin(), out.end(), [&](const OptionSpec& o) { return o.name == s.name; }))
+          out.push_back(s);
+    return out;
+  }
+
+  template <typename Scalar>
+  Job<Scalar> make(const Call& call) const {
+    const Options& o = call.options;
+    const Spelling& spell = o.spelling();
+    const std::vector<std::string> parts = support_parts(o);
+    const auto has = [&](const char* p) {
+      return std::find(parts.begin(), parts.end(), p) != parts.end();
+    };
+    const std::string remainder = o.text("remainder");
+    auto spec = std::make_shared<SupportSpec<Scalar>>();
+    std::shared_ptr<const CrossPolytopeHash<Scalar>> hash;
+    std::shared_ptr<const LocalitySensitiveFilters<Scalar>> filters;
+    Report report = {{"support", o.text("support")}, {"remainder", remainder}};
+    if (has("lsh")) {
+      hash = std::make_shared<const CrossPolytopeHash<Scalar>>(LshMethod::make_hash<Scalar>(call));
+      spec->lsh = hash.get();
+      spec->lsh_options = LshMethod::make_options(call);
+      if (!spec->lsh_options.dedupe && (remainder != "none" || parts.size() > 1))
+        throw OptionError(spell.setting("dedupe", "false") +
+                          " counts a key once per round; a remainder or a union needs each key "
+                          "once");
+      report.insert(report.end(), {{"buckets", std::int64_t(hash->buckets())},
+                                   {"chunk", o.integer("chunk")},
+                                   {"rounds", std::int64_t(hash->rounds())}});
+    }
+    if (has("lsf")) {
+      spec->lsf_options = LsfMethod::make_options(call);
+      filters = std::make_shared<const LocalitySensitiveFilters<Scalar>>(
+          LsfMethod::make_filters<Scalar>(call));
+      spec->lsf = filters.get();
+      report.insert(report.end(), {{"filters", o.integer("filters")},
+                                   {"tables", o.integer("tables")}});
+    }
+    if (has("window")) {
+      spec->window = WindowSupport{o.integer("window"), o.integer("sinks")};
+      if (o.integer("window") == 0 && o.integer("sinks") == 0)
+        throw OptionError("the window support needs " + spell.setting("window", "1") +
+                          " or more, or " + spell.option("sinks"));
+      report.insert(report.end(), {{"window", o.integer("window")}, {"sinks", o.integer("sinks")}});
+    }
+    if (has("blocks")) {
+      spec->blocks = BlockSupport{o.integer("block_size"), o.integer("top_blocks")};
+      report.insert(report.end(), {{"block_size", o.integer("block_size")},
+                                   {"top_blocks", o.integer("top_blocks")}});
+    }
+    if (remainder == "favor" || remainder == "oprf" || remainder == "sderf") check_features(call);
+    SparseLowRankOptions opt;
+    opt.causal = call.settings.causal;
+    opt.scale = call.settings.scale;
+    opt.check_finite = call.settings.check_finite;
+    opt.seed = call.settings.seed;
+    opt.centre_keys = o.flag("centre_keys");
+    opt.centre_prefix = o.integer("centre_prefix");
+    report.emplace_back("centre_keys", opt.centre_keys);
+    report.emplace_back("seed", std::int64_t(call.settings.seed));
+    return [call, spec, hash, filters, opt, report, remainder](const Scalar* q, const Scalar* k,
+                                                              const Scalar* v, Scalar* out) {
+      SparseLowRankStats st;
+      Report r = report;
+      const auto run = [&](const auto& make_remainder) {
+        const BatchShape& shape = call.shape;
+        for (Index s = 0; s < shape.slices(); ++s) {
+          SparseLowRankOptions slice_opt = opt;
+          slice_opt.row_offset = std::uint64_t(s * shape.n_q);
+          slice_opt.key_mean = causal_key_mean(call, s);
+          auto o_s = randattn::detail::slice_of(out, s, shape.n_q, shape.dv);
+          sparse_lowrank_accumulate<Scalar>(randattn::detail::slice_of(q, s, shape.n_q, shape.d),
+                                            randattn::detail::slice_of(k, s, shape.n_k, shape.d),
+                                            randattn::detail::slice_of(v, s, shape.n_k, shape.dv),
+                                            *spec, make_remainder(s), slice_opt, &st)
+              .finalize_into(o_s);
+        }
+      };
+      if (remainder == "none") {
+        run([](Index) { return NoRemainder{}; });
+      } else if (remainder == "sample") {
+        SampledRemainder rule;
+        rule.samples = double(call.options.integer("samples"));
+        rule.uniform = call.options.text("sampling") == "uniform";
+        rule.block_size = call.options.integer("block_size");
+        run([&](Index) { return rule; });
+      } else {
+        const detail::SliceView<Scalar> data{q, k, call.shape};
+        const auto with_maps = [&](const auto& maps, const RandomFeatureOptions&) {
+          using Map = std::decay_t<decltype(maps.front())>;
+          run([&](Index s) { return FeatureRemainder<Map>{maps.of_slice(s), {}}; });
+        };
+        Report features;
+        if (remainder == "favor")
+          features = FeatureMethod<FavorFamily>::with_map<Scalar>(call, &data, with_maps);
+        else if (remainder == "oprf")
+          features = FeatureMethod<OprfFamily>::with_map<Scalar>(call, &data, with_maps);
+        else
+          features = FeatureMethod<SderfFamily>::with_map<Scalar>(call, &data, with_maps);
+        r.insert(r.end(), features.begin(), features.end());
+      }
+      const double pairs = double(call.shape.slices()) * double(call.shape.n_q) *
+                           double(call.shape.n_k);
+      r.emplace_back("pairs_scored", pairs > 0 ? double(st.pairs_scored) / pairs : 0.0);
+      if (remainder == "sample")
+        r.emplace_back("samples", double(st.samples) /
+                                      double(std::max<Index>(1, call.shape.slices() * call.shape.n_q)));
+      r.emplace_back("clamped_rows", std::int64_t(st.clamped_rows));
+      r.emplace_back("support_seconds", st.support_seconds);
+      r.emplace_back("exact_seconds", st.exact_seconds);
+      r.emplace_back("remainder_seconds", st.remainder_seconds);
+      return r;
+    };
+  }
+
+ private:
+  // The parts of the support option, checked: known, each once.
+  static std::vector<std::string> support_parts(const Options& o) {
+    std::vector<std::string> parts;
+    const std::string& text = o.text("support");
+    std::string all;
+    for (const char* s : kSupports) all += std::string(all.empty() ? "" : ", ") + s;
+    std::size_t from = 0;
+    while (true) {
+      const std::size_t comma = text.find(',', from);
+      const std::string part = text.substr(from, comma == std::string::npos ? comma : comma - from);
+      if (std::find(std::begin(kSupports), std::end(kSupports), part) == std::end(kSupports))
+        throw OptionError(o.spelled("support") + ": unknown support '" + part + "' (available: " +
+                          all + ", or a comma-separated union)");
+      if (std::find(parts.begin(), parts.end(), part) != parts.end())
+        throw OptionError(o.spelled("support") + ": '" + part + "' is listed twice");
+      parts.push_back(part);
+      if (comma == std::string::npos) break;
+      from = comma + 1;
+    }
+    return parts;
+  }
+
+  static void check_features(const Call& call) {
+    const Options& o = call.options;
+    const std::string& remainder = o.text("remainder");
+    if (remainder == "favor") {
+      for (const char* name : {"fit", "rho", "calibration", "calibration_q", "calibration_k"})
+        if (o.given(name))
+          throw OptionError(o.spelled(name) + " applies to the oprf and sderf remainders, not " +
+                            o.spelling().setting("remainder", "favor"));
+      FeatureMethod<FavorFamily>::check(call);
+    } else if (remainder == "oprf") {
+      FeatureMethod<OprfFamily>::check(call);
+    } else {
+      FeatureMethod<SderfFamily>::check(call);
+    }
+  }
+
+  // Causal centring from given calibration keys (head h's rows for slice s), else none (the
+  // prefix of the slice's keys).
+  static std::optional<Eigen::RowVectorXd> causal_key_mean(const Call& call, Index s) {
+    const Options& o = call.options;
+    if (!call.settings.causal || !o.flag("centre_keys") || !o.given("calibration_k"))
+      return std::nullopt;
+    const ArrayValue& a = o.array("calibration_k");
+    const RowMatrix<double> rows = detail::matrix_of<double>(a, s % call.shape.heads);
+    return Eigen::RowVectorXd(rows.colwise().mean());
+  }
+};
+
+}  // namespace randattn::registry

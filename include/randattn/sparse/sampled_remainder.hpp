@@ -1,0 +1,132 @@
+#pragma once
+// The sampled remainder of sparse attention (as HyperAttention's sampled residual, arXiv
+// 2310.05869, with importance probabilities): each valid key j outside the support S_i is drawn
+// independently with probability p_ij and weighted by 1/p_ij, so
+//   E[Σ_{drawn j} exp(scale q_i·k_j) [v_j | 1] / p_ij] = Σ_{valid j ∉ S_i} exp(scale q_i·k_j) [v_j | 1]
+// exactly (unbiased numerator and denominator). The probabilities follow the keep-large /
+// sample-moderate rule of Algorithm 1 of "Effective Tensor Sketching via Sparsification" applied
+// to an upper bound u_b of the weight of each key block b (block_bounds.hpp: u_b =
+// exp(scale · bound_b(q_i))):
+//   p_ij = min(1, max(s u_b / U_i, s / N_i)),  U_i = Σ_{j ∉ S_i} u_b(j),  N_i = #{valid j ∉ S_i},
+// so blocks that may carry much weight are kept whole and the rest sampled in proportion, with a
+// uniform floor; about s keys are drawn per query (at most 2s in expectation). `uniform` uses
+// p = min(1, s / N_i) for every key. Draws skip geometrically through a block's keys with
+// counter-based uniforms (Philox, keyed by the query's row and the draw number), so results do
+// not depend on the thread count.
+// Causal: the blocks before query i's own block are sampled (all their keys precede i); the keys
+// j <= i of its own block outside S_i are taken with p = 1, so nothing depends on a later key.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "../core/softmax_accumulator.hpp"
+#include "../core/target_sets.hpp"
+#include "../core/types.hpp"
+#include "../detail/parallel.hpp"
+#include "../random/philox.hpp"
+#include "block_bounds.hpp"
+#include "target_attention.hpp"
+
+namespace randattn {
+
+struct SampledRemainder {
+  double samples = 64;     // s > 0: keys drawn per query, about
+  bool uniform = false;    // p = min(1, s / N_i) instead of the block-bound rule
+  Index block_size = 64;   // key blocks of the bound
+};
+
+// Merges the sampled remainder of every query into acc: q n_q x d (raw), k n_k x d (raw, for the
+// logits), bound_keys n_k x d (the keys the bounds see, centred or not), v n_k x dv. `rng` and
+// row_offset + i key the draws of query i. Returns the number of keys drawn.
+template <typename Scalar>
+Index sampled_remainder_merge(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                              const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                              const Eigen::Ref<const RowMatrix<Scalar>>& bound_keys,
+                              const Eigen::Ref<const RowMatrix<Scalar>>& v, const TargetSets& sets,
+                              const SampledRemainder& rule, Scalar scale, bool causal,
+                              const Philox& rng, std::uint64_t row_offset,
+                              SoftmaxAccumulator<Scalar>& acc) {
+  const char* where = "sampled_remainder";
+  detail::require(rule.samples > 0 && std::isfinite(rule.samples), where,
+                  "samples must be positive and finite, got ", rule.samples);
+  detail::require(sets.rows() == q.rows(), where, "target sets of ", sets.rows(),
+                  " queries for ", q.rows(), " queries");
+  const Index n_q = q.rows(), n_k = k.rows();
+  if (n_q == 0 || n_k == 0) return 0;
+  const KeyBlockBounds<Scalar> bounds(bound_keys, rule.block_size);
+  const Index blocks = bounds.blocks(), B = bounds.block();
+  constexpr Index kRows = 64;
+  const Index tasks = (n_q + kRows - 1) / kRows;
+  std::vector<Index> drawn(static_cast<std::size_t>(tasks), 0);
+  detail::parallel_for(tasks, [&](Index t) {
+    const Index i0 = t * kRows, rows = std::min(kRows, n_q - i0);
+    const RowMatrix<Scalar> ub = rule.uniform ? RowMatrix<Scalar>()
+                                              : RowMatrix<Scalar>(bounds.bounds(q.middleRows(i0, rows)));
+    std::vector<Index> outside(static_cast<std::size_t>(blocks));
+    std::vector<double> prob(static_cast<std::size_t>(blocks));
+    std::vector<std::int32_t> cols;
+    std::vector<Scalar> weight;
+    detail::TargetRowKernel<Scalar> kernel(0, v.cols());
+    for (Index i = i0; i < i0 + rows; ++i) {
+      // Sampled blocks [0, sampled); causal: the keys j <= i of block `own` are taken whole.
+      const Index own = causal ? std::min(i, n_k - 1) / B : blocks;
+      const Index sampled = std::min(own, blocks);
+      std::fill(outside.begin(), outside.end(), 0);
+      for (Index b = 0; b < sampled; ++b) outside[b] = bounds.block_size(b);
+      for (const std::int32_t* j = sets.begin(i); j < sets.end(i); ++j)
+        if (bounds.block_of(*j) < sampled) --outside[bounds.block_of(*j)];
+      double count = 0, mass = 0, top = -std::numeric_limits<double>::infinity();
+      for (Index b = 0; b < sampled; ++b)
+        if (outside[b] > 0 && !rule.uniform) top = std::max(top, double(scale) * ub(i - i0, b));
+      for (Index b = 0; b < sampled; ++b) {
+        count += double(outside[b]);
+        prob[b] = rule.uniform ? 1.0 : std::exp(double(scale) * ub(i - i0, b) - top);
+        mass += double(outside[b]) * prob[b];
+      }
+      for (Index b = 0; b < sampled; ++b)
+        prob[b] = rule.uniform ? std::min(1.0, rule.samples / count)
+                               : std::min(1.0, std::max(rule.samples * prob[b] / mass,
+                                                        rule.samples / count));
+      cols.clear();
+      weight.clear();
+      std::uint32_t draw = 0;
+      const std::uint64_t key = row_offset + std::uint64_t(i);
+      for (Index b = 0; b < sampled; ++b) {
+        if (outside[b] == 0) continue;
+        const Index b0 = b * B, b1 = b0 + bounds.block_size(b);
+        const double p = prob[b];
+        const double log_miss = std::log1p(-p);  // -inf for p = 1: every key
+        for (Index j = b0;; ++j) {
+          if (p < 1) {
+            const double u = 1.0 - rng.uniform(key, draw++);  // (0, 1]
+            const double skip = std::floor(std::log(u) / log_miss);  // keys passed over
+            if (!(skip < double(b1 - j))) break;
+            j += Index(skip);
+          }
+          if (j >= b1) break;
+          if (sets.contains(i, j)) continue;
+          cols.push_back(static_cast<std::int32_t>(j));
+          weight.push_back(static_cast<Scalar>(1.0 / p));
+        }
+      }
+      if (causal)
+        for (Index j = sampled * B; j <= std::min(i, n_k - 1); ++j)
+          if (!sets.contains(i, j)) {
+            cols.push_back(static_cast<std::int32_t>(j));
+            weight.push_back(Scalar(1));
+          }
+      drawn[std::size_t(t)] += Index(cols.size());
+      kernel.attend(q, k, v, scale, i, cols.data(), weight.data(), Index(cols.size()), acc);
+    }
+  });
+  Index total = 0;
+  for (Index d : drawn) total += d;
+  return total;
+}
+
+}  // namespace randattn

@@ -1,0 +1,239 @@
+#pragma once
+// Sparse + low-rank attention (Scatterbrain, arXiv 2110.15343; HyperAttention, arXiv 2310.05869):
+// output i = (E_i + R_i) split as [num | den], where
+//   E_i = Σ_{j ∈ S_i} exp(scale q_i·k_j) [v_j | 1]   exact terms on a support S_i, and
+//   R_i ≈ Σ_{valid j ∉ S_i} exp(scale q_i·k_j) [v_j | 1]   an unbiased estimate of the rest:
+//         none (R = 0), random features (feature_remainder.hpp) or sampled keys
+//         (sampled_remainder.hpp).
+// Both parts are partial [num | den] pairs with per-row log-scales, merged in the core's
+// log-scaled form (core/softmax_accumulator.hpp), then divided.
+//
+// The support is the union of the parts given in SupportSpec: LSH (separate-key sort-and-chunk or
+// exact buckets, exactly the target sets of lsh_attention), LSF filters, a window with sinks, and
+// Quest-style key blocks. With one hashing support alone, E is computed by that method's own
+// kernel, so without remainder the result is lsh_attention's or lsf_attention's bit for bit;
+// otherwise E is computed over the explicit target sets (sparse/target_attention.hpp).
+//
+// Key centring (centre_keys): the hashing, filter and block supports (and the sampling bounds)
+// see k - μ (sparse/key_centring.hpp): μ the mean of all keys, or under causal masking of the
+// first centre_prefix keys or of the given key_mean; logits always use the raw keys (the shift
+// changes each query's logits by one constant, so E is unchanged up to rounding).
+//
+// Causal: every part uses keys j <= i only. Window and block supports with no remainder, the
+// sampled remainder or a feature remainder make output i independent of keys after i (bit for
+// bit, key centring from a fixed prefix aside); hashing supports sort every key, so there the
+// promise is only that no pair j > i is scored or estimated.
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "../attention/random_feature_attention.hpp"
+#include "../core/options.hpp"
+#include "../core/softmax_accumulator.hpp"
+#include "../core/target_sets.hpp"
+#include "../core/types.hpp"
+#include "../detail/validation.hpp"
+#include "../lsf/lsf_attention.hpp"
+#include "../lsh/lsh_attention.hpp"
+#include "../random/streams.hpp"
+#include "block_support.hpp"
+#include "feature_remainder.hpp"
+#include "key_centring.hpp"
+#include "sampled_remainder.hpp"
+#include "target_attention.hpp"
+#include "window_support.hpp"
+
+namespace randattn {
+
+// The parts of the support; at least one. The lsh and lsf options' causal, scale and
+// check_finite are taken from SparseLowRankOptions.
+template <typename Scalar>
+struct SupportSpec {
+  const CrossPolytopeHash<Scalar>* lsh = nullptr;  // separate-key LSH with lsh_options
+  LshOptions lsh_options;
+  const LocalitySensitiveFilters<Scalar>* lsf = nullptr;  // LSF with lsf_options
+  LsfOptions lsf_options;
+  std::optional<WindowSupport> window;
+  std::optional<BlockSupport> blocks;
+
+  int parts() const {
+    return int(lsh != nullptr) + int(lsf != nullptr) + int(window.has_value()) +
+           int(blocks.has_value());
+  }
+};
+
+// causal, scale (default 1/sqrt(d)) and check_finite: see core/options.hpp.
+struct SparseLowRankOptions : AttentionOptions {
+  bool centre_keys = false;
+  Index centre_prefix = 64;  // causal centring: mean of the first centre_prefix keys ...
+  std::optional<Eigen::RowVectorXd> key_mean;  // ... unless given (e.g. of calibration keys)
+  std::uint64_t seed = 0;   // sampled remainder draws
+  std::uint64_t row_offset = 0;  // draws of query i keyed by row_offset + i (batched slices)
+};
+
+// The remainders.
+struct NoRemainder {};
+template <typename Map>
+struct FeatureRemainder {
+  const Map& map;
+  std::optional<double> denominator_epsilon;  // finalize guard; default as the map's attention
+};
+// SampledRemainder: sampled_remainder.hpp.
+
+// What a call did: pairs scored exactly (Σ |S_i|), keys drawn, rows dropped by the remainder's
+// denominator rule, and the seconds of each part.
+struct SparseLowRankStats {
+  Index pairs_scored = 0;
+  Index samples = 0;
+  Index clamped_rows = 0;
+  double support_seconds = 0, exact_seconds = 0, remainder_seconds = 0;
+};
+
+namespace detail {
+
+inline double seconds_from(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The single hashing support whose own kernel computes E, if that is the whole support.
+template <typename Scalar>
+bool hashed_alone(const SupportSpec<Scalar>& s) {
+  return s.parts() == 1 && (s.lsh || s.lsf);
+}
+
+template <typename Scalar>
+TargetSets support_sets(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                        const Eigen::Ref<const RowMatrix<Scalar>>& hash_keys,
+                        const SupportSpec<Scalar>& s, const LshOptions& lsh_opt,
+                        const LsfOptions& lsf_opt, bool causal) {
+  std::vector<TargetSets> parts;
+  if (s.lsh) parts.push_back(lsh_target_sets<Scalar>(*s.lsh, q, hash_keys, lsh_opt));
+  if (s.lsf) parts.push_back(lsf_target_sets<Scalar>(*s.lsf, q, hash_keys, lsf_opt));
+  if (s.window) parts.push_back(window_target_sets(q.rows(), hash_keys.rows(), *s.window, causal));
+  if (s.blocks) parts.push_back(block_target_sets<Scalar>(q, hash_keys, *s.blocks, causal));
+  if (parts.size() == 1) return std::move(parts.front());
+  std::vector<const TargetSets*> ptrs;
+  for (const TargetSets& p : parts) ptrs.push_back(&p);
+  return union_of(ptrs);
+}
+
+}  // namespace detail
+
+// Unnormalised result as an accumulator: q n_q x d, k n_k x d, v n_k x dv. `stats` (if given)
+// receives what the call did; pairs are counted only then or when the remainder needs them.
+template <typename Scalar, typename Remainder = NoRemainder>
+SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
+    const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
+    const Eigen::Ref<const RowMatrix<Scalar>>& v, const SupportSpec<Scalar>& support,
+    const Remainder& remainder = {}, const SparseLowRankOptions& opt = {},
+    SparseLowRankStats* stats = nullptr) {
+  const char* where = "sparse_lowrank_attention";
+  using Clock = std::chrono::steady_clock;
+  detail::require(support.parts() >= 1, where, "the support needs at least one part");
+  detail::require(q.cols() == k.cols() || k.rows() == 0 || q.rows() == 0, where, "q (",
+                  detail::shape_of(q), ") and k (", detail::shape_of(k),
+                  ") must have the same number of columns d");
+  detail::require(v.rows() == k.rows(), where, "v (", detail::shape_of(v),
+                  ") must have one row per key (", k.rows(), ")");
+  detail::require(!opt.causal || q.rows() == k.rows(), where,
+                  "causal attention needs as many queries (", q.rows(), ") as keys (", k.rows(),
+                  ")");
+  detail::require(q.rows() == 0 || k.rows() > 0, where,
+                  "attention over zero keys is undefined (q ", detail::shape_of(q), ", k ",
+                  detail::shape_of(k), ")");
+  detail::require(opt.centre_prefix >= 1, where, "centre_prefix must be >= 1, got ",
+                  opt.centre_prefix);
+  detail::require_finite(q, where, "q", opt.check_finite);
+  detail::require_finite(k, where, "k", opt.check_finite);
+  detail::require_finite(v, where, "v", opt.check_finite);
+  const Scalar scale =
+      detail::resolve_scale<Scalar>(where, opt, detail::inverse_sqrt_dim(q.cols()));
+  SparseLowRankStats local;
+  SparseLowRankStats& st = stats ? *stats : local;
+  if (q.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
+
+  // The keys the supports see.
+  auto start = Clock::now();
+  Eigen::RowVectorXd mean = Eigen::RowVectorXd::Zero(k.cols());
+  if (opt.centre_keys) {
+    if (opt.key_mean) {
+      detail::require(opt.key_mean->size() == k.cols(), where, "key_mean has ",
+                      opt.key_mean->size(), " entries for keys of dimension ", k.cols());
+      mean = *opt.key_mean;
+    } else {
+      mean = key_mean<Scalar>(k, opt.causal ? opt.centre_prefix : 0);
+    }
+  }
+  const RowMatrix<Scalar> centred_keys = opt.centre_keys ? centred<Scalar>(k, mean) : RowMatrix<Scalar>();
+  const Eigen::Ref<const RowMatrix<Scalar>> hash_keys =
+      opt.centre_keys ? Eigen::Ref<const RowMatrix<Scalar>>(centred_keys) : k;
+  LshOptions lsh_opt = support.lsh_options;
+  LsfOptions lsf_opt = support.lsf_options;
+  for (AttentionOptions* o : {static_cast<AttentionOptions*>(&lsh_opt),
+                              static_cast<AttentionOptions*>(&lsf_opt)}) {
+    o->causal = opt.causal;
+    o->scale = double(scale);
+    o->check_finite = false;  // checked above
+  }
+  constexpr bool no_remainder = std::is_same<Remainder, NoRemainder>::value;
+  const bool need_sets = !no_remainder || stats || !detail::hashed_alone(support);
+  TargetSets sets;
+  if (need_sets)
+    sets = detail::support_sets<Scalar>(q, hash_keys, support, lsh_opt, lsf_opt, opt.causal);
+  st.pairs_scored += sets.pairs();
+  st.support_seconds += detail::seconds_from(start);
+
+  // E: the exact part.
+  start = Clock::now();
+  SoftmaxAccumulator<Scalar> acc;
+  if (detail::hashed_alone(support)) {
+    acc = support.lsh ? lsh_attention_accumulate<Scalar>(*support.lsh, q, hash_keys, v, lsh_opt)
+                      : lsf_attention_accumulate<Scalar>(*support.lsf, q, hash_keys, v, lsf_opt);
+    if (opt.centre_keys) {  // back to the raw keys' logits: + scale q_i·μ
+      Vector<Scalar> log_scale = acc.log_scale();
+      log_scale.noalias() += scale * (q * mean.transpose().template cast<Scalar>());
+      acc = SoftmaxAccumulator<Scalar>(acc.numden(), std::move(log_scale));
+    }
+  } else {
+    acc = target_attention_accumulate<Scalar>(q, k, v, sets, scale);
+  }
+  st.exact_seconds += detail::seconds_from(start);
+
+  // R: the remainder.
+  start = Clock::now();
+  if constexpr (std::is_same<Remainder, SampledRemainder>::value) {
+    st.samples += sampled_remainder_merge<Scalar>(q, k, hash_keys, v, sets, remainder, scale,
+                                                  opt.causal, Philox(opt.seed, streams::sparse_remainder_draws),
+                                                  opt.row_offset, acc);
+  } else if constexpr (!no_remainder) {
+    RandomFeatureOptions fopt;
+    fopt.causal = opt.causal;
+    fopt.scale = double(scale);
+    fopt.check_finite = false;
+    fopt.denominator_epsilon = remainder.denominator_epsilon;
+    acc.merge(feature_remainder_accumulate(remainder.map, q, k, v, sets, fopt, &st.clamped_rows));
+  }
+  st.remainder_seconds += detail::seconds_from(start);
+  return acc;
+}
+
+// softmax(scale q kᵀ) v estimated as sparse + low-rank: q n_q x d, k n_k x d, v n_k x dv ->
+// n_q x dv. A row with no weight at all (empty support and its remainder dropped) is zero.
+template <typename Scalar, typename Remainder = NoRemainder>
+RowMatrix<Scalar> sparse_lowrank_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                                           const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                                           const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                                           const SupportSpec<Scalar>& support,
+                                           const Remainder& remainder = {},
+                                           const SparseLowRankOptions& opt = {},
+                                           SparseLowRankStats* stats = nullptr) {
+  return sparse_lowrank_accumulate<Scalar, Remainder>(q, k, v, support, remainder, opt, stats)
+      .finalize();
+}
+
+}  // namespace randattn

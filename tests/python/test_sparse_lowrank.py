@@ -1,0 +1,84 @@
+"""sparse-lowrank from Python: the support method alone without remainder (bit for bit), the exact
+limit of a support holding every key, the report's fields, and one clear ValueError per bad
+option."""
+
+import numpy as np
+import pytest
+
+import randattn
+from conftest import DTYPES, assert_close
+
+
+def inputs(dtype, n=40, d=8, dv=3, seed=5):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((n, w)).astype(dtype) for w in (d, d, dv)]
+
+
+def exact_reference(q, k, v, causal=False):
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    s = q @ k.T / np.sqrt(q.shape[1])
+    if causal:
+        s = np.where(np.tril(np.ones(s.shape, dtype=bool)), s, -np.inf)
+    w = np.exp(s - s.max(axis=1, keepdims=True))
+    return (w @ v) / w.sum(axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_without_remainder_lsh_and_lsf_supports_are_their_methods(dtype, causal):
+    q, k, v = inputs(dtype)
+    lsh = dict(chunk=8, rounds=3, causal=causal, seed=3)
+    alone = randattn.attention(q, k, v, method="lsh", **lsh)
+    both = randattn.attention(q, k, v, method="sparse-lowrank", support="lsh", remainder="none", **lsh)
+    assert np.array_equal(alone, both)
+    lsf = dict(filters=16, tables=2, eta=0.5, causal=causal, seed=3)
+    alone = randattn.attention(q, k, v, method="lsf", **lsf)
+    both = randattn.attention(q, k, v, method="sparse-lowrank", support="lsf", remainder="none", **lsf)
+    assert np.array_equal(alone, both)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("remainder", ["none", "favor", "sample"])
+def test_a_support_holding_every_key_is_exact(dtype, remainder):
+    q, k, v = inputs(dtype)
+    out, report = randattn.attention(q, k, v, method="sparse-lowrank", support="window", window=40,
+                                     remainder=remainder, features=8, report=True)
+    assert_close(out, exact_reference(q, k, v), dtype, terms=40)
+    assert report["pairs_scored"] == 1.0
+    assert report["clamped_rows"] == 0
+
+
+def test_report_fields():
+    q, k, v = inputs(np.float64)
+    _, r = randattn.attention(q, k, v, method="sparse-lowrank", support="lsh,window", chunk=8, window=2,
+                              remainder="oprf", features=16, report=True)
+    assert r["support"] == "lsh,window" and r["remainder"] == "oprf"
+    assert 0 < r["pairs_scored"] < 1
+    assert r["feature_dim"] == 16
+    for part in ("support_seconds", "exact_seconds", "remainder_seconds"):
+        assert r[part] >= 0
+    _, r = randattn.attention(q, k, v, method="sparse-lowrank", support="blocks", block_size=8, top_blocks=1,
+                              remainder="sample", samples=4, causal=True, report=True)
+    assert r["samples"] > 0 and "feature_dim" not in r
+
+
+@pytest.mark.parametrize("options, phrase", [
+    (dict(support="hash"), "unknown support 'hash'"),
+    (dict(support="lsh,lsh"), "listed twice"),
+    (dict(support="window,"), "unknown support ''"),
+    (dict(remainder="exact"), "remainder must be one of"),
+    (dict(remainder="sample", samples=0), "samples must be at least 1"),
+    (dict(support="window", window=-1), "window must be non-negative"),
+    (dict(support="window", sinks=-2), "sinks must be non-negative"),
+    (dict(support="window", window=0), "window support needs"),
+    (dict(support="blocks", block_size=0), "block_size must be at least 1"),
+    (dict(support="lsf"), "exactly one of eta and alpha"),
+    (dict(support="lsh", dedupe=False), "dedupe=false"),
+    (dict(remainder="oprf", causal=True), "fit=given"),
+    (dict(remainder="favor", rho=1.0), "applies to the oprf and sderf remainders"),
+])
+def test_bad_options_raise_one_clear_value_error(options, phrase):
+    q, k, v = inputs(np.float64)
+    with pytest.raises(ValueError, match=None) as err:
+        randattn.attention(q, k, v, method="sparse-lowrank", **options)
+    assert phrase in str(err.value)

@@ -1,0 +1,365 @@
+// Sparse + low-rank attention: supports (LSH and LSF target sets, window, blocks, unions), the
+// exact limit, the support method alone without remainder (bit for bit), Monte-Carlo unbiasedness
+// of every remainder, causality, thread-count independence, the block bound, key centring and
+// argument checks.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <map>
+#include <stdexcept>
+#include <vector>
+
+#include "support.hpp"
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+using randattn::BlockSupport;
+using randattn::CrossPolytopeHash;
+using randattn::FeatureRemainder;
+using randattn::Index;
+using randattn::LocalitySensitiveFilters;
+using randattn::RotationKind;
+using randattn::RowMatrix;
+using randattn::SampledRemainder;
+using randattn::SparseLowRankOptions;
+using randattn::SparseLowRankStats;
+using randattn::SupportSpec;
+using randattn::TargetSets;
+using randattn::WindowSupport;
+
+namespace {
+
+template <typename Scalar>
+struct Problem {
+  RowMatrix<Scalar> q, k, v;
+  Problem(std::uint64_t seed, Index n, Index d, Index dv, double sd)
+      : q(testing::gaussian<Scalar>(seed, n, d, sd)),
+        k(testing::gaussian<Scalar>(seed + 1, n, d, sd)),
+        v(testing::gaussian<Scalar>(seed + 2, n, dv)) {}
+};
+
+template <typename Scalar>
+using Oprf = randattn::OptimalPositiveFeatures<Scalar, randattn::OrthogonalProjection<Scalar>>;
+
+// The total Σ_{valid j} exp(scale q_i·k_j) [v_j | 1] in double, row i.
+Eigen::RowVectorXd exact_numden(const RowMatrix<double>& q, const RowMatrix<double>& k,
+                                const RowMatrix<double>& v, Index i, double scale, bool causal) {
+  Eigen::RowVectorXd out = Eigen::RowVectorXd::Zero(v.cols() + 1);
+  for (Index j = 0; j < (causal ? i + 1 : k.rows()); ++j) {
+    const double w = std::exp(scale * q.row(i).dot(k.row(j)));
+    out.head(v.cols()) += w * v.row(j);
+    out(v.cols()) += w;
+  }
+  return out;
+}
+
+// The accumulator's rows as true [num | den] (times exp(log-scale)).
+Eigen::MatrixXd true_numden(const randattn::SoftmaxAccumulator<double>& acc) {
+  Eigen::MatrixXd out = acc.numden();
+  for (Index i = 0; i < out.rows(); ++i)
+    out.row(i) *= acc.log_scale()(i) == -INFINITY ? 0.0 : std::exp(acc.log_scale()(i));
+  return out;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("sparse-lowrank: a support holding every key is exact attention",
+                   "[sparse_lowrank]", float, double) {
+  using Scalar = TestType;
+  const Problem<Scalar> p(11, 40, 8, 3, 1.0);
+  const bool causal = GENERATE(false, true);
+  randattn::ExactOptions eopt;
+  eopt.causal = causal;
+  const RowMatrix<Scalar> exact = randattn::exact_attention(p.q, p.k, p.v, eopt);
+  SparseLowRankOptions opt;
+  opt.causal = causal;
+  SECTION("window covering the sequence, every remainder") {
+    SupportSpec<Scalar> s;
+    s.window = WindowSupport{40, 0};
+    const Oprf<Scalar> map(randattn::OrthogonalProjection<Scalar>(16, 8, 3), 2.0);
+    SparseLowRankStats st;
+    CHECK(testing::rel_error(randattn::sparse_lowrank_attention<Scalar>(p.q, p.k, p.v, s, {}, opt),
+                             exact) < testing::tolerance<Scalar>());
+    CHECK(testing::rel_error(randattn::sparse_lowrank_attention<Scalar>(
+                                 p.q, p.k, p.v, s, FeatureRemainder<Oprf<Scalar>>{map, {}}, opt, &st),
+                             exact) < testing::tolerance<Scalar>());
+    CHECK(st.clamped_rows == 0);
+    CHECK(testing::rel_error(randattn::sparse_lowrank_attention<Scalar>(
+                                 p.q, p.k, p.v, s, SampledRemainder{8, false, 8}, opt, &st),
+                             exact) < testing::tolerance<Scalar>());
+    CHECK(st.samples == 0);
+  }
+  SECTION("lsh with one chunk, blocks with every block") {
+    const CrossPolytopeHash<Scalar> hash(8, 4, 2, 5);
+    SupportSpec<Scalar> s;
+    s.lsh = &hash;
+    s.lsh_options.chunk = 64;
+    s.blocks = BlockSupport{8, 5};
+    CHECK(testing::rel_error(randattn::sparse_lowrank_attention<Scalar>(p.q, p.k, p.v, s, {}, opt),
+                             exact) < testing::tolerance<Scalar>());
+  }
+}
+
+TEST_CASE("sparse-lowrank: without remainder a hashing support is its method, bit for bit",
+          "[sparse_lowrank]") {
+  const Problem<float> p(21, 200, 16, 4, 1.5);
+  const bool causal = GENERATE(false, true);
+  const bool centre = GENERATE(false, true);
+  SparseLowRankOptions opt;
+  opt.causal = causal;
+  opt.centre_keys = centre;
+  const RowMatrix<float> keys = centre ? randattn::centred<float>(p.k, randattn::key_mean<float>(
+                                                                         p.k, causal ? 64 : 0))
+                                       : p.k;
+  {
+    const CrossPolytopeHash<float> hash(16, 8, 3, 7);
+    randattn::LshOptions lopt;
+    lopt.chunk = 32;
+    lopt.causal = causal;
+    SupportSpec<float> s;
+    s.lsh = &hash;
+    s.lsh_options = lopt;
+    const RowMatrix<float> alone = randattn::lsh_attention(hash, p.q, keys, p.v, lopt);
+    const RowMatrix<float> out = randattn::sparse_lowrank_attention<float>(p.q, p.k, p.v, s, {}, opt);
+    if (centre)
+      CHECK(testing::rel_error(out, alone) < 1e-5);  // logits shifted back: rounding only
+    else
+      CHECK(testing::rows_bit_identical(out, alone, out.rows()));
+    // The target sets are the keys lsh_attention scores: exact softmax over them agrees.
+    const TargetSets sets = randattn::lsh_target_sets<float>(hash, p.q, keys, lopt);
+    CHECK(testing::rel_error(randattn::target_attention_accumulate<float>(
+                                 p.q, keys, p.v, sets, 0.25f).finalize(),
+                             alone) < 1e-5);
+    for (Index i = 0; i < sets.rows(); ++i)
+      for (const std::int32_t* j = sets.begin(i); j < sets.end(i); ++j)
+        if (causal) REQUIRE(*j <= i);
+  }
+  {
+    const LocalitySensitiveFilters<float> filters(RotationKind::dense, 16, 16, 3, 9);
+    randattn::LsfOptions fopt;
+    fopt.eta = 0.5;
+    fopt.causal = causal;
+    SupportSpec<float> s;
+    s.lsf = &filters;
+    s.lsf_options = fopt;
+    const RowMatrix<float> alone = randattn::lsf_attention(filters, p.q, keys, p.v, fopt);
+    const RowMatrix<float> out = randattn::sparse_lowrank_attention<float>(p.q, p.k, p.v, s, {}, opt);
+    if (centre)
+      CHECK(testing::rel_error(out, alone) < 1e-5);
+    else
+      CHECK(testing::rows_bit_identical(out, alone, out.rows()));
+    const TargetSets sets = randattn::lsf_target_sets<float>(filters, p.q, keys, fopt);
+    CHECK(testing::rel_error(randattn::target_attention_accumulate<float>(
+                                 p.q, keys, p.v, sets, 0.25f).finalize(),
+                             alone) < 1e-5);
+  }
+}
+
+TEST_CASE("sparse-lowrank: every remainder is unbiased in numerator and denominator",
+          "[sparse_lowrank][statistical]") {
+  // Support: a window of 3 plus one sink over n = 24 keys; the rest estimated. Each entry of
+  // E + R (in true scale) is averaged over T independent draws and compared with the exact total
+  // within 5 standard errors of its own sample.
+  const Index n = 24, d = 4, dv = 2;
+  const Problem<double> p(31, n, d, dv, 0.8);
+  const double scale = 0.5;
+  const bool causal = GENERATE(false, true);
+  const std::string kind = GENERATE(as<std::string>{}, "favor", "oprf", "sderf", "sample",
+                                    "uniform");
+  CAPTURE(causal, kind);
+  SupportSpec<double> s;
+  s.window = WindowSupport{3, 1};
+  SparseLowRankOptions opt;
+  opt.causal = causal;
+  opt.scale = scale;
+  const int T = 2000;
+  std::vector<testing::Moments> m(std::size_t(n * (dv + 1)));
+  SparseLowRankStats st;
+  for (int t = 0; t < T; ++t) {
+    randattn::SoftmaxAccumulator<double> acc;
+    const randattn::OrthogonalProjection<double> proj(16, d, 1000 + t);
+    if (kind == "favor") {
+      const randattn::PositiveFeatures<double> map(proj);
+      acc = randattn::sparse_lowrank_accumulate<double>(
+          p.q, p.k, p.v, s, FeatureRemainder<decltype(map)>{map, {}}, opt, &st);
+    } else if (kind == "oprf") {
+      const Oprf<double> map(proj, 1.0);
+      acc = randattn::sparse_lowrank_accumulate<double>(
+          p.q, p.k, p.v, s, FeatureRemainder<decltype(map)>{map, {}}, opt, &st);
+    } else if (kind == "sderf") {
+      const randattn::DenseExponentialFeatures<double> map(proj);
+      acc = randattn::sparse_lowrank_accumulate<double>(
+          p.q, p.k, p.v, s, FeatureRemainder<decltype(map)>{map, {}}, opt, &st);
+    } else {
+      opt.seed = std::uint64_t(t);
+      acc = randattn::sparse_lowrank_accumulate<double>(
+          p.q, p.k, p.v, s, SampledRemainder{4, kind == "uniform", 4}, opt, &st);
+    }
+    const Eigen::MatrixXd nd = true_numden(acc);
+    for (Index i = 0; i < n; ++i)
+      for (Index c = 0; c <= dv; ++c) m[std::size_t(i * (dv + 1) + c)].add(nd(i, c));
+  }
+  CHECK(st.clamped_rows == 0);
+  for (Index i = 0; i < n; ++i) {
+    const Eigen::RowVectorXd truth = exact_numden(p.q, p.k, p.v, i, scale, causal);
+    for (Index c = 0; c <= dv; ++c) {
+      const testing::Moments& e = m[std::size_t(i * (dv + 1) + c)];
+      CAPTURE(i, c, e.mean, truth(c), e.standard_error());
+      CHECK(std::abs(e.mean - truth(c)) <= 5 * e.standard_error() + 1e-12 * std::abs(truth(c)));
+    }
+  }
+}
+
+TEST_CASE("sparse-lowrank: causal outputs before key j do not depend on key j",
+          "[sparse_lowrank]") {
+  const Index n = 96, d = 8, j = 50;
+  Problem<float> p(41, n, d, 3, 1.0);
+  const std::string support = GENERATE(as<std::string>{}, "window", "blocks", "window,blocks");
+  const std::string remainder = GENERATE(as<std::string>{}, "none", "sample", "oprf");
+  CAPTURE(support, remainder);
+  SupportSpec<float> s;
+  if (support.find("window") != std::string::npos) s.window = WindowSupport{8, 2};
+  if (support.find("blocks") != std::string::npos) s.blocks = BlockSupport{16, 1};
+  SparseLowRankOptions opt;
+  opt.causal = true;
+  opt.centre_keys = true;
+  opt.centre_prefix = 16;  // j is past the prefix
+  const Oprf<float> map(randattn::OrthogonalProjection<float>(32, d, 3), 2.0);
+  const auto run = [&](const Problem<float>& in) {
+    if (remainder == "sample")
+      return randattn::sparse_lowrank_attention<float>(in.q, in.k, in.v, s,
+                                                       SampledRemainder{8, false, 16}, opt);
+    if (remainder == "oprf")
+      return randattn::sparse_lowrank_attention<float>(
+          in.q, in.k, in.v, s, FeatureRemainder<Oprf<float>>{map, {}}, opt);
+    return randattn::sparse_lowrank_attention<float>(in.q, in.k, in.v, s, {}, opt);
+  };
+  const RowMatrix<float> before = run(p);
+  p.k.row(j) *= -7.0f;
+  p.v.row(j).setConstant(100.0f);
+  const RowMatrix<float> after = run(p);
+  CHECK(testing::rows_bit_identical(before, after, j));
+  CHECK_FALSE(testing::rows_bit_identical(before, after, n));
+}
+
+TEST_CASE("sparse-lowrank: hashing supports never score or estimate a later key",
+          "[sparse_lowrank]") {
+  const Index n = 64;
+  const Problem<double> p(51, n, 8, 2, 1.0);
+  const CrossPolytopeHash<double> hash(8, 4, 2, 5);
+  randattn::LshOptions lopt;
+  lopt.chunk = 8;
+  lopt.causal = true;
+  const LocalitySensitiveFilters<double> filters(RotationKind::dense, 8, 8, 2, 9);
+  randattn::LsfOptions fopt;
+  fopt.eta = 0.3;
+  fopt.causal = true;
+  for (const TargetSets& sets : {randattn::lsh_target_sets<double>(hash, p.q, p.k, lopt),
+                                 randattn::lsf_target_sets<double>(filters, p.q, p.k, fopt)})
+    for (Index i = 0; i < n; ++i) {
+      REQUIRE(sets.size(i) >= 1);
+      for (const std::int32_t* j = sets.begin(i); j < sets.end(i); ++j) REQUIRE(*j <= i);
+    }
+  // The sampled remainder with every key drawn (s >= n) is causal exact attention.
+  SupportSpec<double> s;
+  s.lsh = &hash;
+  s.lsh_options = lopt;
+  SparseLowRankOptions opt;
+  opt.causal = true;
+  randattn::ExactOptions eopt;
+  eopt.causal = true;
+  CHECK(testing::rel_error(randattn::sparse_lowrank_attention<double>(
+                               p.q, p.k, p.v, s, SampledRemainder{1e9, false, 8}, opt),
+                           randattn::exact_attention(p.q, p.k, p.v, eopt)) < 1e-12);
+}
+
+TEST_CASE("sparse-lowrank: results do not depend on the thread count", "[sparse_lowrank]") {
+#if defined(_OPENMP)
+  const Problem<float> p(61, 300, 16, 4, 1.2);
+  const CrossPolytopeHash<float> hash(16, 8, 2, 5);
+  SupportSpec<float> s;
+  s.lsh = &hash;
+  s.lsh_options.chunk = 32;
+  s.window = WindowSupport{16, 4};
+  const Oprf<float> map(randattn::OrthogonalProjection<float>(32, 16, 3), 3.0);
+  const auto run = [&] {
+    RowMatrix<float> a = randattn::sparse_lowrank_attention<float>(
+        p.q, p.k, p.v, s, SampledRemainder{32, false, 16}, {});
+    RowMatrix<float> b = randattn::sparse_lowrank_attention<float>(
+        p.q, p.k, p.v, s, FeatureRemainder<Oprf<float>>{map, {}}, {});
+    return std::make_pair(a, b);
+  };
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const auto one = run();
+  omp_set_num_threads(3);
+  const auto three = run();
+  omp_set_num_threads(saved);
+  CHECK(testing::rows_bit_identical(one.first, three.first, one.first.rows()));
+  CHECK(testing::rows_bit_identical(one.second, three.second, one.second.rows()));
+#else
+  SUCCEED("built without OpenMP");
+#endif
+}
+
+TEMPLATE_TEST_CASE("sparse-lowrank: the block bound is an upper bound on every logit",
+                   "[sparse_lowrank]", float, double) {
+  using Scalar = TestType;
+  const std::uint64_t seed = GENERATE(range(0, 8));
+  const Index n = 53, d = 7, B = GENERATE(1, 5, 16);
+  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(seed, 20, d, 3.0);
+  RowMatrix<Scalar> k = testing::gaussian<Scalar>(seed + 100, n, d, 2.0);
+  k.col(0).array() += Scalar(5);  // off-centre keys
+  const randattn::KeyBlockBounds<Scalar> bounds(k, B);
+  const RowMatrix<Scalar> ub = bounds.bounds(q);
+  REQUIRE(ub.cols() == (n + B - 1) / B);
+  bool tight_somewhere = false;
+  for (Index i = 0; i < q.rows(); ++i)
+    for (Index j = 0; j < n; ++j) {
+      const double logit = double(q.row(i).template cast<double>().dot(k.row(j).template cast<double>()));
+      // Rounding of the two products only: a few ulps of Σ|q_c||k_c|.
+      const double slack = 8 * std::numeric_limits<Scalar>::epsilon() *
+                           double((q.row(i).cwiseAbs() * k.row(j).cwiseAbs().transpose()).value());
+      REQUIRE(double(ub(i, j / B)) >= logit - slack);
+      tight_somewhere = tight_somewhere || (B == 1 && double(ub(i, j)) <= logit + slack);
+    }
+  if (B == 1) CHECK(tight_somewhere);  // one key per block: the bound is the logit
+}
+
+TEST_CASE("sparse-lowrank: supports, edges and argument checks", "[sparse_lowrank]") {
+  SECTION("window and sinks") {
+    const TargetSets w = randattn::window_target_sets(6, 6, WindowSupport{2, 1}, true);
+    CHECK(std::vector<std::int32_t>(w.begin(5), w.end(5)) == std::vector<std::int32_t>{0, 4, 5});
+    CHECK(std::vector<std::int32_t>(w.begin(0), w.end(0)) == std::vector<std::int32_t>{0});
+    const TargetSets b = randattn::window_target_sets(6, 6, WindowSupport{2, 0}, false);
+    CHECK(std::vector<std::int32_t>(b.begin(3), b.end(3)) == std::vector<std::int32_t>{2, 3, 4});
+    CHECK_THROWS_AS(randattn::window_target_sets(6, 6, WindowSupport{-1, 0}, false),
+                    std::invalid_argument);
+  }
+  const Problem<double> p(71, 10, 4, 2, 1.0);
+  SupportSpec<double> s;
+  s.window = WindowSupport{2, 0};
+  SECTION("bad arguments") {
+    CHECK_THROWS_AS(randattn::sparse_lowrank_attention<double>(p.q, p.k, p.v, SupportSpec<double>{}),
+                    std::invalid_argument);
+    CHECK_THROWS_AS(randattn::sparse_lowrank_attention<double>(p.q, p.k, p.v, s,
+                                                               SampledRemainder{0, false, 4}),
+                    std::invalid_argument);
+    SupportSpec<double> blocks;
+    blocks.blocks = BlockSupport{0, 1};
+    CHECK_THROWS_AS(randattn::sparse_lowrank_attention<double>(p.q, p.k, p.v, blocks),
+                    std::invalid_argument);
+    RowMatrix<double> bad = p.k;
+    bad(3, 1) = NAN;
+    CHECK_THROWS_AS(randattn::sparse_lowrank_attention<double>(p.q, bad, p.v, s),
+                    std::invalid_argument);
+  }
+  SECTION("n = 0 and n = 1") {
+    CHECK(randattn::sparse_lowrank_attention<double>(p.q.topRows(0), p.k, p.v, s).rows() == 0);
+    const RowMatrix<double> one = randattn::sparse_lowrank_attention<double>(
+        p.q.topRows(1), p.k.topRows(1), p.v.topRows(1), s, SampledRemainder{4, false, 4});
+    CHECK(testing::rel_error(one, p.v.topRows(1)) < 1e-15);
+  }
+}

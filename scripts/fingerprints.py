@@ -63,6 +63,13 @@ CASES = [
     ("lsf-alpha-causal", "lsf",
      ["--filters", "16", "--tables", "3", "--alpha", "0.6", "--seed", "7", "--causal"],
      "separate"),
+    ("sparse-lowrank-lsh-oprf", "sparse-lowrank",
+     ["--support", "lsh", "--chunk", "8", "--rounds", "3", "--remainder", "oprf"] + FEATURES,
+     "separate"),
+    ("sparse-lowrank-window-blocks-sample-causal", "sparse-lowrank",
+     ["--support", "window,blocks", "--window", "4", "--sinks", "1", "--block-size", "8",
+      "--top-blocks", "1", "--remainder", "sample", "--samples", "4", "--seed", "3", "--causal"],
+     "separate"),
 ]
 
 

@@ -159,7 +159,7 @@ TEST_CASE("sparse-lowrank: without remainder a hashing support is its method, bi
 
 TEST_CASE("sparse-lowrank: every remainder is unbiased in numerator and denominator",
           "[sparse_lowrank][statistical]") {
-  // Support: a window of 3 plus one sink over n = 24 keys; the rest estimated. Each entry of
+  // Support: a window of 3 plus one sink, or LSH chunks of 4, over n = 24 keys; the rest estimated. Each entry of
   // E + R (in true scale) is averaged over T independent draws and compared with the exact total
   // within 5 standard errors of its own sample.
   const Index n = 24, d = 4, dv = 2;
@@ -168,9 +168,17 @@ TEST_CASE("sparse-lowrank: every remainder is unbiased in numerator and denomina
   const bool causal = GENERATE(false, true);
   const std::string kind = GENERATE(as<std::string>{}, "favor", "oprf", "sderf", "sample",
                                     "uniform");
-  CAPTURE(causal, kind);
+  // lsh alone takes the chunk-by-chunk correction of the feature remainders.
+  const bool lsh = GENERATE(false, true);
+  CAPTURE(causal, kind, lsh);
+  const CrossPolytopeHash<double> hash(d, 4, 2, 13);
   SupportSpec<double> s;
-  s.window = WindowSupport{3, 1};
+  if (lsh) {
+    s.lsh = &hash;
+    s.lsh_options.chunk = 4;
+  } else {
+    s.window = WindowSupport{3, 1};
+  }
   SparseLowRankOptions opt;
   opt.causal = causal;
   opt.scale = scale;
@@ -210,6 +218,30 @@ TEST_CASE("sparse-lowrank: every remainder is unbiased in numerator and denomina
       CHECK(std::abs(e.mean - truth(c)) <= 5 * e.standard_error() + 1e-12 * std::abs(truth(c)));
     }
   }
+}
+
+TEST_CASE("sparse-lowrank: the chunk-by-chunk LSH correction is the per-key one",
+          "[sparse_lowrank]") {
+  const Problem<double> p(81, 150, 8, 3, 1.0);
+  const bool causal = GENERATE(false, true);
+  const CrossPolytopeHash<double> hash(8, 8, 3, 7);
+  randattn::LshOptions lopt;
+  lopt.chunk = 16;
+  lopt.causal = causal;
+  const randattn::LshChunks chunks = randattn::lsh_chunks<double>(hash, p.q, p.k, lopt);
+  const TargetSets sets = randattn::lsh_target_sets(chunks, causal);
+  CHECK(sets.keys == randattn::lsh_target_sets<double>(hash, p.q, p.k, lopt).keys);
+  const Oprf<double> map(randattn::OrthogonalProjection<double>(32, 8, 3), 2.0);
+  randattn::RandomFeatureOptions fopt;
+  fopt.causal = causal;
+  Index clamped_keys = 0, clamped_chunks = 0;
+  const auto by_key = randattn::feature_remainder_accumulate(map, p.q, p.k, p.v, sets, fopt,
+                                                             &clamped_keys);
+  const auto by_chunk = randattn::feature_remainder_accumulate(map, p.q, p.k, p.v, sets, fopt,
+                                                               &clamped_chunks, &chunks);
+  CHECK(clamped_keys == clamped_chunks);
+  const Eigen::MatrixXd a = true_numden(by_key), b = true_numden(by_chunk);
+  CHECK((a - b).norm() <= 1e-10 * a.norm());
 }
 
 TEST_CASE("sparse-lowrank: causal outputs before key j do not depend on key j",

@@ -159,7 +159,7 @@ def test_thread_count_does_not_change_results(rng, method):
 def test_method_table_defaults_are_the_cli_defaults():
     m = randattn.methods()
     assert list(m) == ["exact", "favor", "favor-hyp", "trig", "oprf", "sderf", "hybrid", "hybrid-gaussian",
-                       "lsh", "lsf"]
+                       "lsh", "lsf", "sparse-lowrank"]
     assert m["exact"]["options"] == {}
     for name in ("favor", "favor-hyp", "trig"):
         assert m[name]["options"] == {"features": 256, "projection": "orthogonal", "omega": None}
@@ -174,6 +174,13 @@ def test_method_table_defaults_are_the_cli_defaults():
                                       "calibration_q": None, "calibration_k": None}
     assert m["lsf"]["options"] == {"filters": 256, "tables": 4, "eta": None, "alpha": None, "min_probes": 1,
                                    "rotation": "dense"}
+    # sparse-lowrank: its own options, then those of its parts (lsh, lsf, oprf/sderf) with their
+    # defaults, each once.
+    own = {"support": "lsh", "remainder": "oprf", "window": 64, "sinks": 0, "block_size": 64, "top_blocks": 2,
+           "samples": 64, "sampling": "bounds", "centre_keys": False, "centre_prefix": 64}
+    parts = {**m["lsh"]["options"], **m["lsf"]["options"], **m["oprf"]["options"]}
+    assert m["sparse-lowrank"]["options"] == {**own, **parts}
+    assert list(m["sparse-lowrank"]["options"])[:len(own)] == list(own)
     assert m["lsh"]["shared_qk"] and not any(m[name]["shared_qk"] for name in m if name != "lsh")
 
 

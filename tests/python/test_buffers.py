@@ -20,8 +20,9 @@ def copies_during(fn):
     return _core.input_copies() - before, result
 
 
-# Options a method needs to run at all (lsf: a threshold).
-OPTIONS = {"lsf": dict(eta=0.5)}
+# Options a method needs to run at all (lsf: a threshold; sparse-lowrank causal: a remainder
+# without a fit on the sequence).
+OPTIONS = {"lsf": dict(eta=0.5), "sparse-lowrank": dict(remainder="sample")}
 
 
 @pytest.mark.parametrize("method", list(randattn.methods()))

@@ -438,6 +438,101 @@ SoftmaxAccumulator<Scalar> lsh_attention_accumulate(const CrossPolytopeHash<Scal
   return detail::lsh_accumulate<Scalar>(q, &k, v, hash, opt);
 }
 
+// The sort-and-chunk layout of separate-key LSH attention, per round: the sorted queries cut into
+// `chunks` chunks of c, the sorted keys into as many chunks of ck (see the top of this file);
+// query chunk g attends to key chunks g and g - 1 (cyclically; with one chunk, to chunk 0 only).
+struct LshChunks {
+  Index rounds = 0, chunks = 0, c = 0, ck = 0, n_q = 0, n_k = 0;
+  std::vector<std::int32_t> qperm, kperm;  // round rho at [rho n, (rho + 1) n)
+  HashCodes qchunk, kchunk;                // chunk of each query / key, n x rounds
+
+  Index key_count(Index g) const { return std::clamp<Index>(n_k - g * ck, 0, ck); }
+  // The key chunks query chunk g attends to: g, and g - 1 when there are several.
+  Index previous(Index g) const { return (g + chunks - 1) % chunks; }
+  // The number of rounds in which key j is a target of query i.
+  std::int32_t rounds_sharing(Index i, Index j) const {
+    std::int32_t n = 0;
+    for (Index rho = 0; rho < rounds; ++rho) {
+      const std::int32_t diff = qchunk(i, rho) - kchunk(j, rho);
+      n += chunks == 1 || diff == 0 || diff == 1 || diff == std::int32_t(1 - chunks);
+    }
+    return n;
+  }
+};
+
+// The chunks of q and k under `hash` (sort-and-chunk; opt.chunk, opt.exact_buckets unused).
+template <typename Scalar>
+LshChunks lsh_chunks(const CrossPolytopeHash<Scalar>& hash,
+                     const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                     const Eigen::Ref<const RowMatrix<Scalar>>& k, const LshOptions& opt) {
+  LshChunks l;
+  l.rounds = hash.rounds();
+  l.n_q = q.rows();
+  l.n_k = k.rows();
+  if (l.n_q == 0) return l;
+  l.c = std::min(opt.chunk, l.n_q);  // c >= n_q: one chunk, as with c = n_q
+  l.chunks = (l.n_q + l.c - 1) / l.c;
+  l.ck = detail::key_chunk_length(l.n_q, l.n_k, l.c);
+  detail::sort_into_chunks(hash.hash(q, false), hash.buckets(), l.c, l.qperm, l.qchunk);
+  detail::sort_into_chunks(hash.hash(k, false), hash.buckets(), l.ck, l.kperm, l.kchunk);
+  return l;
+}
+
+namespace detail {
+
+// Target sets from per-round group lists: query i's group in round rho is group(i, rho), whose
+// sorted keys are keys[start[rho G + g], start[rho G + g + 1]). Row i is the merge of its r
+// lists, cut at the causal limit, each key once; an empty row gets every valid key (fallback).
+template <typename Groups>
+TargetSets merge_group_lists(const std::vector<std::int32_t>& keys, const std::vector<Index>& start,
+                             const Groups& group, Index groups, Index n_k, bool causal) {
+  TargetSets sets;
+  std::vector<std::int32_t> row, merged;
+  for (Index i = 0; i < group.rows(); ++i) {
+    const Index valid = valid_keys(i, n_k, causal);
+    row.clear();
+    for (Index rho = 0; rho < group.cols(); ++rho) {
+      const Index slot = rho * groups + Index(group(i, rho));
+      const std::int32_t* first = keys.data() + start[std::size_t(slot)];
+      const std::int32_t* last = std::lower_bound(first, keys.data() + start[std::size_t(slot) + 1],
+                                                  static_cast<std::int32_t>(valid));
+      merged.resize(row.size() + std::size_t(last - first));
+      std::merge(row.begin(), row.end(), first, last, merged.begin());
+      merged.erase(std::unique(merged.begin(), merged.end()), merged.end());
+      row.swap(merged);
+    }
+    if (row.empty()) {
+      row.resize(std::size_t(valid));
+      std::iota(row.begin(), row.end(), 0);
+    }
+    sets.keys.insert(sets.keys.end(), row.begin(), row.end());
+    sets.start.push_back(Index(sets.keys.size()));
+  }
+  return sets;
+}
+
+}  // namespace detail
+
+// The target sets of sort-and-chunk LSH attention with the chunks `l` (see lsh_target_sets).
+inline TargetSets lsh_target_sets(const LshChunks& l, bool causal) {
+  std::vector<std::int32_t> keys;
+  std::vector<Index> start{0};
+  for (Index rho = 0; rho < l.rounds; ++rho) {
+    const std::int32_t* kr = l.kperm.data() + rho * l.n_k;
+    for (Index g = 0; g < l.chunks; ++g) {
+      const std::size_t first = keys.size();
+      keys.insert(keys.end(), kr + g * l.ck, kr + g * l.ck + l.key_count(g));
+      if (l.chunks > 1) {
+        const Index p = l.previous(g);
+        keys.insert(keys.end(), kr + p * l.ck, kr + p * l.ck + l.key_count(p));
+      }
+      std::sort(keys.begin() + first, keys.end());
+      start.push_back(Index(keys.size()));
+    }
+  }
+  return detail::merge_group_lists(keys, start, l.qchunk, l.chunks, l.n_k, causal);
+}
+
 // The target set P_i of every query of separate-key LSH attention (sort-and-chunk or exact
 // buckets): the keys lsh_attention scores for query i, each once, after the causal mask and with
 // the fallback (a query without a valid target gets every valid key). q n_q x d, k n_k x d.
@@ -447,57 +542,19 @@ TargetSets lsh_target_sets(const CrossPolytopeHash<Scalar>& hash,
                            const Eigen::Ref<const RowMatrix<Scalar>>& k, const LshOptions& opt = {}) {
   const RowMatrix<Scalar> no_values(k.rows(), 0);
   detail::check_lsh_inputs<Scalar>("lsh_target_sets", q, &k, no_values, hash, opt);
-  const Index n_q = q.rows(), n_k = k.rows(), r = hash.rounds(), b = hash.buckets();
-  std::vector<std::vector<std::int32_t>> lists(static_cast<std::size_t>(n_q));
-  const auto append = [&](const std::int32_t* rows, Index nr, const std::int32_t* cols, Index nc) {
-    for (Index t = 0; t < nr; ++t) lists[std::size_t(rows[t])].insert(
-        lists[std::size_t(rows[t])].end(), cols, cols + nc);
-  };
-  if (n_q > 0 && opt.exact_buckets) {
-    const HashCodes qc = hash.hash(q, false), kc = hash.hash(k, false);
-    std::vector<std::int32_t> qperm(static_cast<std::size_t>(n_q)),
-        kperm(static_cast<std::size_t>(n_k));
-    std::vector<Index> qs, ks;
-    for (Index rho = 0; rho < r; ++rho) {
-      detail::sort_by_bucket(qc.data() + rho, r, n_q, b, qperm.data(), qs);
-      detail::sort_by_bucket(kc.data() + rho, r, n_k, b, kperm.data(), ks);
-      for (Index c = 0; c < b; ++c)
-        append(qperm.data() + qs[c], qs[c + 1] - qs[c], kperm.data() + ks[c], ks[c + 1] - ks[c]);
-    }
-  } else if (n_q > 0) {
-    const Index c = std::min(opt.chunk, n_q), chunks = (n_q + c - 1) / c;
-    const Index ck = detail::key_chunk_length(n_q, n_k, c);
-    std::vector<std::int32_t> qperm, kperm;
-    HashCodes qchunk, kchunk;
-    detail::sort_into_chunks(hash.hash(q, false), b, c, qperm, qchunk);
-    detail::sort_into_chunks(hash.hash(k, false), b, ck, kperm, kchunk);
-    const auto key_count = [&](Index g) { return std::clamp<Index>(n_k - g * ck, 0, ck); };
-    for (Index rho = 0; rho < r; ++rho) {
-      const std::int32_t* qr = qperm.data() + rho * n_q;
-      const std::int32_t* kr = kperm.data() + rho * n_k;
-      for (Index g = 0; g < chunks; ++g) {
-        const Index r0 = g * c, nr = std::min(c, n_q - r0);
-        append(qr + r0, nr, kr + g * ck, key_count(g));
-        if (chunks == 1) continue;
-        const Index prev = (g + chunks - 1) % chunks;
-        append(qr + r0, nr, kr + prev * ck, key_count(prev));
-      }
+  if (!opt.exact_buckets) return lsh_target_sets(lsh_chunks<Scalar>(hash, q, k, opt), opt.causal);
+  const Index n_k = k.rows(), r = hash.rounds(), b = hash.buckets();
+  const HashCodes qc = hash.hash(q, false), kc = hash.hash(k, false);
+  std::vector<std::int32_t> keys, kperm(static_cast<std::size_t>(n_k));
+  std::vector<Index> start{0}, ks;
+  for (Index rho = 0; rho < r; ++rho) {
+    detail::sort_by_bucket(kc.data() + rho, r, n_k, b, kperm.data(), ks);
+    for (Index c = 0; c < b; ++c) {
+      keys.insert(keys.end(), kperm.begin() + ks[c], kperm.begin() + ks[c + 1]);
+      start.push_back(Index(keys.size()));
     }
   }
-  TargetSets sets;
-  for (Index i = 0; i < n_q; ++i) {
-    std::vector<std::int32_t>& row = lists[std::size_t(i)];
-    const Index valid = valid_keys(i, n_k, opt.causal);
-    row.erase(std::remove_if(row.begin(), row.end(), [&](std::int32_t j) { return j >= valid; }),
-              row.end());
-    if (row.empty()) {  // the fallback: every valid key
-      row.resize(std::size_t(valid));
-      std::iota(row.begin(), row.end(), 0);
-    }
-    sets.append_row(row);
-    std::vector<std::int32_t>().swap(row);
-  }
-  return sets;
+  return detail::merge_group_lists(keys, start, qc, b, n_k, opt.causal);
 }
 
 // Shared-QK LSH attention (Reformer): qk n x d, v n x dv -> n x dv.

@@ -182,9 +182,18 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
   }
   constexpr bool no_remainder = std::is_same<Remainder, NoRemainder>::value;
   const bool need_sets = !no_remainder || stats || !detail::hashed_alone(support);
+  // LSH sort-and-chunk alone with a feature remainder: the correction runs chunk by chunk.
+  constexpr bool features = !no_remainder && !std::is_same<Remainder, SampledRemainder>::value;
+  const bool by_chunks = features && detail::hashed_alone(support) && support.lsh &&
+                         !lsh_opt.exact_buckets;
+  std::optional<LshChunks> chunks;
   TargetSets sets;
-  if (need_sets)
+  if (by_chunks) {
+    chunks = lsh_chunks<Scalar>(*support.lsh, q, hash_keys, lsh_opt);
+    sets = lsh_target_sets(*chunks, opt.causal);
+  } else if (need_sets) {
     sets = detail::support_sets<Scalar>(q, hash_keys, support, lsh_opt, lsf_opt, opt.causal);
+  }
   st.pairs_scored += sets.pairs();
   st.support_seconds += detail::seconds_from(start);
 
@@ -210,13 +219,14 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
     st.samples += sampled_remainder_merge<Scalar>(q, k, hash_keys, v, sets, remainder, scale,
                                                   opt.causal, Philox(opt.seed, streams::sparse_remainder_draws),
                                                   opt.row_offset, acc);
-  } else if constexpr (!no_remainder) {
+  } else if constexpr (features) {
     RandomFeatureOptions fopt;
     fopt.causal = opt.causal;
     fopt.scale = double(scale);
     fopt.check_finite = false;
     fopt.denominator_epsilon = remainder.denominator_epsilon;
-    acc.merge(feature_remainder_accumulate(remainder.map, q, k, v, sets, fopt, &st.clamped_rows));
+    acc.merge(feature_remainder_accumulate(remainder.map, q, k, v, sets, fopt, &st.clamped_rows,
+                                           chunks ? &*chunks : nullptr));
   }
   st.remainder_seconds += detail::seconds_from(start);
   return acc;

@@ -126,7 +126,18 @@ class SparseLowRankMethod final : public TypedMethod<SparseLowRankMethod> {
     opt.centre_keys = o.flag("centre_keys");
     opt.centre_prefix = o.integer("centre_prefix");
     report.emplace_back("centre_keys", opt.centre_keys);
-    report.emplace_back("seed", std::int64_t(call.settings.seed));
+    if (o.given("calibration_k")) {
+      const std::vector<std::int64_t>& c = o.array("calibration_k").shape;
+      const bool ok = (c.size() == 2 || (c.size() == 3 && c[0] == call.shape.heads)) &&
+                      c.back() == call.shape.d && c[c.size() - 2] >= 1;
+      if (!ok)
+        throw OptionError(o.spelled("calibration_k") + ": expected an (r, d) or (heads, r, d) " +
+                          "array with d = " + std::to_string(call.shape.d) + ", got shape " +
+                          detail::shape_text(c));
+    }
+    // Feature remainders report the seed with their projection.
+    if (remainder == "none" || remainder == "sample")
+      report.emplace_back("seed", std::int64_t(call.settings.seed));
     return [call, spec, hash, filters, opt, report, remainder](const Scalar* q, const Scalar* k,
                                                               const Scalar* v, Scalar* out) {
       SparseLowRankStats st;

@@ -38,6 +38,7 @@ class LshMethod final : public TypedMethod<LshMethod> {
     return "LSH attention (Reformer, cross-polytope buckets)";
   }
   bool supports_shared_qk() const override { return true; }
+  bool supports_exclude_self() const override { return true; }
   // Shared QK compares with exact shared-QK attention (normalised keys, self rule).
   bool own_comparison() const override { return true; }
 
@@ -71,6 +72,7 @@ class LshMethod final : public TypedMethod<LshMethod> {
     opt.scale = s.scale;
     opt.dedupe = o.flag("dedupe");
     opt.check_finite = s.check_finite;
+    opt.exclude_self = s.exclude_self && !s.shared_qk;  // shared QK has the self rule already
     Report report = {{"buckets", std::int64_t(hash->buckets())},
                      {"chunk", opt.chunk},
                      {"rounds", std::int64_t(hash->rounds())},

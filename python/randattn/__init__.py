@@ -84,7 +84,7 @@ def attention(q, k, v, *, method="exact", causal=False, scale=None, seed=0, chec
       cu_seqlens        ints (S + 1,): packed sequences [cu_seqlens[i], cu_seqlens[i+1]) along n
                         (0 first, n last, strictly increasing), each attending within itself
       exclude_self      queries and keys are the same positions (n_q == n_k): query i never
-                        attends to key i unless it has no other valid key (exact, lsh, auto)
+                        attends to key i unless it has no other valid key (every method but lsf)
       grouped-query heads: k and v with kv_heads heads dividing the heads of q (query head h
                         reads key head h // (heads // kv_heads)); nothing is copied
     """

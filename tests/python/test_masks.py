@@ -235,7 +235,7 @@ def test_kv_heads_must_divide_the_query_heads():
 
 
 # Self-exclusion: the methods that support it.
-SELF = ["exact", "lsh"]
+SELF = [m for m in OPTIONS if m != "lsf"]
 
 
 def self_excluded_softmax(q, k, v, causal):
@@ -310,12 +310,33 @@ def test_exclude_self_with_a_scattered_mask_matches_the_reference():
 
 def test_exclude_self_errors():
     q, k, v = data()
-    with pytest.raises(ValueError, match="method 'favor' does not support exclude_self=True"):
-        randattn.attention(q, k, v, method="favor", exclude_self=True)
+    with pytest.raises(ValueError, match="method 'lsf' does not support exclude_self=True"):
+        randattn.attention(q, k, v, method="lsf", eta=0.5, exclude_self=True)
     with pytest.raises(ValueError, match="same positions"):
         randattn.attention(q, k[:, :, :5], v[:, :, :5], exclude_self=True)
-    with pytest.raises(ValueError, match="approximation=favor does not support exclude_self"):
-        randattn.attention(q, k, v, method="auto", exclude_self=True)
+    with pytest.raises(ValueError, match="approximation=lsf does not support exclude_self"):
+        randattn.attention(q, k, v, method="auto", approximation="lsf", eta=0.5, exclude_self=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_random_features_remove_the_estimate_of_the_own_key(causal):
+    q, k, v = data(batch=1, heads=1)
+    q, k, v = q[0, 0], k[0, 0], v[0, 0]
+    out = randattn.attention(q, k, v, method="favor", features=16, seed=3, causal=causal, exclude_self=True)
+    fmap = randattn.FeatureMap("positive", 4, seed=3, features=16)
+    norm = 0.5 ** 0.5  # scale^(1/2), scale = 1/sqrt(d)
+    qv, ql = fmap.features(q, norm, "query")
+    kv, kl = fmap.features(k, norm, "key")
+    w = (qv @ kv.T) * np.exp(ql[:, None] + kl[None, :])
+    n = 12
+    allowed = np.tril(np.ones((n, n), bool)) if causal else np.ones((n, n), bool)
+    alone = allowed.sum(1) == 1
+    keep = allowed & ~(np.eye(n, dtype=bool) & ~alone[:, None])
+    wk = np.where(keep, w, 0)
+    ref = (wk @ v) / wk.sum(1, keepdims=True)
+    # The removal cancels the own term from the full sum: rounding grows with full / remaining.
+    ratio = (np.where(allowed, w, 0).sum(1) / wk.sum(1)).max()
+    assert_close(out, ref, np.float64, 16 * n * ratio)
 
 
 # The command line: the same layouts from .npy files, the same bits; bad layouts exit 2 and
@@ -339,15 +360,15 @@ def test_cli_layouts_give_the_python_bits(tmp_path):
 
 
 @pytest.mark.parametrize("layout,message", [
-    (dict(key_lengths=np.array([3, 13])), "--key-lengths\[1\] must be in \[0, 12\]"),
-    (dict(key_lengths=np.array([-1, 3])), "--key-lengths\[0\] must be in"),
+    (dict(key_lengths=np.array([3, 13])), r"--key-lengths\[1\] must be in \[0, 12\]"),
+    (dict(key_lengths=np.array([-1, 3])), r"--key-lengths\[0\] must be in"),
     (dict(key_lengths=np.array([1.0, 3.0])), "--key-lengths: .*unsupported dtype"),
-    (dict(key_padding_mask=np.zeros((2, 11), bool)), "--key-padding-mask must have shape \(batch, n_k\)"),
+    (dict(key_padding_mask=np.zeros((2, 11), bool)), r"--key-padding-mask must have shape \(batch, n_k\)"),
     (dict(key_padding_mask=np.zeros((2, 12), np.int64)), "--key-padding-mask: expected a boolean array"),
     (dict(cu_seqlens=np.array([0, 5, 5, 12])), "--cu-seqlens must be strictly increasing"),
     (dict(cu_seqlens=np.array([0, 5, 11])), "--cu-seqlens must start at 0 and end at n = 12"),
     (dict(kv_heads=3), "must divide the heads of --q"),
-    (dict(exclude_self=True, method="trig"), "--method trig does not support --exclude-self"),
+    (dict(exclude_self=True, method="lsf"), "--method lsf does not support --exclude-self"),
 ])
 def test_cli_bad_layouts_exit_2_and_write_nothing(tmp_path, layout, message):
     layout = dict(layout)

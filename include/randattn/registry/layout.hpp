@@ -8,9 +8,10 @@
 //   - each (batch, query head, sequence) is one slice against its key head's slice (no copy);
 //   - bidirectional: all of the slice's queries against its valid keys (a prefix of the keys is
 //     read in place; other masks gather the valid keys and values once per key slice);
-//   - causal (n_q == n_k): the queries at valid positions attend causally to the valid keys (the
-//     gathered sequence), and each run of queries at padded positions attends, bidirectionally,
-//     to the valid keys before it;
+//   - causal or self-excluding (n_q == n_k): the queries at valid positions attend to the valid
+//     keys (the gathered sequence) causally or without their own key, and each run of queries
+//     at padded positions attends, bidirectionally, to the valid keys before it (causal) or to
+//     all of them;
 //   - a query with no valid key gets a zero output row.
 // Masked keys are never read, so their values cannot change any output. Every sub-call draws its
 // randomness from the call's seed, as a separate call on the piece would: one seed for every
@@ -121,7 +122,8 @@ struct Piece {
   bool exclude_self;  // the queries are the first n_q of the keys' positions
 };
 
-// Runs a layout call piece by piece, one plain job per distinct (n_q, n_k, causal).
+// Runs a layout call piece by piece, one plain job per distinct (n_q, n_k, causal,
+// exclude_self) and, with per-head array options, per query head.
 template <typename Scalar>
 class LayoutRunner {
  public:

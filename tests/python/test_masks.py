@@ -350,7 +350,7 @@ def test_cli_layouts_give_the_python_bits(tmp_path):
     np.testing.assert_array_equal(out, run("favor", q, k, v, True, key_lengths=lengths))
     mask = np.zeros((2, 12), bool)
     mask[1, [2, 7]] = True
-    out = run_cli(tmp_path, args, q=q, k=k, v=v, key_padding_mask=mask)
+    out = run_cli(tmp_path, args, q=q, k=k, v=v, key_padding_mask=np.asfortranarray(mask))  # Fortran order
     np.testing.assert_array_equal(out, run("favor", q, k, v, True, key_padding_mask=mask))
     cu = np.array([0, 4, 12])
     out = run_cli(tmp_path, args, q=q[0, 0], k=k[0, 0], v=v[0, 0], cu_seqlens=cu)

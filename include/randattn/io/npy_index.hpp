@@ -82,11 +82,11 @@ inline NpyIndexArray read_npy_index(const std::filesystem::path& path) {
       detail::fail(name, "shape is too large for an index array");
     count *= std::uint64_t(dim);
   }
-  std::vector<unsigned char> bytes(std::size_t(count) * size);
+  std::vector<unsigned char> bytes(static_cast<std::size_t>(count) * size);
   in.read(reinterpret_cast<char*>(bytes.data()), std::streamsize(bytes.size()));
   if (static_cast<std::size_t>(in.gcount()) != bytes.size())
     detail::fail(name, "truncated data (expected " + std::to_string(bytes.size()) + " bytes)");
-  std::vector<std::int64_t> values(std::size_t(count));
+  std::vector<std::int64_t> values(static_cast<std::size_t>(count));
   for (std::size_t i = 0; i < values.size(); ++i) {
     std::uint64_t u = 0;
     for (std::size_t b = 0; b < size; ++b) {

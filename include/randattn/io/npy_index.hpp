@@ -24,7 +24,9 @@ struct NpyIndexArray {
 inline NpyIndexArray read_npy_index(const std::filesystem::path& path) {
   const std::string name = path.string();
   std::ifstream in(path, std::ios::binary);
-  if (!in) detail::fail(name, std::filesystem::exists(path) ? "cannot open file for reading" : "no such file");
+  if (!in)
+    detail::fail(name,
+                 std::filesystem::exists(path) ? "cannot open file for reading" : "no such file");
   unsigned char prefix[8];
   in.read(reinterpret_cast<char*>(prefix), 8);
   if (in.gcount() != 8 || std::memcmp(prefix, "\x93NUMPY", 6) != 0)

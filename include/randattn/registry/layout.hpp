@@ -54,8 +54,9 @@ inline std::vector<std::uint8_t> padding_of_lengths(const std::vector<std::int64
   mask.reserve(lengths.size() * std::size_t(std::max<std::int64_t>(0, n_k)));
   for (std::size_t b = 0; b < lengths.size(); ++b) {
     if (lengths[b] < 0 || lengths[b] > n_k)
-      throw OptionError(spell.option("key_lengths") + "[" + std::to_string(b) + "] must be in [0, " +
-                        std::to_string(n_k) + "] (n_k), got " + std::to_string(lengths[b]));
+      throw OptionError(spell.option("key_lengths") + "[" + std::to_string(b) +
+                        "] must be in [0, " + std::to_string(n_k) + "] (n_k), got " +
+                        std::to_string(lengths[b]));
     for (std::int64_t j = 0; j < n_k; ++j) mask.push_back(j >= lengths[b] ? 1 : 0);
   }
   return mask;
@@ -216,7 +217,8 @@ class LayoutRunner {
       return;
     }
     // Queries at valid positions: gathered, run against the gathered keys, scattered back.
-    std::vector<Scalar> q_rows(std::size_t(keys.count * s.d)), o_rows(std::size_t(keys.count * s.dv));
+    std::vector<Scalar> q_rows(std::size_t(keys.count * s.d)),
+        o_rows(std::size_t(keys.count * s.dv));
     for (Index i = 0, t = 0; i < nq; ++i)
       if (!padding[i]) std::copy(q + i * s.d, q + (i + 1) * s.d, q_rows.data() + (t++) * s.d);
     run({q_rows.data(), keys.k, keys.v, o_rows.data(), keys.count, keys.count, causal, self});

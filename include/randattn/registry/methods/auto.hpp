@@ -26,9 +26,8 @@ inline const Method& find_method(const std::string& name, const Spelling& spell)
 inline std::int64_t table_crossover(const std::string& method, std::int64_t d, std::string& from) {
   const CrossoverRow* best = nullptr;
   for (const CrossoverRow& row : crossover_table)
-    if (method == row.method &&
-        (!best || std::abs(std::log(double(row.d) / double(d))) <
-                      std::abs(std::log(double(best->d) / double(d)))))
+    if (method == row.method && (!best || std::abs(std::log(double(row.d) / double(d))) <
+                                              std::abs(std::log(double(best->d) / double(d)))))
       best = &row;
   if (!best) {
     from = "no table row for " + method + ": always the approximation";
@@ -87,8 +86,8 @@ class AutoMethod final : public TypedMethod<AutoMethod> {
     const bool exact = call.shape.n_k < crossover;
     const Method& path = exact ? find_method("exact", spell) : approx;
     if (call.settings.exclude_self && !approx.supports_exclude_self())
-      throw OptionError(spell.setting("approximation", approx.name()) +
-                        " does not support " + spell.exclude_self());
+      throw OptionError(spell.setting("approximation", approx.name()) + " does not support " +
+                        spell.exclude_self());
     std::map<std::string, Value> given;
     for (const OptionSpec& s : accepted_options()) {
       if (!o.given(s.name) || s.name == "approximation" || s.name == "crossover") continue;
@@ -101,7 +100,7 @@ class AutoMethod final : public TypedMethod<AutoMethod> {
     }
     Settings settings = call.settings;
     settings.compare = false;  // the front end compares the whole call with exact attention
-    if (exact) {  // the approximation's options are checked even when exact runs
+    if (exact) {               // the approximation's options are checked even when exact runs
       std::map<std::string, Value> approx_given;
       for (const OptionSpec& a : approx.options())
         if (o.given(a.name)) approx_given[a.name] = o.value(a.name);
@@ -110,9 +109,8 @@ class AutoMethod final : public TypedMethod<AutoMethod> {
     }
     const Call sub{Options(path.options(), std::move(given), spell), settings, call.shape};
     const Job<Scalar> job = path.build(sub, Scalar());
-    const std::string reason = "n_k " + std::to_string(call.shape.n_k) +
-                               (exact ? " < " : " >= ") + "crossover " +
-                               std::to_string(crossover) + " (" + from + ")";
+    const std::string reason = "n_k " + std::to_string(call.shape.n_k) + (exact ? " < " : " >= ") +
+                               "crossover " + std::to_string(crossover) + " (" + from + ")";
     return [job, ran = std::string(path.name()), reason](const Scalar* q, const Scalar* k,
                                                          const Scalar* v, Scalar* out) {
       Report r = {{"method", ran}, {"auto_reason", reason}};

@@ -181,3 +181,32 @@ TEMPLATE_TEST_CASE("Batched exact attention equals per-slice calls for any threa
       randattn::exact_attention_batched<Scalar>(nullptr, nullptr, nullptr, nullptr, shape),
       std::invalid_argument);
 }
+
+TEMPLATE_TEST_CASE("Exact attention excludes each query's own key unless it is alone",
+                   "[exact][exclude_self]", float, double) {
+  using Scalar = TestType;
+  const Index n = 300, d = 16;
+  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(7, n, d, 2.0);
+  const RowMatrix<Scalar> v = testing::gaussian<Scalar>(8, n, d);
+  for (bool causal : {false, true}) {
+    ExactOptions opt;
+    opt.causal = causal;
+    opt.exclude_self = true;
+    const RowMatrix<Scalar> naive = randattn::naive_attention(q, q, v, opt);  // K = Q
+    // Causal: position 0 has no other key and attends to itself.
+    if (causal) CHECK(naive.row(0) == v.row(0));
+    for (Index block : {0, 1, 37}) {
+      INFO("causal " << causal << " block " << block);
+      opt.block_size = block;
+      const RowMatrix<Scalar> out = randattn::exact_attention(q, q, v, opt);
+      CHECK(rel_error(out, naive) < testing::tolerance<Scalar>());
+      if (causal) CHECK(out.row(0) == v.row(0));
+    }
+  }
+  // A single position keeps its own key; unequal counts are refused.
+  ExactOptions opt;
+  opt.exclude_self = true;
+  CHECK(randattn::exact_attention(q.topRows(1), q.topRows(1), v.topRows(1), opt) == v.topRows(1));
+  CHECK_THROWS_AS(randattn::exact_attention(q.topRows(3), q.topRows(4), v.topRows(4), opt),
+                  std::invalid_argument);
+}

@@ -2,13 +2,53 @@
 
 ``Attention(method="favor", features=256)`` takes (batch, heads, n, d) query, key and value
 tensors, like ``torch.nn.functional.scaled_dot_product_attention``, and returns
-(batch, heads, n, dv). It computes no gradients: with grad enabled, an input that requires grad
-raises RuntimeError (run the model under ``torch.no_grad()`` or ``torch.inference_mode()``).
+(batch, heads, n, dv). Keys and values may have fewer heads than the queries (grouped-query
+attention; their heads must divide the query heads). It computes no gradients: with grad enabled,
+an input that requires grad raises RuntimeError (run the model under ``torch.no_grad()`` or
+``torch.inference_mode()``).
+
+``attn_mask`` takes boolean masks as ``scaled_dot_product_attention`` does (True = takes part),
+in the shapes that function broadcasts to (batch, heads, n_q, n_k), when they are one of:
+  - a key padding mask: the same for every query row, e.g. (n_k,), (batch, 1, 1, n_k) or
+    (batch, 1, n_q, n_k) with equal rows;
+  - a causal mask: lower triangular (query i, key j <= i), as ``is_causal=True``;
+  - a causal mask with key padding: lower triangular and the same padding in every row.
+Masks that differ between heads, other patterns and float (additive) masks raise ValueError.
+A query row with no valid key gets zeros (``scaled_dot_product_attention`` gives NaN there).
 """
 
 import torch
 
 import randattn
+
+_ACCEPTED = ("boolean masks (True = takes part) that are a key padding mask (n_k,), (batch, 1, 1, n_k), "
+             "a lower-triangular causal mask (n_q, n_k), or a causal mask with key padding, in shapes "
+             "broadcasting to (batch, heads, n_q, n_k) with one head")
+
+
+def _mask_layout(mask, batch, n_q, n_k):
+    """(key_padding_mask (batch, n_k) with True = padding, or None; causal) of an SDPA boolean mask."""
+    if mask.dtype != torch.bool:
+        raise ValueError(f"attn_mask of dtype {mask.dtype} is not supported: randattn.torch.Attention accepts "
+                         + _ACCEPTED)
+    if mask.dim() > 4:
+        raise ValueError(f"attn_mask must have at most 4 dimensions, got shape {tuple(mask.shape)}")
+    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).cpu()
+    b, h, rows, cols = m.shape
+    if cols != n_k or rows not in (1, n_q) or b not in (1, batch) or h != 1:
+        raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to (batch, 1, n_q, n_k) = "
+                         f"({batch}, 1, {n_q}, {n_k}); accepted: " + _ACCEPTED)
+    m = m[:, 0].expand(batch, rows, n_k)
+    valid = m[:, -1, :]  # under a causal mask, the last row holds the padding (n_q == n_k)
+    if bool((m == valid[:, None, :]).all()):
+        return (~valid).numpy().copy(), False
+    if n_q == n_k:
+        tril = torch.ones(n_q, n_k, dtype=torch.bool).tril()
+        if bool((m == (tril[None] & valid[:, None, :])).all()):
+            padding = ~valid
+            return (padding.numpy().copy() if bool(padding.any()) else None), True
+    raise ValueError("attn_mask is neither a key padding mask nor a causal mask (with or without key "
+                     "padding); accepted: " + _ACCEPTED)
 
 
 class Attention(torch.nn.Module):
@@ -21,16 +61,22 @@ class Attention(torch.nn.Module):
         self.method = method
         self.options = dict(options)
 
-    def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
-        if attn_mask is not None:
-            raise ValueError("randattn.torch.Attention takes no attn_mask; use is_causal=True for causal masking")
+    def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
         if dropout_p != 0.0:
             raise ValueError("randattn.torch.Attention is for inference: dropout_p must be 0")
         for name, t in (("query", query), ("key", key), ("value", value)):
             if t is not None and t.dim() != 4:
                 raise ValueError(f"{name}: expected a (batch, heads, n, d) tensor, got shape {tuple(t.shape)}")
         options = dict(self.options)
-        options["causal"] = bool(is_causal) or options.get("causal", False)
+        causal = bool(is_causal) or options.get("causal", False)
+        if attn_mask is not None:
+            n_k = (key if key is not None else query).shape[2]
+            padding, mask_causal = _mask_layout(attn_mask, query.shape[0], query.shape[2], n_k)
+            causal = causal or mask_causal
+            if padding is not None:
+                options["key_padding_mask"] = padding
+        options["causal"] = causal
         if scale is not None:
             options["scale"] = scale
         return randattn.attention(query, key, value, method=self.method, **options)

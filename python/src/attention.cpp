@@ -6,6 +6,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <randattn/registry/layout.hpp>
 #include <randattn/registry/registry.hpp>
 
 #include <chrono>
@@ -72,7 +73,7 @@ reg::Value to_value(const reg::OptionSpec& spec, py::handle h) {
 std::map<std::string, reg::Value> keyword_values(const reg::Method& method,
                                                  const py::dict& options) {
   std::map<std::string, reg::Value> values;
-  const std::vector<reg::OptionSpec> specs = method.options();
+  const std::vector<reg::OptionSpec> specs = method.accepted_options();
   for (const auto& item : options) {
     const std::string name = py::str(item.first);
     const reg::OptionSpec* spec = nullptr;
@@ -114,11 +115,15 @@ BatchShape batch_shape(const py::array& q, const py::array* k, const py::array& 
   const py::ssize_t r = q.ndim() - 2;  // the token axis
   BatchShape s;
   if (r == 2) {
-    if (kk.shape(0) != q.shape(0) || v.shape(0) != q.shape(0) || kk.shape(1) != q.shape(1) ||
-        v.shape(1) != q.shape(1))
-      throw py::value_error("batch and head dimensions of q, k and v differ: " + shapes);
+    if (kk.shape(0) != q.shape(0) || v.shape(0) != q.shape(0) || kk.shape(1) != v.shape(1))
+      throw py::value_error("batch dimensions of q, k and v, or head dimensions of k and v, differ: " +
+                            shapes);
     s.batch = q.shape(0);
     s.heads = q.shape(1);
+    if (kk.shape(1) != q.shape(1) && (kk.shape(1) == 0 || q.shape(1) % kk.shape(1) != 0))
+      throw py::value_error("the heads of k and v (" + std::to_string(kk.shape(1)) +
+                            ") must divide the heads of q (" + std::to_string(q.shape(1)) +
+                            "): " + shapes);
   }
   s.n_q = q.shape(r);
   s.d = q.shape(r + 1);
@@ -131,6 +136,40 @@ BatchShape batch_shape(const py::array& q, const py::array* k, const py::array& 
   if (s.d == 0) throw py::value_error("feature dimension d must be positive: " + shapes);
   if (s.n_k == 0) throw py::value_error("at least one key is needed: " + shapes);
   return s;
+}
+
+// Key padding, packed sequences and grouped heads (checked by the registry).
+reg::Layout layout_of(const py::array& q, const py::array* k, const BatchShape& shape,
+                      py::handle key_lengths, py::handle key_padding_mask, py::handle cu_seqlens) {
+  reg::Layout layout;
+  if (k && k->ndim() == 4) layout.kv_heads = k->shape(1);
+  if (!key_lengths.is_none()) {
+    const auto a = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>::ensure(
+        key_lengths);
+    if (a.ndim() != 1 || a.shape(0) != shape.batch)
+      throw py::value_error("key_lengths must have shape (batch,) = (" +
+                            std::to_string(shape.batch) + ",), got " + shape_str(shape_of(a)));
+    layout.key_padding = reg::padding_of_lengths(
+        std::vector<std::int64_t>(a.data(), a.data() + a.size()), shape.n_k, kPython);
+  }
+  if (!key_padding_mask.is_none()) {
+    const auto a = py::array_t<std::uint8_t, py::array::c_style | py::array::forcecast>::ensure(
+        key_padding_mask);
+    if (a.ndim() != 2 || a.shape(0) != shape.batch || a.shape(1) != shape.n_k)
+      throw py::value_error("key_padding_mask must have shape (batch, n_k) = (" +
+                            std::to_string(shape.batch) + ", " + std::to_string(shape.n_k) +
+                            "), got " + shape_str(shape_of(a)));
+    layout.key_padding.assign(a.data(), a.data() + a.size());
+  }
+  if (!cu_seqlens.is_none()) {
+    const auto a = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>::ensure(
+        cu_seqlens);
+    if (a.ndim() != 1)
+      throw py::value_error("cu_seqlens must be 1-D, got shape " + shape_str(shape_of(a)));
+    layout.cu_seqlens.assign(a.data(), a.data() + a.size());
+  }
+  (void)q;
+  return layout;
 }
 
 py::object report_dict(const reg::Method& method, const reg::Call& call, const reg::Report& fields,
@@ -147,9 +186,9 @@ py::object report_dict(const reg::Method& method, const reg::Call& call, const r
 
 template <typename Scalar>
 py::object run_method(const reg::Method& method, const reg::Call& call, bool four_d,
-                      const py::array& q, const py::array* k, const py::array& v,
-                      std::optional<int> threads, bool report) {
-  const reg::Job<Scalar> job = method.build(call, Scalar());
+                      const reg::Layout& layout, const py::array& q, const py::array* k,
+                      const py::array& v, std::optional<int> threads, bool report) {
+  const reg::Job<Scalar> job = reg::build_job<Scalar>(method, call, layout);
   const RowMajorInput<Scalar> qin(q), vin(v);
   const RowMajorInput<Scalar> kin = k ? RowMajorInput<Scalar>(*k) : RowMajorInput<Scalar>();
   const BatchShape& shape = call.shape;
@@ -173,7 +212,9 @@ py::object run_method(const reg::Method& method, const reg::Call& call, bool fou
 py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj,
                      const std::string& method_name, py::handle causal, py::handle scale,
                      py::handle seed, py::handle check_finite, py::handle threads,
-                     py::handle shared_qk, py::handle report, const py::dict& options) {
+                     py::handle shared_qk, py::handle report, py::handle exclude_self,
+                     py::handle key_lengths,
+                     py::handle key_padding_mask, py::handle cu_seqlens, const py::dict& options) {
   const reg::Method& method = reg::find_method(method_name, kPython);
   std::map<std::string, reg::Value> given = keyword_values(method, options);
 
@@ -185,6 +226,7 @@ py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj,
   settings.check_finite = to_flag(check_finite, "check_finite");
   settings.shared_qk = to_flag(shared_qk, "shared_qk");
   settings.report = to_flag(report, "report");
+  settings.exclude_self = to_flag(exclude_self, "exclude_self");
   const std::optional<int> thread_count = to_threads(threads);
 
   const py::array q = as_float_array(q_obj, "q"), v = as_float_array(v_obj, "v");
@@ -198,12 +240,17 @@ py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj,
   reg::check_keys(method, k.has_value(), settings.shared_qk, kPython);
   const BatchShape shape = batch_shape(q, k ? &*k : nullptr, v);
   settings.scale = reg::resolve_scale(scale_value, shape.d, kPython);
+  const py::array* kp = k ? &*k : nullptr;
+  const reg::Layout layout =
+      layout_of(q, kp, shape, key_lengths, key_padding_mask, cu_seqlens);
+  reg::check_layout(method, layout, shape, settings, kPython);
   const reg::Call call = reg::make_call(method, std::move(given), settings, shape, kPython);
   const bool four_d = q.ndim() == 4;
-  const py::array* kp = k ? &*k : nullptr;
   return dtype == Dtype::float32
-             ? run_method<float>(method, call, four_d, q, kp, v, thread_count, settings.report)
-             : run_method<double>(method, call, four_d, q, kp, v, thread_count, settings.report);
+             ? run_method<float>(method, call, four_d, layout, q, kp, v, thread_count,
+                                 settings.report)
+             : run_method<double>(method, call, four_d, layout, q, kp, v, thread_count,
+                                  settings.report);
 }
 
 }  // namespace
@@ -212,7 +259,8 @@ void bind_attention(py::module_& m) {
   using namespace pybind11::literals;
   m.def("attention", &attention, "q"_a, "k"_a.none(true), "v"_a, "method"_a, "causal"_a,
         "scale"_a.none(true), "seed"_a, "check_finite"_a, "threads"_a.none(true), "shared_qk"_a,
-        "report"_a, "options"_a);
+        "report"_a, "exclude_self"_a, "key_lengths"_a.none(true), "key_padding_mask"_a.none(true),
+        "cu_seqlens"_a.none(true), "options"_a);
   py::dict table;
   for (const auto& method : reg::methods()) {
     py::dict entry, defaults;

@@ -159,8 +159,9 @@ def test_thread_count_does_not_change_results(rng, method):
 def test_method_table_defaults_are_the_cli_defaults():
     m = randattn.methods()
     assert list(m) == ["exact", "favor", "favor-hyp", "trig", "oprf", "sderf", "hybrid", "hybrid-gaussian",
-                       "lsh", "lsf", "sparse-lowrank"]
+                       "lsh", "lsf", "sparse-lowrank", "auto"]
     assert m["exact"]["options"] == {}
+    assert m["auto"]["options"] == {"approximation": "favor", "crossover": None}
     for name in ("favor", "favor-hyp", "trig"):
         assert m[name]["options"] == {"features": 256, "projection": "orthogonal", "omega": None}
     assert m["hybrid"]["options"] == {"features": 256, "projection": "orthogonal", "lambda_features": 16}

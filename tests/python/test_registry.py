@@ -58,7 +58,16 @@ RUNS = {
          "features": 16, "causal": True},
         {"support": "blocks", "block_size": 8, "remainder": "favor", "features": 16, "sampling": "uniform"},
     ],
+    "auto": [{"crossover": 0, "features": 16}, {"approximation": "lsh", "crossover": 1000, "causal": True},
+             {"approximation": "lsf", "crossover": 24, "alpha": 0.6}],
 }
+
+
+def ran(method, options):
+    """The method a call runs: auto's path (24 keys against its crossover), else the method."""
+    if method != "auto":
+        return method
+    return "exact" if 24 < options["crossover"] else options.get("approximation", "favor")
 
 
 def test_every_registered_method_is_exercised():
@@ -95,7 +104,7 @@ def test_python_and_cli_give_the_same_bits(tmp_path, method, dtype):
         cli = run_cli(tmp_path, flags, **arrays)
         assert out.dtype == cli.dtype == dtype
         assert np.array_equal(out, cli), (method, options)
-        assert report["method"] == method and report["shared_qk"] == (keys is None)
+        assert report["method"] == ran(method, options) and report["shared_qk"] == (keys is None)
         assert report["seconds"] >= 0
 
 
@@ -139,3 +148,35 @@ def test_lsh_report_has_pairs_scored():
     # Short chunks score a part of the pairs: at most two chunks of c keys per round and query.
     _, r = randattn.attention(q, k, v, method="lsh", chunk=4, rounds=2, report=True)
     assert 0 < r["pairs_scored"] <= 2 * 2 * 4 / n
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_auto_runs_exact_below_the_crossover_and_the_approximation_from_it(dtype):
+    rng = np.random.default_rng(11)
+    for n, path in ((31, "exact"), (32, "favor")):
+        q, k, v = (rng.standard_normal((2, 2, n, 8)).astype(dtype) for _ in range(3))
+        out, r = randattn.attention(q, k, v, method="auto", crossover=32, features=16, seed=5, report=True)
+        kw = {"features": 16} if path == "favor" else {}
+        np.testing.assert_array_equal(out, randattn.attention(q, k, v, method=path, seed=5, **kw))
+        assert r["method"] == path
+        assert r["auto_reason"] == f"n_k {n} {'<' if path == 'exact' else '>='} crossover 32 (given)"
+        if path == "favor":
+            assert r["feature_dim"] == 16
+
+
+def test_auto_takes_its_crossover_from_the_table_by_default():
+    rng = np.random.default_rng(12)
+    q, k, v = (rng.standard_normal((16, 64)) for _ in range(3))
+    _, r = randattn.attention(q, k, v, method="auto", approximation="lsh", report=True)
+    assert "table row lsh d=" in r["auto_reason"] or "no table row for lsh" in r["auto_reason"]
+    assert r["method"] in ("exact", "lsh")
+
+
+def test_auto_refuses_options_of_other_methods_than_its_approximation():
+    q = np.ones((4, 8))
+    with pytest.raises(ValueError, match="not an option of approximation=favor"):
+        randattn.attention(q, q, q, method="auto", chunk=8)
+    with pytest.raises(ValueError, match="approximation must be one of"):
+        randattn.attention(q, q, q, method="auto", approximation="exact")
+    with pytest.raises(ValueError, match="crossover must be non-negative"):
+        randattn.attention(q, q, q, method="auto", crossover=-1)

@@ -52,8 +52,12 @@ def test_unsupported_arguments():
     q = torch.randn(1, 1, 4, 2)
     with pytest.raises(ValueError, match="4-D|batch, heads"):
         randattn.torch.Attention()(q[0], q[0], q[0])
-    with pytest.raises(ValueError, match="attn_mask"):
-        randattn.torch.Attention()(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attn_mask of dtype torch.float32 is not supported.*boolean masks"):
+        randattn.torch.Attention()(q, q, q, attn_mask=torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="neither a key padding mask nor a causal mask"):
+        randattn.torch.Attention()(q, q, q, attn_mask=torch.eye(4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        randattn.torch.Attention()(q, q, q, attn_mask=torch.ones(5, dtype=torch.bool))
     with pytest.raises(ValueError, match="dropout"):
         randattn.torch.Attention()(q, q, q, dropout_p=0.1)
     with pytest.raises(ValueError, match="unknown method"):
@@ -76,3 +80,45 @@ def test_inside_a_model():
     with torch.no_grad():
         out = Block()(torch.randn(2, 10, 8))
     assert out.shape == (2, 2, 10, 4) and torch.isfinite(out).all()
+
+
+def masked_reference(q, k, v, allowed):
+    logits = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    return torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+
+
+@pytest.mark.parametrize("method,options", [("exact", {}), ("favor", {"features": 16, "seed": 4}),
+                                            ("lsh", {"chunk": 4, "seed": 4})])
+def test_boolean_attn_masks_are_key_padding_and_causal_layouts(method, options):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, 10, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    valid[0, 6:] = False
+    valid[1, [0, 3]] = False
+    module = randattn.torch.Attention(method, **options)
+    tril = torch.ones(10, 10, dtype=torch.bool).tril()
+    qn, kn, vn = q.numpy(), k.numpy(), v.numpy()
+    for mask, causal in ((valid[:, None, None, :], False),            # (batch, 1, 1, n_k)
+                         (valid[:, None, None, :].expand(2, 1, 10, 10), False),  # equal rows
+                         (tril, True),                                  # causal
+                         (tril[None, None] & valid[:, None, None, :], True)):   # causal with padding
+        out = module(q, k, v, attn_mask=mask)
+        padding = None if mask is tril else (~valid).numpy()
+        expected = randattn.attention(qn, kn, vn, method=method, causal=causal, key_padding_mask=padding, **options)
+        assert torch.equal(out, torch.from_numpy(expected))
+        if method == "exact":
+            ref = masked_reference(q, k, v, mask.expand(2, 2, 10, 10))
+            finite = torch.isfinite(ref).all(-1)  # SDPA gives NaN where no key is allowed, randattn zeros
+            torch.testing.assert_close(out[finite], ref[finite])
+            assert (out[~finite] == 0).all()
+    # Equal to is_causal=True when the mask is the causal one.
+    assert torch.equal(module(q, k, v, attn_mask=tril), module(q, k, v, is_causal=True))
+
+
+def test_grouped_query_heads_in_the_module():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, 8, 4, generator=g)
+    k, v = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(2))
+    module = randattn.torch.Attention()
+    expected = reference(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
+    torch.testing.assert_close(module(q, k, v, enable_gqa=True), expected)

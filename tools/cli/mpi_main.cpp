@@ -158,6 +158,12 @@ class ShardedAttentionCommand : public RegistryAttentionCommand {
       v = header("--v", v_path_);
     });
     const reg::Call call = make_call(method, q, k, v);
+    if (!key_lengths_path_.empty() || !key_padding_path_.empty() || !cu_seqlens_path_.empty() ||
+        exclude_self_ ||
+        (k.ndim() == 4 && k.shape[1] != call.shape.heads))
+      throw CliError(
+          "randattn-mpi: key padding, packed sequences, grouped heads and --exclude-self are not "
+          "distributed; run them with randattn-cli");
     const randattn::BatchShape& shape = call.shape;
     const Shape out_shape = output_shape(q.ndim(), shape);
     const randattn::mpi::RowPartition q_rows(shape.n_q, comm.size(), layout),

@@ -5,6 +5,8 @@
 // checked by the registry. A flag of another method than the selected one is refused.
 
 #include <randattn/io/npy.hpp>
+#include <randattn/io/npy_index.hpp>
+#include <randattn/registry/layout.hpp>
 #include <randattn/registry/registry.hpp>
 
 #include <CLI/CLI.hpp>
@@ -84,6 +86,16 @@ class RegistryAttentionCommand {
         "--compare", compare_,
         "Also compute exact attention and add \"rel_error\" (relative Frobenius error) to the "
         "--report line (implies --report)");
+    cmd_->add_flag("--exclude-self", exclude_self_,
+                   "Queries and keys are the same positions: query i never attends to key i "
+                   "unless it has no other valid key (needs n_q == n_k)");
+    cmd_->add_option("--key-lengths", key_lengths_path_,
+                     "Integer .npy (batch,): keys j >= L[b] of batch item b take no part");
+    cmd_->add_option("--key-padding-mask", key_padding_path_,
+                     "Boolean .npy (batch, n_k), true = padding: those keys take no part");
+    cmd_->add_option("--cu-seqlens", cu_seqlens_path_,
+                     "Integer .npy (S + 1,): packed sequences [C[i], C[i+1]) along n, each "
+                     "attending within itself (0 first, n last, strictly increasing)");
     for (const reg::OptionSpec& s : reg::all_options()) add_registered(s);
   }
 
@@ -96,15 +108,18 @@ class RegistryAttentionCommand {
         shared_qk_ ? randattn::io::NpyArray() : read_input("--k", k_path_);
     const randattn::io::NpyArray& k = shared_qk_ ? q : k_file;
     const randattn::io::NpyArray v = read_input("--v", v_path_);
-    const reg::Call call = make_call(method, info(q), info(k), info(v));
+    reg::Call call = make_call(method, info(q), info(k), info(v));
+    const reg::Layout layout = make_layout(method, info(k), call);
+    if (front_end_compares(method, call, layout)) call.settings.compare = false;
     const Shape out_shape = output_shape(q.ndim(), call.shape);
-    Outcome outcome = q.is_float32() ? compute<float>(method, call, q, k, v, out_shape)
-                                     : compute<double>(method, call, q, k, v, out_shape);
+    Outcome outcome = q.is_float32() ? compute<float>(method, call, layout, q, k, v, out_shape)
+                                     : compute<double>(method, call, layout, q, k, v, out_shape);
 
     if (report_ || compare_) {
       JsonObject json =
           report_json(method, call, info(q), info(k), info(v), out_shape, outcome.report);
-      if (compare_ && !method.own_comparison()) json.add("rel_error", outcome.rel_error);
+      if (compare_ && front_end_compares(method, call, layout))
+        json.add("rel_error", outcome.rel_error);
       json.add("seconds", outcome.seconds);
       std::cout << json.str() << std::endl;
     }
@@ -154,7 +169,69 @@ class RegistryAttentionCommand {
     settings.shared_qk = shared_qk_;
     settings.report = report_ || compare_;
     settings.compare = compare_;
+    settings.exclude_self = exclude_self_;
     return reg::make_call(method, std::move(given), settings, shape, spell);
+  }
+
+  // Key padding, packed sequences and grouped heads from the flags and the key shape.
+  reg::Layout make_layout(const reg::Method& method, const InputInfo& k,
+                          const reg::Call& call) const {
+    const reg::Spelling spell{true};
+    const randattn::BatchShape& shape = call.shape;
+    reg::Layout layout;
+    if (k.ndim() == 4 && !shared_qk_) layout.kv_heads = k.shape[1];
+    if (!key_lengths_path_.empty() && !key_padding_path_.empty())
+      throw CliError("give at most one of --key-lengths and --key-padding-mask");
+    if (!key_lengths_path_.empty()) {
+      const randattn::io::NpyIndexArray a = read_index("--key-lengths", key_lengths_path_, false);
+      if (a.shape != Shape{shape.batch})
+        throw CliError("--key-lengths must have shape (batch,) = (" + std::to_string(shape.batch) +
+                       ",), got " + shape_str(a.shape));
+      layout.key_padding = reg::padding_of_lengths(a.data, shape.n_k, spell);
+    }
+    if (!key_padding_path_.empty()) {
+      const randattn::io::NpyIndexArray a =
+          read_index("--key-padding-mask", key_padding_path_, true);
+      if (a.shape != Shape{shape.batch, shape.n_k})
+        throw CliError("--key-padding-mask must have shape (batch, n_k) = (" +
+                       std::to_string(shape.batch) + ", " + std::to_string(shape.n_k) + "), got " +
+                       shape_str(a.shape));
+      layout.key_padding.assign(a.data.begin(), a.data.end());
+    }
+    if (!cu_seqlens_path_.empty()) {
+      const randattn::io::NpyIndexArray a = read_index("--cu-seqlens", cu_seqlens_path_, false);
+      if (a.shape.size() != 1)
+        throw CliError("--cu-seqlens must be 1-D, got shape " + shape_str(a.shape));
+      layout.cu_seqlens = a.data;
+    }
+    reg::check_layout(method, layout, shape, call.settings, spell);
+    if (compare_ && shared_qk_ && (!layout.plain(shape) || exclude_self_))
+      throw CliError(
+          "--compare with --shared-qk compares a plain call only (no --cu-seqlens or "
+          "--exclude-self)");
+    return layout;
+  }
+
+  static randattn::io::NpyIndexArray read_index(const char* flag, const std::string& path,
+                                                bool boolean) {
+    randattn::io::NpyIndexArray a;
+    try {
+      a = randattn::io::read_npy_index(path);
+    } catch (const std::exception& e) {
+      throw CliError(std::string(flag) + ": " + e.what());
+    }
+    if (a.boolean != boolean)
+      throw CliError(std::string(flag) + ": expected " +
+                     (boolean ? "a boolean array" : "an integer array") + ", got " +
+                     (a.boolean ? "a boolean one" : "an integer one"));
+    return a;
+  }
+
+  // The front end adds rel_error unless the method compares itself (a plain call without
+  // self-exclusion).
+  static bool front_end_compares(const reg::Method& method, const reg::Call& call,
+                                 const reg::Layout& layout) {
+    return !method.own_comparison() || !layout.plain(call.shape) || call.settings.exclude_self;
   }
 
   static Shape output_shape(std::size_t ndim, const randattn::BatchShape& shape) {
@@ -169,8 +246,13 @@ class RegistryAttentionCommand {
   JsonObject report_json(const reg::Method& method, const reg::Call& call, const InputInfo& q,
                          const InputInfo& k, const InputInfo& v, const Shape& out_shape,
                          const reg::Report& fields) const {
+    // "auto" reports the method that ran.
+    std::string ran = method.name();
+    for (const auto& [key, value] : fields)
+      if (key == "method" && std::holds_alternative<std::string>(value))
+        ran = std::get<std::string>(value);
     JsonObject json;
-    json.add("method", method.name())
+    json.add("method", ran)
         .add("dtype", randattn::io::dtype_name(q.dtype))
         .add("q", q.shape)
         .add("k", k.shape)
@@ -180,7 +262,7 @@ class RegistryAttentionCommand {
         .add("scale", call.settings.scale)
         .add("threads", effective_threads());
     for (const auto& [key, value] : fields)
-      std::visit([&, &key = key](const auto& x) { json.add(key, x); }, value);
+      if (key != "method") std::visit([&, &key = key](const auto& x) { json.add(key, x); }, value);
     json.add("shared_qk", shared_qk_);
     return json;
   }
@@ -212,7 +294,7 @@ class RegistryAttentionCommand {
   const reg::Method& select_method() const {
     const reg::Method& chosen = reg::find_method(method_, reg::Spelling{true});
     for (const auto& [spec, opt] : registered_) {
-      if (opt->count() == 0 || reg::owns(chosen, spec.name)) continue;
+      if (opt->count() == 0 || reg::accepts(chosen, spec.name)) continue;
       throw CliError("option " + opt->get_name() + " belongs to --method " +
                      reg::owners(spec.name).front()->name() + ", not " + method_);
     }
@@ -223,7 +305,7 @@ class RegistryAttentionCommand {
   std::map<std::string, reg::Value> option_values(const reg::Method& method) const {
     std::map<std::string, reg::Value> values;
     for (const auto& [spec, opt] : registered_) {
-      if (opt->count() == 0 || !reg::owns(method, spec.name)) continue;
+      if (opt->count() == 0 || !reg::accepts(method, spec.name)) continue;
       const std::string flag = opt->get_name();
       const std::string& text = text_.count(spec.name) ? text_.at(spec.name) : std::string();
       switch (spec.type) {
@@ -300,11 +382,15 @@ class RegistryAttentionCommand {
     const std::size_t r = q.ndim() - 2;  // index of the token axis
     randattn::BatchShape s;
     if (r == 2) {
-      if (k.shape[0] != q.shape[0] || v.shape[0] != q.shape[0] || k.shape[1] != q.shape[1] ||
-          v.shape[1] != q.shape[1])
-        throw CliError("batch and head dimensions of --q, --k and --v differ: " + shapes);
+      if (k.shape[0] != q.shape[0] || v.shape[0] != q.shape[0] || k.shape[1] != v.shape[1])
+        throw CliError("batch dimensions of --q, --k and --v, or head dimensions of --k and --v, "
+                       "differ: " + shapes);
       s.batch = q.shape[0];
       s.heads = q.shape[1];
+      if (k.shape[1] != q.shape[1] && (k.shape[1] == 0 || q.shape[1] % k.shape[1] != 0))
+        throw CliError("the heads of --k and --v (" + std::to_string(k.shape[1]) +
+                       ") must divide the heads of --q (" + std::to_string(q.shape[1]) +
+                       "): " + shapes);
     }
     s.n_q = q.shape[r];
     s.d = q.shape[r + 1];
@@ -320,10 +406,10 @@ class RegistryAttentionCommand {
   }
 
   template <typename Scalar>
-  Outcome compute(const reg::Method& method, const reg::Call& call, const randattn::io::NpyArray& q,
-                  const randattn::io::NpyArray& k, const randattn::io::NpyArray& v,
-                  const Shape& out_shape) const {
-    const reg::Job<Scalar> job = method.build(call, Scalar());
+  Outcome compute(const reg::Method& method, const reg::Call& call, const reg::Layout& layout,
+                  const randattn::io::NpyArray& q, const randattn::io::NpyArray& k,
+                  const randattn::io::NpyArray& v, const Shape& out_shape) const {
+    const reg::Job<Scalar> job = reg::build_job<Scalar>(method, call, layout);
     std::uint64_t count = 1;
     for (std::int64_t dim : out_shape) {
       const auto u = static_cast<std::uint64_t>(dim);
@@ -345,13 +431,17 @@ class RegistryAttentionCommand {
     const auto start = std::chrono::steady_clock::now();
     outcome.report = job(q.values<Scalar>().data(), keys, v.values<Scalar>().data(), out.data());
     outcome.seconds = reg::seconds_since(start);
-    if (compare_ && !method.own_comparison()) {
+    if (compare_ && front_end_compares(method, call, layout)) {
+      // Exact attention under the same layout.
       std::vector<Scalar> exact(out.size());
-      randattn::ExactOptions opt;
-      opt.causal = call.settings.causal;
-      opt.scale = call.settings.scale;
-      randattn::exact_attention_batched(q.values<Scalar>().data(), k.values<Scalar>().data(),
-                                        v.values<Scalar>().data(), exact.data(), call.shape, opt);
+      const reg::Method& exact_method = reg::find_method("exact", reg::Spelling{true});
+      reg::Call exact_call = reg::make_call(exact_method, {}, call.settings, call.shape,
+                                            reg::Spelling{true});
+      exact_call.settings.shared_qk = false;
+      exact_call.settings.compare = false;
+      reg::build_job<Scalar>(exact_method, exact_call, layout)(
+          q.values<Scalar>().data(), keys ? keys : q.values<Scalar>().data(),
+          v.values<Scalar>().data(), exact.data());
       outcome.rel_error = reg::relative_error(out.data(), exact.data(), out.size());
     }
     try {
@@ -373,7 +463,9 @@ class RegistryAttentionCommand {
   CLI::Option* threads_opt_ = nullptr;
   std::string method_ = "exact";
   std::string q_path_, k_path_, v_path_, out_path_;
+  std::string key_lengths_path_, key_padding_path_, cu_seqlens_path_;
   bool shared_qk_ = false, causal_ = false, report_ = false, compare_ = false;
+  bool exclude_self_ = false;
   double scale_ = 0;
   int threads_ = 1;
   std::uint64_t seed_ = 0;

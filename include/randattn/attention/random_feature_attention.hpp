@@ -44,6 +44,9 @@ namespace randattn {
 struct RandomFeatureOptions : AttentionOptions {
   std::optional<double> denominator_epsilon;  // default 0 (nonnegative maps) or 1e-6 (signed)
   Index block_size = 0;                       // causal chunk length; 0 = automatic
+  // Queries and keys are the same positions (n_q == n_k): the estimate of key i's term is
+  // removed from query i's sums unless key i is its only key (the rule of shared-QK LSH).
+  bool exclude_self = false;
 };
 
 namespace detail {
@@ -53,6 +56,7 @@ template <typename Scalar>
 struct FeatureAttentionSettings {
   Scalar normaliser;
   LinearOptions linear;
+  bool exclude_self = false;
 };
 
 template <typename Map>
@@ -78,7 +82,7 @@ FeatureAttentionSettings<typename Map::Scalar> feature_attention_settings(
   // Inputs are checked before mapping; the core's check of its small result then catches
   // features that overflowed (e.g. an extreme bandwidth or scale) at almost no cost.
   lin.check_finite = opt.check_finite;
-  return {static_cast<Scalar>(std::sqrt(scale)), lin};
+  return {static_cast<Scalar>(std::sqrt(scale)), lin, opt.exclude_self};
 }
 
 // Validates one (q, k, v) slice: shapes, and finiteness when check_finite.
@@ -95,6 +99,8 @@ void check_feature_slice(const char* where, const Map& map,
           map.input_dim());
   check_attention_shapes<Scalar>(where, q, k, v);
   check_attention_counts(where, q.rows(), k.rows(), s.linear.causal);
+  require(!s.exclude_self || q.rows() == k.rows(), where, "exclude_self needs as many queries (",
+          q.rows(), ") as keys (", k.rows(), ")");
   if (check_finite) check_attention_finite<Scalar>(where, q, k, v);
 }
 
@@ -180,7 +186,10 @@ SoftmaxAccumulator<typename Map::Scalar> feature_attention_slice(
   check_feature_slice(where, map, q, k, v, s, check_finite);
   if (q.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
   const FeatureOperands<Map> op(map, q, k, v, s);
-  return linear_accumulate(where, op.in, s.linear.causal, s.linear.check_finite);
+  SoftmaxAccumulator<Scalar> acc =
+      linear_accumulate(where, op.in, s.linear.causal, s.linear.check_finite);
+  if (s.exclude_self) remove_self_terms(op.in, s.linear.causal, acc);
+  return acc;
 }
 
 }  // namespace detail

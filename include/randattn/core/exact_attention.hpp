@@ -27,6 +27,9 @@ namespace randattn {
 // causal, scale (default 1/sqrt(d)) and check_finite: see core/options.hpp.
 struct ExactOptions : AttentionOptions {
   Index block_size = 0;  // query and key block length; 0 = automatic (128)
+  // Queries and keys are the same positions (n_q == n_k): query i never attends to key i unless
+  // it has no other key (n = 1, or position 0 under causal), as shared-QK LSH.
+  bool exclude_self = false;
 };
 
 // The options of exact attention for n_q queries of dimension d (block_size, d >= 1 when there
@@ -72,7 +75,7 @@ template <typename Scalar>
 SoftmaxAccumulator<Scalar> exact_tiled(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                                        const Eigen::Ref<const RowMatrix<Scalar>>& k,
                                        const Eigen::Ref<const RowMatrix<Scalar>>& v, Scalar scale,
-                                       bool causal, Index block) {
+                                       bool causal, Index block, bool exclude_self = false) {
   const Index n_q = q.rows(), n_k = k.rows(), dv = v.cols();
   SoftmaxAccumulator<Scalar> acc(n_q, dv);
   if (n_q == 0) return acc;
@@ -82,7 +85,7 @@ SoftmaxAccumulator<Scalar> exact_tiled(const Eigen::Ref<const RowMatrix<Scalar>>
   // thread count.
   parallel_for(q_blocks, [&](Index qb) {
     const Index i0 = qb * block, bq = std::min(block, n_q - i0);
-    ExactTile<Scalar> tile(bq, block, dv, causal);
+    ExactTile<Scalar> tile(bq, block, dv, causal, exclude_self);
     // Causal: key blocks wholly after the query block are skipped.
     const Index k_end = causal ? i0 + bq : n_k;
     for (Index j0 = 0; j0 < k_end; j0 += block) {
@@ -91,6 +94,12 @@ SoftmaxAccumulator<Scalar> exact_tiled(const Eigen::Ref<const RowMatrix<Scalar>>
                   i0);
     }
   });
+  if (exclude_self && n_k > 0) {
+    // The self rule's fallback: a query whose own key is its only key attends to it.
+    ExactTile<Scalar> self(1, 1, dv, false);
+    for (Index i = 0; i < (causal ? 1 : (n_k == 1 ? n_q : 0)); ++i)
+      self.attend(qs.middleRows(i, 1), i, k.middleRows(i, 1), v.middleRows(i, 1), i, acc, i);
+  }
   return acc;
 }
 
@@ -104,7 +113,10 @@ SoftmaxAccumulator<Scalar> exact_attention_accumulate(const Eigen::Ref<const Row
                                                       const ExactOptions& opt = {}) {
   const Scalar scale = check_exact_inputs<Scalar>("exact_attention", q, k, v, opt);
   const Index block = exact_block_size(opt);
-  SoftmaxAccumulator<Scalar> acc = detail::exact_tiled<Scalar>(q, k, v, scale, opt.causal, block);
+  detail::require(!opt.exclude_self || q.rows() == k.rows(), "exact_attention",
+                  "exclude_self needs as many queries (", q.rows(), ") as keys (", k.rows(), ")");
+  SoftmaxAccumulator<Scalar> acc =
+      detail::exact_tiled<Scalar>(q, k, v, scale, opt.causal, block, opt.exclude_self);
   const auto scan = detail::exact_input_scan<Scalar>("exact_attention", q, k, v);
   detail::check_result_finite("exact_attention", acc.numden(), opt.check_finite, scan);
   // Every row has a valid key, so a log-scale of -inf means all its logits overflowed to -inf.
@@ -142,6 +154,11 @@ RowMatrix<typename DQ::Scalar> naive_attention(const Eigen::MatrixBase<DQ>& q,
     for (Index i = 0; i < p.rows(); ++i)
       p.row(i).tail(p.cols() - i - 1).setConstant(-std::numeric_limits<Scalar>::infinity());
   }
+  detail::require(!opt.exclude_self || qm.rows() == km.rows(), "naive_attention",
+                  "exclude_self needs as many queries as keys");
+  if (opt.exclude_self)  // the self rule: own key masked unless it is the only one
+    for (Index i = 0; i < p.rows(); ++i)
+      if (opt.causal ? i > 0 : p.cols() > 1) p(i, i) = -std::numeric_limits<Scalar>::infinity();
   for (Index i = 0; i < p.rows(); ++i) {
     p.row(i).array() = (p.row(i).array() - p.row(i).maxCoeff()).exp();
     p.row(i) /= p.row(i).sum();

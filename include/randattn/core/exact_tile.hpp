@@ -20,9 +20,12 @@ template <typename Scalar>
 class ExactTile {
  public:
   // Buffers for tiles of at most max_rows queries x max_cols keys and value_dim value columns.
-  ExactTile(Index max_rows, Index max_cols, Index value_dim, bool causal)
+  // exclude_self: the key at a query's own position is masked (queries and keys are the same
+  // positions).
+  ExactTile(Index max_rows, Index max_cols, Index value_dim, bool causal, bool exclude_self = false)
       : tile_(max_rows, max_cols, value_dim) {
     mask_.causal = causal;
+    mask_.exclude_self = exclude_self;
   }
 
   // Merges into rows [acc_row, acc_row + q.rows()) of acc the partials [num | den] of the queries

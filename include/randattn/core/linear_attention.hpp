@@ -375,6 +375,33 @@ SoftmaxAccumulator<typename In::Scalar> linear_causal(const In& in) {
   return linear_causal_with_summary(in).first;
 }
 
+// Self-exclusion for queries and keys at the same positions (n_q == n_k): removes from row i of
+// acc the term of key i, φ(q_i)ᵀ diag(σ) φ(k_i) [v_i | 1] at log-scale (q_i's + k_i's), unless
+// key i is the row's only key (n = 1, or row 0 under causal). The remaining sum is that of the
+// other keys up to the rounding of the full sum.
+template <typename In>
+void remove_self_terms(const In& in, bool causal, SoftmaxAccumulator<typename In::Scalar>& acc) {
+  using Scalar = typename In::Scalar;
+  const Index n = in.q.rows(), first = causal ? 1 : 0;
+  if (n <= 1) return;
+  const Index block = std::min<Index>(n, 256), dv = in.v.cols();
+  FeatureBlock<Scalar> qb(block, in.features()), kb(block, in.features());
+  RowMatrix<Scalar> nd(block, dv + 1);
+  for (Index i0 = first; i0 < n; i0 += block) {
+    const Index len = std::min(block, n - i0);
+    const auto qf = in.q.view(i0, len, qb);
+    const auto kf = in.k.view(i0, len, kb);
+    for (Index r = 0; r < len; ++r) {
+      const Scalar w = in.signs.size() > 0
+                           ? (qf.row(r).array() * in.signs.transpose().array() * kf.row(r).array()).sum()
+                           : qf.row(r).dot(kf.row(r));
+      nd.row(r).head(dv) = -w * in.v.row(i0 + r);
+      nd(r, dv) = -w;
+    }
+    acc.merge_rows(i0, nd.topRows(len), qb.log_scale.head(len) + kb.log_scale.head(len));
+  }
+}
+
 // Causal or bidirectional attention of the operands, its result checked when check_finite: a
 // non-finite result names the first non-finite input, or reports an overflow.
 template <typename In>

@@ -82,6 +82,9 @@ struct LshOptions : AttentionOptions {
                                // exact_buckets); separate keys: key chunks of ceil(c n_k / n_q)
   bool exact_buckets = false;  // attend to whole buckets instead of sorted chunks
   bool dedupe = true;          // exact-union correction; false = multiset (trax/HF)
+  // Separate keys at the queries' positions (n_q == n_k): the self rule of shared QK, key i
+  // masked for query i unless it has no other valid key (implied by shared QK).
+  bool exclude_self = false;
 };
 
 // Reformer's bucket count for chunk length c: 2 ceil(n / c) (expected bucket size c / 2).
@@ -109,6 +112,8 @@ Scalar check_lsh_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scal
           keys.rows(), ")");
   check_attention_shapes<Scalar>(where, q, keys, v);
   check_attention_counts(where, q.rows(), keys.rows(), opt.causal);
+  require(!opt.exclude_self || q.rows() == keys.rows(), where,
+          "exclude_self needs as many queries (", q.rows(), ") as keys (", keys.rows(), ")");
   if (opt.check_finite) {
     if (k) require_finite(*k, where, "k");
     require_finite(q, where, "q");
@@ -157,7 +162,7 @@ class LshSlice {
     problem_.queries = &queries_;
     problem_.keys = &keys_;
     problem_.values = &values_;
-    problem_.exclude_self = shared_;
+    problem_.exclude_self = shared_ || opt.exclude_self;
     problem_.causal = opt.causal;
     if (opt.exact_buckets)
       bucket_rounds();
@@ -277,6 +282,12 @@ class LshSlice {
       kernel.attend(empty.data() + r0, std::min(kTargetRowTile, Index(empty.size()) - r0),
                     all.data(), Index(all.size()), acc_);
     });
+    if (!opt_.exclude_self) return;
+    // Self rule: a row whose only valid key is its own attends to it.
+    std::vector<std::int32_t> alone;
+    for (std::int32_t i : empty)
+      if (acc_.log_scale()(i) == -std::numeric_limits<Scalar>::infinity()) alone.push_back(i);
+    if (!alone.empty()) attend_to_self(acc_, alone, queries_, keys_, values_);
   }
 
   const CrossPolytopeHash<Scalar>& hash_;

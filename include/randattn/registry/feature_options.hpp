@@ -59,19 +59,25 @@ inline OptionSpec rho() {
   return s;
 }
 inline OptionSpec calibration() {
-  return {"calibration", OptionType::array, std::monostate{},
+  OptionSpec s{"calibration", OptionType::array, std::monostate{},
           "oprf, sderf with fit given: (r, d) or per-head (heads, r, d) array, rows of sample "
           "queries/keys (each row used as both) to fit to"};
+  s.per_head = true;
+  return s;
 }
 inline OptionSpec calibration_q() {
-  return {"calibration_q", OptionType::array, std::monostate{},
+  OptionSpec s{"calibration_q", OptionType::array, std::monostate{},
           "oprf, sderf with fit given: (r, d) or per-head (heads, r, d) sample queries, with "
           "calibration_k"};
+  s.per_head = true;
+  return s;
 }
 inline OptionSpec calibration_k() {
-  return {"calibration_k", OptionType::array, std::monostate{},
+  OptionSpec s{"calibration_k", OptionType::array, std::monostate{},
           "oprf, sderf with fit given: (r, d) or per-head (heads, r, d) sample keys, with "
           "calibration_q"};
+  s.per_head = true;
+  return s;
 }
 
 }  // namespace feature_options

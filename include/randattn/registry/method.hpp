@@ -33,6 +33,9 @@ struct Settings {
   bool check_finite = true;  // reject NaN and infinities in the inputs
   bool report = false;       // also compute the report's statistics (pairs, predicted error)
   bool compare = false;      // methods with their own reference add "rel_error" (see Method)
+  // Queries and keys are the same positions: query i never attends to key i unless it has no
+  // other valid key (methods with supports_exclude_self(); implied by shared QK).
+  bool exclude_self = false;
 };
 
 // What a builder sees.
@@ -55,8 +58,13 @@ class Method {
   virtual const char* summary() const = 0;
   // The options the method owns, each declared once (shared ones come from one function).
   virtual std::vector<OptionSpec> options() const = 0;
+  // The options a call of the method may give: its own, and for a method that runs others
+  // ("auto") theirs too.
+  virtual std::vector<OptionSpec> accepted_options() const { return options(); }
   // True when the method can run with keys := normalised queries, self excluded (Reformer).
   virtual bool supports_shared_qk() const { return false; }
+  // True when the method honours Settings::exclude_self.
+  virtual bool supports_exclude_self() const { return false; }
   // True when the method's report holds its own "rel_error" under Settings::compare (a
   // reference other than plain exact attention, or timings of its own).
   virtual bool own_comparison() const { return false; }

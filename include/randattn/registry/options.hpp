@@ -64,6 +64,7 @@ struct OptionSpec {
   std::optional<Bound> min, max;     // integer and real options
   bool finite = false;               // real options: reject NaN and infinities
   std::vector<std::string> choices;  // text options; empty: any text
+  bool per_head = false;  // arrays: a 3-D value (heads, ...) holds one 2-D entry per query head
 };
 
 // How a front end spells options and settings in its messages: "--rounds 3" on the command line,
@@ -92,6 +93,8 @@ struct Spelling {
   std::string shared_qk() const { return command_line ? "--shared-qk" : "shared_qk=True"; }
   // The keys argument.
   std::string keys() const { return command_line ? "--k" : "k"; }
+  // How self-exclusion is asked for.
+  std::string exclude_self() const { return command_line ? "--exclude-self" : "exclude_self=True"; }
 };
 
 // A bad option value or combination (ValueError in Python, exit code 2 on the command line).
@@ -197,6 +200,13 @@ class Options {
   }
   const ArrayValue& array(const std::string& name) const {
     return std::get<ArrayValue>(value(name));
+  }
+  // A copy with `name` given as `value` (checked).
+  Options with(const std::string& name, Value value) const {
+    check_value(spec(name), value, spelling_);
+    Options o = *this;
+    o.given_[name] = std::move(value);
+    return o;
   }
   // Spelled for messages: "--rounds", "rounds".
   std::string spelled(const std::string& name) const { return spelling_.option(name); }

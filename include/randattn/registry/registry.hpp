@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "method.hpp"
+#include "methods/auto.hpp"
 #include "methods/exact.hpp"
 #include "methods/features.hpp"
 #include "methods/lsf.hpp"
@@ -38,6 +39,7 @@ inline const std::vector<std::unique_ptr<Method>>& methods() {
     t.push_back(std::make_unique<LshMethod>());
     t.push_back(std::make_unique<LsfMethod>());
     t.push_back(std::make_unique<SparseLowRankMethod>());
+    t.push_back(std::make_unique<AutoMethod>());
     return t;
   }();
   return table;
@@ -59,6 +61,13 @@ inline const Method& find_method(const std::string& name, const Spelling& spell)
 
 inline bool owns(const Method& method, const std::string& option) {
   for (const OptionSpec& s : method.options())
+    if (s.name == option) return true;
+  return false;
+}
+
+// True when a call of `method` may give `option` (see Method::accepted_options()).
+inline bool accepts(const Method& method, const std::string& option) {
+  for (const OptionSpec& s : method.accepted_options())
     if (s.name == option) return true;
   return false;
 }
@@ -116,7 +125,7 @@ inline double resolve_scale(const std::optional<double>& given, std::int64_t d,
 // The call of `method` with the given option values (checked) over its defaults.
 inline Call make_call(const Method& method, std::map<std::string, Value> given,
                       const Settings& settings, const BatchShape& shape, const Spelling& spell) {
-  return Call{Options(method.options(), std::move(given), spell), settings, shape};
+  return Call{Options(method.accepted_options(), std::move(given), spell), settings, shape};
 }
 
 }  // namespace randattn::registry

@@ -141,6 +141,7 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
   const char* name() const override { return Family::name; }
   const char* summary() const override { return Family::summary; }
   std::vector<OptionSpec> options() const override { return Family::options(); }
+  bool supports_exclude_self() const override { return true; }
 
   template <typename Scalar>
   Job<Scalar> make(const Call& call) const {
@@ -222,6 +223,7 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
     opt.causal = call.settings.causal;
     opt.scale = call.settings.scale;
     opt.check_finite = call.settings.check_finite;
+    opt.exclude_self = call.settings.exclude_self;
     const double normaliser = std::sqrt(call.settings.scale);
     const std::uint64_t seed = call.settings.seed;
     Report report;

@@ -38,6 +38,7 @@ class LshMethod final : public TypedMethod<LshMethod> {
     return "LSH attention (Reformer, cross-polytope buckets)";
   }
   bool supports_shared_qk() const override { return true; }
+  bool supports_exclude_self() const override { return true; }
   // Shared QK compares with exact shared-QK attention (normalised keys, self rule).
   bool own_comparison() const override { return true; }
 
@@ -97,6 +98,8 @@ class LshMethod final : public TypedMethod<LshMethod> {
     opt.scale = call.settings.scale;
     opt.dedupe = call.options.flag("dedupe");
     opt.check_finite = call.settings.check_finite;
+    // Shared QK has the self rule already.
+    opt.exclude_self = call.settings.exclude_self && !call.settings.shared_qk;
     return opt;
   }
 

@@ -44,6 +44,7 @@ inline OptionSpec features() {
   OptionSpec s{"features", OptionType::integer, std::int64_t(256),
                "number m of random projections"};
   s.min = Bound{1};
+  s.max = Bound{double(kMaxFeatures)};
   return s;
 }
 inline OptionSpec projection() {
@@ -60,6 +61,7 @@ inline OptionSpec lambda_features() {
   OptionSpec s{"lambda_features", OptionType::integer, std::int64_t(16),
                "hybrids: random features n_lambda of the weight estimator"};
   s.min = Bound{1};
+  s.max = Bound{double(kMaxFeatures)};
   return s;
 }
 inline OptionSpec bandwidth() {
@@ -204,6 +206,17 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
   const char* name() const override { return Family::name; }
   const char* summary() const override { return Family::summary; }
   std::vector<OptionSpec> options() const override { return Family::options(); }
+
+  // The projection (m x d, drawn in double) and the query and key features (n x m) of a slice.
+  double working_bytes(const Call& call, std::size_t scalar_bytes) const override {
+    const Options& o = call.options;
+    const double m = o.given("omega") ? double(o.array("omega").shape[0])
+                     : o.has("features") ? double(o.integer("features"))
+                                         : 0.0;
+    const BatchShape& s = call.shape;
+    return 8.0 * m * double(s.d) +
+           double(scalar_bytes) * m * (double(s.n_q + s.n_k) + double(s.dv + 1));
+  }
 
   template <typename Scalar>
   Job<Scalar> make(const Call& call) const {

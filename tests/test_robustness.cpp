@@ -320,11 +320,11 @@ TEMPLATE_TEST_CASE("robustness: LSF logits beyond the range raise exact attentio
                    "[robustness][overflow]", float, double) {
   using Scalar = TestType;
   const Index n = 12, d = 4, dv = 2;
-  // Norms of sqrt(max): every logit q·k overflows, as in exact attention.
-  const Scalar norm = std::sqrt(std::numeric_limits<Scalar>::max());
+  // Keys equal to the queries, of norm 4 sqrt(max): each query's logit with its own key is
+  // 16 max, beyond the range, so exact attention reports overflow.
+  const Scalar norm = std::sqrt(std::numeric_limits<Scalar>::max()) * Scalar(4);
   const RowMatrix<Scalar> q = testing::gaussian<Scalar>(21, n, d).rowwise().normalized() * norm,
-                          k = testing::gaussian<Scalar>(22, n, d).rowwise().normalized() * norm,
-                          v = testing::gaussian<Scalar>(23, n, dv);
+                          k = q, v = testing::gaussian<Scalar>(23, n, dv);
   REQUIRE(q.allFinite());
   REQUIRE(k.allFinite());
   const std::string overflow = "the result overflowed the floating-point range";

@@ -26,9 +26,10 @@ int value_headroom(const Eigen::MatrixBase<Derived>& v, double terms) {
   if (v.size() == 0) return 0;
   const double largest = double(v.cwiseAbs().maxCoeff());
   const double limit = double(std::numeric_limits<Scalar>::max()) / 4;
-  const double need = largest * std::max(terms, 1.0);
-  if (!std::isfinite(largest) || !(need > limit)) return 0;  // non-finite: the input checks report it
-  return int(std::ceil(std::log2(need / limit)));
+  if (!std::isfinite(largest) || largest == 0) return 0;  // non-finite: the input checks report it
+  // In log2, as terms * largest itself may overflow (double values near the maximum).
+  const double excess = std::log2(largest) + std::log2(std::max(terms, 1.0)) - std::log2(limit);
+  return excess > 0 ? int(std::ceil(excess)) : 0;
 }
 
 // x ← 2^e x (e of either sign).

@@ -94,7 +94,7 @@ TargetCounts count_targets(Index n_q, Targets&& targets) {
 
 // Rounds beyond which the counts are looked up in a TargetCounts rather than recounted per pair
 // (same counts, so the same bits either way).
-constexpr Index kCountTableRounds = 16;
+constexpr Index kCountTableRounds = 64;
 
 // Per-round signatures of queries and keys (row-major n x rounds) and the target relation.
 struct RoundSignatures {

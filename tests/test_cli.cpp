@@ -861,7 +861,6 @@ TEST_CASE("cli: lsf errors are one stderr line, exit code 2 and no output", "[cl
   require_error(ws, lsf + " --eta 1 --tables 0", "--tables");
   require_error(ws, lsf + " --eta nan", "--eta");
   require_error(ws, lsf + " --eta inf", "--eta");
-  require_error(ws, lsf + " --eta=-inf", "--eta");
   require_error(ws, lsf + " --eta x");
   require_error(ws, lsf + " --alpha 0", "--alpha");
   require_error(ws, lsf + " --alpha 1", "--alpha");

@@ -7,6 +7,7 @@
 
 #ifdef RANDATTN_CLI_PATH
 
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -68,15 +69,24 @@ class Workspace {
 
   // Runs randattn-cli with `args` (already shell-quoted where needed).
   Result run(const std::string& args) const {
+    return run_command(quote(RANDATTN_CLI_PATH) + " " + args);
+  }
+  Result run_command(const std::string& command) const {
     const fs::path out = dir_ / "logs" / "stdout", err = dir_ / "logs" / "stderr";
-    const std::string cmd = quote(RANDATTN_CLI_PATH) + " " + args + " >" + quote(out.string()) +
-                            " 2>" + quote(err.string());
+    const std::string cmd =
+        "(" + command + ") >" + quote(out.string()) + " 2>" + quote(err.string());
     const int status = std::system(cmd.c_str());
     Result r;
     r.exit_code = (status != -1 && WIFEXITED(status)) ? WEXITSTATUS(status) : -1;
     r.out = slurp(out);
     r.err = slurp(err);
     return r;
+  }
+
+  // Runs randattn-cli under an address-space limit of `kib` KiB (ulimit -v).
+  Result run_limited(const std::string& args, long kib) const {
+    return run_command("ulimit -v " + std::to_string(kib) + "; " + quote(RANDATTN_CLI_PATH) +
+                       " " + args);
   }
 
   // Files in the workspace (logs excluded), sorted.
@@ -851,7 +861,6 @@ TEST_CASE("cli: lsf errors are one stderr line, exit code 2 and no output", "[cl
   require_error(ws, lsf + " --eta 1 --tables 0", "--tables");
   require_error(ws, lsf + " --eta nan", "--eta");
   require_error(ws, lsf + " --eta inf", "--eta");
-  require_error(ws, lsf + " --eta=-inf", "--eta");
   require_error(ws, lsf + " --eta x");
   require_error(ws, lsf + " --alpha 0", "--alpha");
   require_error(ws, lsf + " --alpha 1", "--alpha");
@@ -1047,6 +1056,169 @@ TEST_CASE("cli: sparsify and hosvd failures are one stderr line, exit code 2 and
   require_error(ws, "hosvd" + with("v.npy") + " --ranks 1" + prefix, "order k >= 2");
   require_error(ws, "hosvd" + in + " --ranks 1,1,1 --out-prefix " + quote(ws.path("no_dir/P")),
                 "--out-prefix");
+}
+
+TEST_CASE("cli: sizes, threads and seeds out of range are refused before any work",
+          "[cli][robustness]") {
+  Workspace ws;
+  save<float>(ws, "q.npy", {6, 4}, 1);
+  save<float>(ws, "k.npy", {6, 4}, 2);
+  save<float>(ws, "v.npy", {6, 3}, 3);
+  save<float>(ws, "v0.npy", {6, 0}, 3);
+  const std::string io = ws.attention_io();
+  // Threads: at most 1024, refused (not clamped) beyond; never a crash of the OpenMP runtime.
+  require_error(ws, "attention" + io + " --threads 100000", "--threads must be in [1, 1024]");
+  require_error(ws, "attention" + io + " --threads 2147483647", "--threads must be in [1, 1024]");
+  require_error(ws, "attention" + io + " --threads 0", "--threads must be in [1, 1024]");
+  // Size options: refused with their range before anything is drawn.
+  require_error(ws, "attention --method lsh" + io + " --rounds 1000000", "--rounds must be in [1, 4096]");
+  require_error(ws, "attention --method lsh" + io + " --rounds 0", "--rounds must be in [1, 4096]");
+  require_error(ws, "attention --method lsh" + io + " --buckets 1000000000",
+                "--buckets must be in [2, 16777216]");
+  require_error(ws, "attention --method lsh" + io + " --chunk 1000000000", "--chunk must be in");
+  require_error(ws, "attention --method favor" + io + " --features 1000000000",
+                "--features must be in [1, 16777216]");
+  require_error(ws, "attention --method hybrid" + io + " --lambda-features 1000000000",
+                "--lambda-features must be in [1, 16777216]");
+  require_error(ws, "attention --method lsf --eta 0" + io + " --filters 1000000000",
+                "--filters must be in [1, 8388608]");
+  require_error(ws, "attention --method lsf --eta 0" + io + " --tables 100000",
+                "--tables must be in [1, 4096]");
+  // Seeds: decimal integers in [0, 2^64), as in Python; no wrap-around of -1 or 2^64.
+  for (const char* seed : {"-1", "18446744073709551616", "1.5", "0x10", "", "+3"}) {
+    require_error(ws, "attention --method favor" + io + " --seed '" + seed + "'",
+                  "--seed: must be an integer in [0, 2^64)");
+    require_error(ws, "sparsify --in " + quote(ws.path("q.npy")) + " --budget 4 --seed '" + seed +
+                          "' --out " + quote(ws.path("o.npy")),
+                  "--seed: must be an integer in [0, 2^64)");
+  }
+  const Result top = ws.run("attention --method favor" + io + " --seed 18446744073709551615");
+  CHECK(top.exit_code == 0);
+  // dv = 0 is refused, as in Python.
+  require_error(ws, "attention" + ws.flag("q", "q.npy") + ws.flag("k", "k.npy") +
+                        ws.flag("v", "v0.npy") + ws.flag("out", "o0.npy"),
+                "value dimension dv must be positive");
+}
+
+TEST_CASE("cli: a size that cannot be allocated is refused with the size it needs", "[cli][robustness]") {
+  Workspace ws;
+  save<float>(ws, "q.npy", {6, 64}, 1);
+  save<float>(ws, "k.npy", {6, 64}, 2);
+  save<float>(ws, "v.npy", {6, 3}, 3);
+  // 2^24 projections of dimension 64 need more than 8 GB; a 1 GB address-space limit makes that
+  // fail.
+  const std::string cmd = "attention --method favor" + ws.attention_io() + " --features 16777216";
+  const Result r = ws.run_limited(cmd, 1 << 20);
+  INFO(r.err);
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("randattn-cli: error: ") == 0);
+  CHECK(r.err.find("method favor: out of memory: needs about ") != std::string::npos);
+  CHECK(r.err.find(" GB (") != std::string::npos);
+  CHECK(!fs::exists(ws.path("o.npy")));
+}
+
+TEST_CASE("cli: one behaviour for eta = -inf and scales the input type cannot hold",
+          "[cli][robustness]") {
+  Workspace ws;
+  save<float>(ws, "q.npy", {7, 4}, 1);
+  save<float>(ws, "k.npy", {9, 4}, 2);
+  save<float>(ws, "v.npy", {9, 3}, 3);
+  const std::string io = ws.attention_io();
+  // eta = -inf opens every filter: LSF is exact attention.
+  const Result r = ws.run("attention --method lsf --eta -inf" + io);
+  REQUIRE(r.exit_code == 0);
+  const NpyArray o = randattn::io::read_npy(ws.path("o.npy"));
+  const auto& got = std::get<std::vector<float>>(o.data);
+  const std::vector<double> want =
+      reference(data<float>(28, 1), data<float>(36, 2), data<float>(27, 3), 1, 7, 9, 4, 3, 0.5,
+                false);
+  REQUIRE(got.size() == want.size());
+  for (std::size_t t = 0; t < got.size(); ++t) CHECK(std::abs(got[t] - want[t]) < 1e-5);
+  require_error(ws, "attention --method lsf --eta inf" + io, "--eta must be a finite number or -inf");
+  require_error(ws, "attention --method lsf --eta nan" + io, "--eta must be a finite number or -inf");
+  // A scale beyond float32's range is refused by every method, favor included.
+  for (const char* method : {"exact", "favor", "favor-hyp", "trig", "hybrid", "lsh", "lsf --eta 0"}) {
+    require_error(ws, std::string("attention --method ") + method + io + " --scale 1e39",
+                  "--scale = 1e+39 is not representable in float32");
+  }
+}
+
+TEST_CASE("cli: outputs never replace what is not a regular file; hosvd is all or nothing",
+          "[cli][robustness]") {
+  Workspace ws;
+  save<float>(ws, "q.npy", {5, 4}, 1);
+  save<float>(ws, "k.npy", {5, 4}, 2);
+  save<float>(ws, "v.npy", {5, 3}, 3);
+  save<float>(ws, "a.npy", {4, 5, 6}, 4);
+  const std::string inputs = ws.flag("q", "q.npy") + ws.flag("k", "k.npy") + ws.flag("v", "v.npy");
+  // A FIFO, a symbolic link and a directory in place of --out stay what they are.
+  REQUIRE(::mkfifo(ws.path("fifo").c_str(), 0600) == 0);
+  fs::create_symlink(ws.path("q.npy"), ws.path("link.npy"));
+  fs::create_directory(ws.path("dir.npy"));
+  const std::string q_bytes = slurp(ws.path("q.npy"));
+  require_error(ws, "attention" + inputs + ws.flag("out", "fifo"), "is a FIFO, not a regular file");
+  require_error(ws, "attention" + inputs + ws.flag("out", "link.npy"),
+                "is a symbolic link, not a regular file");
+  require_error(ws, "attention" + inputs + ws.flag("out", "dir.npy"), "is a directory");
+  require_error(ws, "sparsify --in " + quote(ws.path("a.npy")) + " --budget 9" +
+                        ws.flag("out", "fifo"),
+                "is a FIFO");
+  CHECK(fs::is_fifo(fs::symlink_status(ws.path("fifo"))));
+  CHECK(fs::is_symlink(fs::symlink_status(ws.path("link.npy"))));
+  CHECK(slurp(ws.path("q.npy")) == q_bytes);
+  // hosvd: U0.npy exists, U1.npy cannot be written: the run fails and U0.npy keeps its bytes.
+  save<float>(ws, "U0.npy", {2, 2}, 9);
+  fs::create_directory(ws.path("U1.npy"));
+  const std::string before = slurp(ws.path("U0.npy"));
+  require_error(ws, "hosvd --in " + quote(ws.path("a.npy")) + " --ranks 2,2,2 --out-prefix " +
+                        quote(ws.path("U")),
+                "U1.npy");
+  CHECK(slurp(ws.path("U0.npy")) == before);
+  CHECK(fs::is_directory(ws.path("U1.npy")));
+  // Success replaces all three.
+  fs::remove(ws.path("U1.npy"));
+  const Result ok = ws.run("hosvd --in " + quote(ws.path("a.npy")) +
+                           " --ranks 2,2,2 --out-prefix " + quote(ws.path("U")));
+  CHECK(ok.exit_code == 0);
+  CHECK(slurp(ws.path("U0.npy")) != before);
+  CHECK(ws.files() == std::vector<std::string>{"U0.npy", "U1.npy", "U2.npy", "a.npy", "dir.npy",
+                                               "fifo", "k.npy", "link.npy", "q.npy", "v.npy"});
+}
+
+TEST_CASE("cli: finite input never gives NaN or Inf: a result or the overflow error",
+          "[cli][robustness]") {
+  Workspace ws;
+  const float big = std::ldexp(1.0f, 127);
+  std::vector<float> v = data<float>(24, 3);
+  for (float& x : v) x *= big;
+  std::vector<float> q = data<float>(32, 1), k = data<float>(32, 2);
+  randattn::io::write_npy(ws.path("q.npy"), q, {8, 4});
+  randattn::io::write_npy(ws.path("k.npy"), k, {8, 4});
+  randattn::io::write_npy(ws.path("v.npy"), v, {8, 3});
+  // Values near float32's maximum: LSH and LSF outputs are finite convex combinations.
+  for (const char* method : {"lsh --exact-buckets --buckets 4", "lsf --eta 0"}) {
+    INFO(method);
+    const Result r = ws.run(std::string("attention --method ") + method + ws.attention_io());
+    REQUIRE(r.exit_code == 0);
+    const auto out = std::get<std::vector<float>>(randattn::io::read_npy(ws.path("o.npy")).data);
+    for (float x : out) CHECK((std::isfinite(x) && std::abs(x) <= big));
+  }
+  // Logits beyond the range: LSF reports the overflow as exact attention does.
+  for (float& x : q) x *= 1e30f;
+  for (float& x : k) x *= 1e30f;
+  randattn::io::write_npy(ws.path("q.npy"), q, {8, 4});
+  randattn::io::write_npy(ws.path("k.npy"), k, {8, 4});
+  fs::remove(ws.path("o.npy"));
+  for (const char* method : {"exact", "lsf --eta 0"})
+    require_error(ws, std::string("attention --method ") + method + ws.attention_io(),
+                  "overflowed the floating-point range");
+  // Exact HOSVD of entries near 1e20 (their squares overflow float32).
+  std::vector<float> a = data<float>(120, 4);
+  for (float& x : a) x *= 1e20f;
+  randattn::io::write_npy(ws.path("a.npy"), a, {4, 5, 6});
+  require_error(ws, "hosvd --in " + quote(ws.path("a.npy")) + " --ranks 2,2,2 --out-prefix " +
+                        quote(ws.path("U")),
+                "overflowed the floating-point range");
 }
 
 #else

@@ -597,6 +597,44 @@ TEMPLATE_TEST_CASE(
   }
 }
 
+TEMPLATE_TEST_CASE("Many rounds: the union counted once per pair is still the exact union",
+                   "[lsh]", float, double) {
+  // Beyond detail::kCountTableRounds the duplicate counts come from a per-query table built once
+  // instead of a pass over the rounds per pair: every mode must still give the union.
+  using Scalar = TestType;
+  const Index n = 72, n_k = 60, d = 10, dv = 3, rounds = randattn::detail::kCountTableRounds + 5;
+  const RowMatrix<Scalar> q = clustered<Scalar>(151, n, d, 4, 0.5),
+                          k = clustered<Scalar>(152, n_k, d, 4, 0.5),
+                          vq = testing::gaussian<Scalar>(153, n, dv),
+                          vk = testing::gaussian<Scalar>(154, n_k, dv);
+  const CrossPolytopeHash<Scalar> hash(RotationKind::dense, d, 8, rounds, 17);
+  const HashCodes qc = hash.hash(q), kc = hash.hash(k);
+  for (bool causal : {false, true}) {
+    INFO("causal " << causal);
+    LshOptions opt;
+    opt.chunk = 16;
+    opt.causal = causal;
+    opt.scale = 0.7;
+    CHECK(rel_error(randattn::lsh_attention(hash, q, vq, opt),
+                    reference<Scalar>(q, nullptr, vq, chunk_targets(qc, 16), 0.7, causal, true)) <
+          testing::tolerance<Scalar>());
+    if (!causal) {
+      CHECK(rel_error(randattn::lsh_attention(hash, q, k, vk, opt),
+                      reference<Scalar>(q, &k, vk, separate_chunk_targets(qc, kc, 16), 0.7, false,
+                                        true)) < testing::tolerance<Scalar>());
+    }
+    opt.exact_buckets = true;
+    if (!causal) {
+      CHECK(rel_error(randattn::lsh_attention(hash, q, k, vk, opt),
+                      reference<Scalar>(q, &k, vk, bucket_targets(qc, kc), 0.7, false, true)) <
+            testing::tolerance<Scalar>());
+    }
+    CHECK(rel_error(randattn::lsh_attention(hash, q, vq, opt),
+                    reference<Scalar>(q, nullptr, vq, bucket_targets(qc, qc), 0.7, causal, true)) <
+          testing::tolerance<Scalar>());
+  }
+}
+
 TEMPLATE_TEST_CASE("Separate-key sort-and-chunk: pairs seen in several rounds count once", "[lsh]",
                    float, double) {
   using Scalar = TestType;

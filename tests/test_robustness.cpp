@@ -4,7 +4,9 @@
 // family are tested next to it.
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <filesystem>
+#include <limits>
 #include <fstream>
 #include <random>
 #include <stdexcept>
@@ -265,4 +267,90 @@ TEST_CASE("robustness: an unreadable .npy file throws a randattn::invalid_argume
   }
   std::error_code ec;
   fs::remove_all(dir, ec);
+}
+
+TEMPLATE_TEST_CASE("robustness: values near the type's maximum give the exact convex combination",
+                   "[robustness][overflow]", float, double) {
+  // 2^(max_exponent - 1) v: the same weights, values scaled by a power of two, so the output is
+  // the small-value output times that power, bit for bit, with no Inf from the numerators.
+  using Scalar = TestType;
+  const Scalar big = std::ldexp(Scalar(1), std::numeric_limits<Scalar>::max_exponent - 1);
+  const Index n = 70, d = 8, dv = 3;
+  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(11, n, d),
+                          k = testing::gaussian<Scalar>(12, n, d),
+                          v = testing::gaussian<Scalar>(13, n, dv).cwiseMin(Scalar(1)).cwiseMax(
+                              Scalar(-1));
+  const RowMatrix<Scalar> huge = v * big;
+  REQUIRE(huge.allFinite());
+  const auto check_scaled = [&](const RowMatrix<Scalar>& small, const RowMatrix<Scalar>& large) {
+    REQUIRE(large.allFinite());
+    CHECK(large == RowMatrix<Scalar>(small * big));
+  };
+  for (bool dedupe : {true, false}) {
+    INFO("dedupe " << dedupe);
+    const CrossPolytopeHash<Scalar> hash(RotationKind::dense, d, 4, 3, 9);
+    LshOptions opt;
+    opt.chunk = 16;
+    opt.dedupe = dedupe;
+    check_scaled(randattn::lsh_attention(hash, q, v, opt), randattn::lsh_attention(hash, q, huge, opt));
+    opt.exact_buckets = true;
+    check_scaled(randattn::lsh_attention(hash, q, k, v, opt),
+                 randattn::lsh_attention(hash, q, k, huge, opt));
+    const randattn::BatchShape shape{1, 1, n, n, d, dv};
+    RowMatrix<Scalar> small(n, dv), large(n, dv);
+    randattn::lsh_attention_batched(hash, q.data(), k.data(), v.data(), small.data(), shape, opt);
+    randattn::lsh_attention_batched(hash, q.data(), k.data(), huge.data(), large.data(), shape,
+                                    opt);
+    check_scaled(small, large);
+  }
+  const randattn::LocalitySensitiveFilters<Scalar> filters(RotationKind::dense, d, 8, 3, 5);
+  randattn::LsfOptions lsf;
+  lsf.eta = 0.0;
+  check_scaled(randattn::lsf_attention(filters, q, k, v, lsf),
+               randattn::lsf_attention(filters, q, k, huge, lsf));
+  const randattn::BatchShape shape{1, 1, n, n, d, dv};
+  RowMatrix<Scalar> small(n, dv), large(n, dv);
+  randattn::lsf_attention_batched(filters, q.data(), k.data(), v.data(), small.data(), shape, lsf);
+  randattn::lsf_attention_batched(filters, q.data(), k.data(), huge.data(), large.data(), shape,
+                                  lsf);
+  check_scaled(small, large);
+}
+
+TEMPLATE_TEST_CASE("robustness: LSF logits beyond the range raise exact attention's overflow error",
+                   "[robustness][overflow]", float, double) {
+  using Scalar = TestType;
+  const Index n = 12, d = 4, dv = 2;
+  // Keys equal to the queries, of norm 4 sqrt(max): each query's logit with its own key is
+  // 16 max, beyond the range, so exact attention reports overflow.
+  const Scalar norm = std::sqrt(std::numeric_limits<Scalar>::max()) * Scalar(4);
+  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(21, n, d).rowwise().normalized() * norm,
+                          k = q, v = testing::gaussian<Scalar>(23, n, dv);
+  REQUIRE(q.allFinite());
+  REQUIRE(k.allFinite());
+  const std::string overflow = "the result overflowed the floating-point range";
+  randattn::ExactOptions eopt;
+  eopt.scale = 1;
+  CHECK_THROWS_WITH(randattn::exact_attention(q, k, v, eopt), Catch::Contains(overflow));
+  const randattn::LocalitySensitiveFilters<Scalar> filters(RotationKind::dense, d, 8, 2, 5);
+  randattn::LsfOptions lsf;
+  lsf.eta = -std::numeric_limits<double>::infinity();
+  lsf.scale = 1;
+  CHECK_THROWS_WITH(randattn::lsf_attention(filters, q, k, v, lsf), Catch::Contains(overflow));
+  RowMatrix<Scalar> out(n, dv);
+  CHECK_THROWS_WITH(randattn::lsf_attention_batched(filters, q.data(), k.data(), v.data(),
+                                                    out.data(), {1, 1, n, n, d, dv}, lsf),
+                    Catch::Contains(overflow));
+}
+
+TEMPLATE_TEST_CASE("robustness: HOSVD of finite entries whose squares overflow reports overflow",
+                   "[robustness][overflow][sketch]", float, double) {
+  using Scalar = TestType;
+  // Entries near sqrt(max) * 10: finite, but the mode Gram matrices overflow.
+  const Scalar scale = std::sqrt(std::numeric_limits<Scalar>::max()) * Scalar(10);
+  std::vector<Scalar> a(4 * 5 * 6);
+  const RowMatrix<Scalar> g = testing::gaussian<Scalar>(31, Index(a.size()), 1);
+  for (std::size_t t = 0; t < a.size(); ++t) a[t] = g(Index(t), 0) * scale;
+  const randattn::TensorView<Scalar> view(a.data(), {4, 5, 6});
+  CHECK_THROWS_WITH(randattn::exact_hosvd(view, {2, 2, 2}),
+                    Catch::Contains("the result overflowed the floating-point range"));
 }

@@ -122,12 +122,14 @@ class FeatureMap:
     def __init__(self, kind, d, *, seed=0, **options):
         self._map = _core.FeatureMap(kind, d, seed, options)
 
-    def features(self, x, normaliser=1.0, side="query"):
+    def features(self, x, normaliser=1.0, side="query", check_finite=True):
         """(values (n, M), log_scale (n,)) for the rows of ``normaliser * x``: row i stands for
         exp(log_scale[i]) * values[i], and φ(x)ᵀ diag(signs) φ(y) estimates exp(xᵀy). For
         attention with scale s the normaliser is s ** 0.5. ``side`` ("query" or "key") matters
-        only for maps that differ between the two."""
-        values, log_scale = self._map.features(as_numpy(x, "x"), normaliser, side)
+        only for maps that differ between the two. As for attention, ``check_finite`` refuses
+        NaN or Inf in x and reports features that overflow (ValueError) instead of returning
+        them; with ``check_finite=False`` NaN and Inf propagate."""
+        values, log_scale = self._map.features(as_numpy(x, "x"), normaliser, side, check_finite)
         return like(values, x), like(log_scale, x)
 
     def redraw(self, seed):

@@ -28,7 +28,13 @@ def as_numpy(x, name):
             raise RuntimeError(
                 f"{name} requires grad: randattn computes no gradients; call it under "
                 "torch.no_grad() or torch.inference_mode(), or pass tensor.detach()")
-        return x.detach().numpy()
+        x = x.detach()
+        # A lazily negated or conjugated view has no NumPy equivalent: materialise it (one copy).
+        if x.is_neg():
+            x = x.resolve_neg()
+        if x.is_conj():
+            x = x.resolve_conj()
+        return x.numpy()
     try:
         return np.asarray(x)
     except Exception as e:  # e.g. ragged nested lists

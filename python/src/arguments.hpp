@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 
 #include <randattn/core/types.hpp>
+#include <randattn/registry/options.hpp>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -76,7 +77,14 @@ class RowMajorInput {
   explicit RowMajorInput(const py::array& a) {
     using Contiguous = py::array_t<Scalar, py::array::c_style | py::array::forcecast>;
     array_ = Contiguous::ensure(a);
-    if (!array_) throw py::error_already_set();
+    if (!array_) {
+      // ensure() clears the Python error; NumPy's own copy raises it again (MemoryError when
+      // the copy does not fit), anything else is a bad input.
+      const py::dtype want = py::dtype::of<Scalar>();
+      py::module_::import("numpy").attr("ascontiguousarray")(a, want);
+      throw py::value_error("cannot convert an array of shape " + shape_str(shape_of(a)) +
+                            " to a C-contiguous " + std::string(py::str(py::handle(want))) + " array");
+    }
     if (array_.ptr() != a.ptr()) ++input_copies();
   }
   const Scalar* data() const { return array_ ? array_.data() : nullptr; }
@@ -163,10 +171,8 @@ class ThreadCount {
 // threads=None or an integer >= 1.
 inline std::optional<int> to_threads(py::handle h) {
   if (h.is_none()) return std::nullopt;
-  const std::int64_t t = to_integer(h, "threads");
-  if (t < 1 || t > 1 << 16)
-    throw py::value_error("threads must be at least 1, got " + std::to_string(t));
-  return int(t);
+  return randattn::registry::checked_threads(to_integer(h, "threads"),
+                                             randattn::registry::Spelling{});
 }
 
 // Runs fn() with the GIL released and `threads` OpenMP threads. Everything fn touches must have

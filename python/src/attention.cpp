@@ -135,6 +135,7 @@ BatchShape batch_shape(const py::array& q, const py::array* k, const py::array& 
     throw py::value_error("k and v must have the same number of tokens n_k: " + shapes);
   if (s.d == 0) throw py::value_error("feature dimension d must be positive: " + shapes);
   if (s.n_k == 0) throw py::value_error("at least one key is needed: " + shapes);
+  if (s.dv == 0) throw py::value_error("value dimension dv must be positive: " + shapes);
   return s;
 }
 

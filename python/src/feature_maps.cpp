@@ -11,6 +11,7 @@
 #include <randattn/registry/feature_options.hpp>
 
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <type_traits>
@@ -121,8 +122,10 @@ MapSpec map_spec(MapKind kind, Index dim, std::uint64_t seed, const KeywordOptio
   s.dim = dim;
   s.seed = seed;
   s.features = o.integer("features");
-  if (s.features < 1)
-    throw py::value_error("features must be at least 1, got " + std::to_string(s.features));
+  if (s.features < 1 || s.features > randattn::registry::kMaxFeatures)
+    throw py::value_error("features must be in [1, " +
+                          std::to_string(randattn::registry::kMaxFeatures) + "], got " +
+                          std::to_string(s.features));
   s.projection = parse_projection(o.text("projection"));
   if (owns(info, "omega") && o.given("omega")) {
     if (o.given("projection")) throw py::value_error("omega and projection cannot be combined");
@@ -139,8 +142,9 @@ MapSpec map_spec(MapKind kind, Index dim, std::uint64_t seed, const KeywordOptio
   }
   if (owns(info, "lambda_features")) {
     s.lambda_features = o.integer("lambda_features");
-    if (s.lambda_features < 1)
-      throw py::value_error("lambda_features must be at least 1, got " +
+    if (s.lambda_features < 1 || s.lambda_features > randattn::registry::kMaxFeatures)
+      throw py::value_error("lambda_features must be in [1, " +
+                            std::to_string(randattn::registry::kMaxFeatures) + "], got " +
                             std::to_string(s.lambda_features));
   }
   if (owns(info, "bandwidth")) {
@@ -231,16 +235,21 @@ class FeatureMap {
   }
 
   // (values (n, M), log_scale (n,)): row i of x maps to exp(log_scale[i]) * values[i].
-  py::tuple features(py::handle x_obj, py::handle normaliser_obj,
-                     const std::string& side_name) const {
+  py::tuple features(py::handle x_obj, py::handle normaliser_obj, const std::string& side_name,
+                     py::handle check_finite_obj) const {
     const py::array x = as_float_array(x_obj, "x");
     const double normaliser = to_real(normaliser_obj, "normaliser");
+    const bool check_finite = to_flag(check_finite_obj, "check_finite");
+    if (!std::isfinite(normaliser))
+      throw py::value_error("normaliser must be a finite number, got " +
+                            std::string(py::str(normaliser_obj)));
     const randattn::FeatureSide side = parse_side(side_name);
     if (x.ndim() != 2 || x.shape(1) != spec_.dim)
       throw py::value_error("x: expected an (n, " + std::to_string(spec_.dim) +
                             ") array, got shape " + shape_str(shape_of(x)));
-    return dtype_of(x) == Dtype::float32 ? typed_features<float>(x, normaliser, side)
-                                         : typed_features<double>(x, normaliser, side);
+    return dtype_of(x) == Dtype::float32
+               ? typed_features<float>(x, normaliser, side, check_finite)
+               : typed_features<double>(x, normaliser, side, check_finite);
   }
 
   void redraw(py::handle seed) {
@@ -288,8 +297,13 @@ class FeatureMap {
 
  private:
   template <typename Scalar>
-  py::tuple typed_features(const py::array& x, double normaliser,
-                           randattn::FeatureSide side) const {
+  // As the attention entry points: with check_finite, NaN or Inf in x is refused, and a
+  // non-finite result of finite input is reported as overflow, never returned.
+  py::tuple typed_features(const py::array& x, double normaliser, randattn::FeatureSide side,
+                           bool check_finite) const {
+    if (std::abs(normaliser) > double(std::numeric_limits<Scalar>::max()))
+      throw py::value_error("normaliser = " + std::to_string(normaliser) +
+                            " is not representable in " + dtype_name(dtype_of(x)));
     const RowMajorInput<Scalar> in(x);
     const Index n = x.shape(0), dim = feature_dim();
     py::array_t<Scalar> values({n, dim}), log_scale(n);
@@ -302,6 +316,8 @@ class FeatureMap {
       // last bit of some entries, so results written straight into NumPy's buffer would depend
       // on where NumPy put it.
       const Eigen::Map<const randattn::RowMatrix<Scalar>> xm(in.data(), n, spec_.dim);
+      const char* where = "FeatureMap.features";
+      randattn::detail::require_finite(xm, where, "x", check_finite);
       randattn::ScaledFeatures<Scalar> f{randattn::RowMatrix<Scalar>(n, dim),
                                          randattn::Vector<Scalar>(n)};
       std::visit(
@@ -309,6 +325,8 @@ class FeatureMap {
             m.features_into(xm, static_cast<Scalar>(normaliser), f.values, f.log_scale, side);
           },
           maps->template get<Scalar>());
+      randattn::detail::check_result_finite(where, f.values, check_finite, [] {});
+      randattn::detail::check_result_finite(where, f.log_scale, check_finite, [] {});
       std::copy(f.values.data(), f.values.data() + f.values.size(), values_data);
       std::copy(f.log_scale.data(), f.log_scale.data() + n, log_scale_data);
     });
@@ -470,7 +488,7 @@ void bind_feature_maps(py::module_& m) {
   py::class_<FeatureMap>(m, "FeatureMap")
       .def(py::init<const std::string&, py::handle, py::handle, const py::dict&>(), "kind"_a, "d"_a,
            "seed"_a, "options"_a)
-      .def("features", &FeatureMap::features, "x"_a, "normaliser"_a, "side"_a)
+      .def("features", &FeatureMap::features, "x"_a, "normaliser"_a, "side"_a, "check_finite"_a)
       .def("redraw", &FeatureMap::redraw, "seed"_a)
       .def_property_readonly("kind", &FeatureMap::kind)
       .def_property_readonly("input_dim", [](const FeatureMap& f) { return f.spec().dim; })

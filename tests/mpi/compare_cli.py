@@ -5,7 +5,10 @@ Attention (every method, causal and bidirectional, float32; n = 37 is divisible 
 nor 3): max |mpi - cli| <= 1e-5 max |cli| (the results differ only in the order in which partial
 sums are merged). sparsify: the output files are identical byte for byte. hosvd: every factor
 within ||(I - U U^T) V||_F <= 1e-5 of randattn-cli's (an upper bound of sin-Theta). A NaN in the
-last rank's rows: every rank exits 2, one error line, no output file, no hang.
+last rank's rows: every rank exits 2, one error line, no output file, no hang. One rank that
+fails before the first exchange (its input file missing, a flag it rejects, an option file it
+cannot read; run as two programs, each rank with its own command line): every rank exits 2 within
+seconds with that rank's message, no output file.
 Pure Python (no NumPy): .npy files are read and written here directly.
 """
 import argparse
@@ -15,6 +18,7 @@ import random
 import struct
 import subprocess
 import sys
+import time
 
 TIMEOUT = 120
 
@@ -157,6 +161,38 @@ def main():
         lines = [l for l in r.stderr.splitlines() if l.startswith("randattn-mpi: error:")]
         check(r.returncode == 2 and len(lines) == 1 and "non-finite" in lines[0] and not os.path.exists(out),
               "np %d NaN on the last rank: exit %d, %d error line(s), no output" % (p, r.returncode, len(lines)))
+
+    # One rank fails before the first exchange: its own command line (MPMD) names a missing input,
+    # a bad flag value, an unknown flag or a missing option file. Every rank exits 2 with that
+    # rank's message; nobody waits for the others.
+    base = ["attention", "--method", "lsh", "--shared-qk", "--q", w("q.npy"), "--v", w("v.npy")]
+    failing_rank = [
+        (["--out", w("never.npy"), "--q", w("missing_on_this_node.npy")], "missing_on_this_node.npy"),
+        (["--out", w("never.npy"), "--threads", "0"], "--threads must be in [1, 1024]"),
+        (["--out", w("never.npy"), "--no-such-flag"], "no-such-flag"),
+        (["--out", w("never.npy"), "--rotations", w("missing_rotations.npy")], "missing_rotations.npy"),
+    ]
+    for p in (2, 3):
+        for extra, phrase in failing_rank:
+            for bad_rank in sorted({0, p - 1}):
+                good = base + ["--out", w("never.npy")]
+                cmd = [a.mpiexec, "--oversubscribe"]
+                for rank in range(p):
+                    cmd += ["-n", "1", a.mpi] + (base + extra if rank == bad_rank else good)
+                    if rank < p - 1:
+                        cmd.append(":")
+                start = time.monotonic()
+                try:
+                    r = run(cmd, env)
+                    seconds = time.monotonic() - start
+                except subprocess.TimeoutExpired:
+                    check(False, "np %d, rank %d fails (%s): hang" % (p, bad_rank, phrase))
+                    continue
+                lines = [l for l in r.stderr.splitlines() if l.startswith("randattn-mpi: error:")]
+                check(r.returncode == 2 and len(lines) == 1 and phrase in lines[0] and seconds < 60 and
+                      not os.path.exists(w("never.npy")),
+                      "np %d, rank %d fails before the first exchange (%s): exit %d in %.1f s, %s" %
+                      (p, bad_rank, phrase, r.returncode, seconds, lines))
 
     if failures:
         print("%d failure(s)" % len(failures))

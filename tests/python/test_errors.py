@@ -170,3 +170,114 @@ def test_bad_feature_map_input(fn, exception, phrase):
     with pytest.raises(exception) as info:
         fn()
     assert phrase in str(info.value)
+
+
+# --- Robustness: the same behaviour as the command line (tests/test_cli.cpp, "[robustness]") ---
+
+OUT_OF_RANGE = [
+    (dict(threads=65536), "threads must be in [1, 1024]"),
+    (dict(threads=2**31 - 1), "threads must be in [1, 1024]"),
+    (dict(seed=2**64), "seed must be an integer in [0, 2**64)"),
+    (dict(seed=-1), "seed must be an integer in [0, 2**64)"),
+    (dict(method="lsh", k=None, shared_qk=True, rounds=10**6), "rounds must be in [1, 4096]"),
+    (dict(method="lsh", k=None, shared_qk=True, buckets=10**9), "buckets must be in [2, 16777216]"),
+    (dict(method="favor", features=10**9), "features must be in [1, 16777216]"),
+    (dict(method="hybrid", lambda_features=10**9), "lambda_features must be in [1, 16777216]"),
+    (dict(method="lsf", eta=0.0, filters=10**9), "filters must be in [1, 8388608]"),
+    (dict(method="lsf", eta=0.0, tables=10**5), "tables must be in [1, 4096]"),
+    (dict(method="lsf", eta=float("inf")), "eta must be a finite number or -inf"),
+    (dict(method="lsf", eta=float("nan")), "eta must be a finite number or -inf"),
+    (dict(v=np.ones((5, 0))), "value dimension dv must be positive"),
+]
+
+
+@pytest.mark.parametrize("changes,phrase", OUT_OF_RANGE, ids=[str(i) for i in range(len(OUT_OF_RANGE))])
+def test_out_of_range_is_refused_before_any_work(data, changes, phrase):
+    with pytest.raises(ValueError) as info:
+        call(data, **changes)
+    assert phrase in str(info.value)
+
+
+def test_largest_seed_is_accepted(data):
+    assert np.isfinite(call(data, method="favor", seed=2**64 - 1)).all()
+
+
+@pytest.mark.parametrize("method", ["exact", "favor", "favor-hyp", "trig", "oprf", "hybrid", "lsh", "lsf"])
+def test_scale_not_representable_in_float32_is_refused_by_every_method(data, method):
+    f32 = {name: x.astype(np.float32) for name, x in data.items()}
+    options = dict(eta=0.0) if method == "lsf" else {}
+    with pytest.raises(ValueError, match=r"scale = 1e\+39 is not representable in float32"):
+        randattn.attention(f32["q"], f32["k"], f32["v"], method=method, scale=1e39, **options)
+
+
+def test_eta_minus_infinity_opens_every_filter(rng):
+    q, k, v = rng.standard_normal((7, 4)), rng.standard_normal((9, 4)), rng.standard_normal((9, 3))
+    out = randattn.attention(q, k, v, method="lsf", eta=-np.inf)
+    np.testing.assert_allclose(out, randattn.attention(q, k, v), rtol=0, atol=1e-12)
+
+
+def test_memory_error_names_the_size_it_needs():
+    # A strided view whose C-contiguous copy needs 8 TB: MemoryError, not pybind11's RuntimeError.
+    q = np.lib.stride_tricks.as_strided(np.zeros(1), shape=(10**6, 10**6), strides=(0, 0))
+    with pytest.raises(MemoryError):
+        randattn.attention(q, q, q)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_values_near_the_maximum_give_finite_convex_combinations(rng, dtype):
+    big = np.ldexp(dtype(1), np.finfo(dtype).maxexp - 1)
+    q, k = rng.standard_normal((12, 4)).astype(dtype), rng.standard_normal((12, 4)).astype(dtype)
+    v = np.clip(rng.standard_normal((12, 3)), -1, 1).astype(dtype)
+    for method, options in [("lsh", dict(exact_buckets=True, buckets=4)), ("lsf", dict(eta=0.0))]:
+        small = randattn.attention(q, k, v, method=method, **options)
+        large = randattn.attention(q, k, v * big, method=method, **options)
+        assert np.isfinite(large).all()
+        np.testing.assert_array_equal(large, small * big)
+
+
+def test_logits_beyond_the_range_raise_the_overflow_error(rng):
+    q = (rng.standard_normal((8, 4)) * 1e30).astype(np.float32)
+    k = (rng.standard_normal((8, 4)) * 1e30).astype(np.float32)
+    v = rng.standard_normal((8, 3)).astype(np.float32)
+    for method, options in [("exact", {}), ("lsf", dict(eta=0.0))]:
+        with pytest.raises(ValueError, match="overflowed the floating-point range"):
+            randattn.attention(q, k, v, method=method, **options)
+
+
+def test_hosvd_of_entries_near_1e20_reports_overflow(rng):
+    a = (rng.standard_normal((4, 5, 6)) * 1e20).astype(np.float32)
+    with pytest.raises(ValueError, match="overflowed the floating-point range"):
+        randattn.hosvd(a, [2, 2, 2])
+
+
+@pytest.mark.parametrize("kind", ["positive", "hyperbolic", "trig", "hybrid", "hybrid-gaussian"])
+def test_feature_map_features_checks_finiteness_and_overflow(kind):
+    fmap = randattn.FeatureMap(kind, 4, features=8)
+    with pytest.raises(ValueError, match="non-finite entry nan"):
+        fmap.features(np.array([[1.0, np.nan, 0.0, 0.0]]))
+    values, log_scale = fmap.features(np.array([[1.0, np.nan, 0.0, 0.0]]), check_finite=False)
+    assert values.shape[0] == 1
+    # Finite input: finite features or the overflow error, never NaN or -inf log-scales.
+    huge = np.full((3, 4), 1e300)
+    try:
+        values, log_scale = fmap.features(huge)
+    except ValueError as e:
+        assert "overflowed the floating-point range" in str(e)
+    else:
+        assert np.isfinite(values).all() and np.isfinite(log_scale).all()
+
+
+def test_feature_map_sizes_out_of_range():
+    with pytest.raises(ValueError, match=r"features must be in \[1, 16777216\]"):
+        randattn.FeatureMap("positive", 4, features=10**9)
+
+
+def test_torch_negative_and_conjugate_views(data):
+    torch = pytest.importorskip("torch")
+    q = torch.from_numpy(data["q"])
+    neg = torch._neg_view(q) if hasattr(torch, "_neg_view") else -q
+    out = randattn.attention(neg, data["k"], data["v"])
+    np.testing.assert_allclose(out.numpy(), randattn.attention(-data["q"], data["k"], data["v"]), rtol=0, atol=0)
+    conj = torch.ones(5, 4, dtype=torch.complex64).conj()
+    with pytest.raises(TypeError, match="dtype float32 or float64"):
+        randattn.attention(conj, data["k"], data["v"])

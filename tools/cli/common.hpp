@@ -4,6 +4,9 @@
 
 #include <randattn/io/npy.hpp>
 
+#include <CLI/CLI.hpp>
+
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -33,6 +36,23 @@ inline randattn::io::NpyArray read_input(const char* flag, const std::string& pa
   } catch (const std::exception& e) {
     throw CliError(std::string(flag) + ": " + e.what());
   }
+}
+
+// A seed as the command line takes it: decimal digits only, in [0, 2^64) (no sign, no
+// wrap-around), as Python's seed= takes it.
+inline std::uint64_t parse_seed(const std::string& text) {
+  const bool digits = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
+  errno = 0;
+  char* end = nullptr;
+  const unsigned long long v = digits ? std::strtoull(text.c_str(), &end, 10) : 0;
+  if (!digits || errno == ERANGE || *end != '\0')
+    throw CLI::ValidationError("--seed", "must be an integer in [0, 2^64), got '" + text + "'");
+  return v;
+}
+
+inline CLI::Option* add_seed_option(CLI::App* cmd, std::uint64_t& seed, const std::string& help) {
+  return cmd->add_option_function<std::string>(
+      "--seed", [&seed](const std::string& text) { seed = parse_seed(text); }, help);
 }
 
 // "(2, 3)" — Python tuple notation, as NumPy users read shapes.

@@ -63,7 +63,13 @@ void write_npy_sharded(Communicator& comm, const std::string& path, const Shape&
   collectively(comm, [&] {
     if (!randattn::io::host_is_little_endian())
       throw CliError("randattn-mpi writes on little-endian hosts only");
-    if (comm.rank() == 0) tmp = randattn::io::temporary_path_beside(path).string();
+    if (comm.rank() != 0) return;
+    try {
+      randattn::io::require_replaceable(path);
+    } catch (const std::exception& e) {
+      throw CliError(std::string(flag) + ": " + e.what());
+    }
+    tmp = randattn::io::temporary_path_beside(path).string();
   });
   std::uint64_t len = tmp.size();
   MPI_Bcast(&len, 1, MPI_UINT64_T, 0, comm.get());
@@ -141,29 +147,33 @@ class ShardedAttentionCommand : public RegistryAttentionCommand {
   }
 
   int run(Communicator& comm) {
-    const reg::Method& method = prepare();
-    if (!sharded_runners<float>().count(method.name()))
-      throw CliError(std::string("randattn-mpi: --method ") + method.name() +
-                     " is not distributed; run it with randattn-cli");
-    if (compare_)
-      throw CliError("--compare is not available in randattn-mpi (compare with randattn-cli)");
     const auto layout = layout_ == "zigzag" ? randattn::mpi::RowLayout::zigzag
                                             : randattn::mpi::RowLayout::contiguous;
-    if (layout == randattn::mpi::RowLayout::zigzag && std::string(method.name()) != "exact")
-      throw CliError("--layout zigzag is for --method exact (the others need contiguous rows)");
+    // Everything rank-local before the first exchange (flags, headers, option files) is one
+    // collective decision: a rank that fails here takes every rank with it.
+    const reg::Method* chosen = nullptr;
     InputInfo q, k, v;
+    reg::Call call;
     collectively(comm, [&] {
+      chosen = &prepare();
+      if (!sharded_runners<float>().count(chosen->name()))
+        throw CliError(std::string("randattn-mpi: --method ") + chosen->name() +
+                       " is not distributed; run it with randattn-cli");
+      if (compare_)
+        throw CliError("--compare is not available in randattn-mpi (compare with randattn-cli)");
+      if (layout == randattn::mpi::RowLayout::zigzag && std::string(chosen->name()) != "exact")
+        throw CliError("--layout zigzag is for --method exact (the others need contiguous rows)");
       q = header("--q", q_path_);
       k = shared_qk_ ? q : header("--k", k_path_);
       v = header("--v", v_path_);
+      call = make_call(*chosen, q, k, v);
+      if (!key_lengths_path_.empty() || !key_padding_path_.empty() || !cu_seqlens_path_.empty() ||
+          exclude_self_ || (k.ndim() == 4 && k.shape[1] != call.shape.heads))
+        throw CliError(
+            "randattn-mpi: key padding, packed sequences, grouped heads and --exclude-self are not "
+            "distributed; run them with randattn-cli");
     });
-    const reg::Call call = make_call(method, q, k, v);
-    if (!key_lengths_path_.empty() || !key_padding_path_.empty() || !cu_seqlens_path_.empty() ||
-        exclude_self_ ||
-        (k.ndim() == 4 && k.shape[1] != call.shape.heads))
-      throw CliError(
-          "randattn-mpi: key padding, packed sequences, grouped heads and --exclude-self are not "
-          "distributed; run them with randattn-cli");
+    const reg::Method& method = *chosen;
     const randattn::BatchShape& shape = call.shape;
     const Shape out_shape = output_shape(q.ndim(), shape);
     const randattn::mpi::RowPartition q_rows(shape.n_q, comm.size(), layout),
@@ -263,12 +273,14 @@ class ShardedAttentionCommand : public RegistryAttentionCommand {
 
 // Loads this rank's range of the flat index of --in (sketch_range) and calls
 // fn(dims, local values, range).
-template <typename Fn>
+// `setup` (the command's own flag checks) runs first, in the same collective decision.
+template <typename Setup, typename Fn>
 void with_local_range(Communicator& comm, const std::string& path, std::string& dtype, Shape& shape,
-                      Fn&& fn) {
+                      Setup&& setup, Fn&& fn) {
   randattn::io::NpyArray local;
   randattn::mpi::Segment range;
   collectively(comm, [&] {
+    setup();
     randattn::io::NpyHeader h;
     try {
       h = randattn::io::read_npy_header(path);
@@ -298,8 +310,8 @@ class ShardedSparsifyCommand : public SparsifyCommand {
   using SparsifyCommand::SparsifyCommand;
 
   int run(Communicator& comm) {
-    options_.scheme = randattn::parse_scheme(scheme_);
     with_local_range(comm, in_path_, dtype_, shape_,
+                     [&] { options_.scheme = randattn::parse_scheme(scheme_); },
                      [&](const auto& dims, const auto& values, const auto& range) {
                        using Scalar = typename std::decay_t<decltype(values)>::value_type;
                        randattn::SparseSketch<Scalar> sketch;
@@ -350,12 +362,14 @@ class ShardedHosvdCommand : public HosvdCommand {
   using HosvdCommand::HosvdCommand;
 
   int run(Communicator& comm) {
-    if (budget_opt_->count() == 0)
-      throw CliError(
-          "randattn-mpi hosvd needs --budget (the sketched HOSVD is distributed, the exact one is "
-          "not)");
+    const auto setup = [&] {
+      if (budget_opt_->count() == 0)
+        throw CliError(
+            "randattn-mpi hosvd needs --budget (the sketched HOSVD is distributed, the exact one "
+            "is not)");
+    };
     with_local_range(
-        comm, in_path_, dtype_, shape_, [&](const auto& dims, const auto& values, const auto&) {
+        comm, in_path_, dtype_, shape_, setup, [&](const auto& dims, const auto& values, const auto&) {
           using Scalar = typename std::decay_t<decltype(values)>::value_type;
           const std::vector<randattn::Index> ranks(ranks_.begin(), ranks_.end());
           randattn::SketchedHosvd<Scalar> s;
@@ -415,7 +429,15 @@ int run(int argc, char** argv, randattn_cli::Communicator& comm) {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
       if (e.get_exit_code() == 0) return comm.rank() == 0 ? app.exit(e) : 0;  // --help, --version
-      return report_error(comm, e.what());
+      // The other ranks may have parsed their command line: join their first collective
+      // decision (every command starts with one) with this rank's failure.
+      const std::string what = e.what();
+      try {
+        comm.agree([&] { throw CliError(what); });
+      } catch (const std::exception& agreed) {
+        return report_error(comm, agreed.what());
+      }
+      return report_error(comm, what);
     }
     if (attention.selected()) return attention.run(comm);
     if (sparsify.selected()) return sparsify.run(comm);

@@ -81,7 +81,7 @@ class RegistryAttentionCommand {
     scale_opt_ = cmd_->add_option("--scale", scale_, "Logit scale (default 1/sqrt(d))");
     threads_opt_ = cmd_->add_option("--threads", threads_, "Number of OpenMP threads");
     cmd_->add_flag("--report", report_, "Print one JSON line describing the run to stdout");
-    cmd_->add_option("--seed", seed_, "Seed of the method's random draws (default 0)");
+    add_seed_option(cmd_, seed_, "Seed of the method's random draws (default 0)");
     cmd_->add_flag(
         "--compare", compare_,
         "Also compute exact attention and add \"rel_error\" (relative Frobenius error) to the "
@@ -146,10 +146,11 @@ class RegistryAttentionCommand {
     const reg::Method& method = select_method();
     reg::check_keys(method, k_opt_->count() > 0, shared_qk_, reg::Spelling{true});
     if (threads_opt_->count() > 0) {
-      if (threads_ < 1)
-        throw CliError("--threads must be at least 1, got " + std::to_string(threads_));
+      const int threads = reg::checked_threads(threads_, reg::Spelling{true});
 #ifdef _OPENMP
-      omp_set_num_threads(threads_);
+      omp_set_num_threads(threads);
+#else
+      (void)threads;
 #endif
     }
     return method;
@@ -402,6 +403,7 @@ class RegistryAttentionCommand {
       throw CliError("--k and --v must have the same number of tokens n_k: " + shapes);
     if (s.d == 0) throw CliError("feature dimension d must be positive: " + shapes);
     if (s.n_k == 0) throw CliError("at least one key is needed: " + shapes);
+    if (s.dv == 0) throw CliError("value dimension dv must be positive: " + shapes);
     return s;
   }
 
@@ -467,7 +469,7 @@ class RegistryAttentionCommand {
   bool shared_qk_ = false, causal_ = false, report_ = false, compare_ = false;
   bool exclude_self_ = false;
   double scale_ = 0;
-  int threads_ = 1;
+  std::int64_t threads_ = 1;
   std::uint64_t seed_ = 0;
   std::vector<Registered> registered_;
   std::map<std::string, std::string> text_;  // the text of each non-flag option

@@ -48,8 +48,7 @@ class TensorCommand {
     return cmd_->add_option("--budget", options_.budget, help);
   }
   CLI::Option* add_seed() {
-    return cmd_->add_option("--seed", options_.seed, "Seed of the sampling draws")
-        ->capture_default_str();
+    return add_seed_option(cmd_, options_.seed, "Seed of the sampling draws (default 0)");
   }
 
   // Loads --in and calls fn(view, shape) with a TensorView of the input's dtype.
@@ -184,19 +183,34 @@ class HosvdCommand : public TensorCommand {
     if (report_) std::cout << json.str() << std::endl;
   }
 
-  // All factors go to temporary files first, renamed at the end: all of them appear or none.
+  // All factors go to temporary files first and are renamed at the end: all of them appear or
+  // none. Files they replace are kept (hard-linked, or copied) until every rename succeeded, and
+  // put back if one fails, so a failed run leaves every existing file as it was.
   template <typename Scalar>
   void write_factors(const std::vector<randattn::RowMatrix<Scalar>>& factors) const {
     namespace fs = std::filesystem;
-    std::vector<fs::path> finals, temps;
+    std::vector<fs::path> finals, temps, backups;
     std::size_t renamed = 0;
     try {
       for (std::size_t j = 0; j < factors.size(); ++j) {
         finals.emplace_back(prefix_ + std::to_string(j) + ".npy");
-        temps.push_back(randattn::io::temporary_path_beside(finals.back()));
+        randattn::io::require_replaceable(finals.back());
+      }
+      for (std::size_t j = 0; j < factors.size(); ++j) {
+        temps.push_back(randattn::io::temporary_path_beside(finals[j]));
         const auto& u = factors[j];
         randattn::io::write_npy(temps.back(), u.data(),
                                 {std::int64_t(u.rows()), std::int64_t(u.cols())});
+      }
+      for (const fs::path& f : finals) {
+        std::error_code ec;
+        backups.emplace_back();
+        if (!fs::exists(f, ec)) continue;
+        const fs::path b = randattn::io::temporary_path_beside(f);
+        fs::create_hard_link(f, b, ec);
+        if (ec) fs::copy_file(f, b, ec);
+        if (ec) throw CliError(f.string() + ": cannot keep a copy of the existing file: " + ec.message());
+        backups.back() = b;
       }
       for (; renamed < finals.size(); ++renamed) {
         std::error_code ec;
@@ -205,10 +219,22 @@ class HosvdCommand : public TensorCommand {
       }
     } catch (const std::exception& e) {
       std::error_code ignored;
-      for (std::size_t j = 0; j < temps.size(); ++j)
-        fs::remove(j < renamed ? finals[j] : temps[j], ignored);
+      for (std::size_t j = 0; j < temps.size(); ++j) {
+        if (j >= renamed) {
+          fs::remove(temps[j], ignored);
+        } else if (j < backups.size() && !backups[j].empty()) {
+          fs::rename(backups[j], finals[j], ignored);  // the user's file, back in place
+        } else {
+          fs::remove(finals[j], ignored);
+        }
+      }
+      for (std::size_t j = renamed; j < backups.size(); ++j)
+        if (!backups[j].empty()) fs::remove(backups[j], ignored);
       throw CliError(std::string("--out-prefix: ") + e.what());
     }
+    std::error_code ignored;
+    for (const fs::path& b : backups)
+      if (!b.empty()) fs::remove(b, ignored);
   }
 
   std::vector<std::int64_t> ranks_;

@@ -21,7 +21,9 @@
 //
 // Write: always C order, little-endian ('<f4' / '<f8'), version 1.0 (2.0 if the header is too
 // long). Writing goes to a temporary file in the destination directory which is renamed over the
-// destination only when complete, so a failed write never leaves a partial file behind.
+// destination only when complete, so a failed write never leaves a partial file behind. An
+// existing destination that is not a regular file (a symlink, FIFO, device or directory) is
+// refused, never replaced.
 //
 // Every problem with a file (missing, bad magic, unsupported version or dtype, unparsable header,
 // truncated data, overflowing shape, a failed write) throws randattn::io::NpyError, a
@@ -565,6 +567,21 @@ inline std::filesystem::path temporary_sibling(const std::filesystem::path& targ
   return tmp;
 }
 
+// An output path may name a new file or an existing regular file; anything else that exists (a
+// symlink, FIFO, device, socket or directory) is refused rather than replaced by a regular file.
+inline void require_replaceable(const std::filesystem::path& target) {
+  std::error_code ec;
+  const std::filesystem::file_status st = std::filesystem::symlink_status(target, ec);
+  if (ec || !std::filesystem::exists(st) || std::filesystem::is_regular_file(st)) return;
+  const char* kind = std::filesystem::is_symlink(st)     ? "a symbolic link"
+                     : std::filesystem::is_directory(st) ? "a directory"
+                     : std::filesystem::is_fifo(st)      ? "a FIFO"
+                     : std::filesystem::is_socket(st)    ? "a socket"
+                                                         : "a device or special file";
+  fail(target.string(), std::string("exists and is ") + kind +
+                            ", not a regular file; refusing to replace it");
+}
+
 }  // namespace detail
 
 // Reads only the header of a .npy stream; `name` is used in error messages. The data that follows
@@ -700,6 +717,12 @@ inline std::filesystem::path temporary_path_beside(const std::filesystem::path& 
   return detail::temporary_sibling(target);
 }
 
+// Throws NpyError unless `target` is absent or a regular file: an output never replaces a
+// symbolic link, FIFO, device, socket or directory by a regular file.
+inline void require_replaceable(const std::filesystem::path& target) {
+  detail::require_replaceable(target);
+}
+
 // Reads only the block of indices [first, first + count) along `axis` of a .npy file (every
 // index of the other axes): the rows a shard of a distributed computation owns. The result has
 // the file's shape with shape[axis] = count, in C order. Seeks to each run; never reads the rest.
@@ -736,6 +759,7 @@ void write_npy(const std::filesystem::path& path, const Scalar* data,
     count *= static_cast<std::uint64_t>(d);
   }
   if (count > 0 && data == nullptr) detail::fail(name, "null data pointer");
+  detail::require_replaceable(path);
 
   const std::string header = detail::header_bytes<Scalar>(shape);
   const std::filesystem::path tmp = detail::temporary_sibling(path);

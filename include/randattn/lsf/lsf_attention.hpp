@@ -51,6 +51,7 @@
 #include "../core/softmax_accumulator.hpp"
 #include "../core/target_sets.hpp"
 #include "../core/types.hpp"
+#include "../core/value_headroom.hpp"
 #include "../detail/batch.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
@@ -465,8 +466,23 @@ SoftmaxAccumulator<Scalar> lsf_slice(const Eigen::Ref<const RowMatrix<Scalar>>& 
                                      const Eigen::Ref<const RowMatrix<Scalar>>& k,
                                      const Eigen::Ref<const RowMatrix<Scalar>>& v,
                                      const LocalitySensitiveFilters<Scalar>& filters,
-                                     const LsfOptions& opt, Scalar scale) {
-  return LsfSlice<Scalar>(q, k, filters, opt).attend(q, k, v, scale);
+                                     const LsfOptions& opt, Scalar scale,
+                                     int* value_exponent = nullptr) {
+  // A key is scored once per table it shares with the query: up to tables terms per key.
+  const int e = value_headroom(v, double(v.rows()) * double(filters.tables()));
+  LsfSlice<Scalar> slice(q, k, filters, opt);
+  if (e == 0) {
+    if (value_exponent) *value_exponent = 0;
+    return slice.attend(q, k, v, scale);
+  }
+  RowMatrix<Scalar> scaled = v;
+  scale_by_power_of_two(scaled, -e);
+  SoftmaxAccumulator<Scalar> acc = slice.attend(q, k, scaled, scale);
+  if (value_exponent) {
+    *value_exponent = e;
+    return acc;
+  }
+  return unscaled_accumulator(std::move(acc), e);
 }
 
 }  // namespace detail
@@ -499,7 +515,16 @@ RowMatrix<typename DQ::Scalar> lsf_attention(
                     std::is_same<Scalar, typename DV::Scalar>::value,
                 "q, k and v must share the scalar type");
   // Every row holds at least one key, whose largest term is exp(0): den >= 1.
-  return lsf_attention_accumulate<Scalar>(filters, q, k, v, opt).finalize();
+  const char* where = "lsf_attention";
+  const Scalar scale = detail::check_lsf_inputs<Scalar>(where, q, k, v, filters, opt);
+  int e = 0;
+  const SoftmaxAccumulator<Scalar> acc =
+      detail::lsf_slice<Scalar>(q, k, v, filters, opt, scale, &e);
+  detail::check_result_finite(where, acc.numden(), opt.check_finite, [] {});
+  detail::check_result_finite(where, acc.log_scale(), opt.check_finite, [] {});
+  RowMatrix<Scalar> out = acc.finalize();
+  detail::scale_by_power_of_two(out, e);
+  return out;
 }
 
 // The filters LSF attention would open for q over k, without the attention: the threshold used,
@@ -547,10 +572,15 @@ void lsf_attention_batched(const LocalitySensitiveFilters<Scalar>& filters, cons
       },
       [&](Index s) {
         auto o = slice_of(out, s, shape.n_q, shape.dv);
-        detail::lsf_slice<Scalar>(slice_of(q, s, shape.n_q, shape.d),
-                                  slice_of(k, s, shape.n_k, shape.d),
-                                  slice_of(v, s, shape.n_k, shape.dv), filters, opt, scale)
-            .finalize_into(o);
+        int e = 0;
+        const SoftmaxAccumulator<Scalar> acc = detail::lsf_slice<Scalar>(
+            slice_of(q, s, shape.n_q, shape.d), slice_of(k, s, shape.n_k, shape.d),
+            slice_of(v, s, shape.n_k, shape.dv), filters, opt, scale, &e);
+        // As lsf_attention: an overflow is reported, never returned as NaN or Inf.
+        detail::check_result_finite(where, acc.numden(), opt.check_finite, [] {});
+        detail::check_result_finite(where, acc.log_scale(), opt.check_finite, [] {});
+        acc.finalize_into(o);
+        detail::scale_by_power_of_two(o, e);
       });
 }
 

@@ -61,6 +61,7 @@
 #include "../core/softmax_accumulator.hpp"
 #include "../core/target_sets.hpp"
 #include "../core/types.hpp"
+#include "../core/value_headroom.hpp"
 #include "../detail/batch.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
@@ -157,6 +158,9 @@ class LshSlice {
     queries_ = scale * q;
     keys_ = shared_ ? unit_rows<Scalar>(q) : RowMatrix<Scalar>(*k);
     values_ = v;
+    // Up to rounds terms per key in a numerator (the multiset counts each round).
+    value_exponent_ = value_headroom(values_, double(v.rows()) * double(hash.rounds()));
+    scale_by_power_of_two(values_, -value_exponent_);
     query_codes_ = hash.hash(q, false);
     if (!shared_) key_codes_ = hash.hash(*k, false);
     problem_.queries = &queries_;
@@ -172,6 +176,8 @@ class LshSlice {
   }
 
   SoftmaxAccumulator<Scalar>& accumulator() { return acc_; }
+  // The accumulator holds the attention of 2^-e v (value_headroom.hpp): outputs scale by 2^e.
+  int value_exponent() const { return value_exponent_; }
 
  private:
   const HashCodes& key_codes() const { return shared_ ? query_codes_ : key_codes_; }
@@ -192,6 +198,20 @@ class LshSlice {
                         static_cast<std::int32_t>(1 - chunks)};
     problem_.dedupe = opt_.dedupe ? &sig : nullptr;
 
+    TargetCounts counts;
+    if (opt_.dedupe && r > kCountTableRounds) {
+      counts = count_targets(n_q, [&](Index i, std::vector<std::int32_t>& list) {
+        for (Index rho = 0; rho < r; ++rho) {
+          const Index g = qplan.chunk_of()(i, rho);
+          for (Index h : {g, chunks > 1 ? (g + chunks - 1) % chunks : g}) {
+            const std::int32_t* keys = kplan.chunk(rho, h);
+            list.insert(list.end(), keys, keys + kplan.chunk_size(h));
+            if (chunks == 1) break;
+          }
+        }
+      });
+      sig.counts = &counts;
+    }
     const Index per_task = std::max<Index>(1, kChunkTokensPerTask / c);
     const Index tasks = (chunks + per_task - 1) / per_task;
     for (Index rho = 0; rho < r; ++rho) {
@@ -226,6 +246,27 @@ class LshSlice {
     const Index n_q = queries_.rows(), n_k = keys_.rows(), r = hash_.rounds(), b = hash_.buckets();
     RoundSignatures sig{query_codes_.data(), key_codes().data(), r, false, 0};
     problem_.dedupe = opt_.dedupe ? &sig : nullptr;
+    TargetCounts counts;
+    if (opt_.dedupe && r > kCountTableRounds) {
+      // Per round the keys sorted by bucket; query i's targets are the run of its own bucket.
+      const HashCodes& kc = key_codes();
+      std::vector<std::int32_t> sorted(static_cast<std::size_t>(r * n_k));
+      std::vector<Index> start;
+      for (Index rho = 0; rho < r; ++rho)
+        sort_by_bucket(kc.data() + rho, r, n_k, b, sorted.data() + rho * n_k, start);
+      counts = count_targets(n_q, [&](Index i, std::vector<std::int32_t>& list) {
+        for (Index rho = 0; rho < r; ++rho) {
+          const std::int32_t* kr = sorted.data() + rho * n_k;
+          const std::int32_t code = query_codes_(i, rho);
+          const std::int32_t* first = std::partition_point(
+              kr, kr + n_k, [&](std::int32_t j) { return kc(j, rho) < code; });
+          const std::int32_t* last = std::partition_point(
+              first, kr + n_k, [&](std::int32_t j) { return kc(j, rho) == code; });
+          list.insert(list.end(), first, last);
+        }
+      });
+      sig.counts = &counts;
+    }
     std::vector<std::int32_t> qperm(static_cast<std::size_t>(n_q)),
         kperm(static_cast<std::size_t>(n_k));
     std::vector<Index> qstart, kstart;
@@ -294,6 +335,7 @@ class LshSlice {
   const LshOptions& opt_;
   bool shared_;
   SoftmaxAccumulator<Scalar> acc_;
+  int value_exponent_ = 0;
   RowMatrix<Scalar> queries_, keys_, values_;
   HashCodes query_codes_, key_codes_;
   TargetProblem<Scalar> problem_;
@@ -304,10 +346,14 @@ SoftmaxAccumulator<Scalar> lsh_accumulate(const Eigen::Ref<const RowMatrix<Scala
                                           const Eigen::Ref<const RowMatrix<Scalar>>* k,
                                           const Eigen::Ref<const RowMatrix<Scalar>>& v,
                                           const CrossPolytopeHash<Scalar>& hash,
-                                          const LshOptions& opt) {
+                                          const LshOptions& opt, int* value_exponent = nullptr) {
   const Scalar scale = check_lsh_inputs<Scalar>("lsh_attention", q, k, v, hash, opt);
   LshSlice<Scalar> slice(q, k, v, hash, opt, scale);
-  SoftmaxAccumulator<Scalar> acc = std::move(slice.accumulator());
+  // value_exponent given: the caller finalizes and scales the output back itself.
+  SoftmaxAccumulator<Scalar> acc =
+      value_exponent ? std::move(slice.accumulator())
+                     : unscaled_accumulator(std::move(slice.accumulator()), slice.value_exponent());
+  if (value_exponent) *value_exponent = slice.value_exponent();
   // Inputs were checked above, so a non-finite result (or a row whose logits all overflowed
   // to -inf) means overflow: report it rather than return NaN or an empty row.
   check_result_finite("lsh_attention", acc.numden(), opt.check_finite, [] {});
@@ -578,7 +624,10 @@ RowMatrix<typename DQ::Scalar> lsh_attention(const CrossPolytopeHash<typename DQ
   static_assert(std::is_same<Scalar, typename DV::Scalar>::value,
                 "qk and v must share the scalar type");
   // Every row holds its largest term exp(0), so den >= 1.
-  return lsh_attention_accumulate<Scalar>(hash, qk, v, opt).finalize();
+  int e = 0;
+  RowMatrix<Scalar> out = detail::lsh_accumulate<Scalar>(qk, nullptr, v, hash, opt, &e).finalize();
+  detail::scale_by_power_of_two(out, e);
+  return out;
 }
 
 // Separate-key LSH attention (sort-and-chunk or exact buckets): q n_q x d, k n_k x d, v n_k x dv ->
@@ -593,7 +642,11 @@ RowMatrix<typename DQ::Scalar> lsh_attention(const CrossPolytopeHash<typename DQ
   static_assert(std::is_same<Scalar, typename DK::Scalar>::value &&
                     std::is_same<Scalar, typename DV::Scalar>::value,
                 "q, k and v must share the scalar type");
-  return lsh_attention_accumulate<Scalar>(hash, q, k, v, opt).finalize();
+  const Eigen::Ref<const RowMatrix<Scalar>> keys(k);
+  int e = 0;
+  RowMatrix<Scalar> out = detail::lsh_accumulate<Scalar>(q, &keys, v, hash, opt, &e).finalize();
+  detail::scale_by_power_of_two(out, e);
+  return out;
 }
 
 // Exact shared-QK attention with the same keys, scale, self rule and causal mask: the limit of
@@ -641,7 +694,9 @@ void lsh_batched(const CrossPolytopeHash<Scalar>& hash, const Scalar* q, const S
       [&](Index s) {
         const Slice in = slice(s);
         auto o = slice_of(out, s, shape.n_q, shape.dv);
-        LshSlice<Scalar>(in.q, in.keys(), in.v, hash, opt, scale).accumulator().finalize_into(o);
+        LshSlice<Scalar> lsh(in.q, in.keys(), in.v, hash, opt, scale);
+        lsh.accumulator().finalize_into(o);
+        scale_by_power_of_two(o, lsh.value_exponent());
       });
 }
 

@@ -179,8 +179,8 @@ SketchedHosvd<Scalar> sketched_hosvd(Communicator& comm, const std::vector<Index
     mode_matrix[j] = (n + n.transpose()) / Scalar(2);
   }
   comm.agree([&] {
-    randattn::detail::hosvd_factors<Scalar>(out, ranks,
-                                            [&](Index j) { return mode_matrix[std::size_t(j)]; });
+    randattn::detail::hosvd_factors<Scalar>(
+        out, ranks, [&](Index j) { return mode_matrix[std::size_t(j)]; }, "mpi::sketched_hosvd");
   });
   return out;
 }

@@ -17,6 +17,7 @@ inline OptionSpec features() {
   OptionSpec s{"features", OptionType::integer, std::int64_t(256),
                "number m of random projections"};
   s.min = Bound{1};
+  s.max = Bound{double(kMaxFeatures)};
   return s;
 }
 inline OptionSpec projection() {
@@ -33,6 +34,7 @@ inline OptionSpec lambda_features() {
   OptionSpec s{"lambda_features", OptionType::integer, std::int64_t(16),
                "hybrids: random features n_lambda of the weight estimator"};
   s.min = Bound{1};
+  s.max = Bound{double(kMaxFeatures)};
   return s;
 }
 inline OptionSpec bandwidth() {

@@ -4,13 +4,17 @@
 // and shape to a job over contiguous row-major (batch, heads, n, d) buffers. A job returns the
 // method's report fields.
 
+#include <randattn/core/allocation_error.hpp>
 #include <randattn/core/options.hpp>
 #include <randattn/core/types.hpp>
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <functional>
+#include <limits>
+#include <new>
 #include <string>
 #include <utility>
 #include <variant>
@@ -71,17 +75,65 @@ class Method {
   // Checks the options against the shape and returns the job; throws OptionError.
   virtual Job<float> build(const Call& call, float) const = 0;
   virtual Job<double> build(const Call& call, double) const = 0;
+  // About how many bytes a call allocates besides its inputs and output (named in the error
+  // when an allocation fails).
+  virtual double working_bytes(const Call& call, std::size_t scalar_bytes) const {
+    const BatchShape& s = call.shape;
+    return double(scalar_bytes) * double(s.n_q + s.n_k) * double(s.d + s.dv + 2);
+  }
 };
 
+namespace detail {
+
+// "float32" or "float64".
+template <typename Scalar>
+const char* scalar_name() {
+  return sizeof(Scalar) == 4 ? "float32" : "float64";
+}
+
+// Runs fn(); a failed allocation becomes an allocation_error naming the method and the bytes
+// the call needs.
+template <typename Scalar, typename Fn>
+auto with_allocation_message(const Method& method, const Call& call, Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const allocation_error&) {
+    throw;
+  } catch (const std::bad_alloc&) {
+    throw allocation_error(std::string("randattn::registry: method ") + method.name(),
+                           method.working_bytes(call, sizeof(Scalar)));
+  }
+}
+
+}  // namespace detail
+
 // Implements both build() overloads from Derived::build<Scalar>(call).
+// Both refuse a scale the input's type cannot represent, and report failed allocations with
+// the size the call needs.
 template <typename Derived>
 class TypedMethod : public Method {
  public:
-  Job<float> build(const Call& call, float) const final {
-    return static_cast<const Derived&>(*this).template make<float>(call);
-  }
-  Job<double> build(const Call& call, double) const final {
-    return static_cast<const Derived&>(*this).template make<double>(call);
+  Job<float> build(const Call& call, float) const final { return typed<float>(call); }
+  Job<double> build(const Call& call, double) const final { return typed<double>(call); }
+
+ private:
+  template <typename Scalar>
+  Job<Scalar> typed(const Call& call) const {
+    const double scale = call.settings.scale;
+    if (!(std::abs(scale) <= double(std::numeric_limits<Scalar>::max()))) {
+      char text[32];
+      std::snprintf(text, sizeof text, "%g", scale);
+      throw OptionError(call.spelling().option("scale") + " = " + text +
+                        " is not representable in " + detail::scalar_name<Scalar>());
+    }
+    Job<Scalar> job = detail::with_allocation_message<Scalar>(
+        *this, call, [&] { return static_cast<const Derived&>(*this).template make<Scalar>(call); });
+    const Method* self = this;
+    return [self, call, job = std::move(job)](const Scalar* q, const Scalar* k, const Scalar* v,
+                                              Scalar* out) {
+      return detail::with_allocation_message<Scalar>(*self, call,
+                                                     [&] { return job(q, k, v, out); });
+    };
   }
 };
 

@@ -17,6 +17,16 @@
 
 namespace randattn::registry {
 
+// Upper bounds of the size options, checked before anything is drawn or allocated (the lsf
+// filter bound is the library's own).
+inline constexpr std::int64_t kMaxFeatures = std::int64_t(1) << 24;    // features, lambda_features
+inline constexpr std::int64_t kMaxLshBuckets = std::int64_t(1) << 24;  // buckets, chunk
+inline constexpr std::int64_t kMaxLshRounds = 4096;
+inline constexpr std::int64_t kMaxLsfFilters = std::int64_t(1) << 23;
+inline constexpr std::int64_t kMaxLsfTables = 4096;
+// OpenMP threads a front end accepts; more is refused rather than clamped.
+inline constexpr std::int64_t kMaxThreads = 1024;
+
 // An array-valued option (projections, rotations, calibration rows) in double: every float32 or
 // float64 source converts to it exactly, and it converts back to either without a second
 // rounding. `source` names where it came from (a file path) for the report.
@@ -63,6 +73,7 @@ struct OptionSpec {
   std::string help;
   std::optional<Bound> min, max;     // integer and real options
   bool finite = false;               // real options: reject NaN and infinities
+  bool negative_infinity = false;    // with finite: -inf is accepted too
   std::vector<std::string> choices;  // text options; empty: any text
   bool per_head = false;  // arrays: a 3-D value (heads, ...) holds one 2-D entry per query head
 };
@@ -148,8 +159,9 @@ inline void check_value(const OptionSpec& s, const Value& v, const Spelling& spe
     const std::string text = s.type == OptionType::integer
                                  ? std::to_string(std::get<std::int64_t>(v))
                                  : detail::number_text(x);
-    if (s.finite && !std::isfinite(x))
-      throw OptionError(name + " must be a finite number, got " + text);
+    if (s.finite && !std::isfinite(x) && !(s.negative_infinity && x < 0 && std::isinf(x)))
+      throw OptionError(name + " must be a finite number" +
+                        (s.negative_infinity ? " or -inf" : "") + ", got " + text);
     if ((s.min || s.max) && !detail::within(x, s.min, s.max))
       throw OptionError(name + " must be " + detail::range_text(s) + ", got " + text);
   }
@@ -164,6 +176,14 @@ inline void check_value(const OptionSpec& s, const Value& v, const Spelling& spe
   }
 }
 
+// The thread count a front end was given: in [1, kMaxThreads].
+inline int checked_threads(std::int64_t threads, const Spelling& spell) {
+  if (threads < 1 || threads > kMaxThreads)
+    throw OptionError(spell.option("threads") + " must be in [1, " + std::to_string(kMaxThreads) +
+                      "], got " + std::to_string(threads));
+  return static_cast<int>(threads);
+}
+
 // The options of one call: the given values (checked) over the method's defaults.
 class Options {
  public:
@@ -176,7 +196,13 @@ class Options {
       else
         ++it;
     }
-    for (const auto& [name, value] : given_) check_value(spec(name), value, spelling_);
+    for (const auto& [name, value] : given_) {
+      bool declared = false;
+      for (const OptionSpec& s : specs_) declared = declared || s.name == name;
+      // Front ends refuse unknown names first, with their own wording; this is the backstop.
+      if (!declared) throw OptionError("unknown option '" + spelling_.option(name) + "'");
+      check_value(spec(name), value, spelling_);
+    }
   }
 
   const Spelling& spelling() const { return spelling_; }

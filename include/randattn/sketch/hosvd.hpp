@@ -57,12 +57,17 @@ inline void check_ranks(const std::vector<Index>& dims, const std::vector<Index>
 
 // Fills the factors from mode_matrix(j), a symmetric d_j x d_j matrix; modes in parallel.
 template <typename Scalar, typename ModeMatrix>
-void hosvd_factors(Hosvd<Scalar>& out, const std::vector<Index>& ranks, ModeMatrix&& mode_matrix) {
+void hosvd_factors(Hosvd<Scalar>& out, const std::vector<Index>& ranks, ModeMatrix&& mode_matrix,
+                   const char* where) {
   const Index k = Index(ranks.size());
   out.factors.resize(std::size_t(k));
   out.eigenvalues.resize(std::size_t(k));
   parallel_for(k, [&](Index j) {
-    top_eigenvectors<Scalar>(mode_matrix(j), ranks[std::size_t(j)], out.factors[std::size_t(j)],
+    const RowMatrix<Scalar> gram = mode_matrix(j);
+    // The inputs are finite here: entries beyond sqrt(max) overflow their squares, which is the
+    // documented overflow error, not an eigensolver failure.
+    check_result_finite(where, gram, true, [] {});
+    top_eigenvectors<Scalar>(gram, ranks[std::size_t(j)], out.factors[std::size_t(j)],
                              out.eigenvalues[std::size_t(j)]);
   });
 }
@@ -84,7 +89,8 @@ auto exact_hosvd(const T& tensor, const std::vector<Index>& ranks) {
                   detail::dims_str(a.dims()), " is all zero: its subspaces are undefined");
   Hosvd<Scalar> out;
   detail::hosvd_factors(out, ranks,
-                        [&](Index j) { return detail::dense_mode_gram(data, a.dims(), j); });
+                        [&](Index j) { return detail::dense_mode_gram(data, a.dims(), j); },
+                        where);
   return out;
 }
 
@@ -103,7 +109,7 @@ SketchedHosvd<Scalar> sketched_hosvd(const SparseSketch<Scalar>& s1, const Spars
   detail::hosvd_factors<Scalar>(out, ranks, [&](Index j) {
     const RowMatrix<Scalar> n = detail::sketch_mode_product(s1, s2, j);
     return RowMatrix<Scalar>((n + n.transpose()) / Scalar(2));
-  });
+  }, where);
   return out;
 }
 

@@ -26,9 +26,64 @@
 #include "../../core/softmax_accumulator.hpp"
 #include "../../core/types.hpp"
 #include "../../detail/gemm.hpp"
+#include "../../detail/parallel.hpp"
 #include "../../hashing/detail/tiles.hpp"
 
 namespace randattn::detail {
+
+// N_ij of every targeted (query, key) pair, found once before the rounds: per query position
+// the sorted distinct key positions it targets in some round and in how many rounds (CSR). With
+// it the duplicate correction costs a binary search per scored pair instead of a pass over the
+// rounds, so the whole of LSH attention stays linear in the number of rounds.
+struct TargetCounts {
+  std::vector<std::size_t> offset;  // n_q + 1
+  std::vector<std::int32_t> key, rounds;
+
+  std::int32_t of(Index i, Index j) const {
+    const std::int32_t* first = key.data() + offset[std::size_t(i)];
+    const std::int32_t* last = key.data() + offset[std::size_t(i) + 1];
+    const std::int32_t* at = std::lower_bound(first, last, static_cast<std::int32_t>(j));
+    return at != last && *at == j ? rounds[std::size_t(at - key.data())] : 0;
+  }
+};
+
+// The counts of n_q queries; targets(i, list) appends the key positions query i targets in every
+// round, repeats included. The lists are sorted and run-length counted block by block.
+template <typename Targets>
+TargetCounts count_targets(Index n_q, Targets&& targets) {
+  constexpr Index kBlock = 64;
+  const Index blocks = (n_q + kBlock - 1) / kBlock;
+  std::vector<TargetCounts> part(static_cast<std::size_t>(blocks));
+  parallel_for(blocks, [&](Index b) {
+    TargetCounts& out = part[std::size_t(b)];
+    std::vector<std::int32_t> list;
+    for (Index i = b * kBlock; i < std::min(n_q, (b + 1) * kBlock); ++i) {
+      list.clear();
+      targets(i, list);
+      std::sort(list.begin(), list.end());
+      for (std::size_t t = 0; t < list.size();) {
+        std::size_t e = t;
+        while (e < list.size() && list[e] == list[t]) ++e;
+        out.key.push_back(list[t]);
+        out.rounds.push_back(static_cast<std::int32_t>(e - t));
+        t = e;
+      }
+      out.offset.push_back(out.key.size());
+    }
+  });
+  TargetCounts all;
+  all.offset.push_back(0);
+  for (const TargetCounts& p : part) {
+    for (std::size_t end : p.offset) all.offset.push_back(all.key.size() + end);
+    all.key.insert(all.key.end(), p.key.begin(), p.key.end());
+    all.rounds.insert(all.rounds.end(), p.rounds.begin(), p.rounds.end());
+  }
+  return all;
+}
+
+// Rounds beyond which the counts are looked up in a TargetCounts rather than recounted per pair
+// (same counts, so the same bits either way).
+constexpr Index kCountTableRounds = 64;
 
 // Per-round signatures of queries and keys (row-major n x rounds) and the target relation.
 struct RoundSignatures {
@@ -37,6 +92,7 @@ struct RoundSignatures {
   Index rounds = 0;
   bool adjacent = false;  // chunks: same or previous chunk; buckets: same bucket
   std::int32_t wrap = 0;  // 1 - #chunks: chunk 0 looking back at the last chunk
+  const TargetCounts* counts = nullptr;  // set: N_ij looked up instead of counted per round
 };
 
 // Everything a kernel needs; the matrices are owned by the caller.
@@ -62,6 +118,10 @@ struct RoundCounter {
   const SignatureMatrix* key_sig = nullptr;  // rounds x tile columns
 
   void operator()(Index i, const TileIndex& cols, std::int32_t* cnt) const {
+    if (sig->counts) {
+      for (Index u = 0; u < cols.size; ++u) cnt[u] += sig->counts->of(i, cols[u]);
+      return;
+    }
     const std::int32_t* qs = sig->query + i * sig->rounds;
     for (Index rho = 0; rho < sig->rounds; ++rho) {
       const std::int32_t a = qs[rho];
@@ -135,7 +195,7 @@ class TargetBlockKernel {
     for (Index u = 0; u < cols.size; ++u) {
       k_.row(u) = p_.keys->row(cols[u]);
       v_.row(u) = p_.values->row(cols[u]);
-      if (sig)
+      if (sig && !sig->counts)
         for (Index rho = 0; rho < sig->rounds; ++rho)
           key_sig_(rho, u) = sig->key[col_pos[u] * sig->rounds + rho];
     }

@@ -143,6 +143,17 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
   std::vector<OptionSpec> options() const override { return Family::options(); }
   bool supports_exclude_self() const override { return true; }
 
+  // The projection (m x d, drawn in double) and the query and key features (n x m) of a slice.
+  double working_bytes(const Call& call, std::size_t scalar_bytes) const override {
+    const Options& o = call.options;
+    const double m = o.given("omega") ? double(o.array("omega").shape[0])
+                     : o.has("features") ? double(o.integer("features"))
+                                         : 0.0;
+    const BatchShape& s = call.shape;
+    return 8.0 * m * double(s.d) +
+           double(scalar_bytes) * m * (double(s.n_q + s.n_k) + double(s.dv + 1));
+  }
+
   template <typename Scalar>
   Job<Scalar> make(const Call& call) const {
     check(call);

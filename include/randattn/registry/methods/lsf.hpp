@@ -29,12 +29,15 @@ class LsfMethod final : public TypedMethod<LsfMethod> {
   std::vector<OptionSpec> options() const override {
     OptionSpec filters{"filters", OptionType::integer, std::int64_t(256), "filters m per table"};
     filters.min = Bound{1};
+    filters.max = Bound{double(kMaxLsfFilters)};
     OptionSpec tables{"tables", OptionType::integer, std::int64_t(4),
                       "independent filter tables L"};
     tables.min = Bound{1};
+    tables.max = Bound{double(kMaxLsfTables)};
     OptionSpec eta{"eta", OptionType::real, std::monostate{},
                    "threshold on normalised filter scores (or alpha)"};
     eta.finite = true;
+    eta.negative_infinity = true;  // opens every filter
     OptionSpec alpha{"alpha", OptionType::real, std::monostate{},
                      "target cosine in (0, 1): eta = alpha sqrt(2 ln m) - sqrt(2 (1 - alpha^2) ln "
                      "ln m)"};
@@ -44,6 +47,16 @@ class LsfMethod final : public TypedMethod<LsfMethod> {
                           "best filters opened per table whatever eta"};
     min_probes.min = Bound{1};
     return {filters, tables, eta, alpha, min_probes, lsh_options::rotation()};
+  }
+
+  // The filters (tables x m x d), the keys' filter lists and the copies of the rows.
+  double working_bytes(const Call& call, std::size_t scalar_bytes) const override {
+    const BatchShape& s = call.shape;
+    const double tables = double(call.options.integer("tables"));
+    const double filters = double(call.options.integer("filters"));
+    return double(scalar_bytes) * (tables * filters * double(s.d) + 2 * tables * filters +
+                                   double(s.n_q + s.n_k) * double(s.d + s.dv + 2)) +
+           8.0 * tables * double(s.n_k);
   }
 
   template <typename Scalar>

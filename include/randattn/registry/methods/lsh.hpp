@@ -46,10 +46,17 @@ class LshMethod final : public TypedMethod<LshMethod> {
     OptionSpec chunk{"chunk", OptionType::integer, std::int64_t(64),
                      "chunk length c of sort-and-chunk"};
     chunk.min = Bound{1};
-    return {{"buckets", OptionType::integer, std::monostate{},
-             "number of buckets b, even (default 2*ceil(n/chunk))"},
+    chunk.max = Bound{double(kMaxLshBuckets)};
+    OptionSpec buckets{"buckets", OptionType::integer, std::monostate{},
+                       "number of buckets b, even (default 2*ceil(n/chunk))"};
+    buckets.min = Bound{2};
+    buckets.max = Bound{double(kMaxLshBuckets)};
+    OptionSpec rounds{"rounds", OptionType::integer, std::int64_t(4), "hash rounds r"};
+    rounds.min = Bound{1};
+    rounds.max = Bound{double(kMaxLshRounds)};
+    return {buckets,
             chunk,
-            {"rounds", OptionType::integer, std::int64_t(4), "hash rounds r"},
+            rounds,
             {"rotations", OptionType::array, std::monostate{},
              "dense rotations of shape (d, r, b/2), used as given"},
             lsh_options::rotation(),
@@ -58,6 +65,19 @@ class LshMethod final : public TypedMethod<LshMethod> {
             {"exact_buckets", OptionType::flag, false,
              "attend to whole buckets instead of sorted chunks (chunk then only sets the default "
              "bucket count 2*ceil(n/chunk))"}};
+  }
+
+  // Hash codes, sorted orders and chunk signatures (int32, n x rounds), the rotations and the
+  // scaled copies of the rows.
+  double working_bytes(const Call& call, std::size_t scalar_bytes) const override {
+    const BatchShape& s = call.shape;
+    const Options& o = call.options;
+    const double rounds = double(o.integer("rounds"));
+    const double half = o.has("buckets") ? double(o.integer("buckets")) / 2
+                                         : double(s.n_k) / double(o.integer("chunk")) + 1;
+    return 4.0 * 4.0 * rounds * double(s.n_q + s.n_k) +
+           double(scalar_bytes) * (rounds * half * double(s.d) +
+                                   double(s.n_q + s.n_k) * double(s.d + s.dv + 2));
   }
 
   template <typename Scalar>

@@ -433,7 +433,7 @@ int run(int argc, char** argv, randattn_cli::Communicator& comm) {
       // decision (every command starts with one) with this rank's failure.
       const std::string what = e.what();
       try {
-        comm.agree([&] { throw CliError(what); });
+        comm.agree([&] { throw randattn_cli::CliError(what); });
       } catch (const std::exception& agreed) {
         return report_error(comm, agreed.what());
       }

@@ -530,8 +530,12 @@ LshChunks lsh_chunks(const CrossPolytopeHash<Scalar>& hash,
   l.c = std::min(opt.chunk, l.n_q);  // c >= n_q: one chunk, as with c = n_q
   l.chunks = (l.n_q + l.c - 1) / l.c;
   l.ck = detail::key_chunk_length(l.n_q, l.n_k, l.c);
-  detail::sort_into_chunks(hash.hash(q, false), hash.buckets(), l.c, l.qperm, l.qchunk);
-  detail::sort_into_chunks(hash.hash(k, false), hash.buckets(), l.ck, l.kperm, l.kchunk);
+  const LshChunkPlan qplan(hash.hash(q, false), hash.buckets(), l.c);
+  const LshChunkPlan kplan(hash.hash(k, false), hash.buckets(), l.ck);
+  l.qperm.assign(qplan.sorted(0), qplan.sorted(0) + l.n_q * l.rounds);
+  l.kperm.assign(kplan.sorted(0), kplan.sorted(0) + l.n_k * l.rounds);
+  l.qchunk = qplan.chunk_of();
+  l.kchunk = kplan.chunk_of();
   return l;
 }
 

@@ -1092,8 +1092,11 @@ TEST_CASE("cli: sizes, threads and seeds out of range are refused before any wor
                           "' --out " + quote(ws.path("o.npy")),
                   "--seed: must be an integer in [0, 2^64)");
   }
-  const Result top = ws.run("attention --method favor" + io + " --seed 18446744073709551615");
+  const Result top =
+      ws.run("attention --method favor" + io + " --seed 18446744073709551615 --report");
   CHECK(top.exit_code == 0);
+  // The report shows the seed as given, not as a signed 64-bit integer.
+  CHECK(top.out.find("\"seed\":18446744073709551615") != std::string::npos);
   // dv = 0 is refused, as in Python.
   require_error(ws, "attention" + ws.flag("q", "q.npy") + ws.flag("k", "k.npy") +
                         ws.flag("v", "v0.npy") + ws.flag("out", "o0.npy"),

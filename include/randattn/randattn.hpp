@@ -3,6 +3,7 @@
 
 #include "attention/random_feature_attention.hpp"
 #include "core/exact_attention.hpp"
+#include "core/input_checks.hpp"
 #include "core/invalid_argument.hpp"
 #include "core/linear_attention.hpp"
 #include "core/linear_decoder.hpp"

@@ -4,7 +4,7 @@
 tensors, like ``torch.nn.functional.scaled_dot_product_attention``, and returns
 (batch, heads, n, dv). Keys and values may have fewer heads than the queries (grouped-query
 attention; their heads must divide the query heads). It computes no gradients: with grad enabled,
-an input that requires grad raises RuntimeError (run the model under ``torch.no_grad()`` or
+an input that requires grad raises ValueError (run the model under ``torch.no_grad()`` or
 ``torch.inference_mode()``).
 
 ``attn_mask`` takes boolean masks as ``scaled_dot_product_attention`` does (True = takes part),

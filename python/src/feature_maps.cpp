@@ -317,7 +317,7 @@ class FeatureMap {
       // on where NumPy put it.
       const Eigen::Map<const randattn::RowMatrix<Scalar>> xm(in.data(), n, spec_.dim);
       const char* where = "FeatureMap.features";
-      randattn::detail::require_finite(xm, where, "x", check_finite);
+      if (check_finite) randattn::check_finite_input(where, "x", xm);
       randattn::ScaledFeatures<Scalar> f{randattn::RowMatrix<Scalar>(n, dim),
                                          randattn::Vector<Scalar>(n)};
       std::visit(
@@ -325,8 +325,10 @@ class FeatureMap {
             m.features_into(xm, static_cast<Scalar>(normaliser), f.values, f.log_scale, side);
           },
           maps->template get<Scalar>());
-      randattn::detail::check_result_finite(where, f.values, check_finite, [] {});
-      randattn::detail::check_result_finite(where, f.log_scale, check_finite, [] {});
+      if (check_finite) {
+        randattn::check_finite_result(where, f.values);
+        randattn::check_finite_result(where, f.log_scale);
+      }
       std::copy(f.values.data(), f.values.data() + f.values.size(), values_data);
       std::copy(f.log_scale.data(), f.log_scale.data() + n, log_scale_data);
     });

@@ -204,16 +204,11 @@ class KVCache {
   // Reads the scalar width from the header, then the library's load checks everything.
   static std::unique_ptr<KVCache> load(const std::string& path) {
     std::unique_ptr<KVCache> c(new KVCache);
-    unsigned char head[16] = {};
-    {
-      std::ifstream in(path, std::ios::binary);
-      if (!in) {
-        PyErr_SetString(PyExc_FileNotFoundError, ("KVCache.load: cannot open '" + path + "'").c_str());
-        throw py::error_already_set();
-      }
-      in.read(reinterpret_cast<char*>(head), 16);
+    if (!std::ifstream(path, std::ios::binary)) {
+      PyErr_SetString(PyExc_FileNotFoundError, ("KVCache.load: cannot open '" + path + "'").c_str());
+      throw py::error_already_set();
     }
-    const std::uint32_t width = randattn::detail::load_le<std::uint32_t>(head + 12);
+    const std::uint32_t width = randattn::kv_cache_file_scalar_bytes(path);
     py::gil_scoped_release release;
     if (width == 8) {
       c->impl_.emplace<randattn::KvCache<double>>(randattn::KvCache<double>::load(path));

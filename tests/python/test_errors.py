@@ -106,7 +106,7 @@ def test_check_finite_false_skips_the_scan(data):
 def test_torch_specific_errors(data):
     torch = pytest.importorskip("torch")
     q = torch.from_numpy(data["q"]).requires_grad_()
-    with pytest.raises(RuntimeError, match="no_grad"):
+    with pytest.raises(ValueError, match="no_grad"):
         randattn.attention(q, data["k"], data["v"])
     with torch.no_grad():
         randattn.attention(q, data["k"], data["v"])
@@ -200,6 +200,10 @@ def test_out_of_range_is_refused_before_any_work(data, changes, phrase):
 
 def test_largest_seed_is_accepted(data):
     assert np.isfinite(call(data, method="favor", seed=2**64 - 1)).all()
+    for method, options in (("favor", {}), ("lsh", {}), ("lsf", {"eta": 0.5}), ("sparse-lowrank", {})):
+        _, report = randattn.attention(data["q"], data["k"], data["v"], method=method, seed=2**64 - 1,
+                                       report=True, **options)
+        assert report["seed"] == 2**64 - 1
 
 
 @pytest.mark.parametrize("method", ["exact", "favor", "favor-hyp", "trig", "oprf", "hybrid", "lsh", "lsf"])

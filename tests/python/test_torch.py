@@ -44,7 +44,7 @@ def test_favor_module_is_the_function():
 
 def test_gradients_are_refused_with_a_clear_message():
     q = torch.randn(1, 1, 4, 2, requires_grad=True)
-    with pytest.raises(RuntimeError, match=r"torch.no_grad\(\) or torch.inference_mode\(\)"):
+    with pytest.raises(ValueError, match=r"torch.no_grad\(\) or torch.inference_mode\(\)"):
         randattn.torch.Attention()(q, q, q)
 
 

@@ -77,6 +77,9 @@ class JsonObject {
   JsonObject& add(const std::string& key, std::int64_t value) {
     return raw(key, std::to_string(value));
   }
+  JsonObject& add(const std::string& key, std::uint64_t value) {
+    return raw(key, std::to_string(value));
+  }
   JsonObject& add(const std::string& key, double value) {
     if (!std::isfinite(value)) return raw(key, "null");
     // Shortest "%g" representation that reads back as the same double.

@@ -341,7 +341,7 @@ class ShardedSparsifyCommand : public SparsifyCommand {
                            .add("dtype", dtype_)
                            .add("shape", shape_)
                            .add("budget", options_.budget)
-                           .add("seed", std::int64_t(options_.seed))
+                           .add("seed", std::uint64_t(options_.seed))
                            .add("nnz", std::int64_t(sums[2]))
                            .add("expected_nnz", sketch.stats.expected_nnz)
                            .add("keep_threshold", sketch.stats.keep_threshold())
@@ -388,7 +388,7 @@ class ShardedHosvdCommand : public HosvdCommand {
               .add("shape", shape_)
               .add("ranks", ranks_)
               .add("budget", options_.budget)
-              .add("seed", std::int64_t(options_.seed))
+              .add("seed", std::uint64_t(options_.seed))
               .add("nnz", Shape{s.nnz[0], s.nnz[1]})
               .add("expected_nnz", s.stats.expected_nnz)
               .add("seconds", seconds);

@@ -105,7 +105,7 @@ reg::Report lsh(const Shards& shards, const reg::Call& call, const Scalar* q, co
            call.options.given("rotations") ? std::string("file") : call.options.text("rotation")},
           {"dedupe", opt.dedupe},
           {"exact_buckets", opt.exact_buckets},
-          {"seed", std::int64_t(call.settings.seed)}};
+          {"seed", call.settings.seed}};
 }
 
 }  // namespace sharded

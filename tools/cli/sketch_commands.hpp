@@ -113,7 +113,7 @@ class SparsifyCommand : public TensorCommand {
           .add("dtype", dtype_)
           .add("shape", shape_)
           .add("budget", options_.budget)
-          .add("seed", std::int64_t(options_.seed))
+          .add("seed", std::uint64_t(options_.seed))
           .add("nnz", std::int64_t(sketch.nnz()))
           .add("expected_nnz", sketch.stats.expected_nnz)
           .add("keep_threshold", sketch.stats.keep_threshold())
@@ -171,7 +171,7 @@ class HosvdCommand : public TensorCommand {
     if (sketched) {
       const randattn::SketchedHosvd<Scalar> s = randattn::sketched_hosvd(a, ranks, options_);
       json.add("budget", options_.budget)
-          .add("seed", std::int64_t(options_.seed))
+          .add("seed", std::uint64_t(options_.seed))
           .add("nnz", Shape{s.nnz[0], s.nnz[1]})
           .add("expected_nnz", s.stats.expected_nnz);
       result = s;

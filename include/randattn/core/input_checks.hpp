@@ -64,4 +64,16 @@ void check_attention_inputs(const char* where, const Eigen::Ref<const RowMatrix<
   if (opt.check_finite) check_attention_finite<Scalar>(where, q, k, v);
 }
 
+// No NaN or Inf in one input x (any dense expression); the message names `name` and the first.
+template <typename Derived>
+void check_finite_input(const char* where, const char* name, const Eigen::DenseBase<Derived>& x) {
+  detail::require_finite(x, where, name);
+}
+
+// The result of finite inputs is finite: overflow is reported, never returned.
+template <typename Derived>
+void check_finite_result(const char* where, const Eigen::DenseBase<Derived>& result) {
+  detail::check_result_finite(where, result, true, [] {});
+}
+
 }  // namespace randattn

@@ -778,4 +778,14 @@ class KvCache {
   std::vector<std::uint32_t> hash_codes_;
 };
 
+// The width in bytes (4 or 8) of the values in a file written by KvCache<Scalar>::save: which
+// KvCache<Scalar>::load reads it. Reads the header only as far as the width; load() checks the
+// rest. Throws randattn::invalid_argument for a file that cannot be read or is too short.
+inline std::uint32_t kv_cache_file_scalar_bytes(const std::string& path) {
+  detail::LittleEndianReader r(path, "kv_cache_file_scalar_bytes");
+  r.take(8, "magic");
+  r.u32("version");
+  return r.u32("scalar width");
+}
+
 }  // namespace randattn

@@ -25,7 +25,8 @@
 namespace randattn::registry {
 
 // One field of a run's report (a JSON scalar).
-using ReportValue = std::variant<bool, std::int64_t, double, std::string>;
+// Seeds are reported as std::uint64_t (they span [0, 2^64)).
+using ReportValue = std::variant<bool, std::int64_t, std::uint64_t, double, std::string>;
 using Report = std::vector<std::pair<std::string, ReportValue>>;
 
 // The settings every method shares, resolved by the front end (see resolve_settings()).

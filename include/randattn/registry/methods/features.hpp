@@ -267,7 +267,7 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
     else
       report = {{"features", o.integer("features")},
                 {"projection", projection},
-                {"seed", std::int64_t(seed)}};
+                {"seed", std::uint64_t(seed)}};
     Family::report(o, report);
     if (feature_dim > 0) report.emplace_back("feature_dim", feature_dim);
     if (predicted) report.emplace_back("predicted_rel_mse", *predicted);

@@ -70,7 +70,7 @@ class LsfMethod final : public TypedMethod<LsfMethod> {
     const std::string rotation = o.text("rotation");
     Report head = {{"filters", filters}, {"tables", o.integer("tables")}};
     Report tail = {
-        {"min_probes", opt.min_probes}, {"rotation", rotation}, {"seed", std::int64_t(s.seed)}};
+        {"min_probes", opt.min_probes}, {"rotation", rotation}, {"seed", s.seed}};
     return [lsf, opt, head, tail, s, shape = call.shape](const Scalar* q, const Scalar* k,
                                                          const Scalar* v, Scalar* out) {
       const auto start = std::chrono::steady_clock::now();

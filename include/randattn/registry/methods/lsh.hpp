@@ -92,7 +92,7 @@ class LshMethod final : public TypedMethod<LshMethod> {
                      {"rotation", o.given("rotations") ? std::string("file") : o.text("rotation")},
                      {"dedupe", opt.dedupe},
                      {"exact_buckets", opt.exact_buckets},
-                     {"seed", std::int64_t(s.seed)}};
+                     {"seed", s.seed}};
     return [hash, opt, report, s, shape = call.shape](const Scalar* q, const Scalar* k,
                                                       const Scalar* v, Scalar* out) {
       const auto start = std::chrono::steady_clock::now();

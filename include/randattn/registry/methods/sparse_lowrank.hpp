@@ -137,7 +137,7 @@ class SparseLowRankMethod final : public TypedMethod<SparseLowRankMethod> {
     }
     // Feature remainders report the seed with their projection.
     if (remainder == "none" || remainder == "sample")
-      report.emplace_back("seed", std::int64_t(call.settings.seed));
+      report.emplace_back("seed", call.settings.seed);
     return [call, spec, hash, filters, opt, report, remainder](const Scalar* q, const Scalar* k,
                                                               const Scalar* v, Scalar* out) {
       SparseLowRankStats st;

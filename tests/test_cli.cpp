@@ -355,7 +355,7 @@ TEST_CASE("cli: every failure is one stderr line, exit code 2 and no output", "[
     require_error(
         ws,
         "attention" + with("q", "q4d.npy") + with("k", "k4d.npy") + with("v", "v4d_b2.npy") + out,
-        "batch and head");
+        "batch dimensions of --q, --k and --v");
     require_error(ws, "attention" + q + with("k", "k0.npy") + with("v", "v0.npy") + out,
                   "at least one key");
     require_error(ws, "attention --causal" + q + k + v + out);  // causal needs n_q == n_k
@@ -884,7 +884,7 @@ TEST_CASE("cli: sparse-lowrank matches the library, with its report", "[cli][spa
       ws.attention_io());
   INFO("stderr: " << r.err);
   REQUIRE(r.exit_code == 0);
-  CHECK(json_field(r.out, "support") == "\"window,blocks\"");
+  CHECK(r.out.find("\"support\":\"window,blocks\"") != std::string::npos);
   CHECK(json_field(r.out, "remainder") == "\"sample\"");
   CHECK(json_field(r.out, "clamped_rows") == "0");
   const double pairs = std::stod(json_field(r.out, "pairs_scored"));

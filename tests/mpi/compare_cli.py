@@ -165,7 +165,8 @@ def main():
     # One rank fails before the first exchange: its own command line (MPMD) names a missing input,
     # a bad flag value, an unknown flag or a missing option file. Every rank exits 2 with that
     # rank's message; nobody waits for the others.
-    base = ["attention", "--method", "lsh", "--shared-qk", "--q", w("q.npy"), "--v", w("v.npy")]
+    base = ["attention", "--method", "lsh", "--shared-qk", "--v", w("v.npy")]
+    q = ["--q", w("q.npy")]
     failing_rank = [
         (["--out", w("never.npy"), "--q", w("missing_on_this_node.npy")], "missing_on_this_node.npy"),
         (["--out", w("never.npy"), "--threads", "0"], "--threads must be in [1, 1024]"),
@@ -175,10 +176,12 @@ def main():
     for p in (2, 3):
         for extra, phrase in failing_rank:
             for bad_rank in sorted({0, p - 1}):
-                good = base + ["--out", w("never.npy")]
+                good = base + q + ["--out", w("never.npy")]
                 cmd = [a.mpiexec, "--oversubscribe"]
                 for rank in range(p):
-                    cmd += ["-n", "1", a.mpi] + (base + extra if rank == bad_rank else good)
+                    # The failing rank's --q replaces the good one (given once).
+                    own_q = [] if "--q" in extra else q
+                    cmd += ["-n", "1", a.mpi] + (base + own_q + extra if rank == bad_rank else good)
                     if rank < p - 1:
                         cmd.append(":")
                 start = time.monotonic()

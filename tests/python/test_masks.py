@@ -23,6 +23,7 @@ OPTIONS = {
     "hybrid-gaussian": {"features": 8, "lambda_features": 4},
     "lsh": {"chunk": 4, "rounds": 2},
     "lsf": {"filters": 16, "tables": 2, "eta": 0.3},
+    "sparse-lowrank": {"support": "window", "window": 3, "sinks": 1, "remainder": "favor", "features": 8},
     "auto": {"approximation": "favor", "features": 16, "crossover": 8},
 }
 CASES = [(m, c) for m in OPTIONS for c in (False, True)]

@@ -236,7 +236,8 @@ def test_kv_heads_must_divide_the_query_heads():
 
 
 # Self-exclusion: the methods that support it.
-SELF = [m for m in OPTIONS if m != "lsf"]
+# Methods without exclude_self refuse it (tested below).
+SELF = [m for m in OPTIONS if m not in ("lsf", "sparse-lowrank")]
 
 
 def self_excluded_softmax(q, k, v, causal):
@@ -313,6 +314,8 @@ def test_exclude_self_errors():
     q, k, v = data()
     with pytest.raises(ValueError, match="method 'lsf' does not support exclude_self=True"):
         randattn.attention(q, k, v, method="lsf", eta=0.5, exclude_self=True)
+    with pytest.raises(ValueError, match="method 'sparse-lowrank' does not support exclude_self=True"):
+        randattn.attention(q, k, v, method="sparse-lowrank", support="window", exclude_self=True)
     with pytest.raises(ValueError, match="same positions"):
         randattn.attention(q, k[:, :, :5], v[:, :, :5], exclude_self=True)
     with pytest.raises(ValueError, match="approximation=lsf does not support exclude_self"):

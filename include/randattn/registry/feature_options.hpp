@@ -62,22 +62,22 @@ inline OptionSpec rho() {
 }
 inline OptionSpec calibration() {
   OptionSpec s{"calibration", OptionType::array, std::monostate{},
-          "oprf, sderf with fit given: (r, d) or per-head (heads, r, d) array, rows of sample "
-          "queries/keys (each row used as both) to fit to"};
+               "oprf, sderf with fit given: (r, d) or per-head (heads, r, d) array, rows of sample "
+               "queries/keys (each row used as both) to fit to"};
   s.per_head = true;
   return s;
 }
 inline OptionSpec calibration_q() {
   OptionSpec s{"calibration_q", OptionType::array, std::monostate{},
-          "oprf, sderf with fit given: (r, d) or per-head (heads, r, d) sample queries, with "
-          "calibration_k"};
+               "oprf, sderf with fit given: (r, d) or per-head (heads, r, d) sample queries, with "
+               "calibration_k"};
   s.per_head = true;
   return s;
 }
 inline OptionSpec calibration_k() {
   OptionSpec s{"calibration_k", OptionType::array, std::monostate{},
-          "oprf, sderf with fit given: (r, d) or per-head (heads, r, d) sample keys, with "
-          "calibration_q"};
+               "oprf, sderf with fit given: (r, d) or per-head (heads, r, d) sample keys, with "
+               "calibration_q"};
   s.per_head = true;
   return s;
 }

@@ -7,6 +7,7 @@
 #include <randattn/core/allocation_error.hpp>
 #include <randattn/core/options.hpp>
 #include <randattn/core/types.hpp>
+#include <randattn/detail/seconds_since.hpp>
 
 #include <chrono>
 #include <cmath>
@@ -141,9 +142,7 @@ class TypedMethod : public Method {
 // The logit scale of every method when none is given: 1/sqrt(d).
 inline double default_scale(std::int64_t d) { return randattn::detail::inverse_sqrt_dim(d); }
 
-inline double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
+using randattn::detail::seconds_since;
 
 // ‖out − exact‖_F / ‖exact‖_F in double.
 template <typename Scalar>

@@ -37,6 +37,7 @@
 #include "../core/softmax_accumulator.hpp"
 #include "../core/target_sets.hpp"
 #include "../core/types.hpp"
+#include "../detail/seconds_since.hpp"
 #include "../detail/validation.hpp"
 #include "../lsf/lsf_attention.hpp"
 #include "../lsh/lsh_attention.hpp"
@@ -95,10 +96,6 @@ struct SparseLowRankStats {
 };
 
 namespace detail {
-
-inline double seconds_from(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
 
 // The single hashing support whose own kernel computes E, if that is the whole support.
 template <typename Scalar>
@@ -195,7 +192,7 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
     sets = detail::support_sets<Scalar>(q, hash_keys, support, lsh_opt, lsf_opt, opt.causal);
   }
   st.pairs_scored += sets.pairs();
-  st.support_seconds += detail::seconds_from(start);
+  st.support_seconds += detail::seconds_since(start);
 
   // E: the exact part.
   start = Clock::now();
@@ -211,7 +208,7 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
   } else {
     acc = target_attention_accumulate<Scalar>(q, k, v, sets, scale);
   }
-  st.exact_seconds += detail::seconds_from(start);
+  st.exact_seconds += detail::seconds_since(start);
 
   // R: the remainder.
   start = Clock::now();
@@ -228,7 +225,7 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
     acc.merge(feature_remainder_accumulate(remainder.map, q, k, v, sets, fopt, &st.clamped_rows,
                                            chunks ? &*chunks : nullptr));
   }
-  st.remainder_seconds += detail::seconds_from(start);
+  st.remainder_seconds += detail::seconds_since(start);
   return acc;
 }
 

@@ -11,23 +11,27 @@ randattn_require_packages
 randattn_use_ccache
 
 archer=/usr/lib/llvm-14/lib/libarcher.so
-sanitized_build() {  # <dir> <sanitizers> <targets...>
-    local dir=$1 sanitizers=$2
-    shift 2
+sanitized_build() {  # <dir> <sanitizers> <target> [cmake arguments...]
+    local dir=$1 sanitizers=$2 target=$3
+    shift 3
     cmake -S "$RANDATTN_ROOT" -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo "${RANDATTN_LAUNCHER[@]}" \
         -DCMAKE_CXX_COMPILER=clang++ -DRANDATTN_SANITIZE="$sanitizers" \
-        -DRANDATTN_BUILD_BENCHMARKS=OFF -DRANDATTN_INSTALL=OFF -DRANDATTN_MPI=OFF
-    cmake --build "$dir" -j"$(nproc)" --target "$@"
+        -DRANDATTN_BUILD_BENCHMARKS=OFF -DRANDATTN_INSTALL=OFF -DRANDATTN_MPI=OFF "$@"
+    cmake --build "$dir" -j"$(nproc)" --target "$target"
 }
 
 randattn_log "AddressSanitizer + UndefinedBehaviorSanitizer: whole test suite"
-sanitized_build "$RANDATTN_ROOT/build-asan" address,undefined randattn_tests randattn-cli
+sanitized_build "$RANDATTN_ROOT/build-asan" address,undefined randattn_tests
 ASAN_OPTIONS=halt_on_error=1:detect_leaks=1:abort_on_error=1 \
 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
     ctest --test-dir "$RANDATTN_ROOT/build-asan" --output-on-failure --label-exclude 'packaging|mpi' -j"$(nproc)"
 
-randattn_log "ThreadSanitizer: multi-threaded tests"
-sanitized_build "$RANDATTN_ROOT/build-tsan" thread randattn_tests
+# Only the test files holding [threads] cases, and no command-line tool: the rest of the suite
+# would be compiled once more for nothing.
+threaded=$(grep -l '\[threads\]' "$RANDATTN_ROOT"/tests/test_*.cpp | sed 's|.*/test_||; s|\.cpp$||' | paste -sd';')
+randattn_log "ThreadSanitizer: multi-threaded tests (test files: $threaded)"
+sanitized_build "$RANDATTN_ROOT/build-tsan" thread randattn_tests \
+    -DRANDATTN_BUILD_TOOLS=OFF -DRANDATTN_BUILD_EXAMPLES=OFF -DRANDATTN_TEST_FILES="$threaded"
 TSAN_OPTIONS="halt_on_error=1 suppressions=$RANDATTN_ROOT/tests/tsan.supp" \
 OMP_TOOL_LIBRARIES="$archer" OMP_NUM_THREADS=2 \
     "$RANDATTN_ROOT/build-tsan/tests/randattn_tests" "[threads]"

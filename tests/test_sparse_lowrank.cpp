@@ -307,7 +307,7 @@ TEST_CASE("sparse-lowrank: hashing supports never score or estimate a later key"
                            randattn::exact_attention(p.q, p.k, p.v, eopt)) < 1e-12);
 }
 
-TEST_CASE("sparse-lowrank: results do not depend on the thread count", "[sparse_lowrank]") {
+TEST_CASE("sparse-lowrank: results do not depend on the thread count", "[sparse_lowrank][threads]") {
 #if defined(_OPENMP)
   const Problem<float> p(61, 300, 16, 4, 1.2);
   const CrossPolytopeHash<float> hash(16, 8, 2, 5);

@@ -16,7 +16,8 @@ sanitized_build() {  # <dir> <sanitizers> <target> [cmake arguments...]
     shift 3
     cmake -S "$RANDATTN_ROOT" -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo "${RANDATTN_LAUNCHER[@]}" \
         -DCMAKE_CXX_COMPILER=clang++ -DRANDATTN_SANITIZE="$sanitizers" \
-        -DRANDATTN_BUILD_BENCHMARKS=OFF -DRANDATTN_INSTALL=OFF -DRANDATTN_MPI=OFF "$@"
+        -DRANDATTN_BUILD_BENCHMARKS=OFF -DRANDATTN_INSTALL=OFF -DRANDATTN_MPI=OFF \
+        -DRANDATTN_TESTS_UNITY=ON "$@"
     cmake --build "$dir" -j"$(nproc)" --target "$target"
 }
 

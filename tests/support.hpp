@@ -13,6 +13,8 @@
 
 namespace testing {
 
+inline constexpr double kPi = 3.141592653589793238462643383279502884;
+
 using randattn::Index;
 using randattn::RowMatrix;
 using randattn::Vector;

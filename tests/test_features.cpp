@@ -28,7 +28,7 @@ using testing::rel_error;
 
 namespace {
 
-constexpr double kPi = 3.141592653589793238462643383279502884;
+using testing::kPi;
 
 // A pair (x, y) with ‖x‖ = rx, ‖y‖ = ry and angle theta, in the first two coordinates.
 struct Pair {

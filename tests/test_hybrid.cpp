@@ -24,7 +24,7 @@ using testing::rel_error;
 
 namespace {
 
-constexpr double kPi = 3.141592653589793238462643383279502884;
+using testing::kPi;
 
 // (φ(x)ᵀ diag(σ) φ(y)) · e^{ℓ(x) + ℓ(y)} for rows a, b of features f, in double.
 template <typename Scalar>

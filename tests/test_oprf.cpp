@@ -87,7 +87,7 @@ std::pair<RowMatrix<Scalar>, RowMatrix<Scalar>> row_pairs(
 }
 
 // ‖x + y‖² = 0.25, 1.0, 1.52, 0.09, 1.35 (norm, norm, angle).
-const std::vector<std::array<double, 3>> kPairs = {
+const std::vector<std::array<double, 3>> kNormAnglePairs = {
     {0.5, 0.0, 0.0}, {0.5, 0.5, 0.0}, {0.8, 0.6, 1.0}, {1.0, 0.7, 3.14}, {0.6, 0.6, 0.5}};
 
 }  // namespace
@@ -207,8 +207,8 @@ TEMPLATE_TEST_CASE("oprf: unbiased, closed-form MSE, never above FAVOR+", "[oprf
   // relative) is far below every standard error.
   const Index d = 4, m = 8;
   const int draws = 20000;
-  const auto [x, y] = row_pairs<TestType>(kPairs, d);
-  for (std::size_t p = 0; p < kPairs.size(); ++p) {
+  const auto [x, y] = row_pairs<TestType>(kNormAnglePairs, d);
+  for (std::size_t p = 0; p < kNormAnglePairs.size(); ++p) {
     const RowMatrix<TestType> xp = x.row(Index(p)), yp = y.row(Index(p));
     const Eigen::VectorXd xv = xp.row(0).transpose().template cast<double>();
     const Eigen::VectorXd yv = yp.row(0).transpose().template cast<double>();

@@ -619,9 +619,10 @@ TEST_CASE("KvCache grouped-query heads equal repeated kv heads", "[kv_cache]") {
 TEST_CASE("KvCache partial states of split caches merge into the whole", "[kv_cache]") {
   // Tokens [0, m) in one cache and [m, n) in another; the first holds the sinks, the second the
   // window, the split lies inside the retrieval range. Hyperplanes depend on (seed, kv head)
-  // only, so both halves sample what the whole cache samples: merged states equal attend up to
-  // the rounding of one merge per row.
-  const Index n = 300, m = 130, d = 16, dv = 8, kvh = 2, qh = 4;
+  // only, and the split is at a multiple of lsh_hash_block (64), so both halves hash the blocks
+  // the whole cache hashes and sample what it samples: merged states equal attend up to the
+  // rounding of one merge per row.
+  const Index n = 300, m = 128, d = 16, dv = 8, kvh = 2, qh = 4;
   const Tokens<double> tok(41, n, kvh, d, dv);
   const RowMatrix<double> q = needle_queries(tok, qh, 42, 4.0);
   KvCacheOptions lsh;

@@ -19,11 +19,12 @@
 // (num, den, log-scale) triple merged by the online-softmax rule of SoftmaxAccumulator.
 //
 // Cost. append: O(d + dv) per token and kv head, plus O(d) for the page min/max (blocks),
-// O(L·K·d) for the hash codes (lsh_sample) or O(L·m·d) for the filters (lsf); storage grows by
-// amortised doubling and no index is ever rebuilt. Memory: n·(d + dv) scalars per kv head, plus
+// O(L·K·d) for the hash codes (lsh_sample: one block of lsh_hash_block keys per matrix product,
+// when the block fills) or O(L·m·d) for the filters (lsf); storage grows by amortised doubling
+// and no index is ever rebuilt. Memory: n·(d + dv) scalars per kv head, plus
 // 2·d·n/P (blocks), n·L bucket entries of 4 bytes and L·2^K bucket headers (lsh_sample), or
 // n·L entries and L·m headers (lsf).
-// attend: exact O(n·(d + dv)) per query head, read once per kv head group; blocks
+// attend: exact O(n·(d + dv)) per query head, every key and value row read once per kv head; blocks
 // O(n/P·d + top_pages·P·(d + dv)); lsh_sample O(L·K·d + bucket entries + sampled·(d + dv));
 // lsf O(L·m·d + found·(d + dv)); plus the exact part (sinks + window).
 //
@@ -41,6 +42,10 @@
 //     lsf: with lsf_threshold = −inf every filter opens and the result is exact.
 //   A query head with no key scored (sinks = window = 0 and nothing retrieved) outputs a zero
 //     row, counted in DecodeReport::empty_heads.
+//   lsh_sample hashes keys in blocks [0, B), [B, 2B), ... (B = lsh_hash_block), each once it
+//     is full; the keys of the open block (at most B − 1, the newest) join the exact tail, so
+//     the exact part is [0, sinks) and [min(n − window, hashed), n). Appending token by token
+//     or in blocks of any length gives the same blocks, codes and results, bit for bit.
 //   Centring (centre_tokens) with lsh_sample or lsf: keys cached before the mean is fixed are
 //     indexed once when it is; until then every retrieval candidate is scored exactly (p = 1).
 //     For blocks, centring lowers every page bound of a query by the same q·k̄, so the pages
@@ -55,7 +60,8 @@
 //
 // Files: save(path) writes a portable little-endian file (magic "RAKVCACH", format version,
 // scalar width, shapes, options, keys and values, FNV-1a checksum); load(path) rebuilds the
-// index by replaying the appends, so a loaded cache gives bit-identical results. A corrupt,
+// index by replaying the appends (the open block stays open), so a loaded cache gives
+// bit-identical results. A corrupt,
 // truncated or mismatched file throws std::invalid_argument and nothing is returned.
 
 #include <algorithm>

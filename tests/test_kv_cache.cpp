@@ -3,6 +3,7 @@
 // probabilities against Monte Carlo collision rates, append/save/load bit identity, threads,
 // grouped-query heads and argument checks.
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -259,6 +260,7 @@ TEST_CASE("KvCache lsh_sample inclusion probability matches the collision rate o
     opt.lsh_bits = K;
     opt.lsh_tables = L;
     opt.seed = 1000 + seed;
+    opt.lsh_hash_block = 1;  // every key hashed as it comes (no open block)
     KvCache<double> cache(d, dv, 1, opt);
     cache.append(keys, values);
     DecodeReport rep;
@@ -317,6 +319,63 @@ TEST_CASE("KvCache lsh_sample weights sampled keys by 1/p and merges the exact p
   }
   CHECK(rep.exact_keys == 2 * (3 + 40));
   CHECK(rep.tables_probed == 2 * 6);
+}
+
+TEST_CASE("KvCache lsh_sample hashes whole blocks and attends the open block exactly",
+          "[kv_cache]") {
+  // Blocks of B = 64 tokens aligned to positions: after 300 tokens [0, 256) are hashed and the
+  // open block [256, 300) joins the exact tail, so it is scored once per query head (not
+  // sampled) and the result is the one of a cache hashing every key whose window starts at 256.
+  const Index d = 24, dv = 6, kvh = 2, qh = 4, n = 300;
+  const Tokens<double> tok(53, n + 40, kvh, d, dv);
+  const RowMatrix<double> q = needle_queries(tok, qh, 5, 4.0);
+  KvCacheOptions opt;
+  opt.mode = DecodeMode::lsh_sample;
+  opt.sinks = 2;
+  opt.window = 10;
+  opt.lsh_bits = 3;
+  opt.lsh_tables = 8;
+  REQUIRE(opt.lsh_hash_block == 64);
+  KvCache<double> cache(d, dv, kvh, opt);
+  cache.append(tok.keys(0, n), tok.values(0, n));
+  CHECK(cache.hashed_tokens() == 256);
+  KvCacheOptions every = opt;
+  every.lsh_hash_block = 1;
+  every.window = n - 256;
+  KvCache<double> reference(d, dv, kvh, every);
+  reference.append(tok.keys(0, n), tok.values(0, n));
+  CHECK(reference.hashed_tokens() == n);
+  DecodeReport rep, ref_rep;
+  rep.record_keys = true;
+  const RowMatrix<double> out = cache.attend(q, &rep);
+  CHECK(rel_diff(out, reference.attend(q, &ref_rep)) <= 1e-12);
+  CHECK(rep.exact_keys == qh * (2 + n - 256));
+  CHECK(rep.retrieved_keys == ref_rep.retrieved_keys);
+  CHECK(rep.keys_scored() == ref_rep.keys_scored());
+  for (const auto& keys : rep.scored_keys) {
+    CHECK(std::set<std::int32_t>(keys.begin(), keys.end()).size() == keys.size());  // no key twice
+    for (Index j = 256; j < n; ++j) CHECK(std::count(keys.begin(), keys.end(), j) == 1);
+  }
+  // Filling the block hashes it: then only sinks and window are exact.
+  cache.append(tok.keys(n, 20), tok.values(n, 20));
+  CHECK(cache.hashed_tokens() == 320);
+  cache.attend(q, &rep);
+  CHECK(rep.exact_keys == qh * (2 + 10));
+
+  // With centring by the first 100 keys nothing is hashed before the centre is fixed (every
+  // key exact), then the whole blocks before it are.
+  opt.centre_tokens = 100;
+  KvCache<double> centred(d, dv, kvh, opt);
+  centred.append(tok.keys(0, 90), tok.values(0, 90));
+  CHECK(centred.hashed_tokens() == 0);
+  centred.attend(q, &rep);
+  CHECK(rep.retrieved_keys == 0);
+  CHECK(rep.exact_keys == qh * 90);
+  centred.append(tok.keys(90, 10), tok.values(90, 10));
+  CHECK(centred.key_centre_fixed());
+  CHECK(centred.hashed_tokens() == 64);
+  centred.append(tok.keys(100, 40), tok.values(100, 40));
+  CHECK(centred.hashed_tokens() == 128);
 }
 
 TEST_CASE("KvCache lsh_sample error falls as the number of tables grows", "[kv_cache]") {
@@ -560,9 +619,10 @@ TEST_CASE("KvCache grouped-query heads equal repeated kv heads", "[kv_cache]") {
 TEST_CASE("KvCache partial states of split caches merge into the whole", "[kv_cache]") {
   // Tokens [0, m) in one cache and [m, n) in another; the first holds the sinks, the second the
   // window, the split lies inside the retrieval range. Hyperplanes depend on (seed, kv head)
-  // only, so both halves sample what the whole cache samples: merged states equal attend up to
-  // the rounding of one merge per row.
-  const Index n = 300, m = 130, d = 16, dv = 8, kvh = 2, qh = 4;
+  // only, and the split is at a multiple of lsh_hash_block (64), so both halves hash the blocks
+  // the whole cache hashes and sample what it samples: merged states equal attend up to the
+  // rounding of one merge per row.
+  const Index n = 300, m = 128, d = 16, dv = 8, kvh = 2, qh = 4;
   const Tokens<double> tok(41, n, kvh, d, dv);
   const RowMatrix<double> q = needle_queries(tok, qh, 42, 4.0);
   KvCacheOptions lsh;

@@ -74,7 +74,10 @@ def test_retrieving_every_key_is_exact_decoding(rng, mode, everything):
     exact = filled(k, v, dtype="float32").attend(q)
     out, report = filled(k, v, mode, dtype="float32", options=everything).attend(q, report=True)
     assert report["keys_scored"] == Q_HEADS * n
-    assert report["retrieved_keys"] == Q_HEADS * (n - SMALL["sinks"] - SMALL["window"])
+    candidates_end = n - SMALL["window"]
+    if mode == "lsh-sample":  # keys are hashed in blocks of 64; the open block is exact
+        candidates_end = min(candidates_end, n // 64 * 64)
+    assert report["retrieved_keys"] == Q_HEADS * (candidates_end - SMALL["sinks"])
     assert_close(out, exact, np.float32, n + D)
 
 

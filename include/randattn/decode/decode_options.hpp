@@ -52,10 +52,14 @@ struct KvCacheOptions {
   Index page_size = 32;
   Index top_pages = 64;
 
-  // lsh_sample: bits per table (0..16), tables (2..1024), seed of the hyperplanes.
+  // lsh_sample: bits per table (0..16), tables (2..1024), seed of the hyperplanes, and the
+  // tokens hashed together (1..4096): keys are hashed in blocks aligned to their positions,
+  // [0, B), [B, 2B), ..., one matrix product per block when it fills; the keys of the open
+  // block are attended exactly, like the window.
   int lsh_bits = 8;
   int lsh_tables = 64;
   std::uint64_t seed = 0;
+  Index lsh_hash_block = 64;
 
   // lsf: filters per table (>= 2), tables (1..64), target cosine α in (0, 1) of the threshold
   // η = α·√(2 ln m) − √(2(1 − α²) ln ln m), or η itself (−inf opens every filter), and the

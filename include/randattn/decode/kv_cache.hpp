@@ -19,11 +19,12 @@
 // (num, den, log-scale) triple merged by the online-softmax rule of SoftmaxAccumulator.
 //
 // Cost. append: O(d + dv) per token and kv head, plus O(d) for the page min/max (blocks),
-// O(L·K·d) for the hash codes (lsh_sample) or O(L·m·d) for the filters (lsf); storage grows by
-// amortised doubling and no index is ever rebuilt. Memory: n·(d + dv) scalars per kv head, plus
+// O(L·K·d) for the hash codes (lsh_sample: one block of lsh_hash_block keys per matrix product,
+// when the block fills) or O(L·m·d) for the filters (lsf); storage grows by amortised doubling
+// and no index is ever rebuilt. Memory: n·(d + dv) scalars per kv head, plus
 // 2·d·n/P (blocks), n·L bucket entries of 4 bytes and L·2^K bucket headers (lsh_sample), or
 // n·L entries and L·m headers (lsf).
-// attend: exact O(n·(d + dv)) per query head, read once per kv head group; blocks
+// attend: exact O(n·(d + dv)) per query head, every key and value row read once per kv head; blocks
 // O(n/P·d + top_pages·P·(d + dv)); lsh_sample O(L·K·d + bucket entries + sampled·(d + dv));
 // lsf O(L·m·d + found·(d + dv)); plus the exact part (sinks + window).
 //
@@ -41,6 +42,10 @@
 //     lsf: with lsf_threshold = −inf every filter opens and the result is exact.
 //   A query head with no key scored (sinks = window = 0 and nothing retrieved) outputs a zero
 //     row, counted in DecodeReport::empty_heads.
+//   lsh_sample hashes keys in blocks [0, B), [B, 2B), ... (B = lsh_hash_block), each once it
+//     is full; the keys of the open block (at most B − 1, the newest) join the exact tail, so
+//     the exact part is [0, sinks) and [min(n − window, hashed), n). Appending token by token
+//     or in blocks of any length gives the same blocks, codes and results, bit for bit.
 //   Centring (centre_tokens) with lsh_sample or lsf: keys cached before the mean is fixed are
 //     indexed once when it is; until then every retrieval candidate is scored exactly (p = 1).
 //     For blocks, centring lowers every page bound of a query by the same q·k̄, so the pages
@@ -55,7 +60,8 @@
 //
 // Files: save(path) writes a portable little-endian file (magic "RAKVCACH", format version,
 // scalar width, shapes, options, keys and values, FNV-1a checksum); load(path) rebuilds the
-// index by replaying the appends, so a loaded cache gives bit-identical results. A corrupt,
+// index by replaying the appends (the open block stays open), so a loaded cache gives
+// bit-identical results. A corrupt,
 // truncated or mismatched file throws std::invalid_argument and nothing is returned.
 
 #include <algorithm>
@@ -93,7 +99,7 @@ class KvCache {
 
   // Largest number of cached tokens (key indices are 32-bit).
   static constexpr Index kMaxTokens = std::numeric_limits<std::int32_t>::max();
-  static constexpr std::uint32_t kFileVersion = 1;
+  static constexpr std::uint32_t kFileVersion = 2;
 
   KvCache(Index head_dim, Index value_dim, Index kv_heads, KvCacheOptions options = {})
       : d_(head_dim), dv_(value_dim), kv_heads_(kv_heads), opt_(std::move(options)) {
@@ -117,6 +123,8 @@ class KvCache {
                     "options.lsh_bits must be in [0, 16], got ", opt_.lsh_bits);
     detail::require(opt_.lsh_tables >= 2 && opt_.lsh_tables <= 1024, where,
                     "options.lsh_tables must be in [2, 1024], got ", opt_.lsh_tables);
+    detail::require(opt_.lsh_hash_block >= 1 && opt_.lsh_hash_block <= 4096, where,
+                    "options.lsh_hash_block must be in [1, 4096], got ", opt_.lsh_hash_block);
     detail::require(opt_.lsf_filters >= 2 && opt_.lsf_filters <= 65536, where,
                     "options.lsf_filters must be in [2, 65536], got ", opt_.lsf_filters);
     detail::require(opt_.lsf_tables >= 1 && opt_.lsf_tables <= 64, where,
@@ -179,6 +187,29 @@ class KvCache {
   ConstRowMatrixMap<Scalar> values(Index h) const { return head_at(h, "values").values.view(); }
   // The key centre used for retrieval scores (zero without centring or before it is fixed).
   const Vector<Scalar>& key_centre(Index h) const { return head_at(h, "key_centre").centre; }
+  // Whether the key centre is fixed (given, or the first centre_tokens keys are cached).
+  bool key_centre_fixed() const { return centre_fixed_; }
+
+  // Fixes the key centre of a cache built with options.centre_tokens > 0 before it has
+  // fixed it itself, to `centre` (1 x d or kv_heads x d), and indexes the keys cached so far,
+  // as the cache does when its own first centre_tokens keys are in. For a cache holding part of
+  // a sequence (mpi/kv_cache.hpp: the centre is the mean of the sequence's first tokens, which
+  // are spread over ranks). Throws std::invalid_argument (cache unchanged) otherwise.
+  void fix_key_centre(const Eigen::Ref<const Matrix>& centre) {
+    const char* where = "KvCache::fix_key_centre";
+    detail::require(opt_.centre_tokens > 0 && !centre_fixed_, where,
+                    "the centre is given or already fixed (centre_tokens = ", opt_.centre_tokens,
+                    ", ", n_, " tokens cached)");
+    detail::require((centre.rows() == 1 || centre.rows() == kv_heads_) && centre.cols() == d_,
+                    where, "centre is ", detail::shape_of(centre), ", expected 1x", d_, " or ",
+                    kv_heads_, "x", d_);
+    detail::require_finite(centre, where, "centre", true);
+    fix_centre_and_index(centre);
+  }
+
+  // lsh_sample: the keys [0, hashed_tokens()) are hashed (whole blocks of lsh_hash_block
+  // tokens); later ones are attended exactly.
+  Index hashed_tokens() const { return hashed_; }
 
   // Bytes held: keys and values, and the retrieval index.
   std::size_t storage_bytes() const {
@@ -282,6 +313,9 @@ class KvCache {
     if (retrieval) {
       s_end = std::min(sinks, n_);
       w_begin = std::max(s_end, n_ - std::min(window, n_));
+      // lsh_sample: keys not hashed yet (the open block, or all while the centre is pending)
+      // are recent; they join the exact tail.
+      if (opt_.mode == DecodeMode::lsh_sample) w_begin = std::max(s_end, std::min(w_begin, hashed_));
     }
     const Index block = opt_.block_size > 0 ? opt_.block_size : Index(256);
 
@@ -330,6 +364,20 @@ class KvCache {
   // Writes the cache (shapes, options, keys and values) to a portable little-endian file.
   void save(const std::string& path) const {
     detail::LittleEndianWriter w(path, "KvCache::save");
+    write_to(w);
+    w.finish();
+  }
+
+  // Reads a file written by save() with the same Scalar; throws std::invalid_argument for a
+  // missing, corrupt, truncated or mismatched file.
+  static KvCache load(const std::string& path) {
+    detail::LittleEndianReader r(path, "KvCache::load");
+    return read_from(r, path, "KvCache::load");
+  }
+
+  // The cache as save() writes it, without the checksum: for files that hold a cache as their
+  // last section (mpi/kv_cache.hpp).
+  void write_to(detail::LittleEndianWriter& w) const {
     w.raw(kMagic, 8);
     w.u32(kFileVersion);
     w.u32(sizeof(Scalar));
@@ -348,6 +396,7 @@ class KvCache {
     w.u32(std::uint32_t(opt_.lsh_bits));
     w.u32(std::uint32_t(opt_.lsh_tables));
     w.u64(opt_.seed);
+    w.u64(std::uint64_t(opt_.lsh_hash_block));
     w.u64(std::uint64_t(opt_.lsf_filters));
     w.u32(std::uint32_t(opt_.lsf_tables));
     w.f64(opt_.lsf_alpha);
@@ -362,14 +411,17 @@ class KvCache {
       w.reals(h.keys.row_ptr(0), static_cast<std::size_t>(n_ * d_));
       w.reals(h.values.row_ptr(0), static_cast<std::size_t>(n_ * dv_));
     }
-    w.finish();
   }
 
-  // Reads a file written by save() with the same Scalar; throws std::invalid_argument for a
-  // missing, corrupt, truncated or mismatched file.
-  static KvCache load(const std::string& path) {
-    const char* where = "KvCache::load";
-    detail::LittleEndianReader r(path, where);
+  // Reads what write_to() wrote, which must end the file (its checksum is checked first), and
+  // rebuilds the index by replaying the appends; at_token(cache, i) runs before token i is
+  // replayed and once more with i = size() at the end.
+  struct NoHook {
+    void operator()(KvCache&, Index) const {}
+  };
+  template <typename AtToken = NoHook>
+  static KvCache read_from(detail::LittleEndianReader& r, const std::string& path,
+                           const char* where, AtToken at_token = {}) {
     const unsigned char* magic = r.take(8, "magic");
     detail::require(std::equal(magic, magic + 8, reinterpret_cast<const unsigned char*>(kMagic)),
                     where, "'", path, "' is not a KvCache file (bad magic)");
@@ -400,6 +452,7 @@ class KvCache {
     o.lsh_bits = int(r.u32("lsh_bits"));
     o.lsh_tables = int(r.u32("lsh_tables"));
     o.seed = r.u64("seed");
+    o.lsh_hash_block = Index(r.u64("lsh_hash_block"));
     o.lsf_filters = Index(r.u64("lsf_filters"));
     o.lsf_tables = int(r.u32("lsf_tables"));
     o.lsf_alpha = r.f64("lsf_alpha");
@@ -443,9 +496,12 @@ class KvCache {
       h.keys.reserve_rows(Index(n));
       h.values.reserve_rows(Index(n));
     }
-    for (Index i = 0; i < Index(n); ++i)
+    for (Index i = 0; i < Index(n); ++i) {
+      at_token(cache, i);
       cache.push_token([&](Index h) { return k[h].row(i).data(); },
                        [&](Index h) { return v[h].row(i).data(); });
+    }
+    at_token(cache, Index(n));
     return cache;
   }
 
@@ -474,7 +530,8 @@ class KvCache {
     std::vector<std::uint8_t> counts;
     std::vector<std::uint32_t> codes;
     std::vector<std::pair<Scalar, std::int32_t>> ranked;
-    RowMatrix<Scalar> bounds, bound_q, tile, tile_nd;
+    RowMatrix<Scalar> bounds, bound_q, tile_nd;
+    Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> scores, num_t;  // column per query head
     Vector<Scalar> tile_max;
     Eigen::Matrix<Scalar, 1, Eigen::Dynamic> nd;
   };
@@ -494,75 +551,100 @@ class KvCache {
   // Adds one token to every kv head: key_of(h) and value_of(h) point at its rows.
   template <typename KeyOf, typename ValueOf>
   void push_token(KeyOf key_of, ValueOf value_of) {
-    const bool indexed = opt_.mode == DecodeMode::lsh_sample || opt_.mode == DecodeMode::lsf;
+    const bool pending = centre_pending();
     for (Index h = 0; h < kv_heads_; ++h) {
       Head& head = heads_[h];
       const Scalar* k = key_of(h);
       head.keys.push_row(k);
       head.values.push_row(value_of(h));
       if (opt_.mode == DecodeMode::blocks) head.pages.append(k);
-      if (centred_ && !centre_fixed_) {
+      if (pending) {
         for (Index c = 0; c < d_; ++c) head.key_sum(c) += double(k[c]);
       }
-      if (indexed && (!centred_ || centre_fixed_)) index_key(head, n_);
+      if (opt_.mode == DecodeMode::lsf && !pending) file_key(head, n_);
     }
     ++n_;
-    if (centred_ && !centre_fixed_ && n_ == opt_.centre_tokens) {
-      centre_fixed_ = true;
-      for (Head& head : heads_) {
-        head.centre = (head.key_sum / double(n_)).template cast<Scalar>();
-        if (indexed)
-          for (Index j = 0; j < n_; ++j) index_key(head, j);
-      }
-    }
-  }
-
-  void index_key(Head& head, Index j) {
-    if (opt_.mode == DecodeMode::lsf) {
-      head.filters.insert(std::int32_t(j), head.keys.row_ptr(j),
-                          centred_ ? head.centre.data() : nullptr, filter_scratch_);
+    if (pending && n_ == opt_.centre_tokens) {
+      Matrix centre(kv_heads_, d_);
+      for (Index h = 0; h < kv_heads_; ++h)
+        centre.row(h) = (heads_[h].key_sum / double(n_)).transpose().template cast<Scalar>();
+      fix_centre_and_index(centre);
     } else {
-      hash_key(head, j);
+      hash_closed_blocks();
     }
   }
 
-  void hash_key(Head& head, Index j) {
-    // Scratch sized on first use; no allocation per token afterwards.
-    hash_codes_.resize(static_cast<std::size_t>(opt_.lsh_tables));
-    const Scalar* k = head.keys.row_ptr(j);
-    const Scalar* centre = centred_ ? head.centre.data() : nullptr;
-    head.tables.codes(k, centre, hash_scratch_, hash_codes_.data());
-    head.tables.insert(std::int32_t(j), hash_codes_.data());
-    Scalar sq = 0;
-    for (Index c = 0; c < d_; ++c) {
-      const Scalar x = centre ? k[c] - centre[c] : k[c];
-      sq += x * x;
+  bool centre_pending() const { return centred_ && !centre_fixed_; }
+
+  // Fixes the centre (1 x d or kv_heads x d) and indexes the keys cached while it was pending.
+  template <typename Centre>
+  void fix_centre_and_index(const Centre& centre) {
+    centre_fixed_ = true;
+    for (Index h = 0; h < kv_heads_; ++h)
+      heads_[h].centre = centre.row(centre.rows() == 1 ? 0 : h).transpose();
+    if (opt_.mode == DecodeMode::lsf) {
+      for (Head& head : heads_)
+        for (Index j = 0; j < n_; ++j) file_key(head, j);
     }
-    head.centred_norm.push_back(std::sqrt(sq));
+    hash_closed_blocks();
   }
 
-  // Keys [first, last) for the group's scaled queries qs, in tiles of `block` keys. Each query
-  // row is a matrix-vector product against the tile (no packing of the keys: decoding has a few
-  // query rows, so it streams K and V once per kv head and is bound by memory bandwidth).
+  void file_key(Head& head, Index j) {
+    head.filters.insert(std::int32_t(j), head.keys.row_ptr(j),
+                        centred_ ? head.centre.data() : nullptr, filter_scratch_);
+  }
+
+  // lsh_sample: hashes every block [hashed_, hashed_ + B) that has filled. The product has the
+  // same shape for every block and a block is hashed only once it is complete, so its codes
+  // are the same however its tokens were appended.
+  void hash_closed_blocks() {
+    if (opt_.mode != DecodeMode::lsh_sample || centre_pending()) return;
+    const Index B = opt_.lsh_hash_block;
+    const auto L = static_cast<std::size_t>(opt_.lsh_tables);
+    while (n_ - hashed_ >= B) {
+      // Scratch sized on first use; no allocation per block afterwards.
+      hash_codes_.resize(L * static_cast<std::size_t>(B));
+      hash_block_.resize(B, d_);
+      for (Head& head : heads_) {
+        hash_block_ = head.keys.block(hashed_, B);
+        if (centred_) hash_block_.rowwise() -= head.centre.transpose();
+        head.tables.codes_block(hash_block_, hash_scratch_, hash_codes_.data());
+        for (Index r = 0; r < B; ++r) {
+          head.tables.insert(std::int32_t(hashed_ + r), hash_codes_.data() + std::size_t(r) * L);
+          head.centred_norm.push_back(hash_block_.row(r).norm());
+        }
+      }
+      hashed_ += B;
+    }
+  }
+
+  // Keys [first, last) for the group's scaled queries qs (g x d), in tiles of `block` keys. The
+  // logits of a tile for all g query heads are one product K_tile·qsᵀ (block x g) and its
+  // weighted values one product V_tileᵀ·W (dv x g), so every key and value row is read once per
+  // kv head however many query heads share it (grouped-query attention), and the g columns are
+  // the narrow side of both products. Depths are d (fixed panels) and the tile length, so the
+  // rounding depends on the shapes only.
   void exact_range(const Matrix& qs, const Head& head, Index first, Index last, Index block,
                    Scratch& s, SoftmaxAccumulator<Scalar>& acc) const {
     const Index g = qs.rows();
-    s.tile.resize(g, block);
+    s.scores.resize(block, g);
+    s.num_t.resize(dv_, g);
     s.tile_nd.resize(g, dv_ + 1);
     s.tile_max.resize(g);
     for (Index j0 = first; j0 < last; j0 += block) {
       const Index bk = std::min(block, last - j0);
       const auto kb = head.keys.block(j0, bk);
       const auto vb = head.values.block(j0, bk);
-      auto sc = s.tile.leftCols(bk);
+      auto w = s.scores.topRows(bk);
+      detail::gemm_fixed_depth(w, kb, qs.transpose(), false);
       for (Index r = 0; r < g; ++r) {
-        sc.row(r).noalias() = qs.row(r) * kb.transpose();
-        const Scalar c = sc.row(r).maxCoeff();
+        const Scalar c = w.col(r).maxCoeff();
         s.tile_max(r) = c;
-        sc.row(r).array() = (sc.row(r).array() - c).exp();
-        s.tile_nd.row(r).head(dv_).noalias() = sc.row(r) * vb;
-        s.tile_nd(r, dv_) = sc.row(r).sum();
+        w.col(r).array() = (w.col(r).array() - c).exp();
+        s.tile_nd(r, dv_) = w.col(r).sum();
       }
+      s.num_t.noalias() = vb.transpose() * w;
+      s.tile_nd.leftCols(dv_) = s.num_t.transpose();
       acc.merge_rows(0, s.tile_nd, s.tile_max);
     }
   }
@@ -634,12 +716,6 @@ class KvCache {
     for (Index r = 0; r < qg.rows(); ++r) {
       const Eigen::Matrix<Scalar, 1, Eigen::Dynamic> q = qg.row(r);
       s.idx.clear();
-      if (!centre_fixed_ && centred_) {
-        // The centre is not fixed yet, so no key is hashed: score every candidate (p = 1).
-        for (Index j = first; j < last; ++j) s.idx.push_back(std::int32_t(j));
-        score_and_merge(head, q, r, head0, s, rep, acc);
-        continue;
-      }
       head.tables.codes(q.data(), nullptr, s.hash, s.codes.data());
       rep.tables_probed += L;
       for (int t = 0; t < L; ++t) {
@@ -770,12 +846,14 @@ class KvCache {
   KvCacheOptions opt_;
   Scalar scale_ = 1;
   Index n_ = 0;
+  Index hashed_ = 0;  // lsh_sample: keys [0, hashed_) are in the tables (whole blocks)
   bool centred_ = false, centre_fixed_ = false;
   std::vector<Head> heads_;
   typename detail::SimHashTables<Scalar>::HashScratch hash_scratch_;  // append scratch
   typename detail::FilterTables<Scalar>::Scratch filter_scratch_;
   Scalar lsf_threshold_ = 0;
   std::vector<std::uint32_t> hash_codes_;
+  Matrix hash_block_;  // the centred keys of the block being hashed
 };
 
 // The width in bytes (4 or 8) of the values in a file written by KvCache<Scalar>::save: which

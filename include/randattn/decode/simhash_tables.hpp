@@ -9,8 +9,9 @@
 //     p = P[Binomial(L, c) ≥ 2] = 1 − (1 − c)^L − L·c·(1 − c)^{L−1}.
 // A zero vector has every bit 0 and collides like θ = π/2.
 //
-// Each key's codes are computed once on append (O(L·K·d)) and its index is appended to one
-// bucket per table; a query looks up its L buckets.
+// Keys are hashed in blocks (O(L·K·d) per key, one matrix product per block, so the L·K x d
+// hyperplanes are read once per block rather than once per key) and each key's index is
+// appended to one bucket per table; a query looks up its L buckets.
 
 #include <algorithm>
 #include <cmath>
@@ -21,6 +22,7 @@
 #include <Eigen/Core>
 
 #include "../core/types.hpp"
+#include "../detail/gemm.hpp"
 #include "../detail/validation.hpp"
 #include "../random/fill.hpp"
 #include "../random/philox.hpp"
@@ -83,6 +85,7 @@ class SimHashTables {
 
   struct HashScratch {
     Vector<Scalar> x, proj;
+    RowMatrix<Scalar> block_proj;
   };
 
   int bits() const { return bits_; }
@@ -101,6 +104,22 @@ class SimHashTables {
       std::uint32_t code = 0;
       for (int b = 0; b < bits_; ++b) code |= std::uint32_t(scratch.proj(t * bits_ + b) > 0) << b;
       codes[t] = code;
+    }
+  }
+
+  // Codes of the rows of x (rows x dim, already centred) into codes[r·tables + t]: one product
+  // x·planesᵀ. Its rounding depends on the shapes only (fixed depth panels), so a block's codes
+  // do not depend on how its rows were appended or on the thread count.
+  void codes_block(const RowMatrix<Scalar>& x, HashScratch& scratch, std::uint32_t* codes) const {
+    scratch.block_proj.resize(x.rows(), planes());
+    gemm_fixed_depth(scratch.block_proj, x, planes_.transpose(), false);
+    for (Index r = 0; r < x.rows(); ++r) {
+      const Scalar* proj = scratch.block_proj.row(r).data();
+      for (int t = 0; t < tables_; ++t) {
+        std::uint32_t code = 0;
+        for (int b = 0; b < bits_; ++b) code |= std::uint32_t(proj[t * bits_ + b] > 0) << b;
+        codes[r * tables_ + t] = code;
+      }
     }
   }
 

@@ -3,9 +3,10 @@
 // with a sign vector (phi(q)^T diag(sigma) phi(k)) and per-row log-scales (ScaledFeatures).
 // Causal attention is computed by chunked prefix sums made of matrix products: inside a chunk
 // the masked product (Q'_c K'_c^T ⊙ L)[V_c | 1], across chunks a carried state
-// S = sum_j K'_j^T [V_j | 1]. The stabiliser never looks at future keys: inside a chunk row i
-// is scaled by the running maximum of the key log-scales up to i, and the carried state by the
-// maximum over past chunks, so output i depends on keys 0..i only (bit for bit).
+// S = sum_j K'_j^T [V_j | 1]. The stabiliser never looks at future keys: row i is relative to
+// the larger of the state's log-scale (the maximum over past chunks) and the running maximum of
+// the chunk's key log-scales up to i, so output i depends on keys 0..i only (bit for bit).
+// The products are row-panel tiles that read their operands in place (detail/chunk_products.hpp).
 // The core reads features through row sources one block at a time (GivenFeatureRows below, or a
 // feature map applied on the fly), so its own memory is O(n·dv) plus one block per thread.
 
@@ -178,17 +179,16 @@ Eigen::Ref<const RowMatrix<typename In::Scalar>> signed_keys(
 }
 
 // Work buffers of one thread: a block of feature rows, [w ∘ V | w] or [V | 1] of a chunk, and,
-// for causal chunks, the masked weights and their product.
+// for causal chunks, the masked weights and the rows' log-scales.
 template <typename Scalar>
 struct ChunkScratch {
   FeatureBlock<Scalar> features;
-  RowMatrix<Scalar> values, weights, product;
+  RowMatrix<Scalar> values, weights;
   Vector<Scalar> log_rows;
   ChunkScratch(Index chunk, Index dim, Index width, bool causal)
       : features(causal ? 0 : chunk, dim),
         values(chunk, width),
         weights(causal ? chunk : 0, causal ? chunk : 0),
-        product(causal ? chunk : 0, width),
         log_rows(causal ? chunk : 0) {}
 };
 
@@ -368,8 +368,9 @@ void causal_prefix_states(const In& in, Index g0, const Keys& keys,
 // Causal linear attention. The sequence is cut into chunks of in.chunk rows, and the chunks into
 // groups of kCausalGroup; groups run in order, carrying the state S of every key before the
 // group. For each group the features of its rows are computed once; then the prefix state of
-// every chunk is scanned (causal_prefix_states), and every chunk's rows are finished in parallel: Q_c S_c for the keys before the chunk plus the masked product inside it,
-// written once into the result. The merge order is fixed by the shapes, so results do not depend
+// every chunk is scanned (causal_prefix_states), and every chunk's rows are finished in
+// parallel: Q_c S_c for the keys before the chunk plus the masked product inside it, written
+// once into the result. The merge order is fixed by the shapes, so results do not depend
 // on the thread count, and memory holds one group's features and states. Also returns the
 // summary of all keys, which the loop carries anyway (what attention of a later part of the
 // sequence reads).

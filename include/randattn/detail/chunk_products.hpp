@@ -88,22 +88,25 @@ void panel(Scalar* out, Index out_stride, Start<Scalar> start, Strided<Scalar> a
     return Start<Scalar>{start.data ? start.data + i * start.stride : nullptr, start.stride,
                          start.alpha};
   };
+  const auto run = [&](auto rows_c, Index i) {
+    constexpr int R = decltype(rows_c)::value;
+    tile<R, P>(out + i * out_stride, out_stride, start_of(i), {a.data + i * a.row, a.row, a.col},
+               b, b_stride, depth_of(i, R));
+  };
+  // Narrow panels take taller tiles, so that each tile keeps kTileRows * kTilePackets
+  // accumulators.
+  constexpr int tall = kTileRows * (kTilePackets / P);
   Index i = 0;
-  for (; i + kTileRows <= rows; i += kTileRows) {
-    tile<kTileRows, P>(out + i * out_stride, out_stride, start_of(i),
-                       {a.data + i * a.row, a.row, a.col}, b, b_stride, depth_of(i, kTileRows));
-  }
-  const Index left = rows - i;
-  if (left == 0) return;
-  const Strided<Scalar> ai{a.data + i * a.row, a.row, a.col};
-  Scalar* oi = out + i * out_stride;
+  for (; i + tall <= rows; i += tall) run(std::integral_constant<int, tall>(), i);
+  for (; i + kTileRows <= rows; i += kTileRows) run(std::integral_constant<int, kTileRows>(), i);
   // The last rows in one tile of their count (kTileRows is at most 6).
-  switch (left) {
-    case 1: return tile<1, P>(oi, out_stride, start_of(i), ai, b, b_stride, depth_of(i, 1));
-    case 2: return tile<2, P>(oi, out_stride, start_of(i), ai, b, b_stride, depth_of(i, 2));
-    case 3: return tile<3, P>(oi, out_stride, start_of(i), ai, b, b_stride, depth_of(i, 3));
-    case 4: return tile<4, P>(oi, out_stride, start_of(i), ai, b, b_stride, depth_of(i, 4));
-    default: return tile<5, P>(oi, out_stride, start_of(i), ai, b, b_stride, depth_of(i, 5));
+  switch (rows - i) {
+    case 0: return;
+    case 1: return run(std::integral_constant<int, 1>(), i);
+    case 2: return run(std::integral_constant<int, 2>(), i);
+    case 3: return run(std::integral_constant<int, 3>(), i);
+    case 4: return run(std::integral_constant<int, 4>(), i);
+    default: return run(std::integral_constant<int, 5>(), i);
   }
 }
 
@@ -129,7 +132,14 @@ void product(Out& out, Start<typename Out::Scalar> start, const A& a, const B& b
   for (; j + kTilePackets * ps <= cols; j += kTilePackets * ps) {
     panel<kTilePackets>(o + j, os, from(j), sa, bb + j, bs, rows, depth, lower);
   }
-  for (; j + ps <= cols; j += ps) panel<1>(o + j, os, from(j), sa, bb + j, bs, rows, depth, lower);
+  if (j + 2 * ps <= cols) {
+    panel<2>(o + j, os, from(j), sa, bb + j, bs, rows, depth, lower);
+    j += 2 * ps;
+  }
+  if (j + ps <= cols) {
+    panel<1>(o + j, os, from(j), sa, bb + j, bs, rows, depth, lower);
+    j += ps;
+  }
   if (j < cols) {
     // The columns past the last whole packet (the weight column of [V | 1]), through Eigen's
     // matrix-vector product.

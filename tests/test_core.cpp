@@ -190,6 +190,36 @@ TEMPLATE_TEST_CASE("Linear core equals the explicit masked product", "[core][lin
   }
 }
 
+TEMPLATE_TEST_CASE("Causal and bidirectional linear core at awkward sizes, default chunks",
+                   "[core][linear][causal]", float, double) {
+  // Sizes around the default causal chunk (32 rows) and its groups (16 chunks): one row, fewer
+  // rows than a chunk, one chunk exactly, a chunk and a row, a partial last chunk and a partial
+  // last group; feature and value widths that leave a remainder past the last whole vector
+  // register (m = 37, dv + 1 = 18) or none (dv + 1 = 48), and the benchmark's widths.
+  using Scalar = TestType;
+  const double tol = testing::tolerance<Scalar>();
+  struct Widths {
+    Index m, dv;
+  };
+  for (const Widths wd : {Widths{37, 17}, Widths{16, 47}, Widths{256, 64}}) {
+    for (const Index n : {1, 5, 32, 33, 100, 545}) {
+      if (wd.m == 256 && n > 100) continue;  // the wide case only where it is cheap
+      const auto p = make_problem<Scalar>(700 + n, n, wd.m, wd.dv, 6.0, n % 2 == 1);
+      for (bool causal : {false, true}) {
+        INFO("n " << n << " m " << wd.m << " dv " << wd.dv << " causal " << causal);
+        LinearOptions opt;
+        opt.causal = causal;
+        const RowMatrix<Scalar> out = randattn::linear_attention_accumulate<Scalar>(
+                                          p.qf, p.q_log, p.kf, p.k_log, p.v, p.signs, opt)
+                                          .finalize(Scalar(opt.denominator_epsilon));
+        const RowMatrix<double> expected =
+            explicit_linear(p.qf, p.q_log, p.kf, p.k_log, p.v, p.signs, causal);
+        CHECK(rel_error(out, expected) < tol);
+      }
+    }
+  }
+}
+
 TEMPLATE_TEST_CASE("Linear core with ScaledFeatures and plain matrices", "[core][linear]", float,
                    double) {
   using Scalar = TestType;

@@ -3,9 +3,10 @@
 // with a sign vector (phi(q)^T diag(sigma) phi(k)) and per-row log-scales (ScaledFeatures).
 // Causal attention is computed by chunked prefix sums made of matrix products: inside a chunk
 // the masked product (Q'_c K'_c^T ⊙ L)[V_c | 1], across chunks a carried state
-// S = sum_j K'_j^T [V_j | 1]. The stabiliser never looks at future keys: inside a chunk row i
-// is scaled by the running maximum of the key log-scales up to i, and the carried state by the
-// maximum over past chunks, so output i depends on keys 0..i only (bit for bit).
+// S = sum_j K'_j^T [V_j | 1]. The stabiliser never looks at future keys: row i is relative to
+// the larger of the state's log-scale (the maximum over past chunks) and the running maximum of
+// the chunk's key log-scales up to i, so output i depends on keys 0..i only (bit for bit).
+// The products are row-panel tiles that read their operands in place (detail/chunk_products.hpp).
 // The core reads features through row sources one block at a time (GivenFeatureRows below, or a
 // feature map applied on the fly), so its own memory is O(n·dv) plus one block per thread.
 
@@ -20,6 +21,7 @@
 #include "../detail/batch.hpp"
 #include "../detail/gemm.hpp"
 #include "../detail/parallel.hpp"
+#include "../detail/chunk_products.hpp"
 #include "../detail/validation.hpp"
 #include "options.hpp"
 #include "scaled_features.hpp"
@@ -177,17 +179,16 @@ Eigen::Ref<const RowMatrix<typename In::Scalar>> signed_keys(
 }
 
 // Work buffers of one thread: a block of feature rows, [w ∘ V | w] or [V | 1] of a chunk, and,
-// for causal chunks, the masked weights and their product.
+// for causal chunks, the masked weights and the rows' log-scales.
 template <typename Scalar>
 struct ChunkScratch {
   FeatureBlock<Scalar> features;
-  RowMatrix<Scalar> values, weights, product;
+  RowMatrix<Scalar> values, weights;
   Vector<Scalar> log_rows;
   ChunkScratch(Index chunk, Index dim, Index width, bool causal)
       : features(causal ? 0 : chunk, dim),
         values(chunk, width),
         weights(causal ? chunk : 0, causal ? chunk : 0),
-        product(causal ? chunk : 0, width),
         log_rows(causal ? chunk : 0) {}
 };
 
@@ -203,7 +204,7 @@ typename In::Scalar summarise_keys(const In& in, const Keys& keys,
   auto weighted = scratch.topRows(len);
   weighted.col(dv) = (k_log.array() - g).exp().matrix();
   weighted.leftCols(dv) = weighted.col(dv).asDiagonal() * in.v.middleRows(j0, len);
-  gemm_fixed_depth(out, keys.transpose(), weighted, false);
+  row_panel_product(out, keys.transpose(), weighted, false);
   return g;
 }
 
@@ -260,7 +261,7 @@ SoftmaxAccumulator<typename In::Scalar> query_key_state(const In& in,
   parallel_for_with((n_q + chunk - 1) / chunk, [&] { return FeatureBlock<Scalar>(chunk, m); },
                     [&](Index b, FeatureBlock<Scalar>& f) {
                       const Index i0 = b * chunk, len = std::min(chunk, n_q - i0);
-                      gemm_fixed_depth(nd.middleRows(i0, len), in.q.view(i0, len, f), state, false);
+                      row_panel_product(nd.middleRows(i0, len), in.q.view(i0, len, f), state, false);
                       log_scale.segment(i0, len) = f.log_scale.head(len);
                     });
   log_scale.array() += c;
@@ -274,55 +275,105 @@ SoftmaxAccumulator<typename In::Scalar> linear_bidirectional(const In& in) {
   return query_key_state(in, state, c);
 }
 
-// Causal rows [i0, i0 + len), `queries` and `keys` (signed) being their features, merged into
-// acc: the masked product with the chunk's own keys, and Q_c `state` for the keys before it
-// (`state` relative to exp(state_log); −inf: none). Row i is stabilised by the largest key
-// log-scale up to i, never a later one.
+// Causal rows [i0, i0 + len), `queries` and `keys` (signed) being their features, written to
+// rows [i0, i0 + len) of `nd` and `log_scale`: Q_c `state` for the keys before the chunk
+// (`state` relative to exp(state_log); −inf: none) plus the masked product with the chunk's own
+// keys, both relative to r_i = max(state_log, largest key log-scale up to i), so row i is
+// stabilised by keys 0..i only and is written once.
 template <typename In, typename Rows, typename State>
 void causal_chunk_rows(const In& in, Index i0, const Rows& queries,
                        const Eigen::Ref<const Vector<typename In::Scalar>>& q_log, const Rows& keys,
                        const Eigen::Ref<const Vector<typename In::Scalar>>& k_log,
                        const State& state, typename In::Scalar state_log,
-                       ChunkScratch<typename In::Scalar>& s,
-                       SoftmaxAccumulator<typename In::Scalar>& acc) {
+                       ChunkScratch<typename In::Scalar>& s, RowMatrix<typename In::Scalar>& nd,
+                       Vector<typename In::Scalar>& log_scale) {
   using Scalar = typename In::Scalar;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   const Index len = queries.rows(), dv = in.v.cols();
   auto weights = s.weights.topLeftCorner(len, len);
-  auto product = s.product.topRows(len);
-  auto log_rows = s.log_rows.head(len);
+  auto row_log = s.log_rows.head(len);
   auto values = s.values.topRows(len);
-  gemm_fixed_depth(weights, queries, keys.transpose(), false);
+  auto out = nd.middleRows(i0, len);
+  lower_row_dots(weights, queries, keys);
   Scalar prefix_max = kNegInf;
   for (Index i = 0; i < len; ++i) {
     prefix_max = std::max(prefix_max, k_log(i));
+    row_log(i) = std::max(prefix_max, state_log);
     weights.row(i).head(i + 1).array() *=
-        (k_log.head(i + 1).array() - prefix_max).exp().transpose();
+        (k_log.head(i + 1).array() - row_log(i)).exp().transpose();
     weights.row(i).tail(len - i - 1).setZero();
-    log_rows(i) = prefix_max;
   }
-  log_rows += q_log;
   values.leftCols(dv) = in.v.middleRows(i0, len);
   values.col(dv).setOnes();
-  gemm_fixed_depth(product, weights, values, false);
-  acc.merge_rows(i0, product, log_rows);
-  if (state_log != kNegInf) {
-    gemm_fixed_depth(product, queries, state, false);
-    log_rows.setConstant(state_log);
-    log_rows += q_log;
-    acc.merge_rows(i0, product, log_rows);
+  const bool has_state = state_log != kNegInf;
+  if (has_state) {
+    row_panel_product(out, queries, state, false);
+    out.array().colwise() *= (state_log - row_log.array()).exp();
   }
+  row_panel_product(out, weights, values, has_state, true);
+  log_scale.segment(i0, len) = row_log + q_log;
+}
+
+// The prefix states of one group's chunks: on exit block t of `states` holds the state of every
+// key before chunk t of the group, S_t relative to exp(c_t), for t = 0 … group, S_0 being
+// `carried` (relative to exp(carried_log)), and `carried` becomes S_group. The scan
+// S_{t+1} = exp(c_t − c_{t+1}) S_t + K_tᵀ [w ∘ V_t | w], w = exp(k_log − c_{t+1}), c_{t+1} the
+// larger of c_t and chunk t's key log-scales, runs in place over the states: no chunk summary is
+// stored apart. Rows of S are independent, so blocks of them run in parallel, each scanning every
+// chunk in order: the result does not depend on the thread count.
+template <typename In, typename Keys>
+void causal_prefix_states(const In& in, Index g0, const Keys& keys,
+                          const Eigen::Ref<const Vector<typename In::Scalar>>& k_log, Index group,
+                          RowMatrix<typename In::Scalar>& weighted,
+                          KeySummaries<typename In::Scalar>& states,
+                          RowMatrix<typename In::Scalar>& carried,
+                          typename In::Scalar& carried_log) {
+  using Scalar = typename In::Scalar;
+  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  const Index chunk = in.chunk, dv = in.v.cols(), m = in.features(), len = keys.rows();
+  const auto rows_of = [&](Index t) {
+    return std::make_pair(t * chunk, std::min(chunk, len - t * chunk));
+  };
+  states.block(0) = carried;
+  states.log_scale(0) = carried_log;
+  for (Index t = 0; t < group; ++t) {
+    const auto [r0, rows] = rows_of(t);
+    const Scalar c = std::max(states.log_scale(t), k_log.segment(r0, rows).maxCoeff());
+    states.log_scale(t + 1) = c;
+    auto w = weighted.middleRows(r0, rows);
+    w.col(dv) = (k_log.segment(r0, rows).array() - c).exp().matrix();
+    w.leftCols(dv) = w.col(dv).asDiagonal() * in.v.middleRows(g0 + r0, rows);
+  }
+  constexpr Index kRowBlock = 64;  // rows of S per task: four tasks at 256 features
+  parallel_for((m + kRowBlock - 1) / kRowBlock, [&](Index b) {
+    const Index s0 = b * kRowBlock, s_len = std::min(kRowBlock, m - s0);
+    for (Index t = 0; t < group; ++t) {
+      const auto [r0, rows] = rows_of(t);
+      const auto a = keys.middleRows(r0, rows).transpose().middleRows(s0, s_len);
+      const auto w = weighted.middleRows(r0, rows);
+      auto next = states.block(t + 1).middleRows(s0, s_len);
+      const Scalar c_prev = states.log_scale(t);
+      if (c_prev == kNegInf) {
+        row_panel_product(next, a, w, false);
+      } else {
+        row_panel_product_onto(next, states.block(t).middleRows(s0, s_len),
+                               std::exp(c_prev - states.log_scale(t + 1)), a, w);
+      }
+    }
+  });
+  carried = states.block(group);
+  carried_log = states.log_scale(group);
 }
 
 // Causal linear attention. The sequence is cut into chunks of in.chunk rows, and the chunks into
 // groups of kCausalGroup; groups run in order, carrying the state S of every key before the
-// group. For each group the features of its rows are computed once; then the chunk summaries
-// are computed in parallel, turned into exclusive prefixes in order (S absorbs them one by one),
-// and every chunk's rows are finished in parallel: Q_c S_c for the keys before the chunk, the
-// masked product inside it. The merge order is fixed by the shapes, so results do not depend on
-// the thread count, and memory holds one group's features and states. Also returns the summary
-// of all keys, which the loop carries anyway (what attention of a later part of the sequence
-// reads).
+// group. For each group the features of its rows are computed once; then the prefix state of
+// every chunk is scanned (causal_prefix_states), and every chunk's rows are finished in
+// parallel: Q_c S_c for the keys before the chunk plus the masked product inside it, written
+// once into the result. The merge order is fixed by the shapes, so results do not depend
+// on the thread count, and memory holds one group's features and states. Also returns the
+// summary of all keys, which the loop carries anyway (what attention of a later part of the
+// sequence reads).
 template <typename In>
 std::pair<SoftmaxAccumulator<typename In::Scalar>, KeySummary<typename In::Scalar>>
 linear_causal_with_summary(const In& in) {
@@ -331,11 +382,13 @@ linear_causal_with_summary(const In& in) {
   const Index n = in.q.rows(), m = in.features(), w = in.width(), chunk = in.chunk;
   const Index chunks = (n + chunk - 1) / chunk;
   const Index group_rows = std::min(n, kCausalGroup * chunk);
-  SoftmaxAccumulator<Scalar> acc(n, w - 1);
-  RowMatrix<Scalar> carried = RowMatrix<Scalar>::Zero(m, w), incoming(m, w);
+  RowMatrix<Scalar> nd(n, w);
+  Vector<Scalar> log_scale(n);
+  RowMatrix<Scalar> carried = RowMatrix<Scalar>::Zero(m, w);
   Scalar carried_log = kNegInf;
-  KeySummaries<Scalar> prefix(std::min(chunks, kCausalGroup), m, w);
+  KeySummaries<Scalar> states(std::min(chunks, kCausalGroup) + 1, m, w);
   FeatureBlock<Scalar> q_rows(group_rows, m), k_rows(group_rows, m);
+  RowMatrix<Scalar> weighted(group_rows, w);
   const auto scratch = [&] { return ChunkScratch<Scalar>(chunk, m, w, true); };
   for (Index first = 0; first < chunks; first += kCausalGroup) {
     const Index group = std::min(kCausalGroup, chunks - first), g0 = first * chunk;
@@ -346,28 +399,17 @@ linear_causal_with_summary(const In& in) {
       const Index r0 = t * chunk;
       return std::make_pair(r0, std::min(chunk, n - g0 - r0));
     };
-    parallel_for_with(group, scratch, [&](Index t, ChunkScratch<Scalar>& s) {
-      const auto [r0, len] = rows_of(t);
-      prefix.log_scale(t) =
-          summarise_keys(in, keys.middleRows(r0, len), k_rows.log_scale.segment(r0, len), g0 + r0,
-                         s.values, prefix.block(t));
-    });
-    // Exclusive prefix: block t becomes the state of every key before chunk first + t.
-    for (Index t = 0; t < group; ++t) {
-      incoming = prefix.block(t);
-      const Scalar c_in = prefix.log_scale(t);
-      prefix.block(t) = carried;
-      prefix.log_scale(t) = carried_log;
-      merge_scaled(carried, carried_log, incoming, c_in);
-    }
+    causal_prefix_states(in, g0, keys, k_rows.log_scale.head(g_len), group, weighted, states,
+                         carried, carried_log);
     parallel_for_with(group, scratch, [&](Index t, ChunkScratch<Scalar>& s) {
       const auto [r0, len] = rows_of(t);
       causal_chunk_rows(in, g0 + r0, queries.middleRows(r0, len), q_rows.log_scale.segment(r0, len),
                         keys.middleRows(r0, len), k_rows.log_scale.segment(r0, len),
-                        prefix.block(t), prefix.log_scale(t), s, acc);
+                        states.block(t), states.log_scale(t), s, nd, log_scale);
     });
   }
-  return {std::move(acc), KeySummary<Scalar>{std::move(carried), carried_log}};
+  return {SoftmaxAccumulator<Scalar>(std::move(nd), std::move(log_scale)),
+          KeySummary<Scalar>{std::move(carried), carried_log}};
 }
 
 template <typename In>

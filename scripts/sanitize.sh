@@ -1,28 +1,30 @@
 #!/usr/bin/env bash
 # Builds the test suite with clang under AddressSanitizer + UndefinedBehaviorSanitizer and runs
 # all of it (halting on the first report), then under ThreadSanitizer and runs the tests tagged
-# [threads]. OpenMP comes from LLVM's libomp with its Archer tool, which tells ThreadSanitizer
+# [threads]. The AddressSanitizer build also compiles the benchmarks (a compile check: they are
+# not run here). OpenMP comes from LLVM's libomp with its Archer tool, which tells ThreadSanitizer
 # about OpenMP's own synchronisation.
 set -euo pipefail
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/common.sh"
 
-RANDATTN_PACKAGES+=(catch2 clang libclang-rt-14-dev libomp-14-dev ccache)
+RANDATTN_PACKAGES+=(catch2 libbenchmark-dev clang libclang-rt-14-dev libomp-14-dev ccache)
 randattn_require_packages
 randattn_use_ccache
 
 archer=/usr/lib/llvm-14/lib/libarcher.so
-sanitized_build() {  # <dir> <sanitizers> <target> [cmake arguments...]
-    local dir=$1 sanitizers=$2 target=$3
+sanitized_build() {  # <dir> <sanitizers> <targets> [cmake arguments...]
+    local dir=$1 sanitizers=$2 targets=$3
     shift 3
     cmake -S "$RANDATTN_ROOT" -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo "${RANDATTN_LAUNCHER[@]}" \
         -DCMAKE_CXX_COMPILER=clang++ -DRANDATTN_SANITIZE="$sanitizers" \
-        -DRANDATTN_BUILD_BENCHMARKS=OFF -DRANDATTN_INSTALL=OFF -DRANDATTN_MPI=OFF \
-        -DRANDATTN_TESTS_UNITY=ON "$@"
-    cmake --build "$dir" -j"$(nproc)" --target "$target"
+        -DRANDATTN_INSTALL=OFF -DRANDATTN_MPI=OFF -DRANDATTN_TESTS_UNITY=ON "$@"
+    # shellcheck disable=SC2086  # several targets
+    cmake --build "$dir" -j"$(nproc)" --target $targets
 }
 
 randattn_log "AddressSanitizer + UndefinedBehaviorSanitizer: whole test suite"
-sanitized_build "$RANDATTN_ROOT/build-asan" address,undefined randattn_tests
+sanitized_build "$RANDATTN_ROOT/build-asan" address,undefined "randattn_test_programs randattn_benchmarks" \
+    -DRANDATTN_BUILD_BENCHMARKS=ON
 ASAN_OPTIONS=halt_on_error=1:detect_leaks=1:abort_on_error=1 \
 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
     ctest --test-dir "$RANDATTN_ROOT/build-asan" --output-on-failure --label-exclude 'packaging|mpi' -j"$(nproc)"
@@ -32,7 +34,7 @@ UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 threaded=$(grep -l '\[threads\]' "$RANDATTN_ROOT"/tests/test_*.cpp | sed 's|.*/test_||; s|\.cpp$||' | paste -sd';')
 randattn_log "ThreadSanitizer: multi-threaded tests (test files: $threaded)"
 sanitized_build "$RANDATTN_ROOT/build-tsan" thread randattn_tests \
-    -DRANDATTN_BUILD_TOOLS=OFF -DRANDATTN_BUILD_EXAMPLES=OFF -DRANDATTN_TEST_FILES="$threaded"
+    -DRANDATTN_BUILD_BENCHMARKS=OFF -DRANDATTN_BUILD_TOOLS=OFF -DRANDATTN_BUILD_EXAMPLES=OFF -DRANDATTN_TEST_FILES="$threaded"
 TSAN_OPTIONS="halt_on_error=1 suppressions=$RANDATTN_ROOT/tests/tsan.supp" \
 OMP_TOOL_LIBRARIES="$archer" OMP_NUM_THREADS=2 \
     "$RANDATTN_ROOT/build-tsan/tests/randattn_tests" "[threads]"

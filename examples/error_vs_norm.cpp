@@ -1,6 +1,7 @@
 // Attention error against exact attention versus the query/key norm, at an equal feature
 // budget of about 256 features per token, for the positive (FAVOR+), hyperbolic, OPRF, SDERF,
-// trig and angular-hybrid maps. Prints CSV
+// trig and angular-hybrid maps, and for sparse + low-rank attention with that OPRF map as the
+// remainder of an LSH support (sort-and-chunk, chunk 64, 4 rounds). Prints CSV
 // (map,s,scaled_sq_norm,feature_dim,mean_rel_error,stderr,predicted_rel_mse) on stdout;
 // scripts/plot_error_vs_norm.py turns it into docs/error_vs_norm.png and the README table.
 // Runs with no arguments.
@@ -48,24 +49,60 @@ Map fitted(Map map, const Data& data, double normaliser) {
   return map;
 }
 
+const double kNormaliser = std::pow(double(kD), -0.25);  // scale^{1/2}, scale = 1/sqrt(d)
+
+// What one method gives on one draw of the data.
+struct Run {
+  RowMatrix<double> out;
+  Index feature_dim = 0;
+  double predicted_rel_mse = 0;  // 0: not available
+};
+
+// Random-feature attention with the map make(seed), fitted to (q, k) where it has parameters.
 template <typename MakeMap>
-void sweep(const std::string& name, MakeMap make) {
-  const double normaliser = std::pow(double(kD), -0.25);  // scale^{1/2}, scale = 1/sqrt(d)
+auto features(MakeMap make) {
+  return [make](const Data& data, std::uint64_t seed) {
+    const auto map = fitted(make(seed), data, kNormaliser);
+    Run run{randattn::random_feature_attention(map, data.q, data.k, data.v), map.feature_dim(), 0};
+    if constexpr (!std::is_same<decltype(map), const randattn::HybridFeatures<double>>::value)
+      run.predicted_rel_mse = randattn::mean_kernel_relative_mse(map, data.q, data.k, kNormaliser);
+    return run;
+  };
+}
+
+// Sparse + low-rank: exact on the keys LSH puts in each query's chunks, OPRF (fitted as above)
+// for the rest.
+Run sparse_lowrank(const Data& data, std::uint64_t seed) {
+  using namespace randattn;
+  const LshOptions lsh_options;  // chunk 64, exact union of the rounds
+  const CrossPolytopeHash<double> hash(kD, reformer_buckets(kN, lsh_options.chunk), 4, seed);
+  SupportSpec<double> support;
+  support.lsh = &hash;
+  support.lsh_options = lsh_options;
+  const auto map = fitted(OptimalPositiveFeatures(OrthogonalProjection<double>(kBudget, kD, seed)),
+                          data, kNormaliser);
+  SparseLowRankOptions options;
+  options.seed = seed;
+  return {sparse_lowrank_attention<double>(
+              data.q, data.k, data.v, support,
+              FeatureRemainder<OptimalPositiveFeatures<double>>{map, {}}, options),
+          map.feature_dim(), 0};
+}
+
+template <typename Method>
+void sweep(const std::string& name, Method method) {
   for (double s : {0.18, 0.25, 0.35, 0.5, 0.6, 0.7, 0.85, 1.0}) {
     double sum = 0, sum_sq = 0, norm = 0, predicted = 0;
     Index dim = 0;
     for (int seed = 0; seed < kSeeds; ++seed) {
       const Data data = make_data(s, seed);
-      const auto map = fitted(make(std::uint64_t(seed + 1)), data, normaliser);
-      dim = map.feature_dim();
-      const double e =
-          (randattn::random_feature_attention(map, data.q, data.k, data.v) - data.exact).norm() /
-          data.exact.norm();
+      const Run run = method(data, std::uint64_t(seed + 1));
+      dim = run.feature_dim;
+      const double e = (run.out - data.exact).norm() / data.exact.norm();
       sum += e;
       sum_sq += e * e;
-      norm += normaliser * normaliser * data.q.rowwise().squaredNorm().mean();
-      if constexpr (!std::is_same<decltype(map), const randattn::HybridFeatures<double>>::value)
-        predicted += randattn::mean_kernel_relative_mse(map, data.q, data.k, normaliser);
+      norm += kNormaliser * kNormaliser * data.q.rowwise().squaredNorm().mean();
+      predicted += run.predicted_rel_mse;
     }
     const double mean = sum / kSeeds;
     const double se = std::sqrt(std::max(0.0, sum_sq / kSeeds - mean * mean) / (kSeeds - 1));
@@ -82,15 +119,22 @@ int main() {
   using namespace randattn;
   using Orth = OrthogonalProjection<double>;
   std::cout << "map,s,scaled_sq_norm,feature_dim,mean_rel_error,stderr,predicted_rel_mse\n";
-  sweep("positive", [](std::uint64_t seed) { return PositiveFeatures(Orth(kBudget, kD, seed)); });
-  sweep("oprf",
-        [](std::uint64_t seed) { return OptimalPositiveFeatures(Orth(kBudget, kD, seed)); });
-  sweep("sderf",
-        [](std::uint64_t seed) { return DenseExponentialFeatures(Orth(kBudget, kD, seed)); });
-  sweep("hyperbolic",
-        [](std::uint64_t seed) { return HyperbolicFeatures(Orth(kBudget / 2, kD, seed)); });
-  sweep("trig", [](std::uint64_t seed) { return TrigFeatures(Orth(kBudget / 2, kD, seed)); });
+  sweep("positive",
+        features([](std::uint64_t seed) { return PositiveFeatures(Orth(kBudget, kD, seed)); }));
+  sweep("oprf", features([](std::uint64_t seed) {
+          return OptimalPositiveFeatures(Orth(kBudget, kD, seed));
+        }));
+  sweep("sderf", features([](std::uint64_t seed) {
+          return DenseExponentialFeatures(Orth(kBudget, kD, seed));
+        }));
+  sweep("hyperbolic", features([](std::uint64_t seed) {
+          return HyperbolicFeatures(Orth(kBudget / 2, kD, seed));
+        }));
+  sweep("trig",
+        features([](std::uint64_t seed) { return TrigFeatures(Orth(kBudget / 2, kD, seed)); }));
   // 2·(n_lambda + 1)·2m + 2m = 250 features with m = 25, n_lambda = 1.
-  sweep("hybrid", [](std::uint64_t seed) { return angular_hybrid<double>(25, 1, kD, seed); });
+  sweep("hybrid",
+        features([](std::uint64_t seed) { return angular_hybrid<double>(25, 1, kD, seed); }));
+  sweep("sparse-lowrank", sparse_lowrank);
   return 0;
 }

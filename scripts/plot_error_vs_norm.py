@@ -1,6 +1,7 @@
 #!/usr/bin/python3
-"""Attention error of random features against exact attention versus the norm of q and k
-(docs/error_vs_norm.png), at an equal budget of about 256 features.
+"""Attention error of random features, and of sparse + low-rank attention with an OPRF
+remainder, against exact attention versus the norm of q and k (docs/error_vs_norm.png), at an
+equal budget of about 256 features.
 
 Usage: scripts/plot_error_vs_norm.py [BUILD_DIR | --csv FILE]   (default: build)
 Runs BUILD_DIR/examples/error_vs_norm, which prints the CSV (or reads a CSV it printed before),
@@ -28,7 +29,7 @@ else:
 rows = list(csv.DictReader(io.StringIO(text)))
 maps = [("positive", "positive (FAVOR+)", "o-"), ("hyperbolic", "hyperbolic", "d-"),
         ("oprf", "OPRF", "s-"), ("sderf", "SDERF", "^-"), ("trig", "trig", "v-"),
-        ("hybrid", "angular hybrid", "x-")]
+        ("hybrid", "angular hybrid", "x-"), ("sparse-lowrank", "sparse-lowrank: LSH support + OPRF", "*-")]
 
 fig, ax = plt.subplots(figsize=(7, 4.5))
 for key, label, style in maps:

@@ -265,7 +265,7 @@ TEST_CASE("sparse-lowrank: target sets are each row's distinct keys, sorted", "[
   const Index rows = 300;
   CAPTURE(n_k);
   randattn::Philox rng(5);
-  std::vector<std::vector<std::int32_t>> lists(std::size_t(rows));
+  std::vector<std::vector<std::int32_t>> lists(static_cast<std::size_t>(rows));
   for (Index i = 0; i < rows; ++i) {
     const Index count = Index(rng.uniform(std::uint64_t(i), 0) * 40) * (i % 5 != 0);
     for (Index t = 0; t < count; ++t)

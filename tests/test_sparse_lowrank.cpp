@@ -4,6 +4,7 @@
 // argument checks.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <stdexcept>
@@ -222,9 +223,12 @@ TEST_CASE("sparse-lowrank: every remainder is unbiased in numerator and denomina
 
 TEST_CASE("sparse-lowrank: the chunk-by-chunk LSH correction is the per-key one",
           "[sparse_lowrank]") {
+  // Beyond kCountTableRounds rounds the pair counts come from the chunks' table.
   const Problem<double> p(81, 150, 8, 3, 1.0);
   const bool causal = GENERATE(false, true);
-  const CrossPolytopeHash<double> hash(8, 8, 3, 7);
+  const Index rounds = GENERATE(Index(3), randattn::detail::kCountTableRounds + 3);
+  CAPTURE(causal, rounds);
+  const CrossPolytopeHash<double> hash(8, 8, rounds, 7);
   randattn::LshOptions lopt;
   lopt.chunk = 16;
   lopt.causal = causal;
@@ -242,6 +246,59 @@ TEST_CASE("sparse-lowrank: the chunk-by-chunk LSH correction is the per-key one"
   CHECK(clamped_keys == clamped_chunks);
   const Eigen::MatrixXd a = true_numden(by_key), b = true_numden(by_chunk);
   CHECK((a - b).norm() <= 1e-10 * a.norm());
+  // The sizes alone, without the sets: the same rows, the same correction bit for bit.
+  const std::vector<Index> sizes = randattn::lsh_target_sizes(chunks, causal);
+  REQUIRE(Index(sizes.size()) == sets.rows());
+  for (Index i = 0; i < sets.rows(); ++i) REQUIRE(sizes[std::size_t(i)] == sets.size(i));
+  Index clamped_sizes = 0;
+  const auto by_sizes = randattn::feature_remainder_accumulate(map, p.q, p.k, p.v, chunks, sizes,
+                                                               fopt, &clamped_sizes);
+  CHECK(clamped_sizes == clamped_chunks);
+  CHECK(by_sizes.numden() == by_chunk.numden());
+  CHECK(by_sizes.log_scale() == by_chunk.log_scale());
+}
+
+TEST_CASE("sparse-lowrank: target sets are each row's distinct keys, sorted", "[sparse_lowrank]") {
+  // Rows of random keys with repeats, some empty, over a range that spans many bitset words or
+  // few (both ways of draining a row), against std::sort + std::unique.
+  const Index n_k = GENERATE(Index(7), Index(70), Index(5000));
+  const Index rows = 300;
+  CAPTURE(n_k);
+  randattn::Philox rng(5);
+  std::vector<std::vector<std::int32_t>> lists(static_cast<std::size_t>(rows));
+  for (Index i = 0; i < rows; ++i) {
+    const Index count = Index(rng.uniform(std::uint64_t(i), 0) * 40) * (i % 5 != 0);
+    for (Index t = 0; t < count; ++t)
+      lists[std::size_t(i)].push_back(
+          std::int32_t(rng.uniform(std::uint64_t(i), std::uint32_t(t + 1)) * double(n_k)));
+  }
+  const auto gather = [&](Index i, auto&& add) {
+    for (std::int32_t j : lists[std::size_t(i)]) add(j);
+  };
+  const bool fill = GENERATE(false, true);
+  const TargetSets sets = randattn::gather_target_sets(rows, n_k, gather, fill, true);
+  const std::vector<Index> sizes = randattn::gather_target_sizes(rows, n_k, gather, fill, true);
+  REQUIRE(sets.rows() == rows);
+  for (Index i = 0; i < rows; ++i) {
+    std::vector<std::int32_t> want = lists[std::size_t(i)];
+    std::sort(want.begin(), want.end());
+    want.erase(std::unique(want.begin(), want.end()), want.end());
+    if (want.empty() && fill)
+      for (Index j = 0; j < std::min(i + 1, n_k); ++j) want.push_back(std::int32_t(j));
+    REQUIRE(std::vector<std::int32_t>(sets.begin(i), sets.end(i)) == want);
+    REQUIRE(sizes[std::size_t(i)] == Index(want.size()));
+  }
+  // The union of two sets is the sets of the concatenated lists.
+  const TargetSets half = randattn::gather_target_sets(rows, n_k, [&](Index i, auto&& add) {
+    for (std::size_t t = 0; t < lists[std::size_t(i)].size(); t += 2) add(lists[std::size_t(i)][t]);
+  });
+  const TargetSets rest = randattn::gather_target_sets(rows, n_k, [&](Index i, auto&& add) {
+    for (std::size_t t = 1; t < lists[std::size_t(i)].size(); t += 2) add(lists[std::size_t(i)][t]);
+  });
+  const TargetSets all = randattn::gather_target_sets(rows, n_k, gather);
+  const TargetSets joined = randattn::union_of({&half, &rest});
+  CHECK(joined.keys == all.keys);
+  CHECK(joined.start == all.start);
 }
 
 TEST_CASE("sparse-lowrank: causal outputs before key j do not depend on key j",

@@ -194,6 +194,34 @@ TEST_CASE("Local row counts that do not match the layout fail every rank", "[mpi
   }
 }
 
+TEMPLATE_TEST_CASE("LSH attention with many rounds (tabled pair counts) equals the single process",
+                   "[mpi][lsh]", float, double) {
+  // Beyond kCountTableRounds rounds both calls look the duplicate counts up in a table built once
+  // (each rank only for the tokens it scores): a row missing from a rank's table would count its
+  // pairs once per round instead of once, an O(1) change of the output.
+  using Scalar = TestType;
+  Communicator comm;
+  const Index n = 53, d = 8, dv = 4, rounds = randattn::detail::kCountTableRounds + 6;
+  const RowMatrix<Scalar> qk = gaussian<Scalar>(15, n, d), v = gaussian<Scalar>(16, n, dv);
+  const randattn::CrossPolytopeHash<Scalar> hash(randattn::RotationKind::dense, d, 8, rounds, 23);
+  for (const Index chunk : {Index(4), Index(11)}) {
+    for (const bool causal : {false, true}) {
+      CAPTURE(chunk, causal);
+      randattn::LshOptions opt;
+      opt.chunk = chunk;
+      opt.causal = causal;
+      const RowMatrix<Scalar> ref = randattn::lsh_attention(hash, qk, v, opt);
+      const RowMatrix<Scalar> mine = randattn::mpi::lsh_attention<Scalar>(
+          comm, hash, local_rows(qk, comm), local_rows(v, comm), opt);
+      REQUIRE(relative_error(comm, gather_rows(comm, mine, n), ref) <= tolerance<Scalar>());
+      // Without the correction the multiset differs: the comparison can tell the two apart.
+      opt.dedupe = false;
+      REQUIRE(relative_error(comm, gather_rows(comm, mine, n),
+                             randattn::lsh_attention(hash, qk, v, opt)) > 1e-3);
+    }
+  }
+}
+
 TEMPLATE_TEST_CASE("LSH attention equals the single-process result for the same seed", "[mpi][lsh]",
                    float, double) {
   using Scalar = TestType;

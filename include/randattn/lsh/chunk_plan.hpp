@@ -18,6 +18,7 @@ namespace randattn {
 
 class LshChunkPlan {
  public:
+  LshChunkPlan() = default;  // no tokens
   // codes: tokens x rounds bucket codes in [0, buckets); chunk_length c >= 1.
   LshChunkPlan(const HashCodes& codes, Index buckets, Index chunk_length)
       : tokens_(codes.rows()), rounds_(codes.cols()), chunk_(chunk_length) {
@@ -53,7 +54,7 @@ class LshChunkPlan {
   const HashCodes& chunk_of() const { return chunk_of_; }
 
  private:
-  Index tokens_, rounds_, chunk_;
+  Index tokens_ = 0, rounds_ = 0, chunk_ = 1;
   std::vector<std::int32_t> sorted_;
   HashCodes chunk_of_;
 };

@@ -145,6 +145,60 @@ void attend_to_self(SoftmaxAccumulator<Scalar>& acc, const std::vector<std::int3
   }
 }
 
+}  // namespace detail
+
+// The sort-and-chunk layout of LSH attention, per round: the sorted queries cut into `chunks`
+// chunks of c, the sorted keys into as many chunks of ck (see the top of this file); query chunk
+// g attends to key chunks g and g - 1 (cyclically; with one chunk, to chunk 0 only). Built once,
+// it serves the attention kernel, the target sets and the pair counts alike.
+struct LshChunks {
+  Index rounds = 0, chunks = 0, c = 0, ck = 0, n_q = 0, n_k = 0;
+  bool shared = false;          // shared QK: the keys are the queries (one plan)
+  LshChunkPlan queries, keys;   // per round the sorted order and each token's chunk
+  detail::TargetCounts counts;  // N_ij, built beyond detail::kCountTableRounds rounds (dedupe)
+
+  const LshChunkPlan& key_plan() const { return shared ? queries : keys; }
+  bool has_counts() const { return !counts.offset.empty(); }
+  Index key_count(Index g) const { return key_plan().chunk_size(g); }
+  const std::int32_t* key_chunk(Index rho, Index g) const { return key_plan().chunk(rho, g); }
+  // The key chunks query chunk g attends to: g, and g - 1 when there are several.
+  Index previous(Index g) const { return (g + chunks - 1) % chunks; }
+  // Calls add(j) for every key of query i's chunks in every round (repeats included).
+  template <typename Add>
+  void for_each_target(Index i, Add&& add) const {
+    for (Index rho = 0; rho < rounds; ++rho) {
+      const Index g = queries.chunk_of()(i, rho);
+      for (Index h : {g, previous(g)}) {
+        const std::int32_t* first = key_chunk(rho, h);
+        for (Index u = 0; u < key_count(h); ++u) add(first[u]);
+        if (chunks == 1) break;
+      }
+    }
+  }
+};
+
+namespace detail {
+
+// The layout from hash codes (n x rounds); kcodes null: shared QK. Chunk length c = min(chunk,
+// n_q), key chunks of key_chunk_length. With dedupe and more than kCountTableRounds rounds the
+// pair counts are tabled once (linear in rounds).
+inline LshChunks chunk_layout(const HashCodes& qcodes, const HashCodes* kcodes, Index buckets,
+                              Index chunk, bool dedupe) {
+  LshChunks l;
+  l.rounds = qcodes.cols();
+  l.n_q = qcodes.rows();
+  l.n_k = kcodes ? kcodes->rows() : l.n_q;
+  l.shared = kcodes == nullptr;
+  if (l.n_q == 0) return l;
+  l.c = std::min(chunk, l.n_q);  // c >= n_q: one chunk, as with c = n_q
+  l.chunks = (l.n_q + l.c - 1) / l.c;
+  l.ck = l.shared ? l.c : key_chunk_length(l.n_q, l.n_k, l.c);
+  l.queries = LshChunkPlan(qcodes, buckets, l.c);
+  if (!l.shared) l.keys = LshChunkPlan(*kcodes, buckets, l.ck);
+  if (dedupe && l.rounds > kCountTableRounds) l.counts = chunk_target_counts(l.queries, l.key_plan());
+  return l;
+}
+
 // One (batch, head) slice. k == nullptr: shared QK.
 template <typename Scalar>
 class LshSlice {
@@ -152,7 +206,7 @@ class LshSlice {
   LshSlice(const Eigen::Ref<const RowMatrix<Scalar>>& q,
            const Eigen::Ref<const RowMatrix<Scalar>>* k,
            const Eigen::Ref<const RowMatrix<Scalar>>& v, const CrossPolytopeHash<Scalar>& hash,
-           const LshOptions& opt, Scalar scale)
+           const LshOptions& opt, Scalar scale, const LshChunks* chunks = nullptr)
       : hash_(hash), opt_(opt), shared_(k == nullptr), acc_(q.rows(), v.cols()) {
     if (q.rows() == 0) return;
     queries_ = scale * q;
@@ -161,8 +215,10 @@ class LshSlice {
     // Up to rounds terms per key in a numerator (the multiset counts each round).
     value_exponent_ = value_headroom(values_, double(v.rows()) * double(hash.rounds()));
     scale_by_power_of_two(values_, -value_exponent_);
-    query_codes_ = hash.hash(q, false);
-    if (!shared_) key_codes_ = hash.hash(*k, false);
+    if (!chunks || opt.exact_buckets) {  // given chunks: hashed once by the caller
+      query_codes_ = hash.hash(q, false);
+      if (!shared_) key_codes_ = hash.hash(*k, false);
+    }
     problem_.queries = &queries_;
     problem_.keys = &keys_;
     problem_.values = &values_;
@@ -170,8 +226,11 @@ class LshSlice {
     problem_.causal = opt.causal;
     if (opt.exact_buckets)
       bucket_rounds();
+    else if (chunks)
+      chunk_rounds(*chunks);
     else
-      chunk_rounds();
+      chunk_rounds(chunk_layout(query_codes_, shared_ ? nullptr : &key_codes_, hash.buckets(),
+                                opt.chunk, opt.dedupe));
     rows_without_targets();
   }
 
@@ -185,33 +244,16 @@ class LshSlice {
   // Sort-and-chunk. Signature of a token in a round: its chunk index. Shared QK: one sort, key
   // chunks are the query chunks. Separate keys: queries and keys sorted separately, key chunk g
   // holds sorted keys [g c_k, (g + 1) c_k) (see the top of this file).
-  void chunk_rounds() {
-    const Index n_q = queries_.rows(), n_k = keys_.rows(), r = hash_.rounds();
-    const Index c = std::min(opt_.chunk, n_q);  // c >= n_q: one chunk, as with c = n_q
-    const Index chunks = (n_q + c - 1) / c;
-    const Index ck = shared_ ? c : key_chunk_length(n_q, n_k, c);
-    const LshChunkPlan qplan(query_codes_, hash_.buckets(), c);
-    std::optional<LshChunkPlan> kplan_storage;
-    if (!shared_) kplan_storage.emplace(key_codes_, hash_.buckets(), ck);
-    const LshChunkPlan& kplan = shared_ ? qplan : *kplan_storage;
+  void chunk_rounds(const LshChunks& l) {
+    const Index n_k = keys_.rows(), r = hash_.rounds();
+    const Index c = l.c, chunks = l.chunks, ck = l.ck;
+    const LshChunkPlan& qplan = l.queries;
+    const LshChunkPlan& kplan = l.key_plan();
     RoundSignatures sig{qplan.chunk_of().data(), kplan.chunk_of().data(), r, chunks > 1,
                         static_cast<std::int32_t>(1 - chunks)};
+    sig.counts = l.has_counts() ? &l.counts : nullptr;
     problem_.dedupe = opt_.dedupe ? &sig : nullptr;
 
-    TargetCounts counts;
-    if (opt_.dedupe && r > kCountTableRounds) {
-      counts = count_targets(n_q, [&](Index i, std::vector<std::int32_t>& list) {
-        for (Index rho = 0; rho < r; ++rho) {
-          const Index g = qplan.chunk_of()(i, rho);
-          for (Index h : {g, chunks > 1 ? (g + chunks - 1) % chunks : g}) {
-            const std::int32_t* keys = kplan.chunk(rho, h);
-            list.insert(list.end(), keys, keys + kplan.chunk_size(h));
-            if (chunks == 1) break;
-          }
-        }
-      });
-      sig.counts = &counts;
-    }
     const Index per_task = std::max<Index>(1, kChunkTokensPerTask / c);
     const Index tasks = (chunks + per_task - 1) / per_task;
     for (Index rho = 0; rho < r; ++rho) {
@@ -346,9 +388,10 @@ SoftmaxAccumulator<Scalar> lsh_accumulate(const Eigen::Ref<const RowMatrix<Scala
                                           const Eigen::Ref<const RowMatrix<Scalar>>* k,
                                           const Eigen::Ref<const RowMatrix<Scalar>>& v,
                                           const CrossPolytopeHash<Scalar>& hash,
-                                          const LshOptions& opt, int* value_exponent = nullptr) {
+                                          const LshOptions& opt, int* value_exponent = nullptr,
+                                          const LshChunks* chunks = nullptr) {
   const Scalar scale = check_lsh_inputs<Scalar>("lsh_attention", q, k, v, hash, opt);
-  LshSlice<Scalar> slice(q, k, v, hash, opt, scale);
+  LshSlice<Scalar> slice(q, k, v, hash, opt, scale, chunks);
   // value_exponent given: the caller finalizes and scales the output back itself.
   SoftmaxAccumulator<Scalar> acc =
       value_exponent ? std::move(slice.accumulator())
@@ -495,103 +538,54 @@ SoftmaxAccumulator<Scalar> lsh_attention_accumulate(const CrossPolytopeHash<Scal
   return detail::lsh_accumulate<Scalar>(q, &k, v, hash, opt);
 }
 
-// The sort-and-chunk layout of separate-key LSH attention, per round: the sorted queries cut into
-// `chunks` chunks of c, the sorted keys into as many chunks of ck (see the top of this file);
-// query chunk g attends to key chunks g and g - 1 (cyclically; with one chunk, to chunk 0 only).
-struct LshChunks {
-  Index rounds = 0, chunks = 0, c = 0, ck = 0, n_q = 0, n_k = 0;
-  std::vector<std::int32_t> qperm, kperm;  // round rho at [rho n, (rho + 1) n)
-  HashCodes qchunk, kchunk;                // chunk of each query / key, n x rounds
+// The same with the chunks already cut: `chunks` must be lsh_chunks(hash, q, k, opt) (sort-and-
+// chunk only), so that a caller that also needs the target sets hashes once. Bit for bit the
+// result of the overload above.
+template <typename Scalar>
+SoftmaxAccumulator<Scalar> lsh_attention_accumulate(const LshChunks& chunks,
+                                                    const CrossPolytopeHash<Scalar>& hash,
+                                                    const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                                                    const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                                                    const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                                                    const LshOptions& opt = {}) {
+  detail::require(!opt.exact_buckets && chunks.n_q == q.rows() && chunks.n_k == k.rows() &&
+                      chunks.rounds == hash.rounds() && !chunks.shared &&
+                      (q.rows() == 0 || chunks.c == std::min(opt.chunk, q.rows())),
+                  "lsh_attention_accumulate", "the chunks were not cut from these q, k and options");
+  return detail::lsh_accumulate<Scalar>(q, &k, v, hash, opt, nullptr, &chunks);
+}
 
-  Index key_count(Index g) const { return std::clamp<Index>(n_k - g * ck, 0, ck); }
-  // The key chunks query chunk g attends to: g, and g - 1 when there are several.
-  Index previous(Index g) const { return (g + chunks - 1) % chunks; }
-  // The number of rounds in which key j is a target of query i.
-  std::int32_t rounds_sharing(Index i, Index j) const {
-    std::int32_t n = 0;
-    for (Index rho = 0; rho < rounds; ++rho) {
-      const std::int32_t diff = qchunk(i, rho) - kchunk(j, rho);
-      n += chunks == 1 || diff == 0 || diff == 1 || diff == std::int32_t(1 - chunks);
-    }
-    return n;
-  }
-};
-
-// The chunks of q and k under `hash` (sort-and-chunk; opt.chunk, opt.exact_buckets unused).
+// The chunks of q and k under `hash` (sort-and-chunk; opt.exact_buckets unused), hashed once.
 template <typename Scalar>
 LshChunks lsh_chunks(const CrossPolytopeHash<Scalar>& hash,
                      const Eigen::Ref<const RowMatrix<Scalar>>& q,
                      const Eigen::Ref<const RowMatrix<Scalar>>& k, const LshOptions& opt) {
-  LshChunks l;
-  l.rounds = hash.rounds();
-  l.n_q = q.rows();
-  l.n_k = k.rows();
-  if (l.n_q == 0) return l;
-  l.c = std::min(opt.chunk, l.n_q);  // c >= n_q: one chunk, as with c = n_q
-  l.chunks = (l.n_q + l.c - 1) / l.c;
-  l.ck = detail::key_chunk_length(l.n_q, l.n_k, l.c);
-  const LshChunkPlan qplan(hash.hash(q, false), hash.buckets(), l.c);
-  const LshChunkPlan kplan(hash.hash(k, false), hash.buckets(), l.ck);
-  l.qperm.assign(qplan.sorted(0), qplan.sorted(0) + l.n_q * l.rounds);
-  l.kperm.assign(kplan.sorted(0), kplan.sorted(0) + l.n_k * l.rounds);
-  l.qchunk = qplan.chunk_of();
-  l.kchunk = kplan.chunk_of();
-  return l;
+  const HashCodes kcodes = hash.hash(k, false);
+  return detail::chunk_layout(hash.hash(q, false), &kcodes, hash.buckets(), opt.chunk, opt.dedupe);
 }
 
 namespace detail {
 
-// Target sets from per-round group lists: query i's group in round rho is group(i, rho), whose
-// sorted keys are keys[start[rho G + g], start[rho G + g + 1]). Row i is the merge of its r
-// lists, cut at the causal limit, each key once; an empty row gets every valid key (fallback).
-template <typename Groups>
-TargetSets merge_group_lists(const std::vector<std::int32_t>& keys, const std::vector<Index>& start,
-                             const Groups& group, Index groups, Index n_k, bool causal) {
-  TargetSets sets;
-  std::vector<std::int32_t> row, merged;
-  for (Index i = 0; i < group.rows(); ++i) {
-    const Index valid = valid_keys(i, n_k, causal);
-    row.clear();
-    for (Index rho = 0; rho < group.cols(); ++rho) {
-      const Index slot = rho * groups + Index(group(i, rho));
-      const std::int32_t* first = keys.data() + start[std::size_t(slot)];
-      const std::int32_t* last = std::lower_bound(first, keys.data() + start[std::size_t(slot) + 1],
-                                                  static_cast<std::int32_t>(valid));
-      merged.resize(row.size() + std::size_t(last - first));
-      std::merge(row.begin(), row.end(), first, last, merged.begin());
-      merged.erase(std::unique(merged.begin(), merged.end()), merged.end());
-      row.swap(merged);
-    }
-    if (row.empty()) {
-      row.resize(std::size_t(valid));
-      std::iota(row.begin(), row.end(), 0);
-    }
-    sets.keys.insert(sets.keys.end(), row.begin(), row.end());
-    sets.start.push_back(Index(sets.keys.size()));
-  }
-  return sets;
+// Row i of the target sets of the chunks `l`: its chunks' keys cut at the causal limit.
+inline auto chunk_targets(const LshChunks& l, bool causal) {
+  return [&l, causal](Index i, auto&& add) {
+    const Index valid = valid_keys(i, l.n_k, causal);
+    l.for_each_target(i, [&](std::int32_t j) {
+      if (j < valid) add(j);
+    });
+  };
 }
 
 }  // namespace detail
 
 // The target sets of sort-and-chunk LSH attention with the chunks `l` (see lsh_target_sets).
 inline TargetSets lsh_target_sets(const LshChunks& l, bool causal) {
-  std::vector<std::int32_t> keys;
-  std::vector<Index> start{0};
-  for (Index rho = 0; rho < l.rounds; ++rho) {
-    const std::int32_t* kr = l.kperm.data() + rho * l.n_k;
-    for (Index g = 0; g < l.chunks; ++g) {
-      const std::size_t first = keys.size();
-      keys.insert(keys.end(), kr + g * l.ck, kr + g * l.ck + l.key_count(g));
-      if (l.chunks > 1) {
-        const Index p = l.previous(g);
-        keys.insert(keys.end(), kr + p * l.ck, kr + p * l.ck + l.key_count(p));
-      }
-      std::sort(keys.begin() + first, keys.end());
-      start.push_back(Index(keys.size()));
-    }
-  }
-  return detail::merge_group_lists(keys, start, l.qchunk, l.chunks, l.n_k, causal);
+  return gather_target_sets(l.n_q, l.n_k, detail::chunk_targets(l, causal), true, causal);
+}
+
+// Their sizes |P_i| alone (the pairs each query scores), without the sets.
+inline std::vector<Index> lsh_target_sizes(const LshChunks& l, bool causal) {
+  return gather_target_sizes(l.n_q, l.n_k, detail::chunk_targets(l, causal), true, causal);
 }
 
 // The target set P_i of every query of separate-key LSH attention (sort-and-chunk or exact
@@ -606,16 +600,24 @@ TargetSets lsh_target_sets(const CrossPolytopeHash<Scalar>& hash,
   if (!opt.exact_buckets) return lsh_target_sets(lsh_chunks<Scalar>(hash, q, k, opt), opt.causal);
   const Index n_k = k.rows(), r = hash.rounds(), b = hash.buckets();
   const HashCodes qc = hash.hash(q, false), kc = hash.hash(k, false);
-  std::vector<std::int32_t> keys, kperm(static_cast<std::size_t>(n_k));
-  std::vector<Index> start{0}, ks;
+  // Per round the keys sorted by bucket, bucket c at [start[rho (b + 1) + c], ... + 1).
+  std::vector<std::int32_t> sorted(static_cast<std::size_t>(r * n_k));
+  std::vector<Index> start, ks;
   for (Index rho = 0; rho < r; ++rho) {
-    detail::sort_by_bucket(kc.data() + rho, r, n_k, b, kperm.data(), ks);
-    for (Index c = 0; c < b; ++c) {
-      keys.insert(keys.end(), kperm.begin() + ks[c], kperm.begin() + ks[c + 1]);
-      start.push_back(Index(keys.size()));
-    }
+    detail::sort_by_bucket(kc.data() + rho, r, n_k, b, sorted.data() + rho * n_k, ks);
+    start.insert(start.end(), ks.begin(), ks.end());
   }
-  return detail::merge_group_lists(keys, start, qc, b, n_k, opt.causal);
+  return gather_target_sets(
+      q.rows(), n_k,
+      [&](Index i, auto&& add) {
+        const Index valid = valid_keys(i, n_k, opt.causal);
+        for (Index rho = 0; rho < r; ++rho) {
+          const Index* bucket = start.data() + rho * (b + 1) + qc(i, rho);
+          for (Index t = bucket[0]; t < bucket[1]; ++t)
+            if (sorted[std::size_t(rho * n_k + t)] < valid) add(sorted[std::size_t(rho * n_k + t)]);
+        }
+      },
+      true, opt.causal);
 }
 
 // Shared-QK LSH attention (Reformer): qk n x d, v n x dv -> n x dv.

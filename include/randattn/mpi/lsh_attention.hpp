@@ -10,7 +10,9 @@
 // merge the partials in round order, then apply the self rule.
 //
 // Per rank and call: n r / P codes out; about r (n/P + n/C) rows of d + dv values in; r n / P
-// partials of dv + 2 values out. For chunk lengths c <= 128 (one kernel tile per chunk and look-
+// partials of dv + 2 values out. Beyond kCountTableRounds rounds (with dedupe) each rank tables
+// the duplicate counts of the tokens it scores once (lsh/detail/target_blocks.hpp,
+// chunk_target_counts, shared with the single-process call), so the work is linear in rounds. For chunk lengths c <= 128 (one kernel tile per chunk and look-
 // back pair) the result is the single-process result bit for bit; otherwise up to rounding.
 // Exact buckets (exact_buckets = true) and separate keys are not distributed: they throw.
 
@@ -140,6 +142,21 @@ SoftmaxAccumulator<Scalar> lsh_attention_accumulate(Communicator& comm,
 
   randattn::detail::RoundSignatures sig{plan.chunk_of().data(), plan.chunk_of().data(), r,
                                         chunks > 1, static_cast<std::int32_t>(1 - chunks)};
+  // Many rounds: N_ij of the tokens this rank scores as queries tabled once, as the
+  // single-process call does, so the work stays linear in rounds.
+  randattn::detail::TargetCounts counts;
+  if (opt.dedupe && r > randattn::detail::kCountTableRounds) {
+    std::vector<std::int32_t> rows;
+    for (Index rho = 0; rho < r; ++rho)
+      for (Index g = g0; g < g1; ++g) {
+        const auto [first, count] = chunk_tokens(rho, g);
+        rows.insert(rows.end(), first, first + count);
+      }
+    std::sort(rows.begin(), rows.end());
+    rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
+    counts = randattn::detail::chunk_target_counts(plan, plan, &rows);
+    sig.counts = &counts;
+  }
   randattn::detail::TargetProblem<Scalar> problem;
   problem.queries = &queries;
   problem.keys = &keys;

@@ -5,7 +5,8 @@
 // unbiased for Σ_{valid j ∉ S_i} exp(scale q_i·k_j) [v_j | 1] whenever the features are, and
 // exactly zero where S_i holds every valid key (such rows skip the estimate). The first term is
 // random-feature attention's accumulator (causal prefix sums under causal masking: keys j <= i
-// only), the second a correction over the support, O(|S_i| M) per query.
+// only), the second a correction over the support, O(|S_i| M) per query; q and k are mapped
+// once for both.
 //
 // Denominator rule. The true remainder denominator is a sum of positive weights, but its estimate
 // can come out <= 0 (signed features, or cancellation in the difference when the support holds
@@ -15,7 +16,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <vector>
 
 #include <Eigen/Core>
 
@@ -62,53 +65,113 @@ void subtract_on_targets(const ScaledFeatures<Scalar>& qf, const ScaledFeatures<
 
 // The same for LSH sort-and-chunk target sets, tile by tile: per round, query chunk g against key
 // chunks g and g - 1 as one matrix product, each pair weighted by 1/N_ij (N_ij rounds share it,
-// so the pair counts once over the rounds) and masked to j <= i under causal masking. Rows merge
-// round after round; within a round each row belongs to one chunk, so results do not depend on
-// the thread count.
+// so the pair counts once over the rounds; looked up in the chunks' table beyond
+// kCountTableRounds rounds, so the work stays linear in rounds) and masked to j <= i under causal
+// masking. Rows merge round after round; within a round each row belongs to one chunk, so
+// results do not depend on the thread count. Buffers are per thread, reused across chunks.
 template <typename Scalar>
 void subtract_on_chunks(const ScaledFeatures<Scalar>& qf, const ScaledFeatures<Scalar>& kf,
                         const Vector<Scalar>& signs, const Eigen::Ref<const RowMatrix<Scalar>>& v,
                         const LshChunks& l, bool causal, RowMatrix<Scalar>& nd,
                         Vector<Scalar>& log_scale) {
   const Index m = qf.dim(), dv = v.cols();
+  // N_ij as the LSH kernel counts it (target_blocks.hpp): from the chunk signatures, or the table.
+  const LshChunkPlan& kplan = l.key_plan();
+  RoundSignatures sig{l.queries.chunk_of().data(), kplan.chunk_of().data(), l.rounds,
+                      l.chunks > 1, static_cast<std::int32_t>(1 - l.chunks)};
+  sig.counts = l.has_counts() ? &l.counts : nullptr;
+  struct Scratch {
+    std::vector<std::int32_t> cols, count;
+    RoundCounter::SignatureMatrix key_sig;
+    RowMatrix<Scalar> fq, fk, values, weights, correction;
+  };
   for (Index rho = 0; rho < l.rounds; ++rho) {
-    const std::int32_t* qr = l.qperm.data() + rho * l.n_q;
-    const std::int32_t* kr = l.kperm.data() + rho * l.n_k;
-    parallel_for(l.chunks, [&](Index g) {
-      const Index r0 = g * l.c, nr = std::min(l.c, l.n_q - r0);
-      std::vector<std::int32_t> cols(kr + g * l.ck, kr + g * l.ck + l.key_count(g));
-      if (l.chunks > 1) {
-        const Index p = l.previous(g);
-        cols.insert(cols.end(), kr + p * l.ck, kr + p * l.ck + l.key_count(p));
-      }
-      const Index nc = Index(cols.size());
-      if (nc == 0) return;
-      RowMatrix<Scalar> fq(nr, m), fk(nc, m), values(nc, dv + 1);
-      for (Index u = 0; u < nr; ++u) fq.row(u) = qf.values.row(qr[r0 + u]);
-      if (signs.size() > 0) fq.array().rowwise() *= signs.transpose().array();
-      Scalar top = -std::numeric_limits<Scalar>::infinity();
-      for (Index t = 0; t < nc; ++t) top = std::max(top, kf.log_scale(cols[t]));
-      for (Index t = 0; t < nc; ++t) {
-        const Scalar w = std::exp(kf.log_scale(cols[t]) - top);
-        fk.row(t) = w * kf.values.row(cols[t]);
-        values.row(t).head(dv) = v.row(cols[t]);
-        values(t, dv) = 1;
-      }
-      RowMatrix<Scalar> weights = fq * fk.transpose();
-      for (Index u = 0; u < nr; ++u) {
-        const Index i = qr[r0 + u];
-        for (Index t = 0; t < nc; ++t)
-          weights(u, t) = (causal && cols[t] > i)
-                              ? Scalar(0)
-                              : weights(u, t) / Scalar(l.rounds_sharing(i, cols[t]));
-      }
-      const RowMatrix<Scalar> correction = -(weights * values);
-      for (Index u = 0; u < nr; ++u) {
-        const Index i = qr[r0 + u];
-        merge_scaled(nd.row(i), log_scale(i), correction.row(u), qf.log_scale(i) + top);
-      }
-    });
+    parallel_for_with(
+        l.chunks, [] { return Scratch(); },
+        [&](Index g, Scratch& s) {
+          const std::int32_t* rows = l.queries.chunk(rho, g);
+          const Index nr = l.queries.chunk_size(g);
+          s.cols.assign(l.key_chunk(rho, g), l.key_chunk(rho, g) + l.key_count(g));
+          if (l.chunks > 1) {
+            const Index p = l.previous(g);
+            s.cols.insert(s.cols.end(), l.key_chunk(rho, p), l.key_chunk(rho, p) + l.key_count(p));
+          }
+          const Index nc = Index(s.cols.size());
+          if (nc == 0 || nr == 0) return;
+          s.fq.resize(nr, m);
+          s.fk.resize(nc, m);
+          s.values.resize(nc, dv + 1);
+          for (Index u = 0; u < nr; ++u) s.fq.row(u) = qf.values.row(rows[u]);
+          if (signs.size() > 0) s.fq.array().rowwise() *= signs.transpose().array();
+          Scalar top = -std::numeric_limits<Scalar>::infinity();
+          for (Index t = 0; t < nc; ++t) top = std::max(top, kf.log_scale(s.cols[t]));
+          for (Index t = 0; t < nc; ++t) {
+            const Scalar w = std::exp(kf.log_scale(s.cols[t]) - top);
+            s.fk.row(t) = w * kf.values.row(s.cols[t]);
+            s.values.row(t).head(dv) = v.row(s.cols[t]);
+            s.values(t, dv) = 1;
+          }
+          s.weights.noalias() = s.fq * s.fk.transpose();
+          s.key_sig.resize(sig.counts ? 0 : l.rounds, nc);
+          if (!sig.counts)
+            for (Index t = 0; t < nc; ++t)
+              for (Index r = 0; r < l.rounds; ++r) s.key_sig(r, t) = kplan.chunk_of()(s.cols[t], r);
+          const RoundCounter counter{&sig, &s.key_sig};
+          const TileIndex col_index = TileIndex::gathered(s.cols.data(), nc);
+          s.count.resize(std::size_t(nc));
+          for (Index u = 0; u < nr; ++u) {
+            const Index i = rows[u];
+            std::fill(s.count.begin(), s.count.end(), 0);
+            counter(i, col_index, s.count.data());
+            for (Index t = 0; t < nc; ++t)
+              s.weights(u, t) = (causal && s.cols[t] > i) ? Scalar(0)
+                                                           : s.weights(u, t) / Scalar(s.count[t]);
+          }
+          s.correction.noalias() = -(s.weights * s.values);
+          for (Index u = 0; u < nr; ++u) {
+            const Index i = rows[u];
+            merge_scaled(nd.row(i), log_scale(i), s.correction.row(u), qf.log_scale(i) + top);
+          }
+        });
   }
+}
+
+// The remainder from the mapped features: the linear core over all valid keys, minus the
+// correction `subtract` on the support, then the denominator rule; size(i) = |S_i|.
+template <typename Map, typename Size, typename Subtract>
+SoftmaxAccumulator<typename Map::Scalar> feature_remainder(
+    const char* where, const Map& map, const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
+    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
+    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v, const RandomFeatureOptions& opt,
+    Index* clamped_rows, Size&& size, Subtract&& subtract) {
+  using Scalar = typename Map::Scalar;
+  const auto settings = feature_attention_settings(where, map, opt);
+  // q and k mapped once: the same features serve the linear core and the correction.
+  const auto mapped = map_slice(where, map, q, k, v, settings, opt.check_finite);
+  const ScaledFeatures<Scalar>& qf = mapped.first;
+  const ScaledFeatures<Scalar>& kf = mapped.second;
+  if (q.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
+  const Vector<Scalar> signs = map.signs();
+  const GivenFeatureRows<Scalar> qrows(qf.values, qf.log_scale), krows(kf.values, kf.log_scale);
+  const LinearOperands<GivenFeatureRows<Scalar>, GivenFeatureRows<Scalar>> in{
+      qrows, krows, v, signs, linear_chunk(settings.linear)};
+  const SoftmaxAccumulator<Scalar> all =
+      linear_accumulate(where, in, settings.linear.causal, settings.linear.check_finite);
+  RowMatrix<Scalar> nd = all.numden();
+  Vector<Scalar> log_scale = all.log_scale();
+  subtract(qf, kf, signs, nd, log_scale);
+  const Index n_q = q.rows(), n_k = k.rows(), dv = v.cols();
+  Index clamped = 0;
+  for (Index i = 0; i < n_q; ++i) {
+    const bool full = size(i) == valid_keys(i, n_k, opt.causal);  // nothing outside
+    if (full || !(nd(i, dv) > Scalar(0))) {  // the denominator rule (NaN included)
+      nd.row(i).setZero();
+      log_scale(i) = -std::numeric_limits<Scalar>::infinity();
+      clamped += !full;
+    }
+  }
+  if (clamped_rows) *clamped_rows += clamped;
+  return SoftmaxAccumulator<Scalar>(std::move(nd), std::move(log_scale));
 }
 
 }  // namespace detail
@@ -128,30 +191,37 @@ SoftmaxAccumulator<typename Map::Scalar> feature_remainder_accumulate(
   const char* where = "feature_remainder";
   detail::require(sets.rows() == q.rows(), where, "target sets of ", sets.rows(),
                   " queries for ", q.rows(), " queries");
-  const auto settings = detail::feature_attention_settings(where, map, opt);
-  const SoftmaxAccumulator<Scalar> all =
-      detail::feature_attention_slice(where, map, q, k, v, settings, opt.check_finite);
-  RowMatrix<Scalar> nd = all.numden();
-  Vector<Scalar> log_scale = all.log_scale();
-  if (q.rows() == 0) return SoftmaxAccumulator<Scalar>(std::move(nd), std::move(log_scale));
-  const auto [qf, kf] = detail::map_slice(where, map, q, k, v, settings, false);
-  const Vector<Scalar> signs = map.signs();
-  if (chunks)
-    detail::subtract_on_chunks(qf, kf, signs, v, *chunks, opt.causal, nd, log_scale);
-  else
-    detail::subtract_on_targets(qf, kf, signs, v, sets, nd, log_scale);
-  const Index n_q = q.rows(), n_k = k.rows(), dv = v.cols();
-  Index clamped = 0;
-  for (Index i = 0; i < n_q; ++i) {
-    const bool full = sets.size(i) == valid_keys(i, n_k, opt.causal);  // nothing outside
-    if (full || !(nd(i, dv) > Scalar(0))) {  // the denominator rule (NaN included)
-      nd.row(i).setZero();
-      log_scale(i) = -std::numeric_limits<Scalar>::infinity();
-      clamped += !full;
-    }
-  }
-  if (clamped_rows) *clamped_rows += clamped;
-  return SoftmaxAccumulator<Scalar>(std::move(nd), std::move(log_scale));
+  return detail::feature_remainder(
+      where, map, q, k, v, opt, clamped_rows, [&](Index i) { return sets.size(i); },
+      [&](const ScaledFeatures<Scalar>& qf, const ScaledFeatures<Scalar>& kf,
+          const Vector<Scalar>& signs, RowMatrix<Scalar>& nd, Vector<Scalar>& log_scale) {
+        if (chunks)
+          detail::subtract_on_chunks(qf, kf, signs, v, *chunks, opt.causal, nd, log_scale);
+        else
+          detail::subtract_on_targets(qf, kf, signs, v, sets, nd, log_scale);
+      });
+}
+
+// The same on the target sets of sort-and-chunk LSH with the chunks `chunks`, given only their
+// sizes (lsh_target_sizes(chunks, opt.causal)): the sets themselves are never built.
+template <typename Map>
+SoftmaxAccumulator<typename Map::Scalar> feature_remainder_accumulate(
+    const Map& map, const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
+    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
+    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v, const LshChunks& chunks,
+    const std::vector<Index>& sizes, const RandomFeatureOptions& opt,
+    Index* clamped_rows = nullptr) {
+  using Scalar = typename Map::Scalar;
+  const char* where = "feature_remainder";
+  detail::require(Index(sizes.size()) == q.rows() && chunks.n_q == q.rows() &&
+                      chunks.n_k == k.rows(),
+                  where, "the chunks and sizes were not cut from these q and k");
+  return detail::feature_remainder(
+      where, map, q, k, v, opt, clamped_rows, [&](Index i) { return sizes[std::size_t(i)]; },
+      [&](const ScaledFeatures<Scalar>& qf, const ScaledFeatures<Scalar>& kf,
+          const Vector<Scalar>& signs, RowMatrix<Scalar>& nd, Vector<Scalar>& log_scale) {
+        detail::subtract_on_chunks(qf, kf, signs, v, chunks, opt.causal, nd, log_scale);
+      });
 }
 
 }  // namespace randattn

@@ -103,13 +103,16 @@ bool hashed_alone(const SupportSpec<Scalar>& s) {
   return s.parts() == 1 && (s.lsh || s.lsf);
 }
 
+// The union of the support's parts; `chunks`: the LSH part's sort-and-chunk layout, if cut.
 template <typename Scalar>
 TargetSets support_sets(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                         const Eigen::Ref<const RowMatrix<Scalar>>& hash_keys,
                         const SupportSpec<Scalar>& s, const LshOptions& lsh_opt,
-                        const LsfOptions& lsf_opt, bool causal) {
+                        const LsfOptions& lsf_opt, bool causal, const LshChunks* chunks) {
   std::vector<TargetSets> parts;
-  if (s.lsh) parts.push_back(lsh_target_sets<Scalar>(*s.lsh, q, hash_keys, lsh_opt));
+  if (s.lsh)
+    parts.push_back(chunks ? lsh_target_sets(*chunks, causal)
+                           : lsh_target_sets<Scalar>(*s.lsh, q, hash_keys, lsh_opt));
   if (s.lsf) parts.push_back(lsf_target_sets<Scalar>(*s.lsf, q, hash_keys, lsf_opt));
   if (s.window) parts.push_back(window_target_sets(q.rows(), hash_keys.rows(), *s.window, causal));
   if (s.blocks) parts.push_back(block_target_sets<Scalar>(q, hash_keys, *s.blocks, causal));
@@ -178,28 +181,39 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
     o->check_finite = false;  // checked above
   }
   constexpr bool no_remainder = std::is_same<Remainder, NoRemainder>::value;
-  const bool need_sets = !no_remainder || stats || !detail::hashed_alone(support);
-  // LSH sort-and-chunk alone with a feature remainder: the correction runs chunk by chunk.
-  constexpr bool features = !no_remainder && !std::is_same<Remainder, SampledRemainder>::value;
-  const bool by_chunks = features && detail::hashed_alone(support) && support.lsh &&
-                         !lsh_opt.exact_buckets;
+  constexpr bool sampled = std::is_same<Remainder, SampledRemainder>::value;
+  constexpr bool features = !no_remainder && !sampled;
+  // An LSH part in sort-and-chunk mode is hashed and cut once: the chunks serve its target sets,
+  // its own kernel and the feature correction.
   std::optional<LshChunks> chunks;
-  TargetSets sets;
-  if (by_chunks) {
+  if (support.lsh && !lsh_opt.exact_buckets) {
+    check_lsh_inputs<Scalar>(where, q, hash_keys, v, *support.lsh, lsh_opt);
     chunks = lsh_chunks<Scalar>(*support.lsh, q, hash_keys, lsh_opt);
-    sets = lsh_target_sets(*chunks, opt.causal);
-  } else if (need_sets) {
-    sets = detail::support_sets<Scalar>(q, hash_keys, support, lsh_opt, lsf_opt, opt.causal);
   }
-  st.pairs_scored += sets.pairs();
+  // LSH chunks alone with no remainder or a feature remainder: the sizes |S_i| suffice (the
+  // correction runs chunk by chunk), so the sets are never built.
+  const bool sizes_only = chunks && detail::hashed_alone(support) && !sampled;
+  const bool need_sets = !sizes_only && (!no_remainder || stats || !detail::hashed_alone(support));
+  std::vector<Index> sizes;
+  TargetSets sets;
+  if (sizes_only && (features || stats)) {
+    sizes = lsh_target_sizes(*chunks, opt.causal);
+    for (Index s : sizes) st.pairs_scored += s;
+  } else if (need_sets) {
+    sets = detail::support_sets<Scalar>(q, hash_keys, support, lsh_opt, lsf_opt, opt.causal,
+                                        chunks ? &*chunks : nullptr);
+    st.pairs_scored += sets.pairs();
+  }
   st.support_seconds += detail::seconds_since(start);
 
   // E: the exact part.
   start = Clock::now();
   SoftmaxAccumulator<Scalar> acc;
   if (detail::hashed_alone(support)) {
-    acc = support.lsh ? lsh_attention_accumulate<Scalar>(*support.lsh, q, hash_keys, v, lsh_opt)
-                      : lsf_attention_accumulate<Scalar>(*support.lsf, q, hash_keys, v, lsf_opt);
+    acc = chunks ? lsh_attention_accumulate<Scalar>(*chunks, *support.lsh, q, hash_keys, v, lsh_opt)
+          : support.lsh
+              ? lsh_attention_accumulate<Scalar>(*support.lsh, q, hash_keys, v, lsh_opt)
+              : lsf_attention_accumulate<Scalar>(*support.lsf, q, hash_keys, v, lsf_opt);
     if (opt.centre_keys) {  // back to the raw keys' logits: + scale q_i·μ
       Vector<Scalar> log_scale = acc.log_scale();
       log_scale.noalias() += scale * (q * mean.transpose().template cast<Scalar>());
@@ -212,7 +226,7 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
 
   // R: the remainder.
   start = Clock::now();
-  if constexpr (std::is_same<Remainder, SampledRemainder>::value) {
+  if constexpr (sampled) {
     st.samples += sampled_remainder_merge<Scalar>(q, k, hash_keys, v, sets, remainder, scale,
                                                   opt.causal, Philox(opt.seed, streams::sparse_remainder_draws),
                                                   opt.row_offset, acc);
@@ -222,8 +236,10 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
     fopt.scale = double(scale);
     fopt.check_finite = false;
     fopt.denominator_epsilon = remainder.denominator_epsilon;
-    acc.merge(feature_remainder_accumulate(remainder.map, q, k, v, sets, fopt, &st.clamped_rows,
-                                           chunks ? &*chunks : nullptr));
+    acc.merge(sizes_only ? feature_remainder_accumulate(remainder.map, q, k, v, *chunks, sizes,
+                                                        fopt, &st.clamped_rows)
+                         : feature_remainder_accumulate(remainder.map, q, k, v, sets, fopt,
+                                                        &st.clamped_rows));
   }
   st.remainder_seconds += detail::seconds_since(start);
   return acc;

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include <Eigen/Core>
@@ -28,6 +29,7 @@
 #include "../../detail/gemm.hpp"
 #include "../../detail/parallel.hpp"
 #include "../../hashing/detail/tiles.hpp"
+#include "../chunk_plan.hpp"
 
 namespace randattn::detail {
 
@@ -47,43 +49,76 @@ struct TargetCounts {
   }
 };
 
-// The counts of n_q queries; targets(i, list) appends the key positions query i targets in every
-// round, repeats included. The lists are sorted and run-length counted block by block.
+// The counts of n_q query positions; targets(i, list) appends the key positions query i targets
+// in every round, repeats included. The lists are sorted and run-length counted block by block.
+// `rows` (sorted, distinct; null: every position) restricts the table to the positions a caller
+// scores; the others get no entries.
 template <typename Targets>
-TargetCounts count_targets(Index n_q, Targets&& targets) {
+TargetCounts count_targets(Index n_q, Targets&& targets,
+                           const std::vector<std::int32_t>* rows = nullptr) {
   constexpr Index kBlock = 64;
-  const Index blocks = (n_q + kBlock - 1) / kBlock;
+  const Index listed = rows ? Index(rows->size()) : n_q;
+  const Index blocks = (listed + kBlock - 1) / kBlock;
   std::vector<TargetCounts> part(static_cast<std::size_t>(blocks));
   parallel_for(blocks, [&](Index b) {
     TargetCounts& out = part[std::size_t(b)];
     std::vector<std::int32_t> list;
-    for (Index i = b * kBlock; i < std::min(n_q, (b + 1) * kBlock); ++i) {
+    for (Index t = b * kBlock; t < std::min(listed, (b + 1) * kBlock); ++t) {
       list.clear();
-      targets(i, list);
+      targets(rows ? Index((*rows)[std::size_t(t)]) : t, list);
       std::sort(list.begin(), list.end());
-      for (std::size_t t = 0; t < list.size();) {
-        std::size_t e = t;
-        while (e < list.size() && list[e] == list[t]) ++e;
-        out.key.push_back(list[t]);
-        out.rounds.push_back(static_cast<std::int32_t>(e - t));
-        t = e;
+      for (std::size_t u = 0; u < list.size();) {
+        std::size_t e = u;
+        while (e < list.size() && list[e] == list[u]) ++e;
+        out.key.push_back(list[u]);
+        out.rounds.push_back(static_cast<std::int32_t>(e - u));
+        u = e;
       }
       out.offset.push_back(out.key.size());
     }
   });
   TargetCounts all;
-  all.offset.push_back(0);
+  all.offset.assign(std::size_t(n_q) + 1, 0);
+  Index t = 0;  // listed rows seen
   for (const TargetCounts& p : part) {
-    for (std::size_t end : p.offset) all.offset.push_back(all.key.size() + end);
+    std::size_t previous = 0;
+    for (std::size_t end : p.offset) {  // each listed row's length first, summed below
+      const std::size_t i = rows ? std::size_t((*rows)[std::size_t(t)]) : std::size_t(t);
+      all.offset[i + 1] = end - previous;
+      previous = end;
+      ++t;
+    }
     all.key.insert(all.key.end(), p.key.begin(), p.key.end());
     all.rounds.insert(all.rounds.end(), p.rounds.begin(), p.rounds.end());
   }
+  std::partial_sum(all.offset.begin(), all.offset.end(), all.offset.begin());
   return all;
 }
 
 // Rounds beyond which the counts are looked up in a TargetCounts rather than recounted per pair
 // (same counts, so the same bits either way).
 constexpr Index kCountTableRounds = 64;
+
+// The counts of sort-and-chunk rounds: in round rho query i targets the keys of its chunk g and of
+// chunk g - 1 (cyclically; with one chunk, chunk 0 only), in the queries' and the keys' plans
+// (the same plan for shared QK). `rows` as for count_targets. Linear in the number of rounds.
+inline TargetCounts chunk_target_counts(const LshChunkPlan& queries, const LshChunkPlan& keys,
+                                        const std::vector<std::int32_t>* rows = nullptr) {
+  const Index chunks = queries.chunks(), r = queries.rounds();
+  return count_targets(
+      queries.tokens(),
+      [&](Index i, std::vector<std::int32_t>& list) {
+        for (Index rho = 0; rho < r; ++rho) {
+          const Index g = queries.chunk_of()(i, rho);
+          list.insert(list.end(), keys.chunk(rho, g), keys.chunk(rho, g) + keys.chunk_size(g));
+          if (chunks == 1) continue;
+          const Index back = (g + chunks - 1) % chunks;
+          list.insert(list.end(), keys.chunk(rho, back),
+                      keys.chunk(rho, back) + keys.chunk_size(back));
+        }
+      },
+      rows);
+}
 
 // Per-round signatures of queries and keys (row-major n x rounds) and the target relation.
 struct RoundSignatures {

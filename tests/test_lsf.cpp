@@ -55,11 +55,13 @@ std::set<Index> opened_in_table(const RowMatrix<Scalar>& s, Index i, double eta,
 }
 
 // Brute force: explicit filter sets per table, fallback in global score order, explicit union of
-// valid keys, softmax in double.
+// valid keys, softmax in double. exclude_self: key i is not valid for query i; a query with no
+// valid key then attends to its own key alone.
 template <typename Scalar>
 Eigen::MatrixXd reference(const LocalitySensitiveFilters<Scalar>& f, const RowMatrix<Scalar>& q,
                           const RowMatrix<Scalar>& k, const RowMatrix<Scalar>& v, double eta,
-                          Index min_probes, double scale, bool causal, Index* pairs = nullptr) {
+                          Index min_probes, double scale, bool causal, Index* pairs = nullptr,
+                          bool exclude_self = false) {
   const Index L = f.tables(), m = f.filters();
   const Scores<Scalar> qs = all_scores(f, q);
   const randattn::HashCodes codes = f.assign(k);
@@ -73,7 +75,8 @@ Eigen::MatrixXd reference(const LocalitySensitiveFilters<Scalar>& f, const RowMa
     const auto keys_of = [&](Index t, Index filter) {
       std::set<Index> keys;
       for (Index j = 0; j < k.rows(); ++j)
-        if (codes(j, t) == filter && !(causal && j > i)) keys.insert(j);
+        if (codes(j, t) == filter && !(causal && j > i) && !(exclude_self && j == i))
+          keys.insert(j);
       return keys;
     };
     std::set<Index> targets;
@@ -94,6 +97,7 @@ Eigen::MatrixXd reference(const LocalitySensitiveFilters<Scalar>& f, const RowMa
         if (!targets.empty()) break;
       }
     }
+    if (targets.empty() && exclude_self) targets.insert(i);
     REQUIRE(!targets.empty());
     if (pairs) *pairs += Index(targets.size());
     std::map<Index, int> once;
@@ -284,6 +288,62 @@ TEMPLATE_TEST_CASE("Fallback: a query whose opened filters hold no valid key ope
     CHECK(rel_error(out, reference<Scalar>(f, q, k, v, 10.0, 1, 1 / std::sqrt(double(d)), true)) <
           1e-6);
   }
+}
+
+TEMPLATE_TEST_CASE("Self-exclusion: the own key is never a target unless nothing else is valid",
+                   "[lsf][exclude_self]", float, double) {
+  using Scalar = TestType;
+  // K = Q: each query's best filter holds its own key, so without the rule it would be scored.
+  const Index n = 70, d = 8, m = 16;
+  const RowMatrix<Scalar> q = clustered<Scalar>(71, n, d, 5, 0.5);
+  const RowMatrix<Scalar> v = testing::gaussian<Scalar>(72, n, 3);
+  const double scale = 1 / std::sqrt(double(d));
+  for (Index L : {1, 3}) {
+    const LocalitySensitiveFilters<Scalar> f(RotationKind::dense, d, m, L, 73);
+    for (bool causal : {false, true}) {
+      for (double eta : {0.5, 10.0}) {  // 10: best filters only, many fallbacks
+        INFO("L " << L << " causal " << causal << " eta " << eta);
+        LsfOptions opt;
+        opt.eta = eta;
+        opt.causal = causal;
+        opt.exclude_self = true;
+        Index pairs = 0;
+        const RowMatrix<Scalar> out = randattn::lsf_attention(f, q, q, v, opt);
+        CHECK(rel_error(out, reference<Scalar>(f, q, q, v, eta, 1, scale, causal, &pairs, true)) <
+              1e-6);
+        CHECK(randattn::lsf_probe_stats<Scalar>(f, q, q, opt).target_pairs == pairs);
+        const randattn::TargetSets sets = randattn::lsf_target_sets<Scalar>(f, q, q, opt);
+        for (Index i = 0; i < n; ++i) {
+          const bool alone = causal && i == 0;
+          for (Index e = sets.start[std::size_t(i)]; e < sets.start[std::size_t(i) + 1]; ++e)
+            CHECK((sets.keys[std::size_t(e)] == i) == alone);
+        }
+        if (causal)  // position 0 has no key but its own
+          CHECK(rel_error(out.row(0), v.row(0)) < testing::tolerance<Scalar>());
+      }
+      // Every filter opened: exact attention under the same rule.
+      LsfOptions all;
+      all.eta = kNegInf;
+      all.causal = causal;
+      all.exclude_self = true;
+      randattn::ExactOptions eopt;
+      eopt.causal = causal;
+      eopt.exclude_self = true;
+      CHECK(rel_error(randattn::lsf_attention(f, q, q, v, all),
+                      randattn::exact_attention(q, q, v, eopt)) < testing::tolerance<Scalar>());
+    }
+    // One token: its own key is its only key.
+    LsfOptions one;
+    one.eta = 0.5;
+    one.exclude_self = true;
+    CHECK(randattn::lsf_attention(f, q.topRows(1), q.topRows(1), v.topRows(1), one) == v.topRows(1));
+  }
+  LsfOptions opt;
+  opt.eta = 0.5;
+  opt.exclude_self = true;
+  const LocalitySensitiveFilters<Scalar> f(RotationKind::dense, d, m, 2, 73);
+  CHECK_THROWS_AS(randattn::lsf_attention(f, q, q.topRows(n - 1), v.topRows(n - 1), opt),
+                  std::invalid_argument);
 }
 
 TEMPLATE_TEST_CASE("Accumulators merge with other partial results", "[lsf]", float, double) {

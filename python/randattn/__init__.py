@@ -32,20 +32,8 @@ def methods():
             for name, m in _core.methods.items()}
 
 
-def _layout_array(x, name, kinds, what):
-    """x as a NumPy array whose dtype kind is one of `kinds` (None stays None); TypeError naming
-    `what` otherwise."""
-    if x is None:
-        return None
-    a = as_numpy(x, name)
-    if a.dtype.kind not in kinds:
-        raise TypeError(f"{name} must be {what}, got dtype {a.dtype}")
-    return a
-
-
 def attention(q, k, v, *, method="exact", causal=False, scale=None, seed=0, check_finite=True, threads=None,
-              shared_qk=False, report=False, exclude_self=False, key_lengths=None, key_padding_mask=None,
-              cu_seqlens=None, **options):
+              shared_qk=False, report=False, **options):
     """softmax(scale · q kᵀ) v, exactly or estimated by ``method``.
 
     q: (n_q, d) or (batch, heads, n_q, d); k: (n_k, d) or (batch, heads, n_k, d), or None with
@@ -84,25 +72,25 @@ def attention(q, k, v, *, method="exact", causal=False, scale=None, seed=0, chec
                               two), min_probes=1, rotation="dense" ("hadamard")
     ``methods()`` lists them all. An option of another method raises TypeError.
 
-    Key layouts (every method; see docs/masks.md):
+    Key layouts (every method; see docs/masks.md), keywords as declared in ``_core.layout_inputs``:
       key_lengths       ints (batch,): keys j >= key_lengths[b] of batch item b take no part
       key_padding_mask  bools (batch, n_k), True = padding (as torch.nn.MultiheadAttention);
                         exclusive with key_lengths. A query with no valid key gets zeros.
       cu_seqlens        ints (S + 1,): packed sequences [cu_seqlens[i], cu_seqlens[i+1]) along n
                         (0 first, n last, strictly increasing), each attending within itself
       exclude_self      queries and keys are the same positions (n_q == n_k): query i never
-                        attends to key i unless it has no other valid key (every method but lsf)
+                        attends to key i unless it has no other valid key (every method but
+                        sparse-lowrank)
       grouped-query heads: k and v with kv_heads heads dividing the heads of q (query head h
                         reads key head h // (heads // kv_heads)); nothing is copied
     """
     arrays = [as_numpy(q, "q"), None if k is None else as_numpy(k, "k"), as_numpy(v, "v")]
-    if key_lengths is not None and key_padding_mask is not None:
-        raise ValueError("give at most one of key_lengths and key_padding_mask")
-    layout = [_layout_array(key_lengths, "key_lengths", "iu", "an integer array"),
-              _layout_array(key_padding_mask, "key_padding_mask", "b", "a boolean array"),
-              _layout_array(cu_seqlens, "cu_seqlens", "iu", "an integer array")]
+    for spec in _core.layout_inputs:  # arrays (or torch tensors) as NumPy; the library checks them
+        name = spec["name"]
+        if spec["type"] != "flag" and options.get(name) is not None:
+            options[name] = as_numpy(options[name], name)
     result = _core.attention(*arrays, method, causal, scale, seed, check_finite, threads, shared_qk, report,
-                             exclude_self, *layout, options)
+                             options)
     if report:
         out, fields = result
         return like(out, q), fields

@@ -93,84 +93,41 @@ std::map<std::string, reg::Value> keyword_values(const reg::Method& method,
   return values;
 }
 
-// Checks the shapes of q, k (absent for shared QK) and v: 2-D (n, d) or 4-D (batch, heads, n, d).
-BatchShape batch_shape(const py::array& q, const py::array* k, const py::array& v) {
-  const struct {
-    const char* name;
-    const py::array* a;
-  } inputs[] = {{"q", &q}, {"k", k}, {"v", &v}};
-  for (const auto& in : inputs) {
-    if (in.a && in.a->ndim() != 2 && in.a->ndim() != 4)
-      throw py::value_error(
-          std::string(in.name) +
-          ": expected a 2-D (n, d) or 4-D (batch, heads, n, d) array, got shape " +
-          shape_str(shape_of(*in.a)));
-  }
-  const py::array& kk = k ? *k : q;
-  const std::string shapes = "q " + shape_str(shape_of(q)) + ", k " +
-                             (k ? shape_str(shape_of(*k)) : "None") + ", v " +
-                             shape_str(shape_of(v));
-  if (q.ndim() != kk.ndim() || q.ndim() != v.ndim())
-    throw py::value_error("q, k and v must have the same number of dimensions, got " + shapes);
-  const py::ssize_t r = q.ndim() - 2;  // the token axis
-  BatchShape s;
-  if (r == 2) {
-    if (kk.shape(0) != q.shape(0) || v.shape(0) != q.shape(0) || kk.shape(1) != v.shape(1))
-      throw py::value_error("batch dimensions of q, k and v, or head dimensions of k and v, differ: " +
-                            shapes);
-    s.batch = q.shape(0);
-    s.heads = q.shape(1);
-    if (kk.shape(1) != q.shape(1) && (kk.shape(1) == 0 || q.shape(1) % kk.shape(1) != 0))
-      throw py::value_error("the heads of k and v (" + std::to_string(kk.shape(1)) +
-                            ") must divide the heads of q (" + std::to_string(q.shape(1)) +
-                            "): " + shapes);
-  }
-  s.n_q = q.shape(r);
-  s.d = q.shape(r + 1);
-  s.n_k = kk.shape(r);
-  s.dv = v.shape(r + 1);
-  if (kk.shape(r + 1) != s.d)
-    throw py::value_error("q and k must have the same feature dimension d: " + shapes);
-  if (v.shape(r) != s.n_k)
-    throw py::value_error("k and v must have the same number of tokens n_k: " + shapes);
-  if (s.d == 0) throw py::value_error("feature dimension d must be positive: " + shapes);
-  if (s.n_k == 0) throw py::value_error("at least one key is needed: " + shapes);
-  if (s.dv == 0) throw py::value_error("value dimension dv must be positive: " + shapes);
-  return s;
+// A layout array keyword as the registry's IndexArray; TypeError unless its dtype is the declared
+// one (integers or booleans).
+reg::IndexArray to_index_array(const reg::LayoutInputSpec& spec, py::handle h) {
+  if (!py::isinstance<py::array>(h))
+    throw py::type_error(reg::layout_type_message(spec, type_name(h), kPython));
+  const auto a = py::reinterpret_borrow<py::array>(h);
+  const char kind = a.dtype().kind();
+  const bool boolean = kind == 'b';
+  if (kind != 'b' && kind != 'i' && kind != 'u')
+    throw py::type_error(reg::layout_type_message(
+        spec, "dtype " + std::string(py::str(py::handle(a.dtype()))), kPython));
+  if (boolean != (spec.type == reg::LayoutInputType::booleans))
+    throw py::type_error(reg::layout_type_message(
+        spec, boolean ? "a boolean array" : "an integer array", kPython));
+  const auto c =
+      py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>::ensure(a);
+  if (!c) throw py::error_already_set();
+  return {shape_of(a), std::vector<std::int64_t>(c.data(), c.data() + c.size()), boolean};
 }
 
-// Key padding, packed sequences and grouped heads (checked by the registry).
-reg::Layout layout_of(const py::array& q, const py::array* k, const BatchShape& shape,
-                      py::handle key_lengths, py::handle key_padding_mask, py::handle cu_seqlens) {
-  reg::Layout layout;
-  if (k && k->ndim() == 4) layout.kv_heads = k->shape(1);
-  if (!key_lengths.is_none()) {
-    const auto a = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>::ensure(
-        key_lengths);
-    if (a.ndim() != 1 || a.shape(0) != shape.batch)
-      throw py::value_error("key_lengths must have shape (batch,) = (" +
-                            std::to_string(shape.batch) + ",), got " + shape_str(shape_of(a)));
-    layout.key_padding = reg::padding_of_lengths(
-        std::vector<std::int64_t>(a.data(), a.data() + a.size()), shape.n_k, kPython);
+// Takes the layout keywords (layout_inputs()) out of `options`: flags into the settings, arrays
+// into the returned map. None is as if not given.
+std::map<std::string, reg::IndexArray> take_layout(py::dict& options, reg::Settings& settings) {
+  std::map<std::string, reg::IndexArray> arrays;
+  for (const reg::LayoutInputSpec& spec : reg::layout_inputs()) {
+    const py::str name(spec.name);
+    if (!options.contains(name)) continue;
+    const py::object value = options[name];
+    PyDict_DelItem(options.ptr(), name.ptr());
+    if (spec.type == reg::LayoutInputType::flag)
+      reg::set_layout_flag(settings, spec.name, to_flag(value, spec.name));
+    else if (!value.is_none())
+      arrays[spec.name] = to_index_array(spec, value);
   }
-  if (!key_padding_mask.is_none()) {
-    const auto a = py::array_t<std::uint8_t, py::array::c_style | py::array::forcecast>::ensure(
-        key_padding_mask);
-    if (a.ndim() != 2 || a.shape(0) != shape.batch || a.shape(1) != shape.n_k)
-      throw py::value_error("key_padding_mask must have shape (batch, n_k) = (" +
-                            std::to_string(shape.batch) + ", " + std::to_string(shape.n_k) +
-                            "), got " + shape_str(shape_of(a)));
-    layout.key_padding.assign(a.data(), a.data() + a.size());
-  }
-  if (!cu_seqlens.is_none()) {
-    const auto a = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>::ensure(
-        cu_seqlens);
-    if (a.ndim() != 1)
-      throw py::value_error("cu_seqlens must be 1-D, got shape " + shape_str(shape_of(a)));
-    layout.cu_seqlens.assign(a.data(), a.data() + a.size());
-  }
-  (void)q;
-  return layout;
+  return arrays;
 }
 
 py::object report_dict(const reg::Method& method, const reg::Call& call, const reg::Report& fields,
@@ -213,13 +170,13 @@ py::object run_method(const reg::Method& method, const reg::Call& call, bool fou
 py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj,
                      const std::string& method_name, py::handle causal, py::handle scale,
                      py::handle seed, py::handle check_finite, py::handle threads,
-                     py::handle shared_qk, py::handle report, py::handle exclude_self,
-                     py::handle key_lengths,
-                     py::handle key_padding_mask, py::handle cu_seqlens, const py::dict& options) {
+                     py::handle shared_qk, py::handle report, const py::dict& keywords) {
   const reg::Method& method = reg::find_method(method_name, kPython);
+  reg::Settings settings;
+  py::dict options = py::reinterpret_steal<py::dict>(PyDict_Copy(keywords.ptr()));
+  const std::map<std::string, reg::IndexArray> layout_given = take_layout(options, settings);
   std::map<std::string, reg::Value> given = keyword_values(method, options);
 
-  reg::Settings settings;
   settings.causal = to_flag(causal, "causal");
   std::optional<double> scale_value;
   if (!scale.is_none()) scale_value = to_real(scale, "scale");
@@ -227,7 +184,6 @@ py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj,
   settings.check_finite = to_flag(check_finite, "check_finite");
   settings.shared_qk = to_flag(shared_qk, "shared_qk");
   settings.report = to_flag(report, "report");
-  settings.exclude_self = to_flag(exclude_self, "exclude_self");
   const std::optional<int> thread_count = to_threads(threads);
 
   const py::array q = as_float_array(q_obj, "q"), v = as_float_array(v_obj, "v");
@@ -239,12 +195,13 @@ py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj,
                          dtype_name(dtype) + ", k " + (k ? dtype_name(dtype_of(*k)) : "None") +
                          ", v " + dtype_name(dtype_of(v)));
   reg::check_keys(method, k.has_value(), settings.shared_qk, kPython);
-  const BatchShape shape = batch_shape(q, k ? &*k : nullptr, v);
+  const std::vector<Index> k_shape = k ? shape_of(*k) : std::vector<Index>();
+  const reg::CallShape call_shape =
+      reg::call_shape(shape_of(q), k ? &k_shape : nullptr, shape_of(v), kPython);
+  const BatchShape& shape = call_shape.shape;
   settings.scale = reg::resolve_scale(scale_value, shape.d, kPython);
   const py::array* kp = k ? &*k : nullptr;
-  const reg::Layout layout =
-      layout_of(q, kp, shape, key_lengths, key_padding_mask, cu_seqlens);
-  reg::check_layout(method, layout, shape, settings, kPython);
+  const reg::Layout layout = reg::make_layout(method, layout_given, call_shape, settings, kPython);
   const reg::Call call = reg::make_call(method, std::move(given), settings, shape, kPython);
   const bool four_d = q.ndim() == 4;
   return dtype == Dtype::float32
@@ -260,8 +217,22 @@ void bind_attention(py::module_& m) {
   using namespace pybind11::literals;
   m.def("attention", &attention, "q"_a, "k"_a.none(true), "v"_a, "method"_a, "causal"_a,
         "scale"_a.none(true), "seed"_a, "check_finite"_a, "threads"_a.none(true), "shared_qk"_a,
-        "report"_a, "exclude_self"_a, "key_lengths"_a.none(true), "key_padding_mask"_a.none(true),
-        "cu_seqlens"_a.none(true), "options"_a);
+        "report"_a, "options"_a);
+  // The layout keywords (key padding, packed sequences, self-exclusion), as the registry
+  // declares them.
+  py::list layout_inputs;
+  for (const reg::LayoutInputSpec& s : reg::layout_inputs()) {
+    py::dict entry;
+    entry["name"] = s.name;
+    entry["type"] = s.type == reg::LayoutInputType::flag       ? "flag"
+                    : s.type == reg::LayoutInputType::booleans ? "booleans"
+                                                               : "integers";
+    entry["shape"] = s.type == reg::LayoutInputType::flag ? py::object(py::none())
+                                                          : py::object(py::str(reg::shape_rule(s)));
+    entry["help"] = s.help;
+    layout_inputs.append(entry);
+  }
+  m.attr("layout_inputs") = layout_inputs;
   py::dict table;
   for (const auto& method : reg::methods()) {
     py::dict entry, defaults;

@@ -235,9 +235,9 @@ def test_kv_heads_must_divide_the_query_heads():
         randattn.attention(q, k, v, method="favor")
 
 
-# Self-exclusion: the methods that support it.
-# Methods without exclude_self refuse it (tested below).
-SELF = [m for m in OPTIONS if m not in ("lsf", "sparse-lowrank")]
+# Self-exclusion: the methods that support it (every one but sparse-lowrank, which refuses it:
+# tested below).
+SELF = [m for m in OPTIONS if m != "sparse-lowrank"]
 
 
 def self_excluded_softmax(q, k, v, causal):
@@ -267,6 +267,18 @@ def test_lsh_with_one_chunk_excludes_self_as_exact(causal):
     q, k, v = data()
     out = randattn.attention(q, k, v, method="lsh", chunk=12, rounds=2, causal=causal, exclude_self=True)
     assert_close(out, self_excluded_softmax(q, k, v, causal), np.float64, 12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lsf_opening_every_filter_excludes_self_as_exact(causal):
+    q, k, v = data()
+    for kv in (k, q):  # separate keys, and K = Q (each query's own key is its best match)
+        out = randattn.attention(q, kv, v, method="lsf", filters=8, tables=2, eta=-np.inf, causal=causal,
+                                 exclude_self=True)
+        assert_close(out, self_excluded_softmax(q, kv, v, causal), np.float64, 12)
+    one = q[:, :, :1]
+    np.testing.assert_array_equal(
+        randattn.attention(one, one, v[:, :, :1], method="lsf", eta=0.5, exclude_self=True), v[:, :, :1])
 
 
 @pytest.mark.parametrize("method", SELF)
@@ -312,14 +324,15 @@ def test_exclude_self_with_a_scattered_mask_matches_the_reference():
 
 def test_exclude_self_errors():
     q, k, v = data()
-    with pytest.raises(ValueError, match="method 'lsf' does not support exclude_self=True"):
-        randattn.attention(q, k, v, method="lsf", eta=0.5, exclude_self=True)
     with pytest.raises(ValueError, match="method 'sparse-lowrank' does not support exclude_self=True"):
         randattn.attention(q, k, v, method="sparse-lowrank", support="window", exclude_self=True)
     with pytest.raises(ValueError, match="same positions"):
         randattn.attention(q, k[:, :, :5], v[:, :, :5], exclude_self=True)
-    with pytest.raises(ValueError, match="approximation=lsf does not support exclude_self"):
-        randattn.attention(q, k, v, method="auto", approximation="lsf", eta=0.5, exclude_self=True)
+    with pytest.raises(ValueError, match="approximation=sparse-lowrank does not support exclude_self"):
+        randattn.attention(q, k, v, method="auto", approximation="sparse-lowrank", support="window",
+                           crossover=4, exclude_self=True)
+    with pytest.raises(TypeError, match="exclude_self must be True or False"):
+        randattn.attention(q, k, v, exclude_self=1)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -368,11 +381,11 @@ def test_cli_layouts_give_the_python_bits(tmp_path):
     (dict(key_lengths=np.array([-1, 3])), r"--key-lengths\[0\] must be in"),
     (dict(key_lengths=np.array([1.0, 3.0])), "--key-lengths: .*unsupported dtype"),
     (dict(key_padding_mask=np.zeros((2, 11), bool)), r"--key-padding-mask must have shape \(batch, n_k\)"),
-    (dict(key_padding_mask=np.zeros((2, 12), np.int64)), "--key-padding-mask: expected a boolean array"),
+    (dict(key_padding_mask=np.zeros((2, 12), np.int64)), "--key-padding-mask must be a boolean array"),
     (dict(cu_seqlens=np.array([0, 5, 5, 12])), "--cu-seqlens must be strictly increasing"),
     (dict(cu_seqlens=np.array([0, 5, 11])), "--cu-seqlens must start at 0 and end at n = 12"),
     (dict(kv_heads=3), "must divide the heads of --q"),
-    (dict(exclude_self=True, method="lsf"), "--method lsf does not support --exclude-self"),
+    (dict(exclude_self=True, method="sparse-lowrank"), "--method sparse-lowrank does not support --exclude-self"),
 ])
 def test_cli_bad_layouts_exit_2_and_write_nothing(tmp_path, layout, message):
     layout = dict(layout)
@@ -391,6 +404,53 @@ def test_cli_bad_layouts_exit_2_and_write_nothing(tmp_path, layout, message):
     assert len(r.stderr.strip().splitlines()) == 1
     assert __import__("re").search(message, r.stderr), r.stderr
     assert not out.exists()
+
+
+# The same bad layouts from both front ends: the registry's message, spelled by each.
+SAME_ERRORS = [
+    dict(key_lengths=np.array([3, 13])),
+    dict(key_lengths=np.array([3])),
+    dict(key_padding_mask=np.zeros((2, 11), bool)),
+    dict(key_padding_mask=np.zeros((2, 12), np.int64)),
+    dict(key_lengths=np.zeros((2, 12), bool)),
+    dict(cu_seqlens=np.array([0, 5, 5, 12])),
+    dict(cu_seqlens=np.array([[0, 12]])),
+    dict(key_lengths=np.array([3, 4]), key_padding_mask=np.zeros((2, 12), bool)),
+    dict(key_lengths=np.array([3, 4]), cu_seqlens=np.array([0, 12])),
+    dict(kv_heads=3),
+    dict(exclude_self=True, method="sparse-lowrank"),
+    dict(exclude_self=True, n_k=5),
+]
+
+
+def python_spelling(cli_message):
+    """The command line's message in Python's spelling: --key-lengths as key_lengths, --q as q."""
+    names = [spec["name"] for spec in randattn._core.layout_inputs if spec["type"] != "flag"]
+    for name in names + ["q", "k", "v"]:
+        cli_message = cli_message.replace("--" + name.replace("_", "-"), name)
+    return (cli_message.replace("--exclude-self", "exclude_self=True")
+            .replace("--method sparse-lowrank", "method 'sparse-lowrank'"))
+
+
+@pytest.mark.parametrize("layout", SAME_ERRORS)
+def test_cli_and_python_give_the_same_layout_errors(tmp_path, layout):
+    layout = dict(layout)
+    method = layout.pop("method", "favor")
+    exclude_self = layout.pop("exclude_self", False)
+    q, k, v = data(heads=4, kv_heads=layout.pop("kv_heads", 2))
+    n_k = layout.pop("n_k", 12)
+    k, v = k[:, :, :n_k], v[:, :, :n_k]
+    with pytest.raises((ValueError, TypeError)) as python:
+        randattn.attention(q, k, v, method=method, exclude_self=exclude_self, **layout)
+    cmd = [cli_path(), "attention", "--method", method] + (["--exclude-self"] if exclude_self else [])
+    for name, a in dict(q=q, k=k, v=v, **layout).items():
+        np.save(tmp_path / f"{name}.npy", a)
+        cmd += [f"--{name.replace('_', '-')}", str(tmp_path / f"{name}.npy")]
+    r = subprocess.run(cmd + ["--out", str(tmp_path / "out.npy")], capture_output=True, text=True)
+    assert r.returncode == 2
+    prefix = "randattn-cli: error: "
+    assert r.stderr.startswith(prefix)
+    assert python_spelling(r.stderr[len(prefix):].strip()) == str(python.value)
 
 
 def test_cli_auto_reports_the_path_it_ran(tmp_path):

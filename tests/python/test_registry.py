@@ -35,6 +35,20 @@ def test_help_lists_every_method_and_option():
             assert spec["flag"] in text
 
 
+def test_both_front_ends_offer_the_declared_layout_inputs():
+    """One declaration (the registry's layout inputs): a --kebab-case flag each, a keyword each."""
+    text = subprocess.run([cli_path(), "attention", "--help"], check=True, capture_output=True, text=True).stdout
+    names = [spec["name"] for spec in randattn._core.layout_inputs]
+    assert names == ["key_lengths", "key_padding_mask", "cu_seqlens", "exclude_self"]
+    for spec in randattn._core.layout_inputs:
+        assert "--" + spec["name"].replace("_", "-") in text
+        assert spec["help"].split()[0] in text
+    q = np.ones((1, 1, 3, 2))
+    for spec in randattn._core.layout_inputs:  # a keyword of every method, None or False: no layout
+        off = False if spec["type"] == "flag" else None
+        np.testing.assert_array_equal(randattn.attention(q, q, q, **{spec["name"]: off}), randattn.attention(q, q, q))
+
+
 # Options each method is run with (besides its defaults), as Python keywords; flags are derived.
 RUNS = {
     "exact": [{}, {"causal": True}],

@@ -167,8 +167,7 @@ class ShardedAttentionCommand : public RegistryAttentionCommand {
       k = shared_qk_ ? q : header("--k", k_path_);
       v = header("--v", v_path_);
       call = make_call(*chosen, q, k, v);
-      if (!key_lengths_path_.empty() || !key_padding_path_.empty() || !cu_seqlens_path_.empty() ||
-          exclude_self_ || (k.ndim() == 4 && k.shape[1] != call.shape.heads))
+      if (layout_given() || (k.ndim() == 4 && k.shape[1] != call.shape.heads))
         throw CliError(
             "randattn-mpi: key padding, packed sequences, grouped heads and --exclude-self are not "
             "distributed; run them with randattn-cli");

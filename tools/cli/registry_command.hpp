@@ -86,16 +86,7 @@ class RegistryAttentionCommand {
         "--compare", compare_,
         "Also compute exact attention and add \"rel_error\" (relative Frobenius error) to the "
         "--report line (implies --report)");
-    cmd_->add_flag("--exclude-self", exclude_self_,
-                   "Queries and keys are the same positions: query i never attends to key i "
-                   "unless it has no other valid key (needs n_q == n_k)");
-    cmd_->add_option("--key-lengths", key_lengths_path_,
-                     "Integer .npy (batch,): keys j >= L[b] of batch item b take no part");
-    cmd_->add_option("--key-padding-mask", key_padding_path_,
-                     "Boolean .npy (batch, n_k), true = padding: those keys take no part");
-    cmd_->add_option("--cu-seqlens", cu_seqlens_path_,
-                     "Integer .npy (S + 1,): packed sequences [C[i], C[i+1]) along n, each "
-                     "attending within itself (0 first, n last, strictly increasing)");
+    for (const reg::LayoutInputSpec& s : reg::layout_inputs()) add_layout_input(s);
     for (const reg::OptionSpec& s : reg::all_options()) add_registered(s);
   }
 
@@ -109,7 +100,7 @@ class RegistryAttentionCommand {
     const randattn::io::NpyArray& k = shared_qk_ ? q : k_file;
     const randattn::io::NpyArray v = read_input("--v", v_path_);
     reg::Call call = make_call(method, info(q), info(k), info(v));
-    const reg::Layout layout = make_layout(method, info(k), call);
+    const reg::Layout layout = make_layout(method, info(q), info(k), info(v), call);
     if (front_end_compares(method, call, layout)) call.settings.compare = false;
     const Shape out_shape = output_shape(q.ndim(), call.shape);
     Outcome outcome = q.is_float32() ? compute<float>(method, call, layout, q, k, v, out_shape)
@@ -161,7 +152,7 @@ class RegistryAttentionCommand {
                       const InputInfo& v) const {
     const reg::Spelling spell{true};
     std::map<std::string, reg::Value> given = option_values(method);
-    const randattn::BatchShape shape = check_shapes(q, k, v);
+    const randattn::BatchShape shape = check_shapes(q, k, v).shape;
     reg::Settings settings;
     settings.causal = causal_;
     settings.scale = reg::resolve_scale(
@@ -170,62 +161,43 @@ class RegistryAttentionCommand {
     settings.shared_qk = shared_qk_;
     settings.report = report_ || compare_;
     settings.compare = compare_;
-    settings.exclude_self = exclude_self_;
+    for (const auto& [name, on] : layout_flags_) reg::set_layout_flag(settings, name, on);
     return reg::make_call(method, std::move(given), settings, shape, spell);
   }
 
-  // Key padding, packed sequences and grouped heads from the flags and the key shape.
-  reg::Layout make_layout(const reg::Method& method, const InputInfo& k,
-                          const reg::Call& call) const {
-    const reg::Spelling spell{true};
-    const randattn::BatchShape& shape = call.shape;
-    reg::Layout layout;
-    if (k.ndim() == 4 && !shared_qk_) layout.kv_heads = k.shape[1];
-    if (!key_lengths_path_.empty() && !key_padding_path_.empty())
-      throw CliError("give at most one of --key-lengths and --key-padding-mask");
-    if (!key_lengths_path_.empty()) {
-      const randattn::io::NpyIndexArray a = read_index("--key-lengths", key_lengths_path_, false);
-      if (a.shape != Shape{shape.batch})
-        throw CliError("--key-lengths must have shape (batch,) = (" + std::to_string(shape.batch) +
-                       ",), got " + shape_str(a.shape));
-      layout.key_padding = reg::padding_of_lengths(a.data, shape.n_k, spell);
-    }
-    if (!key_padding_path_.empty()) {
-      const randattn::io::NpyIndexArray a =
-          read_index("--key-padding-mask", key_padding_path_, true);
-      if (a.shape != Shape{shape.batch, shape.n_k})
-        throw CliError("--key-padding-mask must have shape (batch, n_k) = (" +
-                       std::to_string(shape.batch) + ", " + std::to_string(shape.n_k) + "), got " +
-                       shape_str(a.shape));
-      layout.key_padding.assign(a.data.begin(), a.data.end());
-    }
-    if (!cu_seqlens_path_.empty()) {
-      const randattn::io::NpyIndexArray a = read_index("--cu-seqlens", cu_seqlens_path_, false);
-      if (a.shape.size() != 1)
-        throw CliError("--cu-seqlens must be 1-D, got shape " + shape_str(a.shape));
-      layout.cu_seqlens = a.data;
-    }
-    reg::check_layout(method, layout, shape, call.settings, spell);
-    if (compare_ && shared_qk_ && (!layout.plain(shape) || exclude_self_))
+  // True when a layout input (key padding, packed sequences, self-exclusion) was given.
+  bool layout_given() const {
+    for (const auto& [name, path] : layout_paths_)
+      if (!path.empty()) return true;
+    for (const auto& [name, on] : layout_flags_)
+      if (on) return true;
+    return false;
+  }
+
+  // Key padding, packed sequences and grouped heads from the layout flags and the input shapes,
+  // checked by the registry.
+  reg::Layout make_layout(const reg::Method& method, const InputInfo& q, const InputInfo& k,
+                          const InputInfo& v, const reg::Call& call) const {
+    std::map<std::string, reg::IndexArray> given;
+    for (const auto& [name, path] : layout_paths_)
+      if (!path.empty()) given[name] = read_index(name, path);
+    const reg::Layout layout = reg::make_layout(method, given, check_shapes(q, k, v),
+                                                call.settings, reg::Spelling{true});
+    if (compare_ && shared_qk_ && (!layout.plain(call.shape) || call.settings.exclude_self))
       throw CliError(
           "--compare with --shared-qk compares a plain call only (no --cu-seqlens or "
           "--exclude-self)");
     return layout;
   }
 
-  static randattn::io::NpyIndexArray read_index(const char* flag, const std::string& path,
-                                                bool boolean) {
-    randattn::io::NpyIndexArray a;
+  // A layout input's .npy file (integer or boolean; the registry checks which).
+  static reg::IndexArray read_index(const std::string& name, const std::string& path) {
     try {
-      a = randattn::io::read_npy_index(path);
+      randattn::io::NpyIndexArray a = randattn::io::read_npy_index(path);
+      return {std::move(a.shape), std::move(a.data), a.boolean};
     } catch (const std::exception& e) {
-      throw CliError(std::string(flag) + ": " + e.what());
+      throw CliError(reg::Spelling{true}.option(name) + ": " + e.what());
     }
-    if (a.boolean != boolean)
-      throw CliError(std::string(flag) + ": expected " +
-                     (boolean ? "a boolean array" : "an integer array") + ", got " +
-                     (a.boolean ? "a boolean one" : "an integer one"));
-    return a;
   }
 
   // The front end adds rel_error unless the method compares itself (a plain call without
@@ -273,6 +245,18 @@ class RegistryAttentionCommand {
     for (const auto& m : reg::methods())
       if (m->supports_shared_qk()) names += std::string(names.empty() ? "" : ", ") + m->name();
     return names;
+  }
+
+  // One flag per layout input: a path for an array, a flag for a setting.
+  void add_layout_input(const reg::LayoutInputSpec& s) {
+    const std::string flag = "--" + reg::Spelling::kebab(s.name);
+    if (s.type == reg::LayoutInputType::flag) {
+      cmd_->add_flag(flag, layout_flags_[s.name], s.help);
+      return;
+    }
+    const char* kind = s.type == reg::LayoutInputType::booleans ? "Boolean" : "Integer";
+    cmd_->add_option(flag, layout_paths_[s.name],
+                     std::string(kind) + " .npy " + reg::shape_rule(s) + ": " + s.help);
   }
 
   // One flag per registered option, its help tagged with the methods that own it.
@@ -358,53 +342,16 @@ class RegistryAttentionCommand {
 #endif
   }
 
-  static randattn::BatchShape check_shapes(const InputInfo& q, const InputInfo& k,
-                                           const InputInfo& v) {
-    const struct {
-      const char* flag;
-      const InputInfo& a;
-    } inputs[] = {{"--q", q}, {"--k", k}, {"--v", v}};
-    for (const auto& in : inputs) {
-      if (in.a.ndim() != 2 && in.a.ndim() != 4)
-        throw CliError(std::string(in.flag) +
-                       ": expected a 2-D (n, d) or 4-D (batch, heads, n, d) array, got shape " +
-                       shape_str(in.a.shape));
-    }
-    const std::string shapes =
-        "q " + shape_str(q.shape) + ", k " + shape_str(k.shape) + ", v " + shape_str(v.shape);
+  // The call's shape (checked by the registry) of inputs of one dtype; k is q under shared QK.
+  reg::CallShape check_shapes(const InputInfo& q, const InputInfo& k, const InputInfo& v) const {
+    const reg::CallShape shape =
+        reg::call_shape(q.shape, shared_qk_ ? nullptr : &k.shape, v.shape, reg::Spelling{true});
     if (q.dtype != k.dtype || q.dtype != v.dtype)
       throw CliError(std::string("--q, --k and --v must have the same dtype, got q ") +
                      randattn::io::dtype_name(q.dtype) + ", k " +
                      randattn::io::dtype_name(k.dtype) + ", v " +
                      randattn::io::dtype_name(v.dtype));
-    if (q.ndim() != k.ndim() || q.ndim() != v.ndim())
-      throw CliError("--q, --k and --v must have the same number of dimensions, got " + shapes);
-
-    const std::size_t r = q.ndim() - 2;  // index of the token axis
-    randattn::BatchShape s;
-    if (r == 2) {
-      if (k.shape[0] != q.shape[0] || v.shape[0] != q.shape[0] || k.shape[1] != v.shape[1])
-        throw CliError("batch dimensions of --q, --k and --v, or head dimensions of --k and --v, "
-                       "differ: " + shapes);
-      s.batch = q.shape[0];
-      s.heads = q.shape[1];
-      if (k.shape[1] != q.shape[1] && (k.shape[1] == 0 || q.shape[1] % k.shape[1] != 0))
-        throw CliError("the heads of --k and --v (" + std::to_string(k.shape[1]) +
-                       ") must divide the heads of --q (" + std::to_string(q.shape[1]) +
-                       "): " + shapes);
-    }
-    s.n_q = q.shape[r];
-    s.d = q.shape[r + 1];
-    s.n_k = k.shape[r];
-    s.dv = v.shape[r + 1];
-    if (k.shape[r + 1] != s.d)
-      throw CliError("--q and --k must have the same feature dimension d: " + shapes);
-    if (v.shape[r] != s.n_k)
-      throw CliError("--k and --v must have the same number of tokens n_k: " + shapes);
-    if (s.d == 0) throw CliError("feature dimension d must be positive: " + shapes);
-    if (s.n_k == 0) throw CliError("at least one key is needed: " + shapes);
-    if (s.dv == 0) throw CliError("value dimension dv must be positive: " + shapes);
-    return s;
+    return shape;
   }
 
   template <typename Scalar>
@@ -465,9 +412,9 @@ class RegistryAttentionCommand {
   CLI::Option* threads_opt_ = nullptr;
   std::string method_ = "exact";
   std::string q_path_, k_path_, v_path_, out_path_;
-  std::string key_lengths_path_, key_padding_path_, cu_seqlens_path_;
+  std::map<std::string, std::string> layout_paths_;  // the .npy file of each layout array
+  std::map<std::string, bool> layout_flags_;         // each flag layout input
   bool shared_qk_ = false, causal_ = false, report_ = false, compare_ = false;
-  bool exclude_self_ = false;
   double scale_ = 0;
   std::int64_t threads_ = 1;
   std::uint64_t seed_ = 0;

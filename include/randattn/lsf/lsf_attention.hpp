@@ -27,6 +27,11 @@
 // Memory O(n (d + dv) + n L + probes) per slice, probes = Σ_i (filters opened by i), plus the
 // opened-filter bits of a task's queries (at most 4 MB per thread).
 //
+// Self-exclusion (exclude_self, n_q == n_k, queries and keys at the same positions): key i is not
+// a valid key of query i, so it is never scored for it (the score tile's self mask) and the fallback
+// looks for another key; a query with no other valid key (position 0 under causal, or n = 1)
+// attends to its own key alone (core/detail/self_rule.hpp), as exact and LSH attention do.
+//
 // Causal: the filters opened by query i depend on q_i and on keys 0..i only (the fallback looks at
 // valid keys), and each query is scored against the past keys of its filters as a tile of its
 // own, so output i depends on tokens 0..i only, bit for bit (a shared tile would let a later
@@ -46,6 +51,7 @@
 #include <Eigen/Core>
 
 #include "../core/detail/score_tile.hpp"
+#include "../core/detail/self_rule.hpp"
 #include "../core/input_checks.hpp"
 #include "../core/options.hpp"
 #include "../core/softmax_accumulator.hpp"
@@ -69,6 +75,9 @@ struct LsfOptions : AttentionOptions {
   std::optional<double> eta;    // threshold on normalised scores; −inf opens every filter
   std::optional<double> alpha;  // target cosine in (0, 1): eta = filter_threshold(alpha, m)
   Index min_probes = 1;         // best filters opened per table whatever eta, in [1, m]
+  // Queries and keys at the same positions (n_q == n_k): key i is not a target of query i unless
+  // it has no other valid key.
+  bool exclude_self = false;
 };
 
 // What the filters selected, for reports and benchmarks.
@@ -136,6 +145,8 @@ Scalar check_lsf_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scal
           " but the filters were built for dimension ", filters.dim());
   check_attention_shapes<Scalar>(where, q, k, v);
   check_attention_counts(where, q.rows(), k.rows(), opt.causal);
+  require(!opt.exclude_self || q.rows() == k.rows(), where, "exclude_self needs as many queries (",
+          q.rows(), ") as keys (", k.rows(), ")");
   if (opt.check_finite) check_attention_finite<Scalar>(where, q, k, v);
   return scale;
 }
@@ -161,13 +172,15 @@ template <typename Scalar>
 class FilterProber {
  public:
   FilterProber(const LocalitySensitiveFilters<Scalar>& filters, const FilterBuckets& keys,
-               Index n_k, Scalar eta, Index min_probes, bool causal)
+               Index n_k, Scalar eta, Index min_probes, bool causal, bool exclude_self)
       : filters_(filters),
         keys_(keys),
         n_k_(n_k),
         eta_(eta),
         min_probes_(min_probes),
-        causal_(causal) {}
+        causal_(causal),
+        exclude_self_(exclude_self),
+        first_alone_(exclude_self && !rows_alone_with_self(n_k, causal).empty()) {}
 
   FilterProbes probe(const RowMatrix<Scalar>& unit_q) const {
     const Index n = unit_q.rows(), m = filters_.filters(), L = filters_.tables();
@@ -188,7 +201,7 @@ class FilterProber {
       for (Index u = 0; u < B; ++u) {
         const std::size_t first = out.size();
         for (Index t = 0; t < L; ++t) open_in_table(&scores(u, t * m), t, order, out);
-        if (!any_valid(out.data() + first, out.size() - first, i0 + u)) {
+        if (!any_valid(out.data() + first, out.size() - first, i0 + u) && has_valid_key(i0 + u)) {
           fallback(&scores(u, 0), i0 + u, order, out, first);
           fell_back[static_cast<std::size_t>(i0 + u)] = 1;
         }
@@ -243,13 +256,19 @@ class FilterProber {
         [s](std::int32_t a, std::int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
   }
 
-  // True when filter g holds a key valid for query i (keys are in increasing position).
+  // True when filter g holds a key valid for query i (keys are in increasing position): not
+  // after i under causal masking, not i itself under self-exclusion.
   bool holds_valid_key(std::int32_t g, Index i) const {
     const Index m = filters_.filters(), t = g / m, f = g % m;
     const Index* start = keys_.start.data() + t * (m + 1);
-    if (start[f + 1] == start[f]) return false;
-    return !causal_ || keys_.perm[static_cast<std::size_t>(t * n_k_ + start[f])] <= i;
+    const std::int32_t* first = keys_.perm.data() + t * n_k_ + start[f];
+    const std::int32_t* last = keys_.perm.data() + t * n_k_ + start[f + 1];
+    if (first != last && exclude_self_ && *first == i) ++first;
+    return first != last && (!causal_ || *first <= i);
   }
+
+  // False for a query whose only valid key is its own (the self rule attends to it).
+  bool has_valid_key(Index i) const { return !(first_alone_ && i == 0); }
 
   bool any_valid(const std::int32_t* g, std::size_t count, Index i) const {
     for (std::size_t e = 0; e < count; ++e)
@@ -258,7 +277,8 @@ class FilterProber {
   }
 
   // Opens filters of all tables in descending score order until one holds a valid key; keeps
-  // out[first..) sorted. Terminates: some filter holds key 0, valid for every query.
+  // out[first..) sorted. Terminates: query i has a valid key (has_valid_key), and some filter
+  // holds it.
   void fallback(const Scalar* s, Index i, std::vector<std::int32_t>& order,
                 std::vector<std::int32_t>& out, std::size_t first) const {
     const Index all = filters_.filters() * filters_.tables();
@@ -276,6 +296,8 @@ class FilterProber {
   Scalar eta_;
   Index min_probes_;
   bool causal_;
+  bool exclude_self_;
+  bool first_alone_;  // query 0 has no valid key but its own
 };
 
 // The dedupe count of the score tile: the number of tables in which key cols[u] lies in a filter
@@ -330,7 +352,7 @@ class LsfSlice {
     if (q.rows() == 0) return;
     keys_ = bucket_keys(filters, unit_rows<Scalar>(k));
     probes_ = FilterProber<Scalar>(filters, keys_, k.rows(), static_cast<Scalar>(eta_),
-                                   opt.min_probes, opt.causal)
+                                   opt.min_probes, opt.causal, opt.exclude_self)
                   .probe(unit_rows<Scalar>(q));
   }
 
@@ -359,19 +381,23 @@ class LsfSlice {
           const std::int32_t* code = keys_.codes.data() + Index(perm[e]) * L;
           Index before = 0;
           for (Index u = 0; u < t; ++u) before += open[u * m + code[u]];
-          st.target_pairs += before == 0;
+          st.target_pairs += before == 0 && !(opt_.exclude_self && perm[e] == i);
         }
       }
       for (const std::int32_t* g = g0; g < g1; ++g) open[*g] = 0;
     }
+    if (opt_.exclude_self) st.target_pairs += Index(rows_alone_with_self(n_q, opt_.causal).size());
     return st;
   }
 
-  // P_i of every query: the valid keys of its opened filters, each once.
+  // P_i of every query: the valid keys of its opened filters, each once (under self-exclusion
+  // without i, or {i} for a query with no other valid key).
   TargetSets target_sets() const {
     TargetSets sets;
     const Index n_q = Index(probes_.query_start.size()) - 1, n_k = keys_.codes.rows();
     const Index m = filters_.filters();
+    const std::vector<std::int32_t> alone =
+        opt_.exclude_self ? rows_alone_with_self(n_q, opt_.causal) : std::vector<std::int32_t>();
     std::vector<std::int32_t> row;
     for (Index i = 0; i < n_q; ++i) {
       row.clear();
@@ -384,6 +410,8 @@ class LsfSlice {
                         : start[f + 1];
         row.insert(row.end(), perm + start[f], perm + end);
       }
+      if (opt_.exclude_self) row.erase(std::remove(row.begin(), row.end(), i), row.end());
+      if (std::find(alone.begin(), alone.end(), i) != alone.end()) row.assign(1, std::int32_t(i));
       sets.append_row(row);
     }
     return sets;
@@ -417,6 +445,7 @@ class LsfSlice {
         OpenedFilterCounter counter;
         TileMask<OpenedFilterCounter> mask;
         mask.causal = opt_.causal;
+        mask.exclude_self = opt_.exclude_self;
         if (L > 1) {
           counter.perm = perm;
           counter.codes = &codes;
@@ -450,6 +479,8 @@ class LsfSlice {
         }
       });
     }
+    if (opt_.exclude_self)  // the self rule: a query with no other valid key attends to its own
+      attend_to_self(acc, rows_alone_with_self(n_q, opt_.causal), queries, k, v);
     return acc;
   }
 

@@ -56,6 +56,7 @@
 
 #include <Eigen/Core>
 
+#include "../core/detail/self_rule.hpp"
 #include "../core/input_checks.hpp"
 #include "../core/options.hpp"
 #include "../core/softmax_accumulator.hpp"
@@ -129,20 +130,6 @@ Scalar check_lsh_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scal
 inline Index key_chunk_length(Index n_q, Index n_k, Index c) {
   // c <= n_q < 2^31 and n_k < 2^31: the product fits.
   return std::max<Index>(1, (c * n_k + n_q - 1) / n_q);
-}
-
-// Self rule of shared QK: each row i of `rows` (no other valid target) attends to itself alone,
-// with logit queries(i) . keys(i).
-template <typename Scalar>
-void attend_to_self(SoftmaxAccumulator<Scalar>& acc, const std::vector<std::int32_t>& rows,
-                    const RowMatrix<Scalar>& queries, const RowMatrix<Scalar>& keys,
-                    const RowMatrix<Scalar>& values) {
-  RowMatrix<Scalar> self(1, values.cols() + 1);
-  self(0, values.cols()) = 1;
-  for (std::int32_t i : rows) {
-    self.leftCols(values.cols()) = values.row(i);
-    acc.merge_rows(i, self, Vector<Scalar>::Constant(1, queries.row(i).dot(keys.row(i))));
-  }
 }
 
 }  // namespace detail

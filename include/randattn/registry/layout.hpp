@@ -1,8 +1,14 @@
 #pragma once
 // Key layouts of a registered method's call beyond one dense (batch, heads, n, d) grid, for every
 // method at once: key padding (per batch item, keys that take no part), packed variable-length
-// sequences (offsets along n, each sequence attends within itself) and grouped-query heads (k, v
-// with kv_heads dividing heads; query head h reads key head h / (heads / kv_heads)).
+// sequences (offsets along n, each sequence attends within itself), grouped-query heads (k, v
+// with kv_heads dividing heads; query head h reads key head h / (heads / kv_heads)) and
+// self-exclusion.
+//
+// The layout inputs are declared once (layout_inputs()): each front end offers one argument per
+// entry, spelled as it spells options (the Python keyword, the command line's --kebab-case flag),
+// converts what it was given to IndexArray values, and hands them to make_layout(), which checks
+// them against the call's shape (call_shape()) with messages in the front end's spelling.
 //
 // A call with a layout runs as sub-calls of the plain method on contiguous pieces of the inputs:
 //   - each (batch, query head, sequence) is one slice against its key head's slice (no copy);
@@ -19,23 +25,170 @@
 // for the piece's key count when their defaults depend on it). Each sub-call thus equals the
 // plain method on the cut or gathered inputs bit for bit.
 //
+// The slices run in parallel (OpenMP, one slice per thread at a time, its sub-calls in order);
+// nothing a sub-call computes depends on the thread that runs it or on the other slices, so the
+// result is the same bits for every thread count. With fewer slices than threads they run one
+// after the other and each sub-call uses the threads itself.
+//
 // A method added to the registry gets every layout with no code of its own: front ends build jobs
 // with build_job(), never Method::build() directly.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include "../detail/parallel.hpp"
 #include "method.hpp"
 #include "options.hpp"
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 namespace randattn::registry {
+
+// --- The layout inputs --------------------------------------------------------------------------
+
+enum class LayoutInputType { flag, integers, booleans };
+
+struct LayoutInputSpec {
+  std::string name;  // snake_case: the Python keyword; the command line writes --kebab-case
+  LayoutInputType type;
+  // Arrays: the dimensions, each a name of the call's shape ("batch", "n_k") or free ("S + 1").
+  std::vector<std::string> shape;
+  std::string help;
+};
+
+// Every layout input, in the order front ends list them.
+inline const std::vector<LayoutInputSpec>& layout_inputs() {
+  static const std::vector<LayoutInputSpec> specs = {
+      {"key_lengths", LayoutInputType::integers, {"batch"},
+       "keys j >= L[b] of batch item b take no part (0 <= L[b] <= n_k)"},
+      {"key_padding_mask", LayoutInputType::booleans, {"batch", "n_k"},
+       "true = padding: those keys take no part (as torch.nn.MultiheadAttention)"},
+      {"cu_seqlens", LayoutInputType::integers, {"S + 1"},
+       "packed sequences [C[s], C[s+1]) along n, each attending within itself (0 first, n last, "
+       "strictly increasing)"},
+      {"exclude_self", LayoutInputType::flag, {},
+       "queries and keys are the same positions: query i never attends to key i unless it has "
+       "no other valid key (needs n_q == n_k)"},
+  };
+  return specs;
+}
+
+inline const LayoutInputSpec& layout_input(const std::string& name) {
+  for (const LayoutInputSpec& s : layout_inputs())
+    if (s.name == name) return s;
+  throw std::logic_error("randattn::registry: undeclared layout input '" + name + "'");
+}
+
+// "an integer array", "a boolean array", "a flag".
+inline const char* layout_type_text(LayoutInputType t) {
+  switch (t) {
+    case LayoutInputType::flag:
+      return "a flag";
+    case LayoutInputType::integers:
+      return "an integer array";
+    case LayoutInputType::booleans:
+      return "a boolean array";
+  }
+  return "?";
+}
+
+// "(batch, n_k)".
+inline std::string shape_rule(const LayoutInputSpec& s) {
+  std::string out = "(";
+  for (std::size_t i = 0; i < s.shape.size(); ++i) out += (i ? ", " : "") + s.shape[i];
+  return out + (s.shape.size() == 1 ? ",)" : ")");
+}
+
+// The message of a layout array of the wrong type ("got dtype float64", "got a boolean array").
+inline std::string layout_type_message(const LayoutInputSpec& s, const std::string& got,
+                                       const Spelling& spell) {
+  return spell.option(s.name) + " must be " + layout_type_text(s.type) + ", got " + got;
+}
+
+// Sets the setting of a flag layout input.
+inline void set_layout_flag(Settings& settings, const std::string& name, bool value) {
+  if (name != "exclude_self")
+    throw std::logic_error("randattn::registry: '" + name + "' is not a flag layout input");
+  settings.exclude_self = value;
+}
+
+// An integer or boolean array as a front end read it (booleans as 0 and 1), row-major.
+struct IndexArray {
+  std::vector<std::int64_t> shape;
+  std::vector<std::int64_t> data;
+  bool boolean = false;
+};
+
+// --- The call's shape ---------------------------------------------------------------------------
+
+// The shape of a call and its key and value heads.
+struct CallShape {
+  BatchShape shape;          // shape.heads: the query heads
+  std::int64_t kv_heads = 0;  // heads of k and v (4-D separate keys); 0: as many as the queries
+};
+
+// Checks the shapes of q, k (null under shared QK: the keys are the queries) and v: 2-D (n, d)
+// or 4-D (batch, heads, n, d), with k and v holding kv_heads heads that divide the query heads.
+inline CallShape call_shape(const std::vector<std::int64_t>& q, const std::vector<std::int64_t>* k,
+                            const std::vector<std::int64_t>& v, const Spelling& spell) {
+  using detail::shape_text;
+  const std::string nq = spell.option("q"), nk = spell.option("k"), nv = spell.option("v");
+  const struct {
+    const std::string& name;
+    const std::vector<std::int64_t>* shape;
+  } inputs[] = {{nq, &q}, {nk, k}, {nv, &v}};
+  for (const auto& in : inputs)
+    if (in.shape && in.shape->size() != 2 && in.shape->size() != 4)
+      throw OptionError(in.name +
+                        ": expected a 2-D (n, d) or 4-D (batch, heads, n, d) array, got shape " +
+                        shape_text(*in.shape));
+  const std::vector<std::int64_t>& kk = k ? *k : q;
+  const std::string shapes = "q " + shape_text(q) + (k ? ", k " + shape_text(*k) : "") + ", v " +
+                             shape_text(v);
+  if (q.size() != kk.size() || q.size() != v.size())
+    throw OptionError(nq + ", " + nk + " and " + nv +
+                      " must have the same number of dimensions, got " + shapes);
+  const std::size_t r = q.size() - 2;  // the token axis
+  CallShape c;
+  BatchShape& s = c.shape;
+  if (r == 2) {
+    if (kk[0] != q[0] || v[0] != q[0] || kk[1] != v[1])
+      throw OptionError("batch dimensions of " + nq + ", " + nk + " and " + nv +
+                        ", or head dimensions of " + nk + " and " + nv + ", differ: " + shapes);
+    s.batch = q[0];
+    s.heads = q[1];
+    if (kk[1] != q[1] && (kk[1] == 0 || q[1] % kk[1] != 0))
+      throw OptionError("the heads of " + nk + " and " + nv + " (" + std::to_string(kk[1]) +
+                        ") must divide the heads of " + nq + " (" + std::to_string(q[1]) +
+                        "): " + shapes);
+    if (k) c.kv_heads = kk[1];
+  }
+  s.n_q = q[r];
+  s.d = q[r + 1];
+  s.n_k = kk[r];
+  s.dv = v[r + 1];
+  if (kk[r + 1] != s.d)
+    throw OptionError(nq + " and " + nk + " must have the same feature dimension d: " + shapes);
+  if (v[r] != s.n_k)
+    throw OptionError(nk + " and " + nv + " must have the same number of tokens n_k: " + shapes);
+  if (s.d == 0) throw OptionError("feature dimension d must be positive: " + shapes);
+  if (s.n_k == 0) throw OptionError("at least one key is needed: " + shapes);
+  if (s.dv == 0) throw OptionError("value dimension dv must be positive: " + shapes);
+  return c;
+}
+
+// --- The layout ---------------------------------------------------------------------------------
 
 struct Layout {
   std::int64_t kv_heads = 0;              // heads of k and v; 0: as many as the queries
@@ -108,6 +261,51 @@ inline void check_layout(const Method& method, const Layout& layout, const Batch
   }
 }
 
+// The layout of a call from the given layout arrays (by name; a front end refuses other types
+// first, in its own way), checked against the method, the call's shape and its settings.
+inline Layout make_layout(const Method& method, const std::map<std::string, IndexArray>& given,
+                          const CallShape& call, const Settings& settings, const Spelling& spell) {
+  const BatchShape& shape = call.shape;
+  for (const auto& [name, a] : given) {
+    const LayoutInputSpec& spec = layout_input(name);
+    if (spec.type == LayoutInputType::flag || a.boolean != (spec.type == LayoutInputType::booleans))
+      throw OptionError(layout_type_message(
+          spec, a.boolean ? "a boolean array" : "an integer array", spell));
+    // The expected shape with the call's dimensions filled in, when every one is known.
+    bool match = a.shape.size() == spec.shape.size(), known = true;
+    std::vector<std::int64_t> expected;
+    for (std::size_t i = 0; i < spec.shape.size(); ++i) {
+      const std::string& dim = spec.shape[i];
+      const std::int64_t size = dim == "batch" ? shape.batch : dim == "n_k" ? shape.n_k : -1;
+      known = known && size >= 0;
+      expected.push_back(size);
+      match = match && (size < 0 || a.shape[i] == size);
+    }
+    if (!match)
+      throw OptionError(spell.option(name) + " must have shape " + shape_rule(spec) +
+                        (known ? " = " + detail::shape_text(expected) : std::string()) +
+                        ", got " + detail::shape_text(a.shape));
+  }
+  const auto find = [&](const char* name) -> const IndexArray* {
+    const auto found = given.find(name);
+    return found == given.end() ? nullptr : &found->second;
+  };
+  Layout layout;
+  layout.kv_heads = call.kv_heads;
+  const IndexArray* lengths = find("key_lengths");
+  const IndexArray* mask = find("key_padding_mask");
+  const IndexArray* offsets = find("cu_seqlens");
+  if (lengths && mask)
+    throw OptionError("give at most one of " + spell.option("key_lengths") + " and " +
+                      spell.option("key_padding_mask"));
+  if (lengths) layout.key_padding = padding_of_lengths(lengths->data, shape.n_k, spell);
+  if (mask)
+    for (std::int64_t x : mask->data) layout.key_padding.push_back(x != 0 ? 1 : 0);
+  if (offsets) layout.cu_seqlens = offsets->data;
+  check_layout(method, layout, shape, settings, spell);
+  return layout;
+}
+
 namespace detail {
 
 // One sub-call: rows of queries against rows of keys, by pointers into the inputs or gathered
@@ -123,8 +321,10 @@ struct Piece {
   bool exclude_self;  // the queries are the first n_q of the keys' positions
 };
 
-// Runs a layout call piece by piece, one plain job per distinct (n_q, n_k, causal,
-// exclude_self) and, with per-head array options, per query head.
+// Runs a layout call slice by slice, each slice as one or more sub-calls (pieces) of one plain
+// job per distinct (n_q, n_k, causal, exclude_self) and, with per-head array options, per query
+// head. The jobs are built first, in slice order; the slices then run in parallel, and their
+// reports are merged in slice order.
 template <typename Scalar>
 class LayoutRunner {
  public:
@@ -146,39 +346,103 @@ class LayoutRunner {
     else
       for (std::size_t i = 0; i + 1 < layout_.cu_seqlens.size(); ++i)
         sequences.push_back({layout_.cu_seqlens[i], layout_.cu_seqlens[i + 1]});
-    for (Index b = 0; b < s.batch; ++b) {
-      const std::uint8_t* padding =
-          layout_.key_padding.empty() ? nullptr : layout_.key_padding.data() + b * s.n_k;
-      for (Index kh = 0; kh < kv_heads; ++kh) {
-        const Index ks = b * kv_heads + kh;  // the key slice
-        for (const auto& [begin, end_or_all] : sequences) {
-          const bool whole = end_or_all < 0;
-          const Index q0 = whole ? 0 : begin, nq = whole ? s.n_q : end_or_all - begin;
-          const Index k0 = whole ? 0 : begin, nk = whole ? s.n_k : end_or_all - begin;
-          const Scalar* kp = k ? k + (ks * s.n_k + k0) * s.d : nullptr;
-          const Scalar* vp = v + (ks * s.n_k + k0) * s.dv;
-          const Keys keys = valid_keys(padding, nk, kp, vp);
+    const Index per_batch = kv_heads * Index(sequences.size());
+
+    // The valid keys of every (batch item, key head, sequence), gathered in parallel.
+    std::vector<Keys> keys(std::size_t(s.batch * per_batch));
+    randattn::detail::parallel_for(Index(keys.size()), [&](Index ks) {
+      const Index b = ks / per_batch, kh = ks % per_batch / Index(sequences.size());
+      const auto [begin, end_or_all] = sequences[std::size_t(ks % Index(sequences.size()))];
+      const Index k0 = end_or_all < 0 ? 0 : begin, nk = end_or_all < 0 ? s.n_k : end_or_all - begin;
+      const Index row = (b * kv_heads + kh) * s.n_k + k0;
+      keys[std::size_t(ks)] = valid_keys(padding_of(b), nk, k ? k + row * s.d : nullptr,
+                                         v + row * s.dv);
+    });
+
+    // The query slices, in order: batch item, key head, sequence, query head of the group.
+    std::vector<Slice> slices;
+    for (Index b = 0; b < s.batch; ++b)
+      for (Index kh = 0; kh < kv_heads; ++kh)
+        for (std::size_t sq = 0; sq < sequences.size(); ++sq) {
+          const auto [begin, end_or_all] = sequences[sq];
+          const Index q0 = end_or_all < 0 ? 0 : begin;
+          const Index nq = end_or_all < 0 ? s.n_q : end_or_all - begin;
+          const Keys& slice_keys =
+              keys[std::size_t(b * per_batch + kh * Index(sequences.size()) + Index(sq))];
           for (Index g = 0; g < group; ++g) {
-            const Index qs = b * s.heads + kh * group + g;  // the query slice
-            head_ = kh * group + g;
-            run_slice(q + (qs * s.n_q + q0) * s.d, out + (qs * s.n_q + q0) * s.dv, nq, keys,
-                      padding);
+            const Index qs = b * s.heads + kh * group + g;
+            slices.push_back({q + (qs * s.n_q + q0) * s.d, out + (qs * s.n_q + q0) * s.dv, nq,
+                              &slice_keys, padding_of(b), kh * group + g});
           }
         }
+
+    // Every job, built before anything runs: the runs below only read the table.
+    for (const Slice& slice : slices)
+      for_each_piece(slice, true, [&](const Piece<Scalar>& p) {
+        if (p.n_q > 0 && p.n_k > 0) job_for(p, slice.head, true);
+      });
+
+    std::vector<std::vector<std::pair<Report, double>>> reports(slices.size());
+    std::vector<std::exception_ptr> errors(slices.size());
+    const auto run_slice = [&](Index i) {
+      try {
+        const Slice& slice = slices[std::size_t(i)];
+        for_each_piece(slice, false, [&](const Piece<Scalar>& p) {
+          if (p.n_q == 0) return;
+          if (p.n_k == 0) {  // no valid key: zeros, documented
+            std::fill(p.out, p.out + p.n_q * s.dv, Scalar(0));
+            return;
+          }
+          Report r = job_for(p, slice.head, false)(p.q, p.k, p.v, p.out);
+          reports[std::size_t(i)].emplace_back(std::move(r), double(p.n_q) * double(p.n_k));
+        });
+      } catch (...) {
+        errors[std::size_t(i)] = std::current_exception();
       }
+    };
+    const Index count = Index(slices.size());
+    if (count >= available_threads()) {
+      randattn::detail::parallel_for(count, run_slice);
+    } else {  // each sub-call uses the threads itself
+      for (Index i = 0; i < count && !(i > 0 && errors[std::size_t(i - 1)]); ++i) run_slice(i);
     }
-    return report();
+    // The error of the first failing slice, whatever the thread count.
+    for (const std::exception_ptr& e : errors)
+      if (e) std::rethrow_exception(e);
+    return merged(reports);
   }
 
  private:
   // The valid keys of one key slice: in place when they are a prefix, else gathered.
   struct Keys {
-    const Scalar* k;
-    const Scalar* v;
-    Index count;
-    bool prefix;
+    const Scalar* k = nullptr;
+    const Scalar* v = nullptr;
+    Index count = 0;
+    bool prefix = true;
     std::shared_ptr<std::vector<Scalar>> k_rows, v_rows;  // gathered rows
   };
+
+  // One query slice of nq rows against its keys.
+  struct Slice {
+    const Scalar* q;
+    Scalar* out;
+    Index nq;
+    const Keys* keys;
+    const std::uint8_t* padding;  // of the slice's batch item; null: none
+    Index head;                   // the query head
+  };
+
+  static Index available_threads() {
+#if defined(_OPENMP)
+    return omp_in_parallel() ? 1 : Index(omp_get_max_threads());
+#else
+    return 1;
+#endif
+  }
+
+  const std::uint8_t* padding_of(Index b) const {
+    return layout_.key_padding.empty() ? nullptr : layout_.key_padding.data() + b * call_.shape.n_k;
+  }
 
   Keys valid_keys(const std::uint8_t* padding, Index n_k, const Scalar* k, const Scalar* v) const {
     const BatchShape& s = call_.shape;
@@ -188,43 +452,54 @@ class LayoutRunner {
     Index valid = count;
     for (Index j = count; j < n_k; ++j) valid += padding[j] ? 0 : 1;
     if (valid == count) return {k, v, count, true, nullptr, nullptr};
-    auto kr = std::make_shared<std::vector<Scalar>>(std::size_t(valid * s.d));
+    auto kr = k ? std::make_shared<std::vector<Scalar>>(std::size_t(valid * s.d)) : nullptr;
     auto vr = std::make_shared<std::vector<Scalar>>(std::size_t(valid * s.dv));
     for (Index j = 0, t = 0; j < n_k; ++j) {
       if (padding[j]) continue;
-      std::copy(k + j * s.d, k + (j + 1) * s.d, kr->data() + t * s.d);
+      if (k) std::copy(k + j * s.d, k + (j + 1) * s.d, kr->data() + t * s.d);
       std::copy(v + j * s.dv, v + (j + 1) * s.dv, vr->data() + t * s.dv);
       ++t;
     }
-    return {kr->data(), vr->data(), valid, false, kr, vr};
+    return {kr ? kr->data() : nullptr, vr->data(), valid, false, kr, vr};
   }
 
-  // One query slice of nq rows against its keys.
-  void run_slice(const Scalar* q, Scalar* out, Index nq, const Keys& keys,
-                 const std::uint8_t* padding) {
+  // Calls fn(piece) for every sub-call of a slice, in order. plan: only the pieces' shapes
+  // matter (no rows are gathered or scattered).
+  template <typename Fn>
+  void for_each_piece(const Slice& slice, bool plan, Fn&& fn) const {
     const BatchShape& s = call_.shape;
     const bool causal = call_.settings.causal, self = call_.settings.exclude_self;
+    const Keys& keys = *slice.keys;
+    const Scalar* q = slice.q;
+    Scalar* out = slice.out;
+    const Index nq = slice.nq;
+    const std::uint8_t* padding = slice.padding;
     if (!padding || (!causal && !self)) {
-      run({q, keys.k, keys.v, out, nq, keys.count, causal, self});
+      fn(Piece<Scalar>{q, keys.k, keys.v, out, nq, keys.count, causal, self});
       return;
     }
     // Queries and keys share positions: the queries at valid positions attend to the valid keys
     // (causally, or excluding their own); a padded position's own key is already masked.
     if (keys.prefix) {  // valid positions [0, L); the rest sees all L keys
       const Index L = keys.count;
-      run({q, keys.k, keys.v, out, L, L, causal, self});
-      run({q + L * s.d, keys.k, keys.v, out + L * s.dv, nq - L, L, false, false});
+      fn(Piece<Scalar>{q, keys.k, keys.v, out, L, L, causal, self});
+      fn(Piece<Scalar>{q + L * s.d, keys.k, keys.v, out + L * s.dv, nq - L, L, false, false});
       return;
     }
     // Queries at valid positions: gathered, run against the gathered keys, scattered back.
-    std::vector<Scalar> q_rows(std::size_t(keys.count * s.d)),
-        o_rows(std::size_t(keys.count * s.dv));
-    for (Index i = 0, t = 0; i < nq; ++i)
-      if (!padding[i]) std::copy(q + i * s.d, q + (i + 1) * s.d, q_rows.data() + (t++) * s.d);
-    run({q_rows.data(), keys.k, keys.v, o_rows.data(), keys.count, keys.count, causal, self});
-    for (Index i = 0, t = 0; i < nq; ++i)
-      if (!padding[i])
-        std::copy(o_rows.data() + t * s.dv, o_rows.data() + (t + 1) * s.dv, out + i * s.dv), ++t;
+    std::vector<Scalar> q_rows, o_rows;
+    if (!plan) {
+      q_rows.resize(std::size_t(keys.count * s.d));
+      o_rows.resize(std::size_t(keys.count * s.dv));
+      for (Index i = 0, t = 0; i < nq; ++i)
+        if (!padding[i]) std::copy(q + i * s.d, q + (i + 1) * s.d, q_rows.data() + (t++) * s.d);
+    }
+    fn(Piece<Scalar>{q_rows.data(), keys.k, keys.v, o_rows.data(), keys.count, keys.count, causal,
+                     self});
+    if (!plan)
+      for (Index i = 0, t = 0; i < nq; ++i)
+        if (!padding[i])
+          std::copy(o_rows.data() + t * s.dv, o_rows.data() + (t + 1) * s.dv, out + i * s.dv), ++t;
     // Each run of padded positions [a, e) sees the valid keys before a (causal), or all of them.
     Index before = 0;
     for (Index a = 0; a < nq;) {
@@ -234,50 +509,47 @@ class LayoutRunner {
       }
       Index e = a;
       while (e < nq && padding[e]) ++e;
-      run({q + a * s.d, keys.k, keys.v, out + a * s.dv, e - a, causal ? before : keys.count, false,
-           false});
+      fn(Piece<Scalar>{q + a * s.d, keys.k, keys.v, out + a * s.dv, e - a,
+                       causal ? before : keys.count, false, false});
       a = e;
     }
   }
 
-  void run(const Piece<Scalar>& p) {
-    const BatchShape& s = call_.shape;
-    if (p.n_q == 0) return;
-    if (p.n_k == 0) {  // no valid key: zeros, documented
-      std::fill(p.out, p.out + p.n_q * s.dv, Scalar(0));
-      return;
-    }
+  // The job of a piece of query head `head`; build: made when missing (serially, before the runs).
+  const Job<Scalar>& job_for(const Piece<Scalar>& p, Index head, bool build) {
     // Per-head arrays make one job per query head, each with its head's entry.
     const auto key =
-        std::make_tuple(p.n_q, p.n_k, p.causal, p.exclude_self, per_head_.empty() ? -1 : head_);
+        std::make_tuple(p.n_q, p.n_k, p.causal, p.exclude_self, per_head_.empty() ? -1 : head);
     auto found = jobs_.find(key);
-    if (found == jobs_.end()) {
-      Call sub = call_;
-      sub.shape = BatchShape{1, 1, p.n_q, p.n_k, s.d, s.dv};
-      sub.settings.causal = p.causal;
-      sub.settings.exclude_self = p.exclude_self;
-      sub.settings.compare = false;  // front ends compare the whole call
-      for (const std::string& name : per_head_)
-        sub.options = sub.options.with(name, head_entry(call_.options.array(name), head_));
-      found = jobs_.emplace(key, method_->build(sub, Scalar())).first;
-    }
-    Report r = found->second(p.q, p.k, p.v, p.out);
-    const double pairs = double(p.n_q) * double(p.n_k);
-    if (reports_ == 0) first_ = r;
-    for (const auto& [name, value] : r)
-      if (const double* x = std::get_if<double>(&value)) sums_[name] += pairs * *x;
-    weight_ += pairs;
-    ++reports_;
+    if (found != jobs_.end() || !build) return found->second;
+    Call sub = call_;
+    sub.shape = BatchShape{1, 1, p.n_q, p.n_k, call_.shape.d, call_.shape.dv};
+    sub.settings.causal = p.causal;
+    sub.settings.exclude_self = p.exclude_self;
+    sub.settings.compare = false;  // front ends compare the whole call
+    for (const std::string& name : per_head_)
+      sub.options = sub.options.with(name, head_entry(call_.options.array(name), head));
+    return jobs_.emplace(key, method_->build(sub, Scalar())).first->second;
   }
 
   // The first sub-call's fields, real ones averaged over the sub-calls weighted by their
   // (query, key) pairs (so pairs_scored is the fraction of all valid pairs scored).
-  Report report() const {
-    Report r = first_;
-    for (auto& [name, value] : r)
-      if (std::holds_alternative<double>(value) && weight_ > 0) value = sums_.at(name) / weight_;
-    r.emplace_back("sub_calls", std::int64_t(reports_));
-    return r;
+  static Report merged(const std::vector<std::vector<std::pair<Report, double>>>& reports) {
+    Report first;
+    std::map<std::string, double> sums;
+    double weight = 0;
+    std::int64_t count = 0;
+    for (const auto& slice : reports)
+      for (const auto& [r, pairs] : slice) {
+        if (count++ == 0) first = r;
+        for (const auto& [name, value] : r)
+          if (const double* x = std::get_if<double>(&value)) sums[name] += pairs * *x;
+        weight += pairs;
+      }
+    for (auto& [name, value] : first)
+      if (std::holds_alternative<double>(value) && weight > 0) value = sums.at(name) / weight;
+    first.emplace_back("sub_calls", count);
+    return first;
   }
 
   // Entry h of a (heads, r, c) array as an (r, c) array.
@@ -294,13 +566,8 @@ class LayoutRunner {
   const Method* method_;
   Call call_;
   std::vector<std::string> per_head_;  // given per-head array options
-  Index head_ = 0;                     // the query head being run
   Layout layout_;
   std::map<std::tuple<Index, Index, bool, bool, Index>, Job<Scalar>> jobs_;
-  Report first_;
-  std::map<std::string, double> sums_;
-  double weight_ = 0;
-  std::int64_t reports_ = 0;
 };
 
 }  // namespace detail

@@ -116,6 +116,14 @@ class OptionError : public randattn::invalid_argument {
 
 namespace detail {
 
+// "(2, 3)", "(2,)": Python's notation, in both front ends' messages.
+inline std::string shape_text(const std::vector<std::int64_t>& s) {
+  std::string out = "(";
+  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  if (s.size() == 1) out += ",";
+  return out + ")";
+}
+
 inline std::string number_text(double x) {
   if (std::isfinite(x) && x == std::floor(x) && std::abs(x) < 1e15)
     return std::to_string(static_cast<std::int64_t>(x));

@@ -123,13 +123,6 @@ void per_slice_feature_attention(const SliceMaps<Map>& maps, const typename Map:
       });
 }
 
-inline std::string shape_text(const std::vector<std::int64_t>& s) {
-  std::string out = "(";
-  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  if (s.size() == 1) out += ",";
-  return out + ")";
-}
-
 }  // namespace detail
 
 // A random-feature method: Family supplies name, summary, the options it owns and

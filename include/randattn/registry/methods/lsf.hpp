@@ -2,7 +2,7 @@
 // Registered method "lsf": locality-sensitive-filter attention. Keys are stored in their best
 // filter per table; queries open every filter scoring at least eta (or the eta of a target cosine
 // alpha), at least min_probes per table, with a fallback so no query is empty. Separate keys
-// only. Every (batch, head) slice uses the same filters; rotation (shared with lsh) picks dense
+// only; honours exclude_self. Every (batch, head) slice uses the same filters; rotation (shared with lsh) picks dense
 // Gaussian or Hadamard filters.
 
 #include <randattn/core/exact_attention.hpp>
@@ -25,6 +25,7 @@ class LsfMethod final : public TypedMethod<LsfMethod> {
     return "locality-sensitive-filter attention (asymmetric filters)";
   }
   bool own_comparison() const override { return true; }
+  bool supports_exclude_self() const override { return true; }
 
   std::vector<OptionSpec> options() const override {
     OptionSpec filters{"filters", OptionType::integer, std::int64_t(256), "filters m per table"};
@@ -96,6 +97,7 @@ class LsfMethod final : public TypedMethod<LsfMethod> {
       ExactOptions eopt;
       eopt.causal = opt.causal;
       eopt.scale = opt.scale;
+      eopt.exclude_self = opt.exclude_self;
       const auto exact_start = std::chrono::steady_clock::now();
       exact_attention_batched(q, k, v, exact.data(), shape, eopt);
       const double exact_seconds = seconds_since(exact_start);
@@ -125,6 +127,7 @@ class LsfMethod final : public TypedMethod<LsfMethod> {
     opt.causal = call.settings.causal;
     opt.scale = call.settings.scale;
     opt.check_finite = call.settings.check_finite;
+    opt.exclude_self = call.settings.exclude_self;
     return opt;
   }
 

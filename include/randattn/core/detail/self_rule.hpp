@@ -1,0 +1,35 @@
+#pragma once
+// The self rule of attention whose queries and keys are the same positions (shared-QK LSH,
+// exclude_self): query i never attends to key i unless it has no other valid key. The kernels
+// mask key i in their score tiles (TileMask::exclude_self); the rows left without any other key
+// attend to their own key alone, with the functions below.
+
+#include <cstdint>
+#include <vector>
+
+#include "../softmax_accumulator.hpp"
+#include "../types.hpp"
+
+namespace randattn::detail {
+
+// The rows of an n x n self-excluding call that have no valid key but their own: row 0 under
+// causal masking, the single row when n = 1, none otherwise.
+inline std::vector<std::int32_t> rows_alone_with_self(Index n, bool causal) {
+  if (n == 0 || (!causal && n > 1)) return {};
+  return {0};
+}
+
+// Each row i of `rows` attends to itself alone, with logit queries(i) . keys(i) (queries already
+// scaled) and value values(i), merged into acc.
+template <typename Scalar, typename Q, typename K, typename V>
+void attend_to_self(SoftmaxAccumulator<Scalar>& acc, const std::vector<std::int32_t>& rows,
+                    const Q& queries, const K& keys, const V& values) {
+  RowMatrix<Scalar> self(1, values.cols() + 1);
+  self(0, values.cols()) = 1;
+  for (std::int32_t i : rows) {
+    self.leftCols(values.cols()) = values.row(i);
+    acc.merge_rows(i, self, Vector<Scalar>::Constant(1, queries.row(i).dot(keys.row(i))));
+  }
+}
+
+}  // namespace randattn::detail

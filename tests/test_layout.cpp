@@ -1,0 +1,218 @@
+// Key layouts of registered methods (include/randattn/registry/layout.hpp): the declared layout
+// inputs and their checks in both front ends' spellings, self-exclusion of every method that
+// supports it under packed sequences and padding, and sub-calls that give the same bits for any
+// thread count.
+#include <randattn/registry/layout.hpp>
+#include <randattn/registry/registry.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "support.hpp"
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+namespace reg = randattn::registry;
+using randattn::BatchShape;
+using randattn::Index;
+
+namespace {
+
+const reg::Spelling kCommandLine{true}, kPython{false};
+
+// The message of what fn throws (empty when it throws nothing).
+template <typename Fn>
+std::string message_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const reg::OptionError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+reg::IndexArray integers(std::vector<std::int64_t> shape, std::vector<std::int64_t> data) {
+  return {std::move(shape), std::move(data), false};
+}
+
+// Small options of every method that supports self-exclusion, as the Python mask tests use.
+std::map<std::string, reg::Value> options_of(const std::string& method) {
+  if (method == "favor") return {{"features", std::int64_t(16)}};
+  if (method == "lsh") return {{"chunk", std::int64_t(4)}, {"rounds", std::int64_t(2)}};
+  if (method == "lsf")
+    return {{"filters", std::int64_t(16)}, {"tables", std::int64_t(2)}, {"eta", 0.3}};
+  return {};
+}
+
+// One registered call: q (batch, heads, n, d), k and v (batch, kv_heads, n, ·), under a layout.
+template <typename Scalar>
+std::vector<Scalar> run(const std::string& name, const BatchShape& shape, Index kv_heads,
+                        const std::map<std::string, reg::IndexArray>& given, bool causal,
+                        bool exclude_self, const std::vector<Scalar>& q,
+                        const std::vector<Scalar>& k, const std::vector<Scalar>& v) {
+  const reg::Method& method = reg::find_method(name, kPython);
+  reg::Settings settings;
+  settings.causal = causal;
+  settings.exclude_self = exclude_self;
+  settings.seed = 5;
+  settings.scale = reg::default_scale(shape.d);
+  const std::vector<std::int64_t> qs{shape.batch, shape.heads, shape.n_q, shape.d},
+      ks{shape.batch, kv_heads, shape.n_k, shape.d}, vs{shape.batch, kv_heads, shape.n_k, shape.dv};
+  const reg::CallShape call_shape = reg::call_shape(qs, &ks, vs, kPython);
+  const reg::Layout layout = reg::make_layout(method, given, call_shape, settings, kPython);
+  const reg::Call call = reg::make_call(method, options_of(name), settings, shape, kPython);
+  std::vector<Scalar> out(std::size_t(shape.slices() * shape.n_q * shape.dv));
+  reg::build_job<Scalar>(method, call, layout)(q.data(), k.data(), v.data(), out.data());
+  return out;
+}
+
+template <typename Scalar>
+std::vector<Scalar> values(std::uint64_t seed, Index rows, Index cols) {
+  const randattn::RowMatrix<Scalar> x = testing::gaussian<Scalar>(seed, rows, cols);
+  return std::vector<Scalar>(x.data(), x.data() + x.size());
+}
+
+}  // namespace
+
+TEST_CASE("Layout inputs are declared once and checked with each front end's spelling",
+          "[layout]") {
+  std::vector<std::string> names;
+  for (const reg::LayoutInputSpec& s : reg::layout_inputs()) names.push_back(s.name);
+  CHECK(names ==
+        std::vector<std::string>{"key_lengths", "key_padding_mask", "cu_seqlens", "exclude_self"});
+  CHECK(reg::shape_rule(reg::layout_input("key_padding_mask")) == "(batch, n_k)");
+  CHECK(reg::shape_rule(reg::layout_input("cu_seqlens")) == "(S + 1,)");
+
+  const reg::Method& exact = reg::find_method("exact", kPython);
+  const std::vector<std::int64_t> q{2, 4, 6, 3}, kv{2, 2, 6, 3};
+  const reg::Settings settings;
+  // The same message in both front ends, up to the spelling of the names.
+  const auto both = [&](const std::map<std::string, reg::IndexArray>& given,
+                        const std::string& python, const std::string& command_line) {
+    for (const auto& [spell, expected] : {std::make_pair(kPython, python),
+                                          std::make_pair(kCommandLine, command_line)}) {
+      const reg::CallShape c = reg::call_shape(q, &kv, kv, spell);
+      CHECK(message_of([&] { reg::make_layout(exact, given, c, settings, spell); }) == expected);
+    }
+  };
+  both({{"key_lengths", integers({3}, {1, 2, 3})}},
+       "key_lengths must have shape (batch,) = (2,), got (3,)",
+       "--key-lengths must have shape (batch,) = (2,), got (3,)");
+  both({{"key_lengths", integers({2}, {1, 7})}}, "key_lengths[1] must be in [0, 6] (n_k), got 7",
+       "--key-lengths[1] must be in [0, 6] (n_k), got 7");
+  both({{"key_padding_mask", integers({2, 6}, std::vector<std::int64_t>(12, 0))}},
+       "key_padding_mask must be a boolean array, got an integer array",
+       "--key-padding-mask must be a boolean array, got an integer array");
+  both({{"key_padding_mask", {{2, 5}, std::vector<std::int64_t>(10, 0), true}}},
+       "key_padding_mask must have shape (batch, n_k) = (2, 6), got (2, 5)",
+       "--key-padding-mask must have shape (batch, n_k) = (2, 6), got (2, 5)");
+  both({{"cu_seqlens", integers({1, 2}, {0, 6})}},
+       "cu_seqlens must have shape (S + 1,), got (1, 2)",
+       "--cu-seqlens must have shape (S + 1,), got (1, 2)");
+  both({{"cu_seqlens", integers({3}, {0, 4, 4})}},
+       "cu_seqlens must start at 0 and end at n = 6 (at least two offsets)",
+       "--cu-seqlens must start at 0 and end at n = 6 (at least two offsets)");
+  both({{"key_lengths", integers({2}, {1, 2})},
+        {"key_padding_mask", {{2, 6}, std::vector<std::int64_t>(12, 0), true}}},
+       "give at most one of key_lengths and key_padding_mask",
+       "give at most one of --key-lengths and --key-padding-mask");
+  both({}, "", "");
+
+  const std::vector<std::int64_t> k3{2, 3, 6, 3};
+  CHECK(message_of([&] { reg::call_shape(q, &k3, k3, kPython); }) ==
+        "the heads of k and v (3) must divide the heads of q (4): q (2, 4, 6, 3), k (2, 3, 6, 3), "
+        "v (2, 3, 6, 3)");
+  CHECK(message_of([&] { reg::call_shape(q, &k3, k3, kCommandLine); }) ==
+        "the heads of --k and --v (3) must divide the heads of --q (4): q (2, 4, 6, 3), k (2, 3, "
+        "6, 3), v (2, 3, 6, 3)");
+  CHECK(reg::call_shape(q, &kv, kv, kPython).kv_heads == 2);
+  CHECK(reg::call_shape(q, nullptr, q, kPython).kv_heads == 0);  // shared QK: the queries' heads
+}
+
+TEMPLATE_TEST_CASE("Self-exclusion under packed sequences and padding equals the plain method",
+                   "[layout][exclude_self]", float, double) {
+  using Scalar = TestType;
+  const BatchShape shape{2, 2, 12, 12, 4, 3};
+  const std::vector<Scalar> q = values<Scalar>(1, shape.slices() * shape.n_q, shape.d);
+  const std::vector<Scalar> v = values<Scalar>(2, shape.slices() * shape.n_k, shape.dv);
+  for (const char* method : {"exact", "favor", "lsh", "lsf"}) {
+    for (bool causal : {false, true}) {
+      INFO(method << " causal " << causal);
+      // Packed sequences [0, 5) and [5, 12) of K = Q: each one equals a call on its own rows.
+      const std::vector<Scalar> packed =
+          run<Scalar>(method, shape, 2, {{"cu_seqlens", integers({3}, {0, 5, 12})}}, causal,
+                      true, q, q, v);
+      for (const auto& [a, e] : {std::pair<Index, Index>{0, 5}, std::pair<Index, Index>{5, 12}}) {
+        const BatchShape part{2, 2, e - a, e - a, shape.d, shape.dv};
+        std::vector<Scalar> qp, vp;
+        for (Index sl = 0; sl < shape.slices(); ++sl) {
+          qp.insert(qp.end(), q.begin() + (sl * 12 + a) * shape.d, q.begin() + (sl * 12 + e) * shape.d);
+          vp.insert(vp.end(), v.begin() + (sl * 12 + a) * shape.dv,
+                    v.begin() + (sl * 12 + e) * shape.dv);
+        }
+        const std::vector<Scalar> alone = run<Scalar>(method, part, 2, {}, causal, true, qp, qp, vp);
+        for (Index sl = 0; sl < shape.slices(); ++sl)
+          for (Index i = 0; i < (e - a) * shape.dv; ++i)
+            CHECK(packed[std::size_t((sl * 12 + a) * shape.dv + i)] ==
+                  alone[std::size_t(sl * (e - a) * shape.dv + i)]);
+      }
+      // Key lengths (12, 12) are no padding at all.
+      CHECK(run<Scalar>(method, shape, 2, {{"key_lengths", integers({2}, {12, 12})}}, causal, true,
+                        q, q, v) == run<Scalar>(method, shape, 2, {}, causal, true, q, q, v));
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("Layout sub-calls run in parallel with the same bits for any thread count",
+                   "[layout][threads]", float, double) {
+  using Scalar = TestType;
+  // Grouped heads (4 query heads on 2 key heads), a scattered padding mask, causal and
+  // self-excluding: every kind of sub-call (gathered keys and queries, runs of padded queries).
+  const BatchShape shape{3, 4, 40, 40, 8, 5};
+  const Index kv_heads = 2;
+  const std::vector<Scalar> q = values<Scalar>(11, shape.slices() * shape.n_q, shape.d);
+  const std::vector<Scalar> k = values<Scalar>(12, shape.batch * kv_heads * shape.n_k, shape.d);
+  const std::vector<Scalar> v = values<Scalar>(13, shape.batch * kv_heads * shape.n_k, shape.dv);
+  std::vector<std::int64_t> mask(std::size_t(shape.batch * shape.n_k), 0);
+  for (Index j : {1, 5, 6, 7, 30}) mask[std::size_t(j)] = 1;
+  for (Index j = 25; j < 40; ++j) mask[std::size_t(shape.n_k + j)] = 1;
+  for (Index j = 0; j < 40; ++j) mask[std::size_t(2 * shape.n_k + j)] = 1;  // nothing valid
+  const std::map<std::string, reg::IndexArray> layouts[] = {
+      {{"key_padding_mask", {{shape.batch, shape.n_k}, mask, true}}},
+      {{"cu_seqlens", integers({4}, {0, 9, 10, 40})}},
+      {{"key_lengths", integers({3}, {40, 17, 0})}},
+  };
+#if defined(_OPENMP)
+  const int threads = omp_get_max_threads();
+#endif
+  for (const char* method : {"exact", "favor", "lsh", "lsf"}) {
+    for (const auto& layout : layouts) {
+      for (bool causal : {false, true}) {
+        INFO(method << " " << layout.begin()->first << " causal " << causal);
+        const auto call = [&] {
+          return run<Scalar>(method, shape, kv_heads, layout, causal, true, q, k, v);
+        };
+#if defined(_OPENMP)
+        omp_set_num_threads(1);
+#endif
+        const std::vector<Scalar> one = call();
+#if defined(_OPENMP)
+        omp_set_num_threads(2);
+#endif
+        const std::vector<Scalar> two = call();
+#if defined(_OPENMP)
+        omp_set_num_threads(threads);
+#endif
+        CHECK(one == two);
+        for (Scalar x : one) CHECK(std::isfinite(double(x)));
+      }
+    }
+  }
+}

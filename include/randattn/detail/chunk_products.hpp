@@ -15,6 +15,7 @@
 #include <Eigen/Core>
 
 #include "../core/types.hpp"
+#include "gemm.hpp"
 #include "validation.hpp"
 
 namespace randattn::detail {
@@ -142,15 +143,16 @@ void product(Out& out, Start<typename Out::Scalar> start, const A& a, const B& b
   }
   if (j < cols) {
     // The columns past the last whole packet (the weight column of [V | 1]), through Eigen's
-    // matrix-vector product.
+    // product in fixed-depth steps: Eigen's own blocking of the depth depends on the thread
+    // count, which would make the result depend on it.
     auto tail = out.rightCols(cols - j);
     if (start.data) {
       const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> start_tail(
           start.data + j, rows, cols - j, Eigen::OuterStride<>(start.stride));
       tail = start.alpha * start_tail;
-      tail.noalias() += a * b.rightCols(cols - j);
+      gemm_fixed_depth(tail, a, b.rightCols(cols - j), true);
     } else {
-      tail.noalias() = a * b.rightCols(cols - j);
+      gemm_fixed_depth(tail, a, b.rightCols(cols - j), false);
     }
   }
 }

@@ -96,10 +96,12 @@ TEST_CASE("Layout inputs are declared once and checked with each front end's spe
   // The same message in both front ends, up to the spelling of the names.
   const auto both = [&](const std::map<std::string, reg::IndexArray>& given,
                         const std::string& python, const std::string& command_line) {
-    for (const auto& [spell, expected] : {std::make_pair(kPython, python),
-                                          std::make_pair(kCommandLine, command_line)}) {
+    for (const auto& spelled : {std::make_pair(kPython, python),
+                                std::make_pair(kCommandLine, command_line)}) {
+      const auto& spell = spelled.first;  // a named variable: lambdas cannot capture bindings
       const reg::CallShape c = reg::call_shape(q, &kv, kv, spell);
-      CHECK(message_of([&] { reg::make_layout(exact, given, c, settings, spell); }) == expected);
+      CHECK(message_of([&] { reg::make_layout(exact, given, c, settings, spell); }) ==
+            spelled.second);
     }
   };
   both({{"key_lengths", integers({3}, {1, 2, 3})}},

@@ -6,6 +6,8 @@
 #include <randattn/mpi/lsh_attention.hpp>
 #include <randattn/mpi/random_feature_attention.hpp>
 #include <randattn/mpi/ring_attention.hpp>
+#include <randattn/registry/methods/features.hpp>
+#include <randattn/registry/methods/lsh.hpp>
 #include <randattn/registry/registry.hpp>
 
 #include <Eigen/Core>

@@ -4,8 +4,7 @@
 // Front ends convert their arguments to typed values, then rely on the functions below for every
 // check; a method reached from either front end with the same values gives the same bits.
 //
-// Not included by randattn.hpp. To add a method: one header in methods/ with a class deriving
-// from TypedMethod (see method.hpp), and one line in methods() below.
+// Not included by randattn.hpp. The methods themselves are listed in method_table.hpp.
 
 #include <map>
 #include <memory>
@@ -14,36 +13,10 @@
 #include <vector>
 
 #include "method.hpp"
-#include "methods/auto.hpp"
-#include "methods/exact.hpp"
-#include "methods/features.hpp"
-#include "methods/lsf.hpp"
-#include "methods/lsh.hpp"
-#include "methods/sparse_lowrank.hpp"
+#include "method_list.hpp"
 #include "options.hpp"
 
 namespace randattn::registry {
-
-// Every method, in the order listed to users.
-inline const std::vector<std::unique_ptr<Method>>& methods() {
-  static const std::vector<std::unique_ptr<Method>> table = [] {
-    std::vector<std::unique_ptr<Method>> t;
-    t.push_back(std::make_unique<ExactMethod>());
-    t.push_back(std::make_unique<FeatureMethod<FavorFamily>>());
-    t.push_back(std::make_unique<FeatureMethod<FavorHypFamily>>());
-    t.push_back(std::make_unique<FeatureMethod<TrigFamily>>());
-    t.push_back(std::make_unique<FeatureMethod<OprfFamily>>());
-    t.push_back(std::make_unique<FeatureMethod<SderfFamily>>());
-    t.push_back(std::make_unique<FeatureMethod<HybridFamily>>());
-    t.push_back(std::make_unique<FeatureMethod<HybridGaussianFamily>>());
-    t.push_back(std::make_unique<LshMethod>());
-    t.push_back(std::make_unique<LsfMethod>());
-    t.push_back(std::make_unique<SparseLowRankMethod>());
-    t.push_back(std::make_unique<AutoMethod>());
-    return t;
-  }();
-  return table;
-}
 
 // "exact, favor, ...".
 inline std::string method_names() {
@@ -129,3 +102,7 @@ inline Call make_call(const Method& method, std::map<std::string, Value> given,
 }
 
 }  // namespace randattn::registry
+
+#ifndef RANDATTN_REGISTRY_SEPARATE_TABLE
+#include "method_table.hpp"
+#endif

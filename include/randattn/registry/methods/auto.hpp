@@ -15,11 +15,11 @@
 
 #include "../crossover_table.hpp"
 #include "../method.hpp"
+#include "../method_list.hpp"
 
 namespace randattn::registry {
 
-inline const std::vector<std::unique_ptr<Method>>& methods();  // registry.hpp
-inline const Method& find_method(const std::string& name, const Spelling& spell);
+inline const Method& find_method(const std::string& name, const Spelling& spell);  // registry.hpp
 
 // The key count from which `method` beats exact attention at head size d: the table's row of
 // the nearest d (in ratio), or 0 when the table has none for it; `from` names the row.

@@ -3,7 +3,8 @@ module enabled (no tests, benchmarks or examples) and building that one target. 
 metadata lives in pyproject.toml.
 
 Environment: CMAKE_BUILD_PARALLEL_LEVEL (compile jobs, default 2), CMAKE_CXX_COMPILER_LAUNCHER
-(e.g. ccache; read by CMake itself), RANDATTN_CMAKE_ARGS (extra configure arguments).
+(e.g. ccache; read by CMake itself), RANDATTN_CMAKE_ARGS (extra configure arguments),
+RANDATTN_CMAKE_BUILD_DIR (CMake's build directory; default: under setuptools' build_temp).
 """
 
 import os
@@ -29,7 +30,7 @@ class CMakeExtension(Extension):
 class CMakeBuild(build_ext):
     def build_extension(self, ext):
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
-        build_dir = Path(self.build_temp).resolve() / "cmake"
+        build_dir = Path(os.environ.get("RANDATTN_CMAKE_BUILD_DIR") or Path(self.build_temp) / "cmake").resolve()
         build_dir.mkdir(parents=True, exist_ok=True)
         config = "Debug" if self.debug else "Release"
         configure = [

@@ -1,7 +1,8 @@
 # ctest script: `pip install --no-build-isolation SOURCE_DIR` into a virtual environment made
 # with --system-site-packages (NumPy and pybind11 come from the system), then imports the
 # installed package from outside the source tree and runs one attention call.
-#   cmake -DPYTHON=... -DSOURCE_DIR=... -DWORK_DIR=... [-DLAUNCHER=ccache] -P pip_install_check.cmake
+#   cmake -DPYTHON=... -DSOURCE_DIR=... -DWORK_DIR=... [-DLAUNCHER=ccache] [-DCMAKE_BUILD_DIR=...]
+#         -P pip_install_check.cmake
 
 foreach(var PYTHON SOURCE_DIR WORK_DIR)
   if(NOT DEFINED ${var})
@@ -26,6 +27,9 @@ run("${PYTHON}" -m venv --system-site-packages "${venv}")
 set(ENV{CMAKE_BUILD_PARALLEL_LEVEL} 2)
 if(LAUNCHER)
   set(ENV{CMAKE_CXX_COMPILER_LAUNCHER} "${LAUNCHER}")
+endif()
+if(CMAKE_BUILD_DIR)
+  set(ENV{RANDATTN_CMAKE_BUILD_DIR} "${CMAKE_BUILD_DIR}")
 endif()
 set(ENV{PIP_DISABLE_PIP_VERSION_CHECK} 1)
 run("${venv}/bin/python" -m pip install --no-build-isolation --no-index --no-deps "${SOURCE_DIR}")

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the test suite with clang under AddressSanitizer + UndefinedBehaviorSanitizer and runs
 # all of it (halting on the first report), then under ThreadSanitizer and runs the tests tagged
-# [threads]. The AddressSanitizer build also compiles the benchmarks (a compile check: they are
-# not run here). OpenMP comes from LLVM's libomp with its Archer tool, which tells ThreadSanitizer
+# [threads]. The AddressSanitizer build also checks that the benchmarks and examples compile
+# (scripts/syntax_check.py: parsed and instantiated, no code generated; they are not run here).
+# OpenMP comes from LLVM's libomp with its Archer tool, which tells ThreadSanitizer
 # about OpenMP's own synchronisation.
 set -euo pipefail
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/common.sh"
@@ -23,8 +24,10 @@ sanitized_build() {  # <dir> <sanitizers> <targets> [cmake arguments...]
 }
 
 randattn_log "AddressSanitizer + UndefinedBehaviorSanitizer: whole test suite"
-sanitized_build "$RANDATTN_ROOT/build-asan" address,undefined "randattn_test_programs randattn_benchmarks" \
-    -DRANDATTN_BUILD_BENCHMARKS=ON
+sanitized_build "$RANDATTN_ROOT/build-asan" address,undefined randattn_test_programs \
+    -DRANDATTN_BUILD_BENCHMARKS=ON -DRANDATTN_BUILD_EXAMPLES=ON -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
+randattn_log "compile check of the benchmarks and examples"
+python3 "$RANDATTN_ROOT/scripts/syntax_check.py" "$RANDATTN_ROOT/build-asan" "$RANDATTN_ROOT/bench" "$RANDATTN_ROOT/examples"
 ASAN_OPTIONS=halt_on_error=1:detect_leaks=1:abort_on_error=1 \
 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
     ctest --test-dir "$RANDATTN_ROOT/build-asan" --output-on-failure --label-exclude 'packaging|mpi' -j"$(nproc)"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets of tests/fuzz with clang (ASan + UBSan) and runs each for a
+# Builds the libFuzzer targets of tests/fuzz with clang (ASan + UBSan) and runs each (one per core
 # bounded time (first argument, seconds; default 60), starting from the checked-in corpus
 # tests/fuzz/corpus/<target>. New inputs go to a scratch copy: the checked-in corpus only
 # changes when you merge into it on purpose (<target> -merge=1 tests/fuzz/corpus/<target> DIR).
@@ -23,19 +23,34 @@ cmake --build "$build" -j"$(nproc)"
 
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
-for source in "$RANDATTN_ROOT"/tests/fuzz/fuzz_*.cpp; do
-    target=$(basename "$source" .cpp)
-    corpus="$RANDATTN_ROOT/tests/fuzz/corpus/$target"
+
+# Runs one target (single-threaded) and prints its statistics; on a failure, the end of its log.
+fuzz_one() {  # <target>
+    local target=$1 corpus="$RANDATTN_ROOT/tests/fuzz/corpus/$1" log="$scratch/$1.log" status=0
     mkdir -p "$scratch/$target" "$corpus"
-    randattn_log "fuzzing $target for ${seconds} s"
-    log="$scratch/$target.log"
-    status=0
     (cd "$scratch" && OMP_NUM_THREADS=1 "$build/tests/fuzz/$target" -max_total_time="$seconds" \
         -rss_limit_mb=4096 -print_final_stats=1 "$scratch/$target" "$corpus" >"$log" 2>&1) || status=$?
     if [ "$status" -ne 0 ]; then
         tail -n 60 "$log" >&2
         randattn_log "$target failed (exit $status); the failing input is printed above (Base64)"
-        exit 1
+        return 1
     fi
-    grep -E '^(stat::number_of_executed_units|stat::peak_rss_mb|Done)' "$log" || true
+    randattn_log "$target: $(grep -E '^stat::(number_of_executed_units|peak_rss_mb)' "$log" | tr '\n' ' ')"
+}
+
+# One target per core at a time, in batches.
+targets=()
+for source in "$RANDATTN_ROOT"/tests/fuzz/fuzz_*.cpp; do targets+=("$(basename "$source" .cpp)"); done
+per_batch=$(nproc)
+failed=0
+for ((first = 0; first < ${#targets[@]}; first += per_batch)); do
+    batch=("${targets[@]:first:per_batch}")
+    randattn_log "fuzzing ${batch[*]} for ${seconds} s"
+    pids=()
+    for target in "${batch[@]}"; do
+        fuzz_one "$target" &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+    [ "$failed" -eq 0 ] || exit 1
 done

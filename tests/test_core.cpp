@@ -442,3 +442,36 @@ TEMPLATE_TEST_CASE("linear_attention_into equals linear_attention bit for bit an
   randattn::linear_attention_into(qs, ks, small.v, out, {}, signs);
   CHECK(out == randattn::linear_attention(qs, ks, small.v, {}, signs));
 }
+
+TEST_CASE("Batched linear attention refuses an out overlapping any input buffer, unwritten",
+          "[core][linear][into]") {
+  const auto p = make_problem<double>(63, 4, 8, 2, 1.0, true);
+  const randattn::BatchShape shape{1, 1, 4, 4, 8, 2};
+  // Every input in one buffer (q_features, q_log_scale, k_features, k_log_scale, v, signs), with
+  // room for an 8-entry out after the last.
+  std::vector<double> pool(32 + 4 + 32 + 4 + 8 + 8 + 8);
+  const Index offset[] = {0, 32, 36, 68, 72, 80, 88};
+  const auto put = [&](const auto& x, Index at) {
+    std::copy(x.data(), x.data() + x.size(), pool.begin() + at);
+  };
+  put(p.qf, offset[0]), put(p.q_log, offset[1]), put(p.kf, offset[2]), put(p.k_log, offset[3]);
+  put(p.v, offset[4]), put(p.signs, offset[5]);
+  const double* base = pool.data();
+  const auto run = [&](double* out) {
+    randattn::linear_attention_batched(base + offset[0], base + offset[1], base + offset[2],
+                                       base + offset[3], base + offset[4], base + offset[5], out,
+                                       shape);
+  };
+  const char* names[] = {"q_features", "q_log_scale", "k_features", "k_log_scale", "v", "signs"};
+  for (int i = 0; i < 6; ++i) {
+    INFO(names[i]);
+    const std::vector<double> before = pool;
+    CHECK_THROWS_WITH(run(pool.data() + offset[i + 1] - 1),
+                      Catch::Contains(std::string("out shares memory with the input ") + names[i]));
+    CHECK(pool == before);
+  }
+  run(pool.data() + offset[6]);
+  RowMatrix<double> separate(4, 2);
+  run(separate.data());
+  CHECK(std::equal(separate.data(), separate.data() + 8, pool.begin() + offset[6]));
+}

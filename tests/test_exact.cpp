@@ -242,3 +242,25 @@ TEMPLATE_TEST_CASE("exact_attention_into equals exact_attention bit for bit and 
   randattn::exact_attention_into(q * Scalar(2), k, v, out);
   CHECK(out == randattn::exact_attention(RowMatrix<Scalar>(q * Scalar(2)), k, v));
 }
+
+TEST_CASE("Batched exact attention refuses an out overlapping an input, unwritten",
+          "[exact][into]") {
+  const randattn::BatchShape shape{1, 2, 6, 6, 3, 3};  // d == dv: every buffer has 36 entries
+  std::vector<double> pool(4 * 36);
+  for (std::size_t i = 0; i < pool.size(); ++i) pool[i] = std::sin(double(i));
+  const double *q = pool.data(), *k = q + 36, *v = k + 36;
+  for (const auto& [name, start] : {std::pair<const char*, Index>{"q", 35}, {"k", 40}, {"v", 72}}) {
+    INFO(name);
+    const std::vector<double> before = pool;
+    CHECK_THROWS_WITH(
+        randattn::exact_attention_batched(q, k, v, pool.data() + start, shape),
+        Catch::Contains(std::string("exact_attention_batched: out shares memory with the input ") +
+                        name));
+    CHECK(pool == before);
+  }
+  // Right after v: no shared entry.
+  randattn::exact_attention_batched(q, k, v, pool.data() + 108, shape);
+  std::vector<double> separate(36);
+  randattn::exact_attention_batched(q, k, v, separate.data(), shape);
+  CHECK(std::equal(separate.begin(), separate.end(), pool.begin() + 108));
+}

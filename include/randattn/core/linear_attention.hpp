@@ -575,6 +575,15 @@ void linear_attention_batched(const Scalar* q_features, const Scalar* q_log_scal
                               const Scalar* signs, Scalar* out, const BatchShape& shape,
                               const LinearOptions& opt = {}) {
   const char* where = "linear_attention_batched";
+  const Index slices = shape.slices();
+  detail::check_batch_output(
+      where, shape, out,
+      {detail::named_buffer("q_features", q_features, slices * shape.n_q * shape.d),
+       detail::named_buffer("q_log_scale", q_log_scale, slices * shape.n_q),
+       detail::named_buffer("k_features", k_features, slices * shape.n_k * shape.d),
+       detail::named_buffer("k_log_scale", k_log_scale, slices * shape.n_k),
+       detail::named_buffer("v", v, slices * shape.n_k * shape.dv),
+       detail::named_buffer("signs", signs, shape.d)});
   using detail::slice_of;
   using VMap = Eigen::Map<const Vector<Scalar>>;
   const VMap sign_map(signs, signs ? shape.d : 0);

@@ -237,6 +237,10 @@ TEMPLATE_TEST_CASE("exact_attention_into equals exact_attention bit for bit and 
   RowMatrix<Scalar> one = RowMatrix<Scalar>::Constant(1, 4, Scalar(7));
   CHECK_THROWS_AS(randattn::exact_attention_into(none, k, v, one), randattn::invalid_argument);
   CHECK((one.array() == Scalar(7)).all());
+  // A column-major out receives the same values.
+  Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> column_major(19, 4);
+  randattn::exact_attention_into(q, k, v, column_major);
+  CHECK(column_major == randattn::exact_attention(q, k, v));
   // An expression as input is evaluated into a temporary of its own: no aliasing is possible.
   RowMatrix<Scalar> out(19, 4);
   randattn::exact_attention_into(q * Scalar(2), k, v, out);

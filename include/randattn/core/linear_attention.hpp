@@ -489,7 +489,7 @@ SoftmaxAccumulator<Scalar> linear_attention_accumulate(
 
 namespace detail {
 
-// Normalised linear attention of checked-out operands into `out`: the one body of both overloads
+// Normalised linear attention into `out`, after checking `out`: the one body of both overloads
 // and their `_into` forms.
 template <typename Scalar, typename DO>
 void linear_attention_into_impl(const Eigen::Ref<const RowMatrix<Scalar>>& q_features,

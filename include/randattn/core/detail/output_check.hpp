@@ -29,7 +29,7 @@ struct AddressSpan {
 template <typename Derived>
 AddressSpan address_span(const Eigen::DenseBase<Derived>& m) {
   static_assert(bool(Derived::Flags & Eigen::DirectAccessBit),
-                "an output buffer must map memory directly (a matrix, block, Map or Ref)");
+                "out must map memory directly (a matrix, a block of one, a Map or a Ref)");
   const Derived& x = m.derived();
   if (x.size() == 0) return {};
   using Scalar = typename Derived::Scalar;

@@ -6,6 +6,10 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
 
 #include <Eigen/Core>
 
@@ -102,6 +106,88 @@ template <typename Scalar>
 bool rows_bit_identical(const RowMatrix<Scalar>& a, const RowMatrix<Scalar>& b, Index rows) {
   return a.cols() == b.cols() &&
          std::memcmp(a.data(), b.data(), sizeof(Scalar) * std::size_t(rows * a.cols())) == 0;
+}
+
+// Checks an `_into` form against the result of its allocating form. run(inputs, out) calls the
+// `_into` form on the given inputs (in the order of `inputs`, named by `names`) with out an
+// Eigen::Ref<RowMatrix<Scalar>>. It must equal `expected` bit for bit, written into a matrix of
+// its own and into a block (outer stride) of a larger one whose border stays untouched; a wrong
+// shape, and an out overlapping any input by even one entry, must throw and leave out as it was;
+// an out that ends where an input starts or starts where it ends is fine.
+template <typename Scalar, typename Run>
+void check_into_form(const RowMatrix<Scalar>& expected, const std::vector<RowMatrix<Scalar>>& inputs,
+                     const std::vector<std::string>& names, Run run) {
+  using Refs = std::vector<Eigen::Ref<const RowMatrix<Scalar>>>;
+  using OutRef = Eigen::Ref<RowMatrix<Scalar>>;
+  using OutMap = Eigen::Map<RowMatrix<Scalar>>;
+  const Index n_q = expected.rows(), dv = expected.cols();
+  const Scalar sentinel(-12345.5);
+  const auto refs_of = [](const std::vector<RowMatrix<Scalar>>& in) {
+    Refs r;
+    for (const auto& m : in) r.emplace_back(m);
+    return r;
+  };
+  const Refs refs = refs_of(inputs);
+  {
+    RowMatrix<Scalar> out = RowMatrix<Scalar>::Constant(n_q, dv, sentinel);
+    OutRef o(out);
+    run(refs, o);
+    CHECK(out == expected);
+  }
+  {
+    RowMatrix<Scalar> big = RowMatrix<Scalar>::Constant(n_q + 3, dv + 5, sentinel);
+    auto block = big.block(1, 2, n_q, dv);
+    OutRef o(block);
+    CHECK(o.outerStride() == dv + 5);
+    run(refs, o);
+    CHECK(RowMatrix<Scalar>(block) == expected);
+    block.setConstant(sentinel);
+    CHECK((big.array() == sentinel).all());
+  }
+  for (const auto& [rows, cols] : {std::pair<Index, Index>{n_q + 1, dv}, {n_q, dv + 1}}) {
+    RowMatrix<Scalar> out = RowMatrix<Scalar>::Constant(rows, cols, sentinel);
+    OutRef o(out);
+    CHECK_THROWS_WITH(run(refs, o), Catch::Contains("out is " + std::to_string(rows) + "x" +
+                                                    std::to_string(cols) + ", expected " +
+                                                    std::to_string(n_q) + "x" + std::to_string(dv)));
+    CHECK((out.array() == sentinel).all());
+  }
+  if (n_q * dv == 0) return;
+  // Each input in turn placed at the start of a buffer with room for out around it: out starting
+  // at the input's last entry (or ending at its first) overlaps it; one entry later (earlier) not.
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const RowMatrix<Scalar>& x = inputs[i];
+    if (x.size() == 0) continue;
+    INFO("out aliasing " << names[i]);
+    const Index room = n_q * dv;
+    Eigen::Matrix<Scalar, Eigen::Dynamic, 1> buffer =
+        Eigen::Matrix<Scalar, Eigen::Dynamic, 1>::Constant(room + x.size() + room, sentinel);
+    Eigen::Map<RowMatrix<Scalar>> placed(buffer.data() + room, x.rows(), x.cols());
+    placed = x;
+    Refs r;
+    for (std::size_t j = 0; j < inputs.size(); ++j) {
+      if (j == i) {
+        r.emplace_back(placed);
+      } else {
+        r.emplace_back(inputs[j]);
+      }
+    }
+    CHECK(r[i].data() == buffer.data() + room);
+    const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> before = buffer;
+    for (const Index start : {Index(1), room + x.size() - 1}) {
+      OutMap out(buffer.data() + start, n_q, dv);
+      OutRef o(out);
+      CHECK_THROWS_WITH(run(r, o), Catch::Contains("shares memory with the input " + names[i]));
+      CHECK(buffer == before);
+    }
+    for (const Index start : {Index(0), room + x.size()}) {
+      OutMap out(buffer.data() + start, n_q, dv);
+      OutRef o(out);
+      run(r, o);
+      CHECK(RowMatrix<Scalar>(out) == expected);
+      CHECK(placed == x);
+    }
+  }
 }
 
 template <typename Scalar>

@@ -396,3 +396,82 @@ TEMPLATE_TEST_CASE("Batched linear attention equals per-slice calls for any thre
 #endif
   }
 }
+
+TEMPLATE_TEST_CASE("linear_attention_into equals linear_attention bit for bit and checks out",
+                   "[core][linear][into]", float, double) {
+  using Scalar = TestType;
+  using Refs = std::vector<Eigen::Ref<const RowMatrix<Scalar>>>;
+  const auto p = make_problem<Scalar>(61, 37, 8, 3, 2.0, true);
+  const randattn::ScaledFeatures<Scalar> q{p.qf, p.q_log}, k{p.kf, p.k_log};
+  for (const bool causal : {false, true}) {
+    INFO("causal " << causal);
+    LinearOptions opt;
+    opt.causal = causal;
+    opt.block_size = 8;
+    testing::check_into_form<Scalar>(
+        randattn::linear_attention(p.qf, p.kf, p.v, opt), {p.qf, p.kf, p.v},
+        {"q_features", "k_features", "v"}, [&](const Refs& in, Eigen::Ref<RowMatrix<Scalar>> out) {
+          randattn::linear_attention_into(in[0], in[1], in[2], out, opt);
+        });
+    // The features and signs are held by value here; v is the input an out can alias.
+    testing::check_into_form<Scalar>(
+        randattn::linear_attention(q, k, p.v, opt, p.signs), {p.v}, {"v"},
+        [&](const Refs& in, Eigen::Ref<RowMatrix<Scalar>> out) {
+          randattn::linear_attention_into(q, k, in[0], out, opt, p.signs);
+        });
+  }
+  // An out (4 x 1) mapped onto the storage of a scaled feature matrix, a log-scale or the signs.
+  const auto small = make_problem<Scalar>(62, 4, 8, 1, 2.0, true);
+  randattn::ScaledFeatures<Scalar> qs{small.qf, small.q_log}, ks{small.kf, small.k_log};
+  Vector<Scalar> signs = small.signs;
+  const auto rejects = [&](Scalar* data, const std::string& name) {
+    INFO(name);
+    const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> before =
+        Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(data, 4);
+    Eigen::Map<RowMatrix<Scalar>> out(data, 4, 1);
+    CHECK_THROWS_WITH(randattn::linear_attention_into(qs, ks, small.v, out, {}, signs),
+                      Catch::Contains("shares memory with the input " + name));
+    CHECK(Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(data, 4) == before);
+  };
+  rejects(qs.values.data() + 3, "q_features");
+  rejects(qs.log_scale.data(), "q_log_scale");
+  rejects(ks.values.data() + 28, "k_features");
+  rejects(ks.log_scale.data(), "k_log_scale");
+  rejects(signs.data() + 2, "signs");
+  RowMatrix<Scalar> out(4, 1);
+  randattn::linear_attention_into(qs, ks, small.v, out, {}, signs);
+  CHECK(out == randattn::linear_attention(qs, ks, small.v, {}, signs));
+}
+
+TEST_CASE("Batched linear attention refuses an out overlapping any input buffer, unwritten",
+          "[core][linear][into]") {
+  const auto p = make_problem<double>(63, 4, 8, 2, 1.0, true);
+  const randattn::BatchShape shape{1, 1, 4, 4, 8, 2};
+  // Every input in one buffer (q_features, q_log_scale, k_features, k_log_scale, v, signs), with
+  // room for an 8-entry out after the last.
+  std::vector<double> pool(32 + 4 + 32 + 4 + 8 + 8 + 8);
+  const Index offset[] = {0, 32, 36, 68, 72, 80, 88};
+  const auto put = [&](const auto& x, Index at) {
+    std::copy(x.data(), x.data() + x.size(), pool.begin() + at);
+  };
+  put(p.qf, offset[0]), put(p.q_log, offset[1]), put(p.kf, offset[2]), put(p.k_log, offset[3]);
+  put(p.v, offset[4]), put(p.signs, offset[5]);
+  const double* base = pool.data();
+  const auto run = [&](double* out) {
+    randattn::linear_attention_batched(base + offset[0], base + offset[1], base + offset[2],
+                                       base + offset[3], base + offset[4], base + offset[5], out,
+                                       shape);
+  };
+  const char* names[] = {"q_features", "q_log_scale", "k_features", "k_log_scale", "v", "signs"};
+  for (int i = 0; i < 6; ++i) {
+    INFO(names[i]);
+    const std::vector<double> before = pool;
+    CHECK_THROWS_WITH(run(pool.data() + offset[i + 1] - 1),
+                      Catch::Contains(std::string("out shares memory with the input ") + names[i]));
+    CHECK(pool == before);
+  }
+  run(pool.data() + offset[6]);
+  RowMatrix<double> separate(4, 2);
+  run(separate.data());
+  CHECK(std::equal(separate.data(), separate.data() + 8, pool.begin() + offset[6]));
+}

@@ -210,3 +210,61 @@ TEMPLATE_TEST_CASE("Exact attention excludes each query's own key unless it is a
   CHECK_THROWS_AS(randattn::exact_attention(q.topRows(3), q.topRows(4), v.topRows(4), opt),
                   std::invalid_argument);
 }
+
+TEMPLATE_TEST_CASE("exact_attention_into equals exact_attention bit for bit and checks out",
+                   "[exact][into]", float, double) {
+  using Scalar = TestType;
+  using Refs = std::vector<Eigen::Ref<const RowMatrix<Scalar>>>;
+  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(41, 19, 6),
+                          k = testing::gaussian<Scalar>(42, 19, 6),
+                          v = testing::gaussian<Scalar>(43, 19, 4);
+  for (const bool causal : {false, true}) {
+    INFO("causal " << causal);
+    ExactOptions opt;
+    opt.causal = causal;
+    opt.block_size = 8;
+    testing::check_into_form<Scalar>(
+        randattn::exact_attention(q, k, v, opt), {q, k, v}, {"q", "k", "v"},
+        [&](const Refs& in, Eigen::Ref<RowMatrix<Scalar>> out) {
+          randattn::exact_attention_into(in[0], in[1], in[2], out, opt);
+        });
+  }
+  // No queries: a 0 x dv out is accepted and nothing is written.
+  const RowMatrix<Scalar> none(0, 6);
+  RowMatrix<Scalar> empty(0, 4);
+  randattn::exact_attention_into(none, k, v, empty);
+  CHECK(empty.rows() == 0);
+  RowMatrix<Scalar> one = RowMatrix<Scalar>::Constant(1, 4, Scalar(7));
+  CHECK_THROWS_AS(randattn::exact_attention_into(none, k, v, one), randattn::invalid_argument);
+  CHECK((one.array() == Scalar(7)).all());
+  // A column-major out receives the same values.
+  Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> column_major(19, 4);
+  randattn::exact_attention_into(q, k, v, column_major);
+  CHECK(column_major == randattn::exact_attention(q, k, v));
+  // An expression as input is evaluated into a temporary of its own: no aliasing is possible.
+  RowMatrix<Scalar> out(19, 4);
+  randattn::exact_attention_into(q * Scalar(2), k, v, out);
+  CHECK(out == randattn::exact_attention(RowMatrix<Scalar>(q * Scalar(2)), k, v));
+}
+
+TEST_CASE("Batched exact attention refuses an out overlapping an input, unwritten",
+          "[exact][into]") {
+  const randattn::BatchShape shape{1, 2, 6, 6, 3, 3};  // d == dv: every buffer has 36 entries
+  std::vector<double> pool(4 * 36);
+  for (std::size_t i = 0; i < pool.size(); ++i) pool[i] = std::sin(double(i));
+  const double *q = pool.data(), *k = q + 36, *v = k + 36;
+  for (const auto& [name, start] : {std::pair<const char*, Index>{"q", 35}, {"k", 40}, {"v", 72}}) {
+    INFO(name);
+    const std::vector<double> before = pool;
+    CHECK_THROWS_WITH(
+        randattn::exact_attention_batched(q, k, v, pool.data() + start, shape),
+        Catch::Contains(std::string("exact_attention_batched: out shares memory with the input ") +
+                        name));
+    CHECK(pool == before);
+  }
+  // Right after v: no shared entry.
+  randattn::exact_attention_batched(q, k, v, pool.data() + 108, shape);
+  std::vector<double> separate(36);
+  randattn::exact_attention_batched(q, k, v, separate.data(), shape);
+  CHECK(std::equal(separate.begin(), separate.end(), pool.begin() + 108));
+}

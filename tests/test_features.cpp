@@ -585,3 +585,29 @@ TEMPLATE_TEST_CASE("attention: edge cases and argument errors", "[features]", fl
   bad(1, 1) = std::numeric_limits<TestType>::infinity();
   CHECK_THROWS_WITH(randattn::random_feature_attention(map, bad, k, v), Catch::Contains("q (5x3)"));
 }
+
+TEMPLATE_TEST_CASE("random_feature_attention_into equals the allocating form bit for bit",
+                   "[features][into]", float, double) {
+  using Scalar = TestType;
+  using Refs = std::vector<Eigen::Ref<const RowMatrix<Scalar>>>;
+  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(71, 23, 6),
+                          k = testing::gaussian<Scalar>(72, 23, 6),
+                          v = testing::gaussian<Scalar>(73, 23, 3);
+  const PositiveFeatures<Scalar> positive(OrthogonalProjection<Scalar>(16, 6, 74));
+  const TrigFeatures<Scalar> trig(OrthogonalProjection<Scalar>(16, 6, 75));
+  for (const bool causal : {false, true}) {
+    INFO("causal " << causal);
+    RandomFeatureOptions opt;
+    opt.causal = causal;
+    testing::check_into_form<Scalar>(
+        randattn::random_feature_attention(positive, q, k, v, opt), {q, k, v}, {"q", "k", "v"},
+        [&](const Refs& in, Eigen::Ref<RowMatrix<Scalar>> out) {
+          randattn::random_feature_attention_into(positive, in[0], in[1], in[2], out, opt);
+        });
+    testing::check_into_form<Scalar>(
+        randattn::random_feature_attention(trig, q, k, v, opt), {q, k, v}, {"q", "k", "v"},
+        [&](const Refs& in, Eigen::Ref<RowMatrix<Scalar>> out) {
+          randattn::random_feature_attention_into(trig, in[0], in[1], in[2], out, opt);
+        });
+  }
+}

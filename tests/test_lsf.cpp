@@ -641,3 +641,24 @@ TEMPLATE_TEST_CASE("LSF attention edge cases and argument checks", "[lsf]", floa
                   std::invalid_argument);
   CHECK((oo.array() == Scalar(7)).all());
 }
+
+TEMPLATE_TEST_CASE("lsf_attention_into equals lsf_attention bit for bit and checks out",
+                   "[lsf][into]", float, double) {
+  using Scalar = TestType;
+  using Refs = std::vector<Eigen::Ref<const RowMatrix<Scalar>>>;
+  const RowMatrix<Scalar> q = clustered<Scalar>(91, 50, 8, 4, 0.4),
+                          k = clustered<Scalar>(92, 50, 8, 4, 0.4),
+                          v = testing::gaussian<Scalar>(93, 50, 3);
+  const LocalitySensitiveFilters<Scalar> f(RotationKind::dense, 8, 9, 2, 94);
+  for (const bool causal : {false, true}) {
+    INFO("causal " << causal);
+    LsfOptions opt;
+    opt.causal = causal;
+    opt.alpha = 0.6;
+    testing::check_into_form<Scalar>(
+        randattn::lsf_attention(f, q, k, v, opt), {q, k, v}, {"q", "k", "v"},
+        [&](const Refs& in, Eigen::Ref<RowMatrix<Scalar>> out) {
+          randattn::lsf_attention_into(f, in[0], in[1], in[2], out, opt);
+        });
+  }
+}

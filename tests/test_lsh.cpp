@@ -1091,3 +1091,39 @@ TEST_CASE("LshChunkPlan: sorted order by (bucket, position), chunks of c, the la
     for (Index s = 0; s < 7; ++s) CHECK(plan.chunk_of()(plan.sorted(rho)[s], rho) == s / 3);
   CHECK_THROWS_AS(randattn::LshChunkPlan(codes, 3, 0), randattn::invalid_argument);
 }
+
+TEMPLATE_TEST_CASE("lsh_attention_into and shared_qk_attention_into equal the allocating forms",
+                   "[lsh][into]", float, double) {
+  using Scalar = TestType;
+  using Refs = std::vector<Eigen::Ref<const RowMatrix<Scalar>>>;
+  const RowMatrix<Scalar> q = clustered<Scalar>(81, 60, 8, 4, 0.5),
+                          k = clustered<Scalar>(82, 60, 8, 4, 0.5),
+                          v = testing::gaussian<Scalar>(83, 60, 3);
+  const CrossPolytopeHash<Scalar> hash(RotationKind::dense, 8, 4, 2, 84);
+  for (const bool causal : {false, true}) {
+    INFO("causal " << causal);
+    LshOptions opt;
+    opt.causal = causal;
+    opt.chunk = 16;
+    const auto run_shared = [&](const Refs& in, Eigen::Ref<RowMatrix<Scalar>> out) {
+      randattn::lsh_attention_into(hash, in[0], in[1], out, opt);
+    };
+    testing::check_into_form<Scalar>(randattn::lsh_attention(hash, q, v, opt), {q, v},
+                                     {"qk", "v"}, run_shared);
+    const auto run_separate = [&](const Refs& in, Eigen::Ref<RowMatrix<Scalar>> out) {
+      randattn::lsh_attention_into(hash, in[0], in[1], in[2], out, opt);
+    };
+    testing::check_into_form<Scalar>(randattn::lsh_attention(hash, q, k, v, opt), {q, k, v},
+                                     {"q", "k", "v"}, run_separate);
+    const auto run_exact = [&](const Refs& in, Eigen::Ref<RowMatrix<Scalar>> out) {
+      randattn::shared_qk_attention_into(in[0], in[1], out, opt);
+    };
+    testing::check_into_form<Scalar>(randattn::shared_qk_attention(q, v, opt), {q, v},
+                                     {"qk", "v"}, run_exact);
+  }
+  // Values near the overflow bound take the power-of-two headroom path: still bit for bit.
+  const RowMatrix<Scalar> huge = v * (std::numeric_limits<Scalar>::max() / Scalar(16));
+  RowMatrix<Scalar> out(60, 3);
+  randattn::lsh_attention_into(hash, q, huge, out);
+  CHECK(out == randattn::lsh_attention(hash, q, huge));
+}

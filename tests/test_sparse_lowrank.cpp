@@ -452,3 +452,26 @@ TEST_CASE("sparse-lowrank: supports, edges and argument checks", "[sparse_lowran
     CHECK(testing::rel_error(one, p.v.topRows(1)) < 1e-15);
   }
 }
+
+TEMPLATE_TEST_CASE("sparse_lowrank_attention_into equals the allocating form bit for bit",
+                   "[sparse_lowrank][into]", float, double) {
+  using Scalar = TestType;
+  using Refs = std::vector<Eigen::Ref<const RowMatrix<Scalar>>>;
+  const Problem<Scalar> p(101, 40, 8, 3, 1.0);
+  const Oprf<Scalar> map(randattn::OrthogonalProjection<Scalar>(16, 8, 102), 2.0);
+  SupportSpec<Scalar> s;
+  s.window = WindowSupport{5, 0};
+  s.blocks = BlockSupport{8, 1};
+  for (const bool causal : {false, true}) {
+    INFO("causal " << causal);
+    SparseLowRankOptions opt;
+    opt.causal = causal;
+    const FeatureRemainder<Oprf<Scalar>> remainder{map, {}};
+    testing::check_into_form<Scalar>(
+        randattn::sparse_lowrank_attention<Scalar>(p.q, p.k, p.v, s, remainder, opt),
+        {p.q, p.k, p.v}, {"q", "k", "v"}, [&](const Refs& in, Eigen::Ref<RowMatrix<Scalar>> out) {
+          randattn::sparse_lowrank_attention_into<Scalar>(in[0], in[1], in[2], s, out, remainder,
+                                                          opt);
+        });
+  }
+}

@@ -16,8 +16,10 @@ in place; others are copied once. Computations release the GIL. Invalid argument
 ValueError (or TypeError for wrong types). See :func:`methods` for every method and its options.
 """
 
+import numpy as np
+
 from . import _core
-from ._arrays import as_numpy, dtype_name, like
+from ._arrays import as_numpy, dtype_name, is_tensor, like
 from ._kv_cache import KVCache
 from ._sketch import SparseSketch, hosvd, sparsify
 
@@ -33,7 +35,7 @@ def methods():
 
 
 def attention(q, k, v, *, method="exact", causal=False, scale=None, seed=0, check_finite=True, threads=None,
-              shared_qk=False, report=False, **options):
+              shared_qk=False, report=False, out=None, **options):
     """softmax(scale · q kᵀ) v, exactly or estimated by ``method``.
 
     q: (n_q, d) or (batch, heads, n_q, d); k: (n_k, d) or (batch, heads, n_k, d), or None with
@@ -51,6 +53,10 @@ def attention(q, k, v, *, method="exact", causal=False, scale=None, seed=0, chec
       threads       OpenMP threads for this call (default: the process setting)
       shared_qk     keys := the normalised queries, each query's own key excluded (k=None; lsh)
       report        also return the report dict
+      out           write the result into this array (or CPU torch tensor) and return it: it must
+                    be writeable, C-contiguous, of q's dtype and of the result's shape, and share
+                    no memory with q, k or v (ValueError otherwise, out left untouched). A loop
+                    that reuses out skips the allocation and first touch of fresh pages per call.
 
     Method-specific keyword options, with the command line's defaults:
       favor, favor-hyp, trig: features=256, projection="orthogonal" ("iid", "hadamard"),
@@ -89,11 +95,18 @@ def attention(q, k, v, *, method="exact", causal=False, scale=None, seed=0, chec
         name = spec["name"]
         if spec["type"] != "flag" and options.get(name) is not None:
             options[name] = as_numpy(options[name], name)
+    out_array = None
+    if out is not None:
+        if not (isinstance(out, np.ndarray) or is_tensor(out)):
+            raise TypeError(f"out must be a NumPy array or a CPU torch tensor, got {type(out).__name__}")
+        out_array = as_numpy(out, "out")
     result = _core.attention(*arrays, method, causal, scale, seed, check_finite, threads, shared_qk, report,
-                             options)
+                             options, out_array)
+    if out is not None:
+        return (out, result[1]) if report else out
     if report:
-        out, fields = result
-        return like(out, q), fields
+        result, fields = result
+        return like(result, q), fields
     return like(result, q)
 
 

@@ -15,7 +15,17 @@ in the shapes that function broadcasts to (batch, heads, n_q, n_k), when they ar
   - a causal mask with key padding: lower triangular and the same padding in every row.
 Masks that differ between heads, other patterns and float (additive) masks raise ValueError.
 A query row with no valid key gets zeros (``scaled_dot_product_attention`` gives NaN there).
+
+Output reuse (``reuse_output=True``, the default): when no gradient can be needed (grad disabled,
+or no input requires grad), results are written into buffers the module keeps for the last
+shape, dtype and inference mode, so a loop over calls does not allocate and first-touch a new
+result each time. A buffer is reused only once no Python reference to it is left but the
+module's (two buffers alternate, so ``out = attn(q, k, v)`` in a loop reuses them); a *view* of a
+result (``out[0]``, ``out.transpose(1, 2)``) does not count as a reference: ``clone()`` a result
+to keep it, or pass ``reuse_output=False``.
 """
+
+import sys
 
 import torch
 
@@ -54,12 +64,33 @@ def _mask_layout(mask, batch, n_q, n_k):
 class Attention(torch.nn.Module):
     """Attention by randattn's ``method`` with fixed options (see :func:`randattn.attention`)."""
 
-    def __init__(self, method="exact", **options):
+    def __init__(self, method="exact", reuse_output=True, **options):
         super().__init__()
         if method not in randattn.methods():
             raise ValueError(f"unknown method {method!r} (available: {', '.join(randattn.methods())})")
         self.method = method
         self.options = dict(options)
+        self.reuse_output = bool(reuse_output)
+        self._output_key = None
+        self._outputs = []
+
+    def _output(self, query, key, value):
+        """A kept buffer for the result, or None (allocate): see the module docstring."""
+        if not self.reuse_output:
+            return None
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value)):
+            return None
+        shape = tuple(query.shape[:3]) + (value.shape[-1],)
+        output_key = (shape, query.dtype, torch.is_inference_mode_enabled())
+        if output_key != self._output_key:
+            self._output_key, self._outputs = output_key, []
+        for i in range(len(self._outputs)):
+            if sys.getrefcount(self._outputs[i]) == 2:  # the list's reference and the argument's
+                return self._outputs[i]
+        if len(self._outputs) < 2:
+            self._outputs.append(torch.empty(shape, dtype=query.dtype))
+            return self._outputs[-1]
+        return None
 
     def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                 enable_gqa=False):
@@ -79,8 +110,13 @@ class Attention(torch.nn.Module):
         options["causal"] = causal
         if scale is not None:
             options["scale"] = scale
-        return randattn.attention(query, key, value, method=self.method, **options)
+        if query.dtype not in (torch.float32, torch.float64) or query.device.type != "cpu":
+            out = None  # randattn.attention names what is wrong with the inputs
+        else:
+            out = self._output(query, key, value)
+        return randattn.attention(query, key, value, method=self.method, out=out, **options)
 
     def extra_repr(self):
         opts = "".join(f", {k}={v!r}" for k, v in self.options.items())
-        return f"method={self.method!r}{opts}"
+        reuse = "" if self.reuse_output else ", reuse_output=False"
+        return f"method={self.method!r}{reuse}{opts}"

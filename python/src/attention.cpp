@@ -10,6 +10,9 @@
 #include <randattn/registry/registry.hpp>
 
 #include <chrono>
+#include <cstdint>
+#include <initializer_list>
+#include <utility>
 #include <map>
 #include <optional>
 #include <string>
@@ -142,20 +145,73 @@ py::object report_dict(const reg::Method& method, const reg::Call& call, const r
   return std::move(d);
 }
 
+// The bytes [first, last) an array's elements span (negative strides included); first == last
+// for an empty array. Arrays whose spans are disjoint share no memory.
+std::pair<std::uintptr_t, std::uintptr_t> byte_span(const py::array& a) {
+  auto first = reinterpret_cast<std::uintptr_t>(a.data()), last = first;
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) {
+    if (a.shape(i) == 0) return {first, first};
+    const py::ssize_t reach = (a.shape(i) - 1) * a.strides(i);
+    if (reach < 0) first -= std::uintptr_t(-reach);
+    else last += std::uintptr_t(reach);
+  }
+  return {first, last + std::uintptr_t(a.itemsize())};
+}
+
+// The caller's `out` checked before anything is written: a writeable C-contiguous array of
+// the result's dtype and shape whose memory overlaps none of the inputs; ValueError otherwise.
+template <typename Scalar>
+Scalar* output_buffer(const py::handle& out_obj, const std::vector<py::ssize_t>& shape,
+                      std::initializer_list<std::pair<const char*, const py::array*>> inputs) {
+  if (!py::isinstance<py::array>(out_obj))
+    throw py::type_error("out must be a NumPy array or a CPU torch tensor, got " +
+                         type_name(out_obj));
+  auto out = py::reinterpret_borrow<py::array>(out_obj);
+  const std::vector<Index> want(shape.begin(), shape.end());
+  const std::string want_dtype = py::str(py::handle(py::dtype::of<Scalar>()));
+  if (!py::array_t<Scalar>::check_(out))
+    throw py::value_error("out has dtype " + std::string(py::str(py::handle(out.dtype()))) +
+                          ", expected " + want_dtype + " (the dtype of q, k and v)");
+  if (shape_of(out) != want)
+    throw py::value_error("out has shape " + shape_str(shape_of(out)) + ", expected " +
+                          shape_str(want));
+  if (!(out.flags() & py::array::c_style))
+    throw py::value_error("out must be C-contiguous (e.g. numpy.empty(shape, dtype))");
+  if (!out.writeable()) throw py::value_error("out is read-only");
+  const auto o = byte_span(out);
+  for (const auto& [name, input] : inputs) {
+    if (!input) continue;
+    const auto x = byte_span(*input);
+    if (o.first < o.second && x.first < x.second && o.first < x.second && x.first < o.second)
+      throw py::value_error(std::string("out shares memory with ") + name +
+                            "; pass an array of its own");
+  }
+  return static_cast<Scalar*>(out.mutable_data());
+}
+
 template <typename Scalar>
 py::object run_method(const reg::Method& method, const reg::Call& call, bool four_d,
                       const reg::Layout& layout, const py::array& q, const py::array* k,
-                      const py::array& v, std::optional<int> threads, bool report) {
-  const reg::Job<Scalar> job = reg::build_job<Scalar>(method, call, layout);
-  const RowMajorInput<Scalar> qin(q), vin(v);
-  const RowMajorInput<Scalar> kin = k ? RowMajorInput<Scalar>(*k) : RowMajorInput<Scalar>();
+                      const py::array& v, std::optional<int> threads, bool report,
+                      py::handle out_obj) {
   const BatchShape& shape = call.shape;
   std::vector<py::ssize_t> out_shape;
   if (four_d) out_shape = {shape.batch, shape.heads};
   out_shape.push_back(shape.n_q);
   out_shape.push_back(shape.dv);
-  py::array_t<Scalar> out(out_shape);
-  Scalar* out_data = out.mutable_data();
+  py::object out;
+  Scalar* out_data = nullptr;
+  if (out_obj.is_none()) {
+    py::array_t<Scalar> fresh(out_shape);
+    out_data = fresh.mutable_data();
+    out = std::move(fresh);
+  } else {
+    out_data = output_buffer<Scalar>(out_obj, out_shape, {{"q", &q}, {"k", k}, {"v", &v}});
+    out = py::reinterpret_borrow<py::object>(out_obj);
+  }
+  const reg::Job<Scalar> job = reg::build_job<Scalar>(method, call, layout);
+  const RowMajorInput<Scalar> qin(q), vin(v);
+  const RowMajorInput<Scalar> kin = k ? RowMajorInput<Scalar>(*k) : RowMajorInput<Scalar>();
   reg::Report fields;
   double seconds = 0;
   run_without_gil(threads, [&] {
@@ -163,14 +219,15 @@ py::object run_method(const reg::Method& method, const reg::Call& call, bool fou
     fields = job(qin.data(), kin.data(), vin.data(), out_data);
     seconds = reg::seconds_since(start);
   });
-  if (!report) return std::move(out);
+  if (!report) return out;
   return py::make_tuple(out, report_dict(method, call, fields, seconds));
 }
 
 py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj,
                      const std::string& method_name, py::handle causal, py::handle scale,
                      py::handle seed, py::handle check_finite, py::handle threads,
-                     py::handle shared_qk, py::handle report, const py::dict& keywords) {
+                     py::handle shared_qk, py::handle report, const py::dict& keywords,
+                     py::handle out) {
   const reg::Method& method = reg::find_method(method_name, kPython);
   reg::Settings settings;
   py::dict options = py::reinterpret_steal<py::dict>(PyDict_Copy(keywords.ptr()));
@@ -206,9 +263,9 @@ py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj,
   const bool four_d = q.ndim() == 4;
   return dtype == Dtype::float32
              ? run_method<float>(method, call, four_d, layout, q, kp, v, thread_count,
-                                 settings.report)
+                                 settings.report, out)
              : run_method<double>(method, call, four_d, layout, q, kp, v, thread_count,
-                                  settings.report);
+                                  settings.report, out);
 }
 
 }  // namespace
@@ -217,7 +274,7 @@ void bind_attention(py::module_& m) {
   using namespace pybind11::literals;
   m.def("attention", &attention, "q"_a, "k"_a.none(true), "v"_a, "method"_a, "causal"_a,
         "scale"_a.none(true), "seed"_a, "check_finite"_a, "threads"_a.none(true), "shared_qk"_a,
-        "report"_a, "options"_a);
+        "report"_a, "options"_a, "out"_a.none(true) = py::none());
   // The layout keywords (key padding, packed sequences, self-exclusion), as the registry
   // declares them.
   py::list layout_inputs;

@@ -202,3 +202,83 @@ def test_edge_sizes(rng):
     for method in ("exact", "favor", "favor-hyp", "hybrid"):
         out = randattn.attention(rng.standard_normal((4, 3)), k, v, method=method)
         assert_close(out, np.repeat(v, 4, axis=0), np.float64, terms=8)
+
+
+OUT_METHODS = [("exact", {}), ("favor", {"features": 16}), ("lsh", {"chunk": 16}),
+               ("lsf", {"filters": 8, "tables": 2, "alpha": 0.6})]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["2d", "4d"])
+@pytest.mark.parametrize("method,extra", OUT_METHODS)
+def test_out_is_the_allocating_result_bit_for_bit(rng, dtype, layout, method, extra):
+    q, k, v = qkv(rng, layout, dtype)
+    for causal in (False, True):
+        expected = randattn.attention(q, k, v, method=method, causal=causal, seed=3, **extra)
+        out = np.full(expected.shape, -7.5, dtype=dtype)
+        result = randattn.attention(q, k, v, method=method, causal=causal, seed=3, out=out, **extra)
+        assert result is out
+        np.testing.assert_array_equal(out, expected)
+        assert out.tobytes() == expected.tobytes()
+        pair = randattn.attention(q, k, v, method=method, causal=causal, seed=3, out=out, report=True,
+                                  **extra)
+        assert isinstance(pair, tuple) and pair[0] is out and pair[1]["method"] == method
+        assert out.tobytes() == expected.tobytes()
+
+
+def test_out_with_no_queries_and_shared_qk(rng):
+    q, k, v = qkv(rng, "2d", np.float64)
+    out = np.empty((0, v.shape[1]))
+    assert randattn.attention(q[:0], k, v, out=out) is out
+    expected = randattn.attention(q, None, v, method="lsh", shared_qk=True, chunk=16)
+    out = np.empty_like(expected)
+    randattn.attention(q, None, v, method="lsh", shared_qk=True, chunk=16, out=out)
+    assert out.tobytes() == expected.tobytes()
+
+
+def bad_outs(q, k, v, dtype):
+    """(description, out, expected message) for every kind of unusable out; the last three overlap
+    an input."""
+    n, dv = q.shape[0], v.shape[1]
+    other = np.float64 if dtype == np.float32 else np.float32
+    readonly = np.zeros((n, dv), dtype)
+    readonly.flags.writeable = False
+    yield "dtype", np.zeros((n, dv), other), "dtype"
+    yield "rows", np.zeros((n + 1, dv), dtype), "shape"
+    yield "cols", np.zeros((n, dv + 1), dtype), "shape"
+    yield "ndim", np.zeros((1, n, dv), dtype), "shape"
+    yield "fortran", np.zeros((n, dv), dtype, order="F"), "C-contiguous"
+    yield "strided", np.zeros((n, 2 * dv), dtype)[:, ::2], "C-contiguous"
+    yield "readonly", readonly, "read-only"
+    yield "q", q.reshape(-1)[: n * dv].reshape(n, dv), "shares memory with q"
+    yield "k", k.reshape(-1)[-n * dv:].reshape(n, dv), "shares memory with k"
+    yield "v", v.reshape(-1)[: n * dv].reshape(n, dv), "shares memory with v"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bad_out_raises_and_is_not_written(rng, dtype):
+    n, d, dv = SHAPES["2d"]
+    # Inputs laid out inside one buffer so that an out can overlap any one of them.
+    pool = rng.standard_normal(2 * n * d + n * d).astype(dtype)
+    q = pool[: n * d].reshape(n, d)
+    k = pool[n * d: 2 * n * d].reshape(n, d)
+    v = pool[2 * n * d: 2 * n * d + n * dv].reshape(n, dv)
+    good = randattn.attention(q, k, v)
+    for what, out, message in bad_outs(q, k, v, dtype):
+        before = out.copy()
+        pool_before = pool.copy()
+        with pytest.raises(ValueError, match=message):
+            randattn.attention(q, k, v, out=out)
+        np.testing.assert_array_equal(out, before, err_msg=what)
+        np.testing.assert_array_equal(pool, pool_before, err_msg=what)
+    # An out right after v in the same buffer, sharing no element, is fine.
+    tail = np.zeros(2 * n * d + n * d + n * dv, dtype)
+    tail[: pool.size] = pool
+    qt, kt = tail[: n * d].reshape(n, d), tail[n * d: 2 * n * d].reshape(n, d)
+    vt = tail[2 * n * d: 2 * n * d + n * dv].reshape(n, dv)
+    out = tail[3 * n * d:].reshape(n, dv)
+    assert randattn.attention(qt, kt, vt, out=out) is out
+    assert out.tobytes() == good.tobytes()
+    for wrong in ([[0.0] * dv] * n, 3.0):
+        with pytest.raises(TypeError, match="out must be"):
+            randattn.attention(q, k, v, out=wrong)

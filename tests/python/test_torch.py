@@ -122,3 +122,60 @@ def test_grouped_query_heads_in_the_module():
     module = randattn.torch.Attention()
     expected = reference(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
     torch.testing.assert_close(module(q, k, v, enable_gqa=True), expected)
+
+
+def test_attention_writes_into_a_tensor_out():
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 24, 8, generator=g) for _ in range(3))
+    expected = randattn.attention(q, k, v, method="favor", features=16, seed=2)
+    out = torch.full((2, 3, 24, 8), -3.0)
+    assert randattn.attention(q, k, v, method="favor", features=16, seed=2, out=out) is out
+    assert torch.equal(out, expected)
+    wrong = torch.full((2, 3, 24, 8), -3.0, dtype=torch.float64)
+    with pytest.raises(ValueError, match="dtype"):
+        randattn.attention(q, k, v, out=wrong)
+    assert bool((wrong == -3.0).all())
+    with pytest.raises(ValueError, match="shares memory with v"):
+        randattn.attention(q, k, v, out=v)
+
+
+def test_module_reuses_its_output_when_no_gradient_is_needed():
+    g = torch.Generator().manual_seed(6)
+    q, q2, k, v = (torch.randn(1, 2, 16, 4, generator=g) for _ in range(4))
+    module = randattn.torch.Attention(method="favor", features=16, seed=1)
+    first = module(q, k, v)  # grad enabled, but no input requires grad: reuse allowed
+    first_ptr = first.data_ptr()
+    second = module(q2, k, v)  # `first` is still held: the other buffer
+    assert second.data_ptr() != first_ptr
+    assert torch.equal(first, randattn.attention(q, k, v, method="favor", features=16, seed=1))
+    del first
+    with torch.no_grad():
+        third = module(q, k, v)  # `first`'s buffer is free again
+    assert third.data_ptr() == first_ptr
+    assert torch.equal(third, randattn.attention(q, k, v, method="favor", features=16, seed=1))
+    assert torch.equal(second, randattn.attention(q2, k, v, method="favor", features=16, seed=1))
+    # A loop rebinding one name alternates between the two buffers.
+    buffers = {t.data_ptr() for t in module._outputs}
+    del second, third
+    ptrs = set()
+    out = None
+    for _ in range(4):
+        out = module(q, k, v)
+        ptrs.add(out.data_ptr())
+    assert ptrs == buffers and len(ptrs) == 2
+    # A new shape or dtype gets new buffers; reuse_output=False always allocates.
+    wider = module(q, k, torch.randn(1, 2, 16, 6, generator=g))
+    assert wider.shape == (1, 2, 16, 6) and wider.data_ptr() not in ptrs
+    fresh = randattn.torch.Attention(method="favor", features=16, seed=1, reuse_output=False)
+    assert torch.equal(fresh(q, k, v), randattn.attention(q, k, v, method="favor", features=16, seed=1))
+    assert fresh._outputs == [] and "reuse_output=False" in repr(fresh)
+
+
+def test_module_allocates_when_a_gradient_may_be_needed():
+    q = torch.randn(1, 1, 4, 2)
+    module = randattn.torch.Attention()
+    assert module._output(q, q, q) is not None
+    needs_grad = q.clone().requires_grad_(True)
+    assert module._output(needs_grad, q, q) is None
+    with torch.no_grad():
+        assert module._output(needs_grad, q, q) is not None

@@ -25,6 +25,7 @@
 
 #include <Eigen/Core>
 
+#include "../core/detail/output_check.hpp"
 #include "../core/detail/score_tile.hpp"
 #include "../core/input_checks.hpp"
 #include "../core/linear_attention.hpp"
@@ -267,6 +268,29 @@ SoftmaxAccumulator<typename Map::Scalar> random_feature_attention_accumulate(
   return detail::feature_attention_slice(where, map, q, k, v, s, opt.check_finite);
 }
 
+// softmax(scale · Q Kᵀ [masked]) V estimated with the map, written into `out` (n_q×dv, sharing
+// no memory with q, k or v). A rejected `out` is not written.
+template <typename Map, typename DQ, typename DK, typename DV, typename DO>
+void random_feature_attention_into(const Map& map, const Eigen::MatrixBase<DQ>& q,
+                                   const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+                                   const Eigen::MatrixBase<DO>& out,
+                                   const RandomFeatureOptions& opt = {}) {
+  using Scalar = typename Map::Scalar;
+  static_assert(std::is_same<Scalar, typename DQ::Scalar>::value &&
+                    std::is_same<Scalar, typename DK::Scalar>::value &&
+                    std::is_same<Scalar, typename DV::Scalar>::value &&
+                    std::is_same<Scalar, typename DO::Scalar>::value,
+                "the feature map, q, k, v and out must share the scalar type");
+  const char* where = "random_feature_attention";
+  const Eigen::Ref<const RowMatrix<Scalar>> qr(q), kr(k), vr(v);
+  detail::check_output(where, out, qr.rows(), vr.cols(),
+                       {detail::named_input("q", qr), detail::named_input("k", kr),
+                        detail::named_input("v", vr)});
+  const auto s = detail::feature_attention_settings(where, map, opt);
+  detail::feature_attention_slice(where, map, qr, kr, vr, s, opt.check_finite)
+      .finalize_into(out, static_cast<Scalar>(s.linear.denominator_epsilon));
+}
+
 // softmax(scale · Q Kᵀ [masked]) V estimated with the map: q n_q×d, k n_k×d, v n_k×dv.
 template <typename Map, typename DQ, typename DK, typename DV>
 RowMatrix<typename Map::Scalar> random_feature_attention(const Map& map,
@@ -274,15 +298,9 @@ RowMatrix<typename Map::Scalar> random_feature_attention(const Map& map,
                                                          const Eigen::MatrixBase<DK>& k,
                                                          const Eigen::MatrixBase<DV>& v,
                                                          const RandomFeatureOptions& opt = {}) {
-  using Scalar = typename Map::Scalar;
-  static_assert(std::is_same<Scalar, typename DQ::Scalar>::value &&
-                    std::is_same<Scalar, typename DK::Scalar>::value &&
-                    std::is_same<Scalar, typename DV::Scalar>::value,
-                "the feature map, q, k and v must share the scalar type");
-  const char* where = "random_feature_attention";
-  const auto s = detail::feature_attention_settings(where, map, opt);
-  return detail::feature_attention_slice(where, map, q, k, v, s, opt.check_finite)
-      .finalize(static_cast<Scalar>(s.linear.denominator_epsilon));
+  RowMatrix<typename Map::Scalar> out(q.rows(), v.cols());
+  random_feature_attention_into(map, q, k, v, out, opt);
+  return out;
 }
 
 // Batched multi-head form over contiguous row-major buffers: q (batch, heads, n_q, d),
@@ -296,6 +314,10 @@ void random_feature_attention_batched(const Map& map, const typename Map::Scalar
                                       const RandomFeatureOptions& opt = {}) {
   using Scalar = typename Map::Scalar;
   const char* where = "random_feature_attention_batched";
+  detail::check_batch_output(where, shape, out,
+                           {detail::named_buffer("q", q, shape.slices() * shape.n_q * shape.d),
+                            detail::named_buffer("k", k, shape.slices() * shape.n_k * shape.d),
+                            detail::named_buffer("v", v, shape.slices() * shape.n_k * shape.dv)});
   detail::require(shape.d == map.input_dim(), where, "shape.d = ", shape.d,
                   " must equal the map's input dimension ", map.input_dim());
   const auto s = detail::feature_attention_settings(where, map, opt);

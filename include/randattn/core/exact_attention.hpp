@@ -16,6 +16,7 @@
 #include "../detail/gemm.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
+#include "detail/output_check.hpp"
 #include "exact_tile.hpp"
 #include "input_checks.hpp"
 #include "options.hpp"
@@ -124,18 +125,34 @@ SoftmaxAccumulator<Scalar> exact_attention_accumulate(const Eigen::Ref<const Row
   return acc;
 }
 
+// softmax(scale * Q K^T [masked]) V, tiled, written into `out` (n_q x dv; a matrix, block, Map
+// or Ref that shares no memory with q, k or v). A rejected `out` is not written.
+template <typename DQ, typename DK, typename DV, typename DO>
+void exact_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                          const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DO>& out,
+                          const ExactOptions& opt = {}) {
+  using Scalar = typename DQ::Scalar;
+  static_assert(std::is_same<Scalar, typename DK::Scalar>::value &&
+                    std::is_same<Scalar, typename DV::Scalar>::value &&
+                    std::is_same<Scalar, typename DO::Scalar>::value,
+                "q, k, v and out must share the scalar type");
+  const Eigen::Ref<const RowMatrix<Scalar>> qr(q), kr(k), vr(v);
+  detail::check_output("exact_attention", out, qr.rows(), vr.cols(),
+                       {detail::named_input("q", qr), detail::named_input("k", kr),
+                        detail::named_input("v", vr)});
+  // Every row of an exact accumulator has den >= 1 (its maximal term is exp(0)).
+  exact_attention_accumulate<Scalar>(qr, kr, vr, opt).finalize_into(out);
+}
+
 // softmax(scale * Q K^T [masked]) V, tiled: q n_q x d, k n_k x d, v n_k x dv -> n_q x dv.
 template <typename DQ, typename DK, typename DV>
 RowMatrix<typename DQ::Scalar> exact_attention(const Eigen::MatrixBase<DQ>& q,
                                                const Eigen::MatrixBase<DK>& k,
                                                const Eigen::MatrixBase<DV>& v,
                                                const ExactOptions& opt = {}) {
-  using Scalar = typename DQ::Scalar;
-  static_assert(std::is_same<Scalar, typename DK::Scalar>::value &&
-                    std::is_same<Scalar, typename DV::Scalar>::value,
-                "q, k and v must share the scalar type");
-  // Every row of an exact accumulator has den >= 1 (its maximal term is exp(0)).
-  return exact_attention_accumulate<Scalar>(q, k, v, opt).finalize();
+  RowMatrix<typename DQ::Scalar> out(q.rows(), v.cols());
+  exact_attention_into(q, k, v, out, opt);
+  return out;
 }
 
 // Reference implementation: forms the full score matrix (O(n_q * n_k) memory). For tests and
@@ -177,6 +194,10 @@ template <typename Scalar>
 void exact_attention_batched(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out,
                              const BatchShape& shape, const ExactOptions& opt = {}) {
   const char* where = "exact_attention_batched";
+  detail::check_batch_output(where, shape, out,
+                           {detail::named_buffer("q", q, shape.slices() * shape.n_q * shape.d),
+                            detail::named_buffer("k", k, shape.slices() * shape.n_k * shape.d),
+                            detail::named_buffer("v", v, shape.slices() * shape.n_k * shape.dv)});
   using detail::slice_of;
   detail::for_each_slice(
       where, shape, q && k && v && out,

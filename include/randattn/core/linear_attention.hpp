@@ -23,6 +23,7 @@
 #include "../detail/parallel.hpp"
 #include "../detail/chunk_products.hpp"
 #include "../detail/validation.hpp"
+#include "detail/output_check.hpp"
 #include "options.hpp"
 #include "scaled_features.hpp"
 #include "softmax_accumulator.hpp"
@@ -486,18 +487,70 @@ SoftmaxAccumulator<Scalar> linear_attention_accumulate(
   return detail::linear_accumulate(where, in, opt.causal, opt.check_finite);
 }
 
+namespace detail {
+
+// Normalised linear attention into `out`, after checking `out`: the one body of both overloads
+// and their `_into` forms.
+template <typename Scalar, typename DO>
+void linear_attention_into_impl(const Eigen::Ref<const RowMatrix<Scalar>>& q_features,
+                                const Eigen::Ref<const Vector<Scalar>>& q_log_scale,
+                                const Eigen::Ref<const RowMatrix<Scalar>>& k_features,
+                                const Eigen::Ref<const Vector<Scalar>>& k_log_scale,
+                                const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                                const Eigen::Ref<const Vector<Scalar>>& signs,
+                                const Eigen::MatrixBase<DO>& out, const LinearOptions& opt) {
+  static_assert(std::is_same<Scalar, typename DO::Scalar>::value,
+                "features, values and out must share the scalar type");
+  const char* where = "linear_attention";
+  check_output(where, out, q_features.rows(), v.cols(),
+               {named_input("q_features", q_features), named_input("q_log_scale", q_log_scale),
+                named_input("k_features", k_features), named_input("k_log_scale", k_log_scale),
+                named_input("v", v), named_input("signs", signs)});
+  linear_attention_accumulate<Scalar>(q_features, q_log_scale, k_features, k_log_scale, v, signs,
+                                      opt)
+      .finalize_into(out, static_cast<Scalar>(opt.denominator_epsilon));
+  check_result_finite(where, out, opt.check_finite, [] {});
+}
+
+}  // namespace detail
+
+// Normalised linear attention D^{-1} Q'(K'^T [V | 1]) for scaled features, written into `out`
+// (n_q x dv, sharing no memory with the features, log-scales, v or signs). A rejected `out` is
+// not written; an overflow error (check_finite) is raised after `out` holds the result.
+template <typename Scalar, typename DV, typename DO>
+void linear_attention_into(const ScaledFeatures<Scalar>& q, const ScaledFeatures<Scalar>& k,
+                           const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DO>& out,
+                           const LinearOptions& opt = {},
+                           const Vector<Scalar>& signs = Vector<Scalar>()) {
+  static_assert(std::is_same<Scalar, typename DV::Scalar>::value,
+                "features and values must share the scalar type");
+  detail::linear_attention_into_impl<Scalar>(q.values, q.log_scale, k.values, k.log_scale, v,
+                                             signs, out, opt);
+}
+
 // Normalised linear attention D^{-1} Q'(K'^T [V | 1]) for scaled features.
 template <typename Scalar, typename DV>
 RowMatrix<Scalar> linear_attention(const ScaledFeatures<Scalar>& q, const ScaledFeatures<Scalar>& k,
                                    const Eigen::MatrixBase<DV>& v, const LinearOptions& opt = {},
                                    const Vector<Scalar>& signs = Vector<Scalar>()) {
-  static_assert(std::is_same<Scalar, typename DV::Scalar>::value,
-                "features and values must share the scalar type");
-  RowMatrix<Scalar> out = linear_attention_accumulate<Scalar>(q.values, q.log_scale, k.values,
-                                                              k.log_scale, v, signs, opt)
-                              .finalize(static_cast<Scalar>(opt.denominator_epsilon));
-  detail::check_result_finite("linear_attention", out, opt.check_finite, [] {});
+  RowMatrix<Scalar> out(q.values.rows(), v.cols());
+  linear_attention_into(q, k, v, out, opt, signs);
   return out;
+}
+
+// Normalised linear attention for plain feature matrices (no log-scales, no signs), written into
+// `out` as the overload above.
+template <typename DQ, typename DK, typename DV, typename DO>
+void linear_attention_into(const Eigen::MatrixBase<DQ>& q_features,
+                           const Eigen::MatrixBase<DK>& k_features, const Eigen::MatrixBase<DV>& v,
+                           const Eigen::MatrixBase<DO>& out, const LinearOptions& opt = {}) {
+  using Scalar = typename DQ::Scalar;
+  static_assert(std::is_same<Scalar, typename DK::Scalar>::value &&
+                    std::is_same<Scalar, typename DV::Scalar>::value,
+                "q_features, k_features and v must share the scalar type");
+  const Vector<Scalar> none;
+  detail::linear_attention_into_impl<Scalar>(q_features, none, k_features, none, v, none, out,
+                                             opt);
 }
 
 // Normalised linear attention for plain feature matrices (no log-scales, no signs).
@@ -506,15 +559,8 @@ RowMatrix<typename DQ::Scalar> linear_attention(const Eigen::MatrixBase<DQ>& q_f
                                                 const Eigen::MatrixBase<DK>& k_features,
                                                 const Eigen::MatrixBase<DV>& v,
                                                 const LinearOptions& opt = {}) {
-  using Scalar = typename DQ::Scalar;
-  static_assert(std::is_same<Scalar, typename DK::Scalar>::value &&
-                    std::is_same<Scalar, typename DV::Scalar>::value,
-                "q_features, k_features and v must share the scalar type");
-  const Vector<Scalar> none;
-  RowMatrix<Scalar> out =
-      linear_attention_accumulate<Scalar>(q_features, none, k_features, none, v, none, opt)
-          .finalize(static_cast<Scalar>(opt.denominator_epsilon));
-  detail::check_result_finite("linear_attention", out, opt.check_finite, [] {});
+  RowMatrix<typename DQ::Scalar> out(q_features.rows(), v.cols());
+  linear_attention_into(q_features, k_features, v, out, opt);
   return out;
 }
 
@@ -529,6 +575,15 @@ void linear_attention_batched(const Scalar* q_features, const Scalar* q_log_scal
                               const Scalar* signs, Scalar* out, const BatchShape& shape,
                               const LinearOptions& opt = {}) {
   const char* where = "linear_attention_batched";
+  const Index slices = shape.slices();
+  detail::check_batch_output(
+      where, shape, out,
+      {detail::named_buffer("q_features", q_features, slices * shape.n_q * shape.d),
+       detail::named_buffer("q_log_scale", q_log_scale, slices * shape.n_q),
+       detail::named_buffer("k_features", k_features, slices * shape.n_k * shape.d),
+       detail::named_buffer("k_log_scale", k_log_scale, slices * shape.n_k),
+       detail::named_buffer("v", v, slices * shape.n_k * shape.dv),
+       detail::named_buffer("signs", signs, shape.d)});
   using detail::slice_of;
   using VMap = Eigen::Map<const Vector<Scalar>>;
   const VMap sign_map(signs, signs ? shape.d : 0);

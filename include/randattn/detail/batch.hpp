@@ -20,6 +20,14 @@ Eigen::Map<RowMatrix<Scalar>> slice_of(Scalar* base, Index s, Index rows, Index 
   return Eigen::Map<RowMatrix<Scalar>>(base + s * rows * cols, rows, cols);
 }
 
+// Every dimension of a batch shape is >= 0.
+inline void check_batch_shape(const char* where, const BatchShape& shape) {
+  require(shape.batch >= 0 && shape.heads >= 0 && shape.n_q >= 0 && shape.n_k >= 0 &&
+              shape.d >= 0 && shape.dv >= 0,
+          where, "negative dimension in shape (batch ", shape.batch, ", heads ", shape.heads,
+          ", n_q ", shape.n_q, ", n_k ", shape.n_k, ", d ", shape.d, ", dv ", shape.dv, ")");
+}
+
 // Checks the shape (`dims` names the dimensions in messages) and that the data pointers are set
 // (`pointers_set`) whenever there is work; then runs validate(s) on every slice before
 // compute(s) runs on any, so bad input in any slice throws before the output is written.
@@ -29,10 +37,7 @@ Eigen::Map<RowMatrix<Scalar>> slice_of(Scalar* base, Index s, Index rows, Index 
 template <typename Validate, typename Compute>
 void for_each_slice(const char* where, const BatchShape& shape, bool pointers_set,
                     Validate&& validate, Compute&& compute) {
-  require(shape.batch >= 0 && shape.heads >= 0 && shape.n_q >= 0 && shape.n_k >= 0 &&
-              shape.d >= 0 && shape.dv >= 0,
-          where, "negative dimension in shape (batch ", shape.batch, ", heads ", shape.heads,
-          ", n_q ", shape.n_q, ", n_k ", shape.n_k, ", d ", shape.d, ", dv ", shape.dv, ")");
+  check_batch_shape(where, shape);
   require(shape.slices() == 0 || shape.n_q == 0 || pointers_set, where, "null data pointer");
   if (shape.n_q == 0) return;
   for (Index s = 0; s < shape.slices(); ++s) validate(s);

@@ -50,6 +50,7 @@
 
 #include <Eigen/Core>
 
+#include "../core/detail/output_check.hpp"
 #include "../core/detail/score_tile.hpp"
 #include "../core/detail/self_rule.hpp"
 #include "../core/input_checks.hpp"
@@ -536,25 +537,41 @@ SoftmaxAccumulator<Scalar> lsf_attention_accumulate(const LocalitySensitiveFilte
   return acc;
 }
 
+// LSF attention written into `out` (n_q x dv, sharing no memory with q, k or v). A rejected
+// `out` is not written.
+template <typename DQ, typename DK, typename DV, typename DO>
+void lsf_attention_into(const LocalitySensitiveFilters<typename DQ::Scalar>& filters,
+                        const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                        const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DO>& out,
+                        const LsfOptions& opt = {}) {
+  using Scalar = typename DQ::Scalar;
+  static_assert(std::is_same<Scalar, typename DK::Scalar>::value &&
+                    std::is_same<Scalar, typename DV::Scalar>::value &&
+                    std::is_same<Scalar, typename DO::Scalar>::value,
+                "q, k, v and out must share the scalar type");
+  const char* where = "lsf_attention";
+  const Eigen::Ref<const RowMatrix<Scalar>> qr(q), kr(k), vr(v);
+  detail::check_output(where, out, qr.rows(), vr.cols(),
+                       {detail::named_input("q", qr), detail::named_input("k", kr),
+                        detail::named_input("v", vr)});
+  // Every row holds at least one key, whose largest term is exp(0): den >= 1.
+  const Scalar scale = detail::check_lsf_inputs<Scalar>(where, qr, kr, vr, filters, opt);
+  int e = 0;
+  const SoftmaxAccumulator<Scalar> acc =
+      detail::lsf_slice<Scalar>(qr, kr, vr, filters, opt, scale, &e);
+  detail::check_result_finite(where, acc.numden(), opt.check_finite, [] {});
+  detail::check_result_finite(where, acc.log_scale(), opt.check_finite, [] {});
+  acc.finalize_into(out);
+  detail::scale_by_power_of_two(out, e);
+}
+
 // LSF attention: q n_q x d, k n_k x d, v n_k x dv -> n_q x dv.
 template <typename DQ, typename DK, typename DV>
 RowMatrix<typename DQ::Scalar> lsf_attention(
     const LocalitySensitiveFilters<typename DQ::Scalar>& filters, const Eigen::MatrixBase<DQ>& q,
     const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v, const LsfOptions& opt = {}) {
-  using Scalar = typename DQ::Scalar;
-  static_assert(std::is_same<Scalar, typename DK::Scalar>::value &&
-                    std::is_same<Scalar, typename DV::Scalar>::value,
-                "q, k and v must share the scalar type");
-  // Every row holds at least one key, whose largest term is exp(0): den >= 1.
-  const char* where = "lsf_attention";
-  const Scalar scale = detail::check_lsf_inputs<Scalar>(where, q, k, v, filters, opt);
-  int e = 0;
-  const SoftmaxAccumulator<Scalar> acc =
-      detail::lsf_slice<Scalar>(q, k, v, filters, opt, scale, &e);
-  detail::check_result_finite(where, acc.numden(), opt.check_finite, [] {});
-  detail::check_result_finite(where, acc.log_scale(), opt.check_finite, [] {});
-  RowMatrix<Scalar> out = acc.finalize();
-  detail::scale_by_power_of_two(out, e);
+  RowMatrix<typename DQ::Scalar> out(q.rows(), v.cols());
+  lsf_attention_into(filters, q, k, v, out, opt);
   return out;
 }
 
@@ -591,6 +608,10 @@ void lsf_attention_batched(const LocalitySensitiveFilters<Scalar>& filters, cons
                            const Scalar* k, const Scalar* v, Scalar* out, const BatchShape& shape,
                            const LsfOptions& opt = {}) {
   const char* where = "lsf_attention_batched";
+  detail::check_batch_output(where, shape, out,
+                           {detail::named_buffer("q", q, shape.slices() * shape.n_q * shape.d),
+                            detail::named_buffer("k", k, shape.slices() * shape.n_k * shape.d),
+                            detail::named_buffer("v", v, shape.slices() * shape.n_k * shape.dv)});
   using detail::slice_of;
   const Scalar scale =
       detail::resolve_scale<Scalar>(where, opt, detail::inverse_sqrt_dim(filters.dim()));

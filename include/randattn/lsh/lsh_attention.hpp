@@ -56,6 +56,7 @@
 
 #include <Eigen/Core>
 
+#include "../core/detail/output_check.hpp"
 #include "../core/detail/self_rule.hpp"
 #include "../core/input_checks.hpp"
 #include "../core/options.hpp"
@@ -607,20 +608,69 @@ TargetSets lsh_target_sets(const CrossPolytopeHash<Scalar>& hash,
       true, opt.causal);
 }
 
+namespace detail {
+
+// LSH attention of q (with keys k, or q itself when k is null) written into a checked `out`: the
+// one body of both overloads and their `_into` forms.
+template <typename Scalar, typename DO>
+void lsh_attention_into_impl(const CrossPolytopeHash<Scalar>& hash,
+                             const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                             const Eigen::Ref<const RowMatrix<Scalar>>* k,
+                             const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                             const Eigen::MatrixBase<DO>& out, const LshOptions& opt) {
+  static_assert(std::is_same<Scalar, typename DO::Scalar>::value,
+                "the inputs and out must share the scalar type");
+  if (k) {
+    check_output("lsh_attention", out, q.rows(), v.cols(),
+                 {named_input("q", q), named_input("k", *k), named_input("v", v)});
+  } else {
+    check_output("lsh_attention", out, q.rows(), v.cols(),
+                 {named_input("qk", q), named_input("v", v)});
+  }
+  // Every row holds its largest term exp(0), so den >= 1.
+  int e = 0;
+  lsh_accumulate<Scalar>(q, k, v, hash, opt, &e).finalize_into(out);
+  scale_by_power_of_two(out, e);
+}
+
+}  // namespace detail
+
+// Shared-QK LSH attention written into `out` (n x dv, sharing no memory with qk or v). A rejected
+// `out` is not written.
+template <typename DQ, typename DV, typename DO>
+void lsh_attention_into(const CrossPolytopeHash<typename DQ::Scalar>& hash,
+                        const Eigen::MatrixBase<DQ>& qk, const Eigen::MatrixBase<DV>& v,
+                        const Eigen::MatrixBase<DO>& out, const LshOptions& opt = {}) {
+  using Scalar = typename DQ::Scalar;
+  static_assert(std::is_same<Scalar, typename DV::Scalar>::value,
+                "qk and v must share the scalar type");
+  detail::lsh_attention_into_impl<Scalar>(hash, qk, nullptr, v, out, opt);
+}
+
 // Shared-QK LSH attention (Reformer): qk n x d, v n x dv -> n x dv.
 template <typename DQ, typename DV>
 RowMatrix<typename DQ::Scalar> lsh_attention(const CrossPolytopeHash<typename DQ::Scalar>& hash,
                                              const Eigen::MatrixBase<DQ>& qk,
                                              const Eigen::MatrixBase<DV>& v,
                                              const LshOptions& opt = {}) {
-  using Scalar = typename DQ::Scalar;
-  static_assert(std::is_same<Scalar, typename DV::Scalar>::value,
-                "qk and v must share the scalar type");
-  // Every row holds its largest term exp(0), so den >= 1.
-  int e = 0;
-  RowMatrix<Scalar> out = detail::lsh_accumulate<Scalar>(qk, nullptr, v, hash, opt, &e).finalize();
-  detail::scale_by_power_of_two(out, e);
+  RowMatrix<typename DQ::Scalar> out(qk.rows(), v.cols());
+  lsh_attention_into(hash, qk, v, out, opt);
   return out;
+}
+
+// Separate-key LSH attention written into `out` (n_q x dv, sharing no memory with q, k or v). A
+// rejected `out` is not written.
+template <typename DQ, typename DK, typename DV, typename DO>
+void lsh_attention_into(const CrossPolytopeHash<typename DQ::Scalar>& hash,
+                        const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                        const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DO>& out,
+                        const LshOptions& opt = {}) {
+  using Scalar = typename DQ::Scalar;
+  static_assert(std::is_same<Scalar, typename DK::Scalar>::value &&
+                    std::is_same<Scalar, typename DV::Scalar>::value,
+                "q, k and v must share the scalar type");
+  const Eigen::Ref<const RowMatrix<Scalar>> keys(k);
+  detail::lsh_attention_into_impl<Scalar>(hash, q, &keys, v, out, opt);
 }
 
 // Separate-key LSH attention (sort-and-chunk or exact buckets): q n_q x d, k n_k x d, v n_k x dv ->
@@ -631,15 +681,27 @@ RowMatrix<typename DQ::Scalar> lsh_attention(const CrossPolytopeHash<typename DQ
                                              const Eigen::MatrixBase<DK>& k,
                                              const Eigen::MatrixBase<DV>& v,
                                              const LshOptions& opt = {}) {
-  using Scalar = typename DQ::Scalar;
-  static_assert(std::is_same<Scalar, typename DK::Scalar>::value &&
-                    std::is_same<Scalar, typename DV::Scalar>::value,
-                "q, k and v must share the scalar type");
-  const Eigen::Ref<const RowMatrix<Scalar>> keys(k);
-  int e = 0;
-  RowMatrix<Scalar> out = detail::lsh_accumulate<Scalar>(q, &keys, v, hash, opt, &e).finalize();
-  detail::scale_by_power_of_two(out, e);
+  RowMatrix<typename DQ::Scalar> out(q.rows(), v.cols());
+  lsh_attention_into(hash, q, k, v, out, opt);
   return out;
+}
+
+// Exact shared-QK attention written into `out` (n x dv, sharing no memory with qk or v). A
+// rejected `out` is not written.
+template <typename DQ, typename DV, typename DO>
+void shared_qk_attention_into(const Eigen::MatrixBase<DQ>& qk, const Eigen::MatrixBase<DV>& v,
+                              const Eigen::MatrixBase<DO>& out, const LshOptions& opt = {}) {
+  using Scalar = typename DQ::Scalar;
+  const Eigen::Ref<const RowMatrix<Scalar>> qr(qk), vr(v);
+  detail::check_output("shared_qk_attention", out, qr.rows(), vr.cols(),
+                       {detail::named_input("qk", qr), detail::named_input("v", vr)});
+  const RowMatrix<Scalar> q = qr;
+  const CrossPolytopeHash<Scalar> one_bucket(
+      RowMatrix<Scalar>::Zero(std::max<Index>(q.cols(), 1), 1), 1);
+  LshOptions single = opt;
+  single.exact_buckets = true;  // every token hashes to bucket 0: one bucket holds the sequence
+  single.dedupe = false;
+  lsh_attention_into(one_bucket, q, vr, out, single);
 }
 
 // Exact shared-QK attention with the same keys, scale, self rule and causal mask: the limit of
@@ -649,14 +711,9 @@ template <typename DQ, typename DV>
 RowMatrix<typename DQ::Scalar> shared_qk_attention(const Eigen::MatrixBase<DQ>& qk,
                                                    const Eigen::MatrixBase<DV>& v,
                                                    const LshOptions& opt = {}) {
-  using Scalar = typename DQ::Scalar;
-  const RowMatrix<Scalar> q = qk;
-  const CrossPolytopeHash<Scalar> one_bucket(
-      RowMatrix<Scalar>::Zero(std::max<Index>(q.cols(), 1), 1), 1);
-  LshOptions single = opt;
-  single.exact_buckets = true;  // every token hashes to bucket 0: one bucket holds the sequence
-  single.dedupe = false;
-  return lsh_attention(one_bucket, q, v, single);
+  RowMatrix<typename DQ::Scalar> out(qk.rows(), v.cols());
+  shared_qk_attention_into(qk, v, out, opt);
+  return out;
 }
 
 namespace detail {
@@ -665,6 +722,10 @@ template <typename Scalar>
 void lsh_batched(const CrossPolytopeHash<Scalar>& hash, const Scalar* q, const Scalar* k,
                  const Scalar* v, Scalar* out, const BatchShape& shape, const LshOptions& opt) {
   const char* where = "lsh_attention_batched";
+  check_batch_output(where, shape, out,
+                     {named_buffer(k ? "q" : "qk", q, shape.slices() * shape.n_q * shape.d),
+                      named_buffer("k", k, shape.slices() * shape.n_k * shape.d),
+                      named_buffer("v", v, shape.slices() * shape.n_k * shape.dv)});
   require(k || shape.n_k == shape.n_q, where, "shared QK needs n_k == n_q, got ", shape.n_k,
           " and ", shape.n_q);
   // One slice's inputs; k == nullptr: shared QK.

@@ -33,6 +33,7 @@
 #include <Eigen/Core>
 
 #include "../attention/random_feature_attention.hpp"
+#include "../core/detail/output_check.hpp"
 #include "../core/options.hpp"
 #include "../core/softmax_accumulator.hpp"
 #include "../core/target_sets.hpp"
@@ -245,6 +246,26 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
   return acc;
 }
 
+// softmax(scale q kᵀ) v estimated as sparse + low-rank, written into `out` (n_q x dv, sharing no
+// memory with q, k or v). A rejected `out` is not written.
+template <typename Scalar, typename Remainder = NoRemainder, typename DO>
+void sparse_lowrank_attention_into(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                                   const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                                   const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                                   const SupportSpec<Scalar>& support,
+                                   const Eigen::MatrixBase<DO>& out,
+                                   const Remainder& remainder = {},
+                                   const SparseLowRankOptions& opt = {},
+                                   SparseLowRankStats* stats = nullptr) {
+  static_assert(std::is_same<Scalar, typename DO::Scalar>::value,
+                "q, k, v and out must share the scalar type");
+  detail::check_output("sparse_lowrank_attention", out, q.rows(), v.cols(),
+                       {detail::named_input("q", q), detail::named_input("k", k),
+                        detail::named_input("v", v)});
+  sparse_lowrank_accumulate<Scalar, Remainder>(q, k, v, support, remainder, opt, stats)
+      .finalize_into(out);
+}
+
 // softmax(scale q kᵀ) v estimated as sparse + low-rank: q n_q x d, k n_k x d, v n_k x dv ->
 // n_q x dv. A row with no weight at all (empty support and its remainder dropped) is zero.
 template <typename Scalar, typename Remainder = NoRemainder>
@@ -255,8 +276,9 @@ RowMatrix<Scalar> sparse_lowrank_attention(const Eigen::Ref<const RowMatrix<Scal
                                            const Remainder& remainder = {},
                                            const SparseLowRankOptions& opt = {},
                                            SparseLowRankStats* stats = nullptr) {
-  return sparse_lowrank_accumulate<Scalar, Remainder>(q, k, v, support, remainder, opt, stats)
-      .finalize();
+  RowMatrix<Scalar> out(q.rows(), v.cols());
+  sparse_lowrank_attention_into<Scalar, Remainder>(q, k, v, support, out, remainder, opt, stats);
+  return out;
 }
 
 }  // namespace randattn

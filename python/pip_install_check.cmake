@@ -2,7 +2,7 @@
 # with --system-site-packages (NumPy and pybind11 come from the system), then imports the
 # installed package from outside the source tree and runs one attention call.
 #   cmake -DPYTHON=... -DSOURCE_DIR=... -DWORK_DIR=... [-DLAUNCHER=ccache] [-DCMAKE_BUILD_DIR=...]
-#         -P pip_install_check.cmake
+#         [-DGENERATOR=Ninja] -P pip_install_check.cmake
 
 foreach(var PYTHON SOURCE_DIR WORK_DIR)
   if(NOT DEFINED ${var})
@@ -30,6 +30,9 @@ if(LAUNCHER)
 endif()
 if(CMAKE_BUILD_DIR)
   set(ENV{RANDATTN_CMAKE_BUILD_DIR} "${CMAKE_BUILD_DIR}")
+endif()
+if(GENERATOR)
+  set(ENV{CMAKE_GENERATOR} "${GENERATOR}")  # read by the cmake that setup.py runs
 endif()
 set(ENV{PIP_DISABLE_PIP_VERSION_CHECK} 1)
 run("${venv}/bin/python" -m pip install --no-build-isolation --no-index --no-deps "${SOURCE_DIR}")

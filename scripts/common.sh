@@ -9,11 +9,12 @@
 #   randattn_configure_and_build [cmake args...]   configure and build every enabled target
 #   RANDATTN_LAUNCHER        cmake arguments that put ccache in front of the compiler, when
 #                            ccache is installed (set RANDATTN_CCACHE=0 to build without it)
+#   randattn_generator DIR   cmake arguments choosing Ninja for a new build directory DIR
 
 RANDATTN_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RANDATTN_BUILD_DIR="${RANDATTN_BUILD_DIR:-$RANDATTN_ROOT/build}"
 
-RANDATTN_PACKAGES=(libeigen3-dev librandom123-dev libcli11-dev cmake g++ make)
+RANDATTN_PACKAGES=(libeigen3-dev librandom123-dev libcli11-dev cmake g++ make ninja-build)
 
 randattn_log() {
     printf 'randattn: %s\n' "$*" >&2
@@ -63,9 +64,20 @@ randattn_use_ccache() {
     fi
 }
 
+# Ninja for a build directory not configured yet (one keeps its generator): it compiles a
+# target's sources while the targets it links are still being built, where Make waits for them,
+# so both cores stay busy beside the long translation unit of the registry's method table.
+randattn_generator() {  # <build dir>
+    RANDATTN_GENERATOR=()
+    if command -v ninja >/dev/null 2>&1 && [ ! -e "$1/CMakeCache.txt" ]; then
+        RANDATTN_GENERATOR=(-G Ninja)
+    fi
+}
+
 randattn_configure_and_build() {
     randattn_use_ccache
-    cmake -S "$RANDATTN_ROOT" -B "$RANDATTN_BUILD_DIR" -DCMAKE_BUILD_TYPE=Release \
+    randattn_generator "$RANDATTN_BUILD_DIR"
+    cmake -S "$RANDATTN_ROOT" -B "$RANDATTN_BUILD_DIR" "${RANDATTN_GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release \
         "${RANDATTN_LAUNCHER[@]}" "$@"
     cmake --build "$RANDATTN_BUILD_DIR" -j"$(nproc)"
 }

@@ -13,8 +13,11 @@ randattn_use_ccache
 
 build="$RANDATTN_ROOT/build-fuzz"
 # ASan + UBSan at -O1 with line tables (RANDATTN_SANITIZE), as the sanitizer runs: a fraction
-# of the compile time of -O3 with full debug information, for a modest loss of executions.
-cmake -S "$RANDATTN_ROOT" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=clang++ \
+# of the compile time of -O3 with full debug information, for a modest loss of executions. The
+# build type and sanitizers are scripts/sanitize.sh's, so the registry's method table is the same
+# compile command there and here (see CMakeLists.txt), and the compiler cache has it.
+randattn_generator "$build"
+cmake -S "$RANDATTN_ROOT" -B "$build" "${RANDATTN_GENERATOR[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
     "${RANDATTN_LAUNCHER[@]}" -DRANDATTN_SANITIZE=address,undefined \
     -DRANDATTN_BUILD_FUZZERS=ON -DRANDATTN_BUILD_TESTS=OFF -DRANDATTN_BUILD_BENCHMARKS=OFF \
     -DRANDATTN_BUILD_EXAMPLES=OFF -DRANDATTN_BUILD_TOOLS=OFF -DRANDATTN_INSTALL=OFF \

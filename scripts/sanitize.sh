@@ -16,7 +16,8 @@ archer=/usr/lib/llvm-14/lib/libarcher.so
 sanitized_build() {  # <dir> <sanitizers> <targets> [cmake arguments...]
     local dir=$1 sanitizers=$2 targets=$3
     shift 3
-    cmake -S "$RANDATTN_ROOT" -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo "${RANDATTN_LAUNCHER[@]}" \
+    randattn_generator "$dir"
+    cmake -S "$RANDATTN_ROOT" -B "$dir" "${RANDATTN_GENERATOR[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo "${RANDATTN_LAUNCHER[@]}" \
         -DCMAKE_CXX_COMPILER=clang++ -DRANDATTN_SANITIZE="$sanitizers" \
         -DRANDATTN_INSTALL=OFF -DRANDATTN_MPI=OFF -DRANDATTN_TESTS_UNITY=ON "$@"
     # shellcheck disable=SC2086  # several targets

@@ -103,6 +103,58 @@ TEMPLATE_TEST_CASE("sparse-lowrank: a support holding every key is exact attenti
   }
 }
 
+TEMPLATE_TEST_CASE("sparse-lowrank: exclude_self leaves the own key out of support and remainder",
+                   "[sparse_lowrank][exclude_self]", float, double) {
+  using Scalar = TestType;
+  const Problem<Scalar> p(17, 40, 8, 3, 1.0);
+  const RowMatrix<Scalar>& kq = p.q;  // K = Q
+  const bool causal = GENERATE(false, true);
+  randattn::ExactOptions eopt;
+  eopt.causal = causal;
+  eopt.exclude_self = true;
+  const RowMatrix<Scalar> exact = randattn::exact_attention(p.q, kq, p.v, eopt);
+  SparseLowRankOptions opt;
+  opt.causal = causal;
+  opt.exclude_self = true;
+  const Oprf<Scalar> map(randattn::OrthogonalProjection<Scalar>(16, 8, 3), 2.0);
+  const CrossPolytopeHash<Scalar> hash(8, 4, 1, 5);
+  SupportSpec<Scalar> all, narrow, lsh;
+  all.window = WindowSupport{40, 0};
+  narrow.window = WindowSupport{2, 0};
+  lsh.lsh = &hash;
+  lsh.lsh_options.chunk = 4;
+  SparseLowRankStats st;
+  // Every key in the support: the exact part alone is the answer; the remainders add nothing.
+  CHECK(testing::rel_error(randattn::sparse_lowrank_attention<Scalar>(p.q, kq, p.v, all, {}, opt, &st),
+                           exact) < testing::tolerance<Scalar>());
+  CHECK(st.pairs_scored == (causal ? 40 * 39 / 2 + 1 : 40 * 39));  // row 0 alone under causal
+  CHECK(testing::rel_error(randattn::sparse_lowrank_attention<Scalar>(
+                               p.q, kq, p.v, all, FeatureRemainder<Oprf<Scalar>>{map, {}}, opt),
+                           exact) < testing::tolerance<Scalar>());
+  st = {};
+  CHECK(testing::rel_error(randattn::sparse_lowrank_attention<Scalar>(
+                               p.q, kq, p.v, all, SampledRemainder{8, false, 8}, opt, &st),
+                           exact) < testing::tolerance<Scalar>());
+  CHECK(st.samples == 0);
+  // A narrow window or an LSH support, and every other key drawn (s >= n gives p = 1): the own
+  // key is neither scored nor drawn.
+  for (const SupportSpec<Scalar>* s : {&narrow, &lsh}) {
+    st = {};
+    CHECK(testing::rel_error(randattn::sparse_lowrank_attention<Scalar>(
+                                 p.q, kq, p.v, *s, SampledRemainder{1e9, false, 8}, opt, &st),
+                             exact) < testing::tolerance<Scalar>());
+    const Index valid_others = causal ? 40 * 39 / 2 + 1 : 40 * 39;
+    CHECK(st.pairs_scored + st.samples == valid_others);
+  }
+  // One position: it attends to its own key.
+  const RowMatrix<Scalar> one = randattn::sparse_lowrank_attention<Scalar>(
+      p.q.topRows(1), kq.topRows(1), p.v.topRows(1), narrow, SampledRemainder{4, false, 4}, opt);
+  CHECK(one == p.v.topRows(1));
+  CHECK_THROWS_AS(randattn::sparse_lowrank_attention<Scalar>(p.q, kq.topRows(39), p.v.topRows(39),
+                                                             narrow, {}, opt),
+                  std::invalid_argument);
+}
+
 TEST_CASE("sparse-lowrank: without remainder a hashing support is its method, bit for bit",
           "[sparse_lowrank]") {
   const Problem<float> p(21, 200, 16, 4, 1.5);

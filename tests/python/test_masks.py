@@ -237,7 +237,7 @@ def test_kv_heads_must_divide_the_query_heads():
 
 # Self-exclusion: the methods that support it (every one but sparse-lowrank, which refuses it:
 # tested below).
-SELF = [m for m in OPTIONS if m != "sparse-lowrank"]
+SELF = list(OPTIONS)
 
 
 def self_excluded_softmax(q, k, v, causal):
@@ -267,6 +267,23 @@ def test_lsh_with_one_chunk_excludes_self_as_exact(causal):
     q, k, v = data()
     out = randattn.attention(q, k, v, method="lsh", chunk=12, rounds=2, causal=causal, exclude_self=True)
     assert_close(out, self_excluded_softmax(q, k, v, causal), np.float64, 12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sparse_lowrank_leaves_the_own_key_out_of_support_and_remainder(causal):
+    q, _, v = data()
+    reference = self_excluded_softmax(q, q, v, causal)  # K = Q
+    # A window holding every key; a narrow window or an LSH support with every other key drawn
+    # (samples far above n: probability 1): exact self-excluded attention in each case.
+    for options in (dict(support="window", window=12, remainder="none"),
+                    dict(support="window", window=2, remainder="sample", samples=1000),
+                    dict(support="lsh", chunk=4, rounds=1, remainder="sample", samples=1000)):
+        out = randattn.attention(q, q, v, method="sparse-lowrank", causal=causal, exclude_self=True, **options)
+        assert_close(out, reference, np.float64, 12)
+    one = q[:, :, :1]
+    np.testing.assert_array_equal(
+        randattn.attention(one, one, v[:, :, :1], method="sparse-lowrank", support="window",
+                           remainder="sample", exclude_self=True), v[:, :, :1])
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -324,13 +341,8 @@ def test_exclude_self_with_a_scattered_mask_matches_the_reference():
 
 def test_exclude_self_errors():
     q, k, v = data()
-    with pytest.raises(ValueError, match="method 'sparse-lowrank' does not support exclude_self=True"):
-        randattn.attention(q, k, v, method="sparse-lowrank", support="window", exclude_self=True)
     with pytest.raises(ValueError, match="same positions"):
         randattn.attention(q, k[:, :, :5], v[:, :, :5], exclude_self=True)
-    with pytest.raises(ValueError, match="approximation=sparse-lowrank does not support exclude_self"):
-        randattn.attention(q, k, v, method="auto", approximation="sparse-lowrank", support="window",
-                           crossover=4, exclude_self=True)
     with pytest.raises(TypeError, match="exclude_self must be True or False"):
         randattn.attention(q, k, v, exclude_self=1)
 
@@ -385,7 +397,6 @@ def test_cli_layouts_give_the_python_bits(tmp_path):
     (dict(cu_seqlens=np.array([0, 5, 5, 12])), "--cu-seqlens must be strictly increasing"),
     (dict(cu_seqlens=np.array([0, 5, 11])), "--cu-seqlens must start at 0 and end at n = 12"),
     (dict(kv_heads=3), "must divide the heads of --q"),
-    (dict(exclude_self=True, method="sparse-lowrank"), "--method sparse-lowrank does not support --exclude-self"),
 ])
 def test_cli_bad_layouts_exit_2_and_write_nothing(tmp_path, layout, message):
     layout = dict(layout)
@@ -418,7 +429,6 @@ SAME_ERRORS = [
     dict(key_lengths=np.array([3, 4]), key_padding_mask=np.zeros((2, 12), bool)),
     dict(key_lengths=np.array([3, 4]), cu_seqlens=np.array([0, 12])),
     dict(kv_heads=3),
-    dict(exclude_self=True, method="sparse-lowrank"),
     dict(exclude_self=True, n_k=5),
 ]
 
@@ -428,8 +438,7 @@ def python_spelling(cli_message):
     names = [spec["name"] for spec in randattn._core.layout_inputs if spec["type"] != "flag"]
     for name in names + ["q", "k", "v"]:
         cli_message = cli_message.replace("--" + name.replace("_", "-"), name)
-    return (cli_message.replace("--exclude-self", "exclude_self=True")
-            .replace("--method sparse-lowrank", "method 'sparse-lowrank'"))
+    return cli_message.replace("--exclude-self", "exclude_self=True")
 
 
 @pytest.mark.parametrize("layout", SAME_ERRORS)

@@ -19,6 +19,11 @@
 // first centre_prefix keys or of the given key_mean; logits always use the raw keys (the shift
 // changes each query's logits by one constant, so E is unchanged up to rounding).
 //
+// Self-exclusion (exclude_self; queries and keys are the same positions): query i neither scores
+// nor estimates key i unless it has no other valid key, and then attends to key i alone (the rule
+// of core/detail/self_rule.hpp). E is then computed over explicit target sets without key i, and
+// the remainder leaves out S_i ∪ {i}.
+//
 // Causal: every part uses keys j <= i only. Window and block supports with no remainder, the
 // sampled remainder or a feature remainder make output i independent of keys after i (bit for
 // bit, key centring from a fixed prefix aside); hashing supports sort every key, so there the
@@ -34,6 +39,7 @@
 
 #include "../attention/random_feature_attention.hpp"
 #include "../core/detail/output_check.hpp"
+#include "../core/detail/self_rule.hpp"
 #include "../core/options.hpp"
 #include "../core/softmax_accumulator.hpp"
 #include "../core/target_sets.hpp"
@@ -52,8 +58,8 @@
 
 namespace randattn {
 
-// The parts of the support; at least one. The lsh and lsf options' causal, scale and
-// check_finite are taken from SparseLowRankOptions.
+// The parts of the support; at least one. The lsh and lsf options' causal, scale, check_finite
+// and exclude_self are taken from SparseLowRankOptions.
 template <typename Scalar>
 struct SupportSpec {
   const CrossPolytopeHash<Scalar>* lsh = nullptr;  // separate-key LSH with lsh_options
@@ -76,6 +82,7 @@ struct SparseLowRankOptions : AttentionOptions {
   std::optional<Eigen::RowVectorXd> key_mean;  // ... unless given (e.g. of calibration keys)
   std::uint64_t seed = 0;   // sampled remainder draws
   std::uint64_t row_offset = 0;  // draws of query i keyed by row_offset + i (batched slices)
+  bool exclude_self = false;  // the self rule (see above); needs as many queries as keys
 };
 
 // The remainders.
@@ -144,6 +151,8 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
   detail::require(!opt.causal || q.rows() == k.rows(), where,
                   "causal attention needs as many queries (", q.rows(), ") as keys (", k.rows(),
                   ")");
+  detail::require(!opt.exclude_self || q.rows() == k.rows(), where,
+                  "exclude_self needs as many queries (", q.rows(), ") as keys (", k.rows(), ")");
   detail::require(q.rows() == 0 || k.rows() > 0, where,
                   "attention over zero keys is undefined (q ", detail::shape_of(q), ", k ",
                   detail::shape_of(k), ")");
@@ -181,6 +190,7 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
     o->scale = double(scale);
     o->check_finite = false;  // checked above
   }
+  lsh_opt.exclude_self = lsf_opt.exclude_self = opt.exclude_self;
   constexpr bool no_remainder = std::is_same<Remainder, NoRemainder>::value;
   constexpr bool sampled = std::is_same<Remainder, SampledRemainder>::value;
   constexpr bool features = !no_remainder && !sampled;
@@ -191,26 +201,35 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
     check_lsh_inputs<Scalar>(where, q, hash_keys, v, *support.lsh, lsh_opt);
     chunks = lsh_chunks<Scalar>(*support.lsh, q, hash_keys, lsh_opt);
   }
-  // LSH chunks alone with no remainder or a feature remainder: the sizes |S_i| suffice (the
-  // correction runs chunk by chunk), so the sets are never built.
-  const bool sizes_only = chunks && detail::hashed_alone(support) && !sampled;
-  const bool need_sets = !sizes_only && (!no_remainder || stats || !detail::hashed_alone(support));
+  // A single hashing support computes E with its own kernel (not under the self rule, whose E
+  // and remainder need the explicit sets). LSH chunks alone with no remainder or a feature
+  // remainder: the sizes |S_i| suffice (the correction runs chunk by chunk), so the sets are
+  // never built.
+  const bool own_kernel = detail::hashed_alone(support) && !opt.exclude_self;
+  const bool sizes_only = chunks && own_kernel && !sampled;
+  const bool need_sets = !sizes_only && (!no_remainder || stats || !own_kernel);
   std::vector<Index> sizes;
-  TargetSets sets;
+  TargetSets sets;      // the keys E scores
+  TargetSets left_out;  // under the self rule: the keys the remainder leaves out, S_i ∪ {i}
   if (sizes_only && (features || stats)) {
     sizes = lsh_target_sizes(*chunks, opt.causal);
     for (Index s : sizes) st.pairs_scored += s;
   } else if (need_sets) {
     sets = detail::support_sets<Scalar>(q, hash_keys, support, lsh_opt, lsf_opt, opt.causal,
                                         chunks ? &*chunks : nullptr);
+    if (opt.exclude_self) {
+      left_out = detail::sets_with_self(sets);
+      sets = detail::sets_under_self_rule(sets, opt.causal);
+    }
     st.pairs_scored += sets.pairs();
   }
+  const TargetSets& remainder_sets = opt.exclude_self ? left_out : sets;
   st.support_seconds += detail::seconds_since(start);
 
   // E: the exact part.
   start = Clock::now();
   SoftmaxAccumulator<Scalar> acc;
-  if (detail::hashed_alone(support)) {
+  if (own_kernel) {
     acc = chunks ? lsh_attention_accumulate<Scalar>(*chunks, *support.lsh, q, hash_keys, v, lsh_opt)
           : support.lsh
               ? lsh_attention_accumulate<Scalar>(*support.lsh, q, hash_keys, v, lsh_opt)
@@ -228,9 +247,9 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
   // R: the remainder.
   start = Clock::now();
   if constexpr (sampled) {
-    st.samples += sampled_remainder_merge<Scalar>(q, k, hash_keys, v, sets, remainder, scale,
-                                                  opt.causal, Philox(opt.seed, streams::sparse_remainder_draws),
-                                                  opt.row_offset, acc);
+    st.samples += sampled_remainder_merge<Scalar>(
+        q, k, hash_keys, v, remainder_sets, remainder, scale, opt.causal,
+        Philox(opt.seed, streams::sparse_remainder_draws), opt.row_offset, acc);
   } else if constexpr (features) {
     RandomFeatureOptions fopt;
     fopt.causal = opt.causal;
@@ -239,8 +258,8 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
     fopt.denominator_epsilon = remainder.denominator_epsilon;
     acc.merge(sizes_only ? feature_remainder_accumulate(remainder.map, q, k, v, *chunks, sizes,
                                                         fopt, &st.clamped_rows)
-                         : feature_remainder_accumulate(remainder.map, q, k, v, sets, fopt,
-                                                        &st.clamped_rows));
+                         : feature_remainder_accumulate(remainder.map, q, k, v, remainder_sets,
+                                                        fopt, &st.clamped_rows));
   }
   st.remainder_seconds += detail::seconds_since(start);
   return acc;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../softmax_accumulator.hpp"
+#include "../target_sets.hpp"
 #include "../types.hpp"
 
 namespace randattn::detail {
@@ -17,6 +18,30 @@ namespace randattn::detail {
 inline std::vector<std::int32_t> rows_alone_with_self(Index n, bool causal) {
   if (n == 0 || (!causal && n > 1)) return {};
   return {0};
+}
+
+// Target sets of an n x n self-excluding call under the self rule: row i's set without key i,
+// or key i alone for a row with no other valid key.
+inline TargetSets sets_under_self_rule(const TargetSets& sets, bool causal) {
+  const Index n = sets.rows();
+  return gather_target_sets(n, n, [&](Index i, auto&& add) {
+    if (valid_keys(i, n, causal) == 1) {
+      add(std::int32_t(i));
+      return;
+    }
+    for (const std::int32_t* j = sets.begin(i); j < sets.end(i); ++j)
+      if (*j != i) add(*j);
+  });
+}
+
+// Row i's set with key i added (n x n): the keys an estimate of "every other valid key" leaves out
+// under the self rule.
+inline TargetSets sets_with_self(const TargetSets& sets) {
+  const Index n = sets.rows();
+  return gather_target_sets(n, n, [&](Index i, auto&& add) {
+    add(std::int32_t(i));
+    for (const std::int32_t* j = sets.begin(i); j < sets.end(i); ++j) add(*j);
+  });
 }
 
 // Each row i of `rows` attends to itself alone, with logit queries(i) . keys(i) (queries already

@@ -34,6 +34,8 @@ class SparseLowRankMethod final : public TypedMethod<SparseLowRankMethod> {
 
   static constexpr const char* kSupports[] = {"lsh", "lsf", "window", "blocks"};
 
+  bool supports_exclude_self() const override { return true; }
+
   std::vector<OptionSpec> options() const override {
     OptionSpec support{"support", OptionType::text, std::string("lsh"),
                        "keys scored exactly: lsh, lsf, window, blocks, or a comma-separated union"};
@@ -123,6 +125,7 @@ class SparseLowRankMethod final : public TypedMethod<SparseLowRankMethod> {
     opt.scale = call.settings.scale;
     opt.check_finite = call.settings.check_finite;
     opt.seed = call.settings.seed;
+    opt.exclude_self = call.settings.exclude_self;
     opt.centre_keys = o.flag("centre_keys");
     opt.centre_prefix = o.integer("centre_prefix");
     report.emplace_back("centre_keys", opt.centre_keys);

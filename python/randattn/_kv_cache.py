@@ -17,7 +17,7 @@ class KVCache:
       "exact"       every cached key (the reference)
       "blocks"      Quest page bounds: page_size (32) tokens per page, top_pages (64) attended
       "lsh-sample"  MagicPIG SimHash sampling with importance weights: bits (8) K per table,
-                    tables (64) L, seed (0)
+                    tables (64) L, hash_block (64) keys hashed per block, seed (0)
       "lsf"         locality-sensitive filters: filters (256) per table, tables (4), eta (None:
                     from alpha), alpha (0.5), min_probes (1), seed (0)
     Every retrieval mode also takes centre_tokens (0) or key_centre (None) for key centring, and

@@ -58,6 +58,8 @@ const std::vector<ModeInfo>& modes() {
        DecodeMode::lsh_sample,
        {{"bits", std::int64_t(o.lsh_bits), "SimHash bits K per table (0..16)"},
         {"tables", std::int64_t(o.lsh_tables), "hash tables L (2..1024)"},
+        {"hash_block", std::int64_t(o.lsh_hash_block),
+         "keys hashed per block, by one product (1..4096; the open block is scored exactly)"},
         seed,
         centre_tokens,
         key_centre}},
@@ -139,6 +141,7 @@ KvCacheOptions to_options(const ModeInfo& mode, py::handle sinks, py::handle win
   if (owns(mode, "bits")) {
     o.lsh_bits = int(integer_in("bits", 0, 16));
     o.lsh_tables = int(integer_in("tables", 2, 1024));
+    o.lsh_hash_block = integer_in("hash_block", 1, 4096);
   }
   if (owns(mode, "filters")) {
     o.lsf_filters = integer_in("filters", 2, 65536);
@@ -332,6 +335,7 @@ class KVCache {
       set("top_pages", py::cast(o.top_pages));
       set("bits", py::cast(o.lsh_bits));
       if (o.mode == DecodeMode::lsh_sample) d["tables"] = o.lsh_tables;
+      set("hash_block", py::cast(o.lsh_hash_block));
       if (o.mode == DecodeMode::lsf) d["tables"] = o.lsf_tables;
       set("filters", py::cast(o.lsf_filters));
       set("eta", o.lsf_threshold ? py::cast(*o.lsf_threshold) : py::none());

@@ -320,7 +320,26 @@ def test_options_belong_to_their_modes():
         randattn.KVCache(D, DV, KV_HEADS, mode="blocks", page_size=2.5)
     modes = randattn.KVCache.modes()
     assert set(modes) == {"exact", "blocks", "lsh-sample", "lsf"}
-    assert set(modes["lsh-sample"]) == {"bits", "tables", "seed", "centre_tokens", "key_centre"}
+    assert set(modes["lsh-sample"]) == {"bits", "tables", "hash_block", "seed", "centre_tokens", "key_centre"}
+    for block in (0, 4097):
+        with pytest.raises(ValueError, match=r"hash_block must be in \[1, 4096\]"):
+            randattn.KVCache(D, DV, KV_HEADS, mode="lsh-sample", hash_block=block)
+
+
+@pytest.mark.parametrize("block", [16, 128])
+def test_lsh_sample_hashes_whole_blocks_only(rng, block):
+    """Keys are hashed hash_block at a time; the open block is attended exactly, so with no
+    complete block the cache decodes exactly."""
+    n = 90
+    k, v = tokens(rng, n, np.float32)
+    q = queries(rng, np.float32)
+    exact = filled(k, v, dtype="float32").attend(q)
+    everything = dict(bits=0, tables=4, hash_block=block)  # every hashed key is retrieved
+    out, report = filled(k, v, "lsh-sample", dtype="float32", options=everything).attend(q, report=True)
+    candidates_end = min(n - SMALL["window"], n // block * block)
+    assert report["retrieved_keys"] == Q_HEADS * max(candidates_end - SMALL["sinks"], 0)
+    assert report["keys_scored"] == Q_HEADS * n
+    assert_close(out, exact, np.float32, n + D)
 
 
 def test_empty_cache_and_one_token(rng):

@@ -16,13 +16,14 @@ in the shapes that function broadcasts to (batch, heads, n_q, n_k), when they ar
 Masks that differ between heads, other patterns and float (additive) masks raise ValueError.
 A query row with no valid key gets zeros (``scaled_dot_product_attention`` gives NaN there).
 
-Output reuse (``reuse_output=True``, the default): when no gradient can be needed (grad disabled,
-or no input requires grad), results are written into buffers the module keeps for the last
-shape, dtype and inference mode, so a loop over calls does not allocate and first-touch a new
-result each time. A buffer is reused only once no Python reference to it is left but the
+Output reuse (``reuse_output=True``; off by default): when no gradient can be needed (grad
+disabled, or no input requires grad), results are written into buffers the module keeps for the
+last shape, dtype and inference mode, so a loop over calls does not allocate and first-touch a
+new result each time. A buffer is reused only once no Python reference to it is left but the
 module's (two buffers alternate, so ``out = attn(q, k, v)`` in a loop reuses them); a *view* of a
-result (``out[0]``, ``out.transpose(1, 2)``) does not count as a reference: ``clone()`` a result
-to keep it, or pass ``reuse_output=False``.
+result (``out[0]``, ``out.transpose(1, 2)``, a ``reshape`` that does not copy) does not count as a
+reference and would be overwritten by a later call. That is why reuse is opt-in: turn it on where
+every result is consumed, or ``clone()``d, before the next call.
 """
 
 import sys
@@ -64,7 +65,7 @@ def _mask_layout(mask, batch, n_q, n_k):
 class Attention(torch.nn.Module):
     """Attention by randattn's ``method`` with fixed options (see :func:`randattn.attention`)."""
 
-    def __init__(self, method="exact", reuse_output=True, **options):
+    def __init__(self, method="exact", reuse_output=False, **options):
         super().__init__()
         if method not in randattn.methods():
             raise ValueError(f"unknown method {method!r} (available: {', '.join(randattn.methods())})")
@@ -118,5 +119,5 @@ class Attention(torch.nn.Module):
 
     def extra_repr(self):
         opts = "".join(f", {k}={v!r}" for k, v in self.options.items())
-        reuse = "" if self.reuse_output else ", reuse_output=False"
+        reuse = ", reuse_output=True" if self.reuse_output else ""
         return f"method={self.method!r}{reuse}{opts}"

@@ -142,7 +142,8 @@ def test_attention_writes_into_a_tensor_out():
 def test_module_reuses_its_output_when_no_gradient_is_needed():
     g = torch.Generator().manual_seed(6)
     q, q2, k, v = (torch.randn(1, 2, 16, 4, generator=g) for _ in range(4))
-    module = randattn.torch.Attention(method="favor", features=16, seed=1)
+    module = randattn.torch.Attention(method="favor", features=16, seed=1, reuse_output=True)
+    assert "reuse_output=True" in repr(module)
     first = module(q, k, v)  # grad enabled, but no input requires grad: reuse allowed
     first_ptr = first.data_ptr()
     second = module(q2, k, v)  # `first` is still held: the other buffer
@@ -163,17 +164,17 @@ def test_module_reuses_its_output_when_no_gradient_is_needed():
         out = module(q, k, v)
         ptrs.add(out.data_ptr())
     assert ptrs == buffers and len(ptrs) == 2
-    # A new shape or dtype gets new buffers; reuse_output=False always allocates.
+    # A new shape or dtype gets new buffers; by default (reuse_output=False) every call allocates.
     wider = module(q, k, torch.randn(1, 2, 16, 6, generator=g))
     assert wider.shape == (1, 2, 16, 6) and wider.data_ptr() not in ptrs
-    fresh = randattn.torch.Attention(method="favor", features=16, seed=1, reuse_output=False)
+    fresh = randattn.torch.Attention(method="favor", features=16, seed=1)
     assert torch.equal(fresh(q, k, v), randattn.attention(q, k, v, method="favor", features=16, seed=1))
-    assert fresh._outputs == [] and "reuse_output=False" in repr(fresh)
+    assert fresh._outputs == [] and "reuse_output" not in repr(fresh)
 
 
 def test_module_allocates_when_a_gradient_may_be_needed():
     q = torch.randn(1, 1, 4, 2)
-    module = randattn.torch.Attention()
+    module = randattn.torch.Attention(reuse_output=True)
     assert module._output(q, q, q) is not None
     needs_grad = q.clone().requires_grad_(True)
     assert module._output(needs_grad, q, q) is None

@@ -12,7 +12,11 @@
 //    calls fit to their q and k (O(n·d) for OPRF, O(n·d²) for SDERF, plus O(d³ + m·d²) set-up),
 //    causal calls use parameters fitted once to calibration rows outside the loop. Compare with
 //    Favor of the same n and causal flag (run with --benchmark_filter='^(Favor|Oprf|Sderf)/').
-// Arguments: n, causal (0/1); threads are fixed by --threads (default 1).
+//  - ExactThreads, FavorThreads, OprfThreads (arguments n, threads): bidirectional attention at
+//    n = 65536 on 1 and 2 threads, written into one output reused across calls (the _into forms),
+//    so that the rows time the computation and not the first touch of a fresh result. Their
+//    ratio threads:1 / threads:2 is the two-thread speedup (OPRF's fit included).
+// Arguments: n, causal (0/1); these rows run on one thread.
 
 #include <cmath>
 #include <string>
@@ -158,6 +162,49 @@ void Sderf(benchmark::State& state) {
   Fitted(state, randattn::DenseExponentialFeatures(OrthogonalProjection<float>(kM, kD, 1)));
 }
 
+// Two-thread scaling: see the header. refit(map, inputs) runs before every call.
+template <typename Map, typename Refit>
+void IntoThreads(benchmark::State& state, Map map, Refit&& refit) {
+  const Index n = state.range(0);
+  bench::set_threads(int(state.range(1)));
+  const Inputs in(n);
+  RowMatrix<float> out(n, kDv);
+  for (auto _ : state) {
+    refit(map, in);
+    randattn::random_feature_attention_into(map, in.q, in.k, in.v, out);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  bench::report_gflops(state, feature_flops(n, map.feature_dim()));
+}
+
+void ExactThreads(benchmark::State& state) {
+  const Index n = state.range(0);
+  bench::set_threads(int(state.range(1)));
+  const Inputs in(n);
+  RowMatrix<float> out(n, kDv);
+  for (auto _ : state) {
+    randattn::exact_attention_into(in.q, in.k, in.v, out);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  bench::report_gflops(state, exact_flops(n, false));
+}
+void FavorThreads(benchmark::State& state) {
+  IntoThreads(state, randattn::PositiveFeatures(OrthogonalProjection<float>(kM, kD, 1)),
+              [](auto&, const Inputs&) {});
+}
+void OprfThreads(benchmark::State& state) {
+  const double c = std::pow(double(kD), -0.25);
+  IntoThreads(state, randattn::OptimalPositiveFeatures(OrthogonalProjection<float>(kM, kD, 1)),
+              [c](auto& map, const Inputs& in) { map.fit(in.q, in.k, c); });
+}
+
+void thread_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"n", "threads"})->Args({65536, 1})->Args({65536, 2});
+  b->Unit(benchmark::kMillisecond)->UseRealTime();
+}
+
 void fitted_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"n", "causal"});
   for (int causal : {0, 1})
@@ -215,3 +262,6 @@ BENCHMARK(Favor)->Apply(end_to_end_args);
 BENCHMARK(FavorHyp)->Apply(end_to_end_args);
 BENCHMARK(Oprf)->Apply(fitted_args);
 BENCHMARK(Sderf)->Apply(fitted_args);
+BENCHMARK(ExactThreads)->Apply(thread_args);
+BENCHMARK(FavorThreads)->Apply(thread_args);
+BENCHMARK(OprfThreads)->Apply(thread_args);

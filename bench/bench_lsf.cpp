@@ -9,6 +9,9 @@
 //    on average), L tables, threshold eta; rotation 0 = dense Gaussian filters, 1 = Hadamard.
 //  - Lsh/n/r/c: LSH attention with the same separate keys (exact buckets), r rounds,
 //    b = 2 ceil(n / c) buckets (c = 64: 32 keys per bucket on average).
+//  - LsfThreads/n/threads: Lsf at n = 65536, L = 2, eta = 0.25, Hadamard filters, on 1 and 2
+//    threads, written into one output reused across calls (lsf_attention_into); threads:1 /
+//    threads:2 is the two-thread speedup.
 // Counters: speedup (TiledExact wall time / this wall time), speedup_cpu (the same with CPU
 // times, steadier on a shared machine), rel_error (Frobenius, against TiledExact's output) and,
 // for LSF, pairs_scored (fraction of the n^2 pairs in the union of opened filters).
@@ -134,7 +137,30 @@ void Lsh(benchmark::State& state) {
   report_against_exact(state, n, m);
 }
 
+void LsfThreads(benchmark::State& state) {
+  const Index n = state.range(0);
+  bench::set_threads(int(state.range(1)));
+  const Inputs& in = inputs(n);
+  const randattn::LocalitySensitiveFilters<float> filters(randattn::RotationKind::hadamard, kDim,
+                                                          n / 32, 2, 1234);
+  randattn::LsfOptions opt;
+  opt.eta = 0.25;
+  opt.scale = kScale;
+  RowMatrix<float> out(n, kValueDim);
+  for (auto _ : state) {
+    randattn::lsf_attention_into(filters, in.q, in.k, in.v, out, opt);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+}
+
 void register_all() {
+  for (int threads : {1, 2})
+    benchmark::RegisterBenchmark("LsfThreads", LsfThreads)
+        ->ArgNames({"n", "threads"})
+        ->Args({65536, threads})
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
   for (Index n : {16384, 65536}) {
     benchmark::RegisterBenchmark("TiledExact", TiledExact)
         ->ArgNames({"n"})

@@ -13,6 +13,9 @@
 //    b = 2 ceil(n / c); counters speedup = TiledExact(n) wall time / this wall time and
 //    speedup_cpu, the same ratio of CPU times (steadier when the machine is shared).
 //  - LshExactBuckets/n/r: the exact-bucket mode on the same inputs, same counters.
+//  - LshThreads/n/threads: Lsh at n = 65536, r = 4, dense rotation, on 1 and 2 threads, written
+//    into one output reused across calls (lsh_attention_into); threads:1 / threads:2 is the
+//    two-thread speedup.
 
 #include <time.h>
 
@@ -115,7 +118,30 @@ void LshExactBuckets(benchmark::State& state) {
   run_lsh(state, state.range(0), state.range(1), randattn::RotationKind::dense, true);
 }
 
+void LshThreads(benchmark::State& state) {
+  const Index n = state.range(0);
+  bench::set_threads(int(state.range(1)));
+  const RowMatrix<float> q = gaussian_matrix<float>(Philox(1), n, kD),
+                         v = gaussian_matrix<float>(Philox(3), n, kDv);
+  const randattn::CrossPolytopeHash<float> hash(randattn::RotationKind::dense, kD,
+                                                randattn::reformer_buckets(n, kChunk), 4, 7);
+  randattn::LshOptions opt;
+  opt.chunk = kChunk;
+  RowMatrix<float> out(n, kDv);
+  for (auto _ : state) {
+    randattn::lsh_attention_into(hash, q, v, out, opt);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+}
+
 void register_all() {
+  for (int threads : {1, 2})
+    benchmark::RegisterBenchmark("LshThreads", LshThreads)
+        ->ArgNames({"n", "threads"})
+        ->Args({65536, threads})
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
   for (int kind : {0, 1}) {
     for (Index b : {16, 128})
       benchmark::RegisterBenchmark("Hash", Hash)

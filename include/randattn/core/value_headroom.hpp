@@ -40,6 +40,20 @@ void scale_by_power_of_two(const Eigen::MatrixBase<Derived>& x_, int e) {
   if (e != 0) x.derived() *= static_cast<Scalar>(std::ldexp(1.0, e));
 }
 
+// out ← 2^e out for an output computed on 2^-e v (e >= 0). The exact output is a convex
+// combination of finite values, so it is in range; the rounding of num / den can leave an entry a
+// few ulps beyond 2^-e times the type's maximum, which the scaling would turn into an infinity.
+// Such an entry becomes the largest finite value of its sign (NaN stays NaN).
+template <typename Derived>
+void unscale_output(const Eigen::MatrixBase<Derived>& out_, int e) {
+  using Scalar = typename Derived::Scalar;
+  if (e == 0) return;
+  auto& out = const_cast<Eigen::MatrixBase<Derived>&>(out_);
+  const Scalar big = std::numeric_limits<Scalar>::max();
+  out.derived() =
+      (out.derived() * static_cast<Scalar>(std::ldexp(1.0, e))).cwiseMin(big).cwiseMax(-big);
+}
+
 // An accumulator built on 2^-e v, as if built on v (numerators that overflow become infinite:
 // the caller's result check reports them).
 template <typename Scalar>

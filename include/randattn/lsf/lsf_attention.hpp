@@ -562,7 +562,7 @@ void lsf_attention_into(const LocalitySensitiveFilters<typename DQ::Scalar>& fil
   detail::check_result_finite(where, acc.numden(), opt.check_finite, [] {});
   detail::check_result_finite(where, acc.log_scale(), opt.check_finite, [] {});
   acc.finalize_into(out);
-  detail::scale_by_power_of_two(out, e);
+  detail::unscale_output(out, e);
 }
 
 // LSF attention: q n_q x d, k n_k x d, v n_k x dv -> n_q x dv.
@@ -632,7 +632,7 @@ void lsf_attention_batched(const LocalitySensitiveFilters<Scalar>& filters, cons
         detail::check_result_finite(where, acc.numden(), opt.check_finite, [] {});
         detail::check_result_finite(where, acc.log_scale(), opt.check_finite, [] {});
         acc.finalize_into(o);
-        detail::scale_by_power_of_two(o, e);
+        detail::unscale_output(o, e);
       });
 }
 

@@ -630,7 +630,7 @@ void lsh_attention_into_impl(const CrossPolytopeHash<Scalar>& hash,
   // Every row holds its largest term exp(0), so den >= 1.
   int e = 0;
   lsh_accumulate<Scalar>(q, k, v, hash, opt, &e).finalize_into(out);
-  scale_by_power_of_two(out, e);
+  unscale_output(out, e);
 }
 
 }  // namespace detail
@@ -750,7 +750,7 @@ void lsh_batched(const CrossPolytopeHash<Scalar>& hash, const Scalar* q, const S
         auto o = slice_of(out, s, shape.n_q, shape.dv);
         LshSlice<Scalar> lsh(in.q, in.keys(), in.v, hash, opt, scale);
         lsh.accumulator().finalize_into(o);
-        scale_by_power_of_two(o, lsh.value_exponent());
+        unscale_output(o, lsh.value_exponent());
       });
 }
 

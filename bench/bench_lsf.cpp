@@ -9,7 +9,7 @@
 //    on average), L tables, threshold eta; rotation 0 = dense Gaussian filters, 1 = Hadamard.
 //  - Lsh/n/r/c: LSH attention with the same separate keys (exact buckets), r rounds,
 //    b = 2 ceil(n / c) buckets (c = 64: 32 keys per bucket on average).
-//  - LsfThreads/n/threads: Lsf at n = 65536, L = 2, eta = 0.25, Hadamard filters, on 1 and 2
+//  - LsfThreads/n/threads: Lsf at n = 65536, L = 2, eta = 2.5, Hadamard filters, on 1 and 2
 //    threads, written into one output reused across calls (lsf_attention_into); threads:1 /
 //    threads:2 is the two-thread speedup.
 // Counters: speedup (TiledExact wall time / this wall time), speedup_cpu (the same with CPU
@@ -144,7 +144,7 @@ void LsfThreads(benchmark::State& state) {
   const randattn::LocalitySensitiveFilters<float> filters(randattn::RotationKind::hadamard, kDim,
                                                           n / 32, 2, 1234);
   randattn::LsfOptions opt;
-  opt.eta = 0.25;
+  opt.eta = 2.5;
   opt.scale = kScale;
   RowMatrix<float> out(n, kValueDim);
   for (auto _ : state) {

@@ -314,10 +314,7 @@ void random_feature_attention_batched(const Map& map, const typename Map::Scalar
                                       const RandomFeatureOptions& opt = {}) {
   using Scalar = typename Map::Scalar;
   const char* where = "random_feature_attention_batched";
-  detail::check_batch_output(where, shape, out,
-                           {detail::named_buffer("q", q, shape.slices() * shape.n_q * shape.d),
-                            detail::named_buffer("k", k, shape.slices() * shape.n_k * shape.d),
-                            detail::named_buffer("v", v, shape.slices() * shape.n_k * shape.dv)});
+  detail::check_batch_qkv_output(where, shape, q, k, v, out);
   detail::require(shape.d == map.input_dim(), where, "shape.d = ", shape.d,
                   " must equal the map's input dimension ", map.input_dim());
   const auto s = detail::feature_attention_settings(where, map, opt);

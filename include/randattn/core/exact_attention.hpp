@@ -194,10 +194,7 @@ template <typename Scalar>
 void exact_attention_batched(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out,
                              const BatchShape& shape, const ExactOptions& opt = {}) {
   const char* where = "exact_attention_batched";
-  detail::check_batch_output(where, shape, out,
-                           {detail::named_buffer("q", q, shape.slices() * shape.n_q * shape.d),
-                            detail::named_buffer("k", k, shape.slices() * shape.n_k * shape.d),
-                            detail::named_buffer("v", v, shape.slices() * shape.n_k * shape.dv)});
+  detail::check_batch_qkv_output(where, shape, q, k, v, out);
   using detail::slice_of;
   detail::for_each_slice(
       where, shape, q && k && v && out,

@@ -608,10 +608,7 @@ void lsf_attention_batched(const LocalitySensitiveFilters<Scalar>& filters, cons
                            const Scalar* k, const Scalar* v, Scalar* out, const BatchShape& shape,
                            const LsfOptions& opt = {}) {
   const char* where = "lsf_attention_batched";
-  detail::check_batch_output(where, shape, out,
-                           {detail::named_buffer("q", q, shape.slices() * shape.n_q * shape.d),
-                            detail::named_buffer("k", k, shape.slices() * shape.n_k * shape.d),
-                            detail::named_buffer("v", v, shape.slices() * shape.n_k * shape.dv)});
+  detail::check_batch_qkv_output(where, shape, q, k, v, out);
   using detail::slice_of;
   const Scalar scale =
       detail::resolve_scale<Scalar>(where, opt, detail::inverse_sqrt_dim(filters.dim()));

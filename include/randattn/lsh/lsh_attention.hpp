@@ -722,10 +722,7 @@ template <typename Scalar>
 void lsh_batched(const CrossPolytopeHash<Scalar>& hash, const Scalar* q, const Scalar* k,
                  const Scalar* v, Scalar* out, const BatchShape& shape, const LshOptions& opt) {
   const char* where = "lsh_attention_batched";
-  check_batch_output(where, shape, out,
-                     {named_buffer(k ? "q" : "qk", q, shape.slices() * shape.n_q * shape.d),
-                      named_buffer("k", k, shape.slices() * shape.n_k * shape.d),
-                      named_buffer("v", v, shape.slices() * shape.n_k * shape.dv)});
+  check_batch_qkv_output(where, shape, q, k, v, out, k ? "q" : "qk");
   require(k || shape.n_k == shape.n_q, where, "shared QK needs n_k == n_q, got ", shape.n_k,
           " and ", shape.n_q);
   // One slice's inputs; k == nullptr: shared QK.

@@ -93,4 +93,16 @@ void check_batch_output(const char* where, const BatchShape& shape, const Scalar
   check_no_overlap(where, address_span(out, shape.slices() * shape.n_q * shape.dv), inputs);
 }
 
+// check_batch_output for the q (n_q x d), k (n_k x d) and v (n_k x dv) buffers of a `_batched`
+// attention form; `q_name` names q ("qk" under shared QK, where k is null).
+template <typename Scalar>
+void check_batch_qkv_output(const char* where, const BatchShape& shape, const Scalar* q,
+                            const Scalar* k, const Scalar* v, const Scalar* out,
+                            const char* q_name = "q") {
+  check_batch_output(where, shape, out,
+                     {named_buffer(q_name, q, shape.slices() * shape.n_q * shape.d),
+                      named_buffer("k", k, shape.slices() * shape.n_k * shape.d),
+                      named_buffer("v", v, shape.slices() * shape.n_k * shape.dv)});
+}
+
 }  // namespace randattn::detail

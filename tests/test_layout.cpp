@@ -1,7 +1,8 @@
 // Key layouts of registered methods (include/randattn/registry/layout.hpp): the declared layout
 // inputs and their checks in both front ends' spellings, self-exclusion of every method that
 // supports it under packed sequences and padding, and sub-calls that give the same bits for any
-// thread count.
+// thread count. Also every registered method's batched job on logits beyond the floating-point
+// range: the overflow error, never NaN.
 #include <randattn/registry/layout.hpp>
 #include <randattn/registry/registry.hpp>
 
@@ -9,6 +10,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <stdexcept>
 #include <map>
 #include <string>
 #include <vector>
@@ -214,6 +217,54 @@ TEMPLATE_TEST_CASE("Layout sub-calls run in parallel with the same bits for any 
 #endif
         CHECK(one == two);
         for (Scalar x : one) CHECK(std::isfinite(double(x)));
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("Every registered method reports logits beyond the range, never returns NaN",
+                   "[layout][robustness][overflow]", float, double) {
+  using Scalar = TestType;
+  // A scale near the type's maximum: the logits of bounded queries and keys overflow. Each
+  // method's batched job (what both front ends call) either returns a finite result (random
+  // features clamp their log-scales, so their estimate stays finite) or raises the overflow
+  // error; NaN or Inf is never handed back.
+  const BatchShape shape{2, 2, 6, 6, 2, 1};
+  const std::vector<Scalar> q = values<Scalar>(31, shape.slices() * shape.n_q, shape.d),
+                            k = values<Scalar>(32, shape.slices() * shape.n_k, shape.d),
+                            v = values<Scalar>(33, shape.slices() * shape.n_k, shape.dv);
+  for (const auto& method : reg::methods()) {
+    for (const bool shared : {false, true}) {
+      if (shared && !method->supports_shared_qk()) continue;
+      for (const bool causal : {false, true}) {
+        reg::Settings settings;
+        settings.causal = causal;
+        settings.shared_qk = shared;
+        settings.seed = 3;
+        settings.scale = double(std::numeric_limits<Scalar>::max()) / 2;
+        INFO(method->name() << (shared ? ", shared QK" : "") << (causal ? ", causal" : ""));
+        std::map<std::string, reg::Value> options = options_of(method->name());
+        const auto owns = [&](const char* option) {
+          for (const reg::OptionSpec& o : method->options())
+            if (o.name == option) return true;
+          return false;
+        };
+        if (causal && owns("fit")) {  // a causal fit takes given rows: the first slice's queries
+          options["fit"] = std::string("given");
+          options["calibration"] = reg::ArrayValue{
+              {shape.n_q, shape.d}, std::vector<double>(q.begin(), q.begin() + shape.n_q * shape.d),
+              "q"};
+        }
+        std::vector<Scalar> out(std::size_t(shape.slices() * shape.n_q * shape.dv));
+        try {
+          const reg::Call call = reg::make_call(*method, options, settings, shape, kPython);
+          method->build(call, Scalar())(q.data(), shared ? nullptr : k.data(), v.data(),
+                                         out.data());
+        } catch (const std::invalid_argument& e) {
+          CHECK_THAT(e.what(), Catch::Contains("overflowed the floating-point range"));
+          continue;
+        }
+        for (const Scalar x : out) REQUIRE(std::isfinite(x));
       }
     }
   }

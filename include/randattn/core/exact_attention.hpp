@@ -119,9 +119,7 @@ SoftmaxAccumulator<Scalar> exact_attention_accumulate(const Eigen::Ref<const Row
   SoftmaxAccumulator<Scalar> acc =
       detail::exact_tiled<Scalar>(q, k, v, scale, opt.causal, block, opt.exclude_self);
   const auto scan = detail::exact_input_scan<Scalar>("exact_attention", q, k, v);
-  detail::check_result_finite("exact_attention", acc.numden(), opt.check_finite, scan);
-  // Every row has a valid key, so a log-scale of -inf means all its logits overflowed to -inf.
-  detail::check_result_finite("exact_attention", acc.log_scale(), opt.check_finite, scan);
+  detail::check_accumulator_finite("exact_attention", acc, opt.check_finite, scan);
   return acc;
 }
 

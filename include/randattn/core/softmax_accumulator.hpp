@@ -158,4 +158,36 @@ class SoftmaxAccumulator {
   Vector<Scalar> log_scale_;
 };
 
+namespace detail {
+
+// The post-condition of a softmax path whose inputs were checked (or whose check is off, then
+// nothing is scanned): a non-finite numerator, denominator or log-scale means the logits left
+// the floating-point range, and so does a row whose logits all overflowed to -inf when every
+// row has a key. Reported as overflow (check_result_finite), never returned as NaN or an empty
+// row. The one check of the single-slice and batched forms of every attention path.
+// empty_rows_allowed: a path whose rows may hold no weight at all (an empty sparse support with
+// no remainder; zero output) accepts a log-scale of -inf; NaN and +inf still mean overflow.
+template <typename Scalar, typename ScanInputs>
+void check_accumulator_finite(const char* where, const SoftmaxAccumulator<Scalar>& acc,
+                              bool check, ScanInputs&& scan_inputs,
+                              bool empty_rows_allowed = false) {
+  check_result_finite(where, acc.numden(), check, scan_inputs);
+  const auto log_scale = acc.log_scale().array();
+  if (empty_rows_allowed) {
+    const Scalar none = -std::numeric_limits<Scalar>::infinity();
+    check_result_finite(where, (log_scale == none).select(Scalar(0), log_scale), check,
+                        scan_inputs);
+  } else {
+    check_result_finite(where, log_scale, check, scan_inputs);
+  }
+}
+
+template <typename Scalar>
+void check_accumulator_finite(const char* where, const SoftmaxAccumulator<Scalar>& acc,
+                              bool check) {
+  check_accumulator_finite(where, acc, check, [] {});
+}
+
+}  // namespace detail
+
 }  // namespace randattn

@@ -101,4 +101,9 @@ void check_result_finite(const char* where, const Eigen::DenseBase<Result>& resu
        "rescale the inputs or the logit scale");
 }
 
+// The same post-condition for one number computed from checked, finite inputs.
+inline void check_result_finite(const char* where, double result) {
+  check_result_finite(where, Eigen::Matrix<double, 1, 1>::Constant(result), true, [] {});
+}
+
 }  // namespace randattn::detail

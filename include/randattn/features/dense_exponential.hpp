@@ -84,6 +84,7 @@ Eigen::MatrixXd pair_sum_second_moment(const Eigen::Ref<const RowMatrix<Scalar>>
                       detail::normalised_mean_outer<Scalar>(y, normaliser);
   m.noalias() += mx * my.transpose();
   m.noalias() += my * mx.transpose();
+  detail::check_result_finite("pair_sum_second_moment", m, true, [] {});
   return m;
 }
 

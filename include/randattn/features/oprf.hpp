@@ -100,7 +100,9 @@ double pair_sum_sq_norm(const Eigen::Ref<const RowMatrix<Scalar>>& x,
   detail::check_pair_inputs<Scalar>("pair_sum_sq_norm", x, y, normaliser);
   const auto mx = detail::normalised_row_moments<Scalar>(x, normaliser);
   const auto my = detail::normalised_row_moments<Scalar>(y, normaliser);
-  return mx.second + my.second + 2 * mx.first.dot(my.first);
+  const double rho = mx.second + my.second + 2 * mx.first.dot(my.first);
+  detail::check_result_finite("pair_sum_sq_norm", rho);
+  return rho;
 }
 
 // OPRF: m positive features with the variance-optimal A for the statistic ρ (ρ = 0: FAVOR+).

@@ -530,10 +530,7 @@ SoftmaxAccumulator<Scalar> lsf_attention_accumulate(const LocalitySensitiveFilte
   const char* where = "lsf_attention";
   const Scalar scale = detail::check_lsf_inputs<Scalar>(where, q, k, v, filters, opt);
   SoftmaxAccumulator<Scalar> acc = detail::lsf_slice<Scalar>(q, k, v, filters, opt, scale);
-  // Inputs were checked, so a non-finite result (or a row whose logits all overflowed to -inf)
-  // means overflow: report it rather than return NaN or an empty row.
-  detail::check_result_finite(where, acc.numden(), opt.check_finite, [] {});
-  detail::check_result_finite(where, acc.log_scale(), opt.check_finite, [] {});
+  detail::check_accumulator_finite(where, acc, opt.check_finite);
   return acc;
 }
 
@@ -559,8 +556,7 @@ void lsf_attention_into(const LocalitySensitiveFilters<typename DQ::Scalar>& fil
   int e = 0;
   const SoftmaxAccumulator<Scalar> acc =
       detail::lsf_slice<Scalar>(qr, kr, vr, filters, opt, scale, &e);
-  detail::check_result_finite(where, acc.numden(), opt.check_finite, [] {});
-  detail::check_result_finite(where, acc.log_scale(), opt.check_finite, [] {});
+  detail::check_accumulator_finite(where, acc, opt.check_finite);
   acc.finalize_into(out);
   detail::unscale_output(out, e);
 }
@@ -625,9 +621,7 @@ void lsf_attention_batched(const LocalitySensitiveFilters<Scalar>& filters, cons
         const SoftmaxAccumulator<Scalar> acc = detail::lsf_slice<Scalar>(
             slice_of(q, s, shape.n_q, shape.d), slice_of(k, s, shape.n_k, shape.d),
             slice_of(v, s, shape.n_k, shape.dv), filters, opt, scale, &e);
-        // As lsf_attention: an overflow is reported, never returned as NaN or Inf.
-        detail::check_result_finite(where, acc.numden(), opt.check_finite, [] {});
-        detail::check_result_finite(where, acc.log_scale(), opt.check_finite, [] {});
+        detail::check_accumulator_finite(where, acc, opt.check_finite);
         acc.finalize_into(o);
         detail::unscale_output(o, e);
       });

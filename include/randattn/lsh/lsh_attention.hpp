@@ -385,10 +385,7 @@ SoftmaxAccumulator<Scalar> lsh_accumulate(const Eigen::Ref<const RowMatrix<Scala
       value_exponent ? std::move(slice.accumulator())
                      : unscaled_accumulator(std::move(slice.accumulator()), slice.value_exponent());
   if (value_exponent) *value_exponent = slice.value_exponent();
-  // Inputs were checked above, so a non-finite result (or a row whose logits all overflowed
-  // to -inf) means overflow: report it rather than return NaN or an empty row.
-  check_result_finite("lsh_attention", acc.numden(), opt.check_finite, [] {});
-  check_result_finite("lsh_attention", acc.log_scale(), opt.check_finite, [] {});
+  check_accumulator_finite("lsh_attention", acc, opt.check_finite);
   return acc;
 }
 
@@ -746,6 +743,7 @@ void lsh_batched(const CrossPolytopeHash<Scalar>& hash, const Scalar* q, const S
         const Slice in = slice(s);
         auto o = slice_of(out, s, shape.n_q, shape.dv);
         LshSlice<Scalar> lsh(in.q, in.keys(), in.v, hash, opt, scale);
+        check_accumulator_finite(where, lsh.accumulator(), opt.check_finite);
         lsh.accumulator().finalize_into(o);
         unscale_output(o, lsh.value_exponent());
       });

@@ -230,8 +230,7 @@ SoftmaxAccumulator<Scalar> lsh_attention_accumulate(Communicator& comm,
     randattn::detail::attend_to_self(acc, empty, own_queries, own_keys, own_values);
   }
   comm.agree([&] {
-    randattn::detail::check_result_finite(where, acc.numden(), opt.check_finite, [] {});
-    randattn::detail::check_result_finite(where, acc.log_scale(), opt.check_finite, [] {});
+    randattn::detail::check_accumulator_finite(where, acc, opt.check_finite);
   });
   return acc;
 }

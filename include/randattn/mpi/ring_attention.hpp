@@ -138,8 +138,7 @@ SoftmaxAccumulator<Scalar> ring_attention_accumulate(Communicator& comm,
   }
   comm.agree([&] {
     const auto scan = [] {};  // every rank scanned its inputs above
-    randattn::detail::check_result_finite(where, acc.numden(), opt.check_finite, scan);
-    randattn::detail::check_result_finite(where, acc.log_scale(), opt.check_finite, scan);
+    randattn::detail::check_accumulator_finite(where, acc, opt.check_finite, scan);
   });
   return acc;
 }

@@ -262,6 +262,8 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
                                                         fopt, &st.clamped_rows));
   }
   st.remainder_seconds += detail::seconds_since(start);
+  // The parts ran unchecked (inputs were checked above): their overflow is reported here.
+  detail::check_accumulator_finite(where, acc, opt.check_finite, [] {}, true);
   return acc;
 }
 

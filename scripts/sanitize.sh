@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the test suite with clang under AddressSanitizer + UndefinedBehaviorSanitizer and runs
-# all of it (halting on the first report), then under ThreadSanitizer and runs the tests tagged
-# [threads]. The AddressSanitizer build also checks that the benchmarks and examples compile
+# it (halting on the first report; the [statistical] cases, which repeat the same calls to average
+# an estimate, run only in the plain build: see tests/CMakeLists.txt), then under ThreadSanitizer
+# and runs the tests tagged [threads]. The AddressSanitizer build also checks that the benchmarks and examples compile
 # (scripts/syntax_check.py: parsed and instantiated, no code generated; they are not run here).
 # OpenMP comes from LLVM's libomp with its Archer tool, which tells ThreadSanitizer
 # about OpenMP's own synchronisation.

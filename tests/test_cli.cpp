@@ -5,7 +5,7 @@
 
 #include <catch2/catch.hpp>
 
-#ifdef RANDATTN_CLI_PATH
+#ifdef RANDATTN_TEST_CLI
 
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -22,6 +22,10 @@
 #include <vector>
 
 namespace fs = std::filesystem;
+
+namespace testing {
+extern const char* const cli_path;  // cli_path.cpp
+}  // namespace testing
 using randattn::io::NpyArray;
 
 namespace {
@@ -81,7 +85,7 @@ class Workspace {
 
   // Runs randattn-cli with `args` (already shell-quoted where needed).
   Result run(const std::string& args) const {
-    return run_command(quote(RANDATTN_CLI_PATH) + " " + args);
+    return run_command(quote(testing::cli_path) + " " + args);
   }
   Result run_command(const std::string& command) const {
     const fs::path out = dir_ / "logs" / "stdout", err = dir_ / "logs" / "stderr";
@@ -99,7 +103,7 @@ class Workspace {
   // AddressSanitizer: its shadow memory reserves terabytes of address space at start-up, so the
   // tool could not start under any such limit.
   Result run_limited(const std::string& args, long kib) const {
-    return run_command("ulimit -v " + std::to_string(kib) + "; " + quote(RANDATTN_CLI_PATH) +
+    return run_command("ulimit -v " + std::to_string(kib) + "; " + quote(testing::cli_path) +
                        " " + args);
   }
 

@@ -309,7 +309,8 @@ TEMPLATE_TEST_CASE("projection: user omega and argument errors", "[features]", f
 // Feature maps: unbiasedness, MSE, orthogonal vs i.i.d.
 // ---------------------------------------------------------------------------------------------
 
-TEMPLATE_TEST_CASE("features: unbiased, and i.i.d. MSE matches the closed forms", "[features]",
+TEMPLATE_TEST_CASE("features: unbiased, and i.i.d. MSE matches the closed forms",
+                   "[features][statistical]",
                    float, double) {
   const Index d = 3, m = 8;
   const int draws = 20000;
@@ -336,8 +337,8 @@ TEMPLATE_TEST_CASE("features: unbiased, and i.i.d. MSE matches the closed forms"
   }
 }
 
-TEMPLATE_TEST_CASE("features: orthogonal projections beat i.i.d. at m = d", "[features]", float,
-                   double) {
+TEMPLATE_TEST_CASE("features: orthogonal projections beat i.i.d. at m = d",
+                   "[features][statistical]", float, double) {
   // Kernel MSE over R draws each; the orthogonal MSE must be lower by more than 4 standard
   // errors of the difference of the two independent empirical MSEs. The gain of orthogonal
   // rows is large for trig and a few per cent for positive features (whose squared errors

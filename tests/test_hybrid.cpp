@@ -121,7 +121,7 @@ TEMPLATE_TEST_CASE("hybrid: signed inner product equals the estimate term by ter
 }
 
 TEMPLATE_TEST_CASE("hybrid: unbiased over angles, MSE = (λ²+v)MSE_hyp + ((1−λ)²+v)MSE_trig",
-                   "[hybrid]", float, double) {
+                   "[hybrid][statistical]", float, double) {
   // i.i.d. bases so that the closed forms of Performer Lemma 2 hold; ‖x‖ = ‖y‖ = 1. Tolerances: 4
   // standard errors of the R-draw sample mean (resp. mean squared error), plus a rounding
   // allowance tolerance<Scalar>() · exp(xᵀy) for the exact cases θ = 0 and θ = π.

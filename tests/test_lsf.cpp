@@ -370,7 +370,7 @@ TEMPLATE_TEST_CASE("Accumulators merge with other partial results", "[lsf]", flo
 
 TEST_CASE(
     "Recall of planted neighbours rises with L, falls with η, matches the collision probability",
-    "[lsf]") {
+    "[lsf][statistical]") {
   // Unit queries q_i and keys with k_i at cosine α from q_i (the planted neighbour), the other keys
   // random: at d = 128 a random cosine is about N(0, 1/128), so k_i is the true top-1 of q_i.
   // With values v_j = j and a large scale the output is the index of the best key scored, so

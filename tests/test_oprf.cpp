@@ -194,7 +194,8 @@ TEMPLATE_TEST_CASE("oprf: parameters, FAVOR+ and OPRF as special cases, argument
   }
 }
 
-TEMPLATE_TEST_CASE("oprf: unbiased, closed-form MSE, never above FAVOR+", "[oprf]", float, double) {
+TEMPLATE_TEST_CASE("oprf: unbiased, closed-form MSE, never above FAVOR+", "[oprf][statistical]",
+                   float, double) {
   // Kernel estimates over R = 20000 draws of i.i.d. ω (d = 4, m = 8) at pairs with ‖x + y‖²
   // from 0.09 to 1.5 (beyond that the squared errors of FAVOR+ are too heavy-tailed for a
   // sample standard error to mean anything). Tolerances: the sample mean of R independent

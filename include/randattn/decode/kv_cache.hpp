@@ -78,7 +78,6 @@
 #include "../core/options.hpp"
 #include "../core/softmax_accumulator.hpp"
 #include "../core/types.hpp"
-#include "../detail/gemm.hpp"
 #include "../detail/validation.hpp"
 #include "decode_options.hpp"
 #include "detail/binary_io.hpp"
@@ -531,7 +530,7 @@ class KvCache {
     std::vector<std::uint32_t> codes;
     std::vector<std::pair<Scalar, std::int32_t>> ranked;
     RowMatrix<Scalar> bounds, bound_q, tile_nd;
-    Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> scores, num_t;  // column per query head
+    Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> scores;  // column per query head
     Vector<Scalar> tile_max;
     Eigen::Matrix<Scalar, 1, Eigen::Dynamic> nd;
   };
@@ -618,33 +617,37 @@ class KvCache {
     }
   }
 
-  // Keys [first, last) for the group's scaled queries qs (g x d), in tiles of `block` keys. The
-  // logits of a tile for all g query heads are one product K_tile·qsᵀ (block x g) and its
-  // weighted values one product V_tileᵀ·W (dv x g), so every key and value row is read once per
-  // kv head however many query heads share it (grouped-query attention), and the g columns are
-  // the narrow side of both products. Depths are d (fixed panels) and the tile length, so the
-  // rounding depends on the shapes only.
+  // Keys [first, last) for the group's scaled queries qs (g x d), in tiles of `block` keys. Every
+  // key and value row is read once per kv head however many query heads share it (grouped-query
+  // attention): a key row meets the g query rows (held in L1) in g dot products, and a value row
+  // is added to the g numerators, straight from the cache's storage. Decoding is bound by the
+  // stream of K and V, and a matrix product over the tile would first copy (pack) the tile's
+  // rows. The sums run in a fixed order, so the rounding depends on the shapes only.
   void exact_range(const Matrix& qs, const Head& head, Index first, Index last, Index block,
                    Scratch& s, SoftmaxAccumulator<Scalar>& acc) const {
+    using RowView = Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>;
     const Index g = qs.rows();
     s.scores.resize(block, g);
-    s.num_t.resize(dv_, g);
     s.tile_nd.resize(g, dv_ + 1);
     s.tile_max.resize(g);
     for (Index j0 = first; j0 < last; j0 += block) {
       const Index bk = std::min(block, last - j0);
-      const auto kb = head.keys.block(j0, bk);
-      const auto vb = head.values.block(j0, bk);
       auto w = s.scores.topRows(bk);
-      detail::gemm_fixed_depth(w, kb, qs.transpose(), false);
+      for (Index j = 0; j < bk; ++j) {
+        const RowView key(head.keys.row_ptr(j0 + j), d_);
+        for (Index r = 0; r < g; ++r) w(j, r) = qs.row(r).dot(key);
+      }
       for (Index r = 0; r < g; ++r) {
         const Scalar c = w.col(r).maxCoeff();
         s.tile_max(r) = c;
         w.col(r).array() = (w.col(r).array() - c).exp();
         s.tile_nd(r, dv_) = w.col(r).sum();
       }
-      s.num_t.noalias() = vb.transpose() * w;
-      s.tile_nd.leftCols(dv_) = s.num_t.transpose();
+      s.tile_nd.leftCols(dv_).setZero();
+      for (Index j = 0; j < bk; ++j) {
+        const RowView value(head.values.row_ptr(j0 + j), dv_);
+        for (Index r = 0; r < g; ++r) s.tile_nd.row(r).head(dv_) += w(j, r) * value;
+      }
       acc.merge_rows(0, s.tile_nd, s.tile_max);
     }
   }

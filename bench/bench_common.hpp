@@ -23,6 +23,15 @@ inline void set_threads(int threads) {
   Eigen::setNbThreads(threads);
 }
 
+// The rows of a two-thread scaling figure: n = 65536 on 1 and 2 threads (arguments n, threads),
+// wall time, and at least 2 s per row. A row of one iteration (a call takes 0.2-0.5 s) would
+// time the first call, which pays the first touch of the allocator's fresh pages and the thread
+// pool's start; a user calling attention in a loop sees the steady state.
+inline void thread_rows(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"n", "threads"})->Args({65536, 1})->Args({65536, 2});
+  b->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(2.0);
+}
+
 // GFLOP/s of the PeakSgemm anchor (a square 2048 sgemm with Eigen on one thread) measured
 // earlier in the same run; 0 until it has run.
 inline double& peak_gflops() {

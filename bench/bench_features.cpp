@@ -200,11 +200,6 @@ void OprfThreads(benchmark::State& state) {
               [c](auto& map, const Inputs& in) { map.fit(in.q, in.k, c); });
 }
 
-void thread_args(benchmark::internal::Benchmark* b) {
-  b->ArgNames({"n", "threads"})->Args({65536, 1})->Args({65536, 2});
-  b->Unit(benchmark::kMillisecond)->UseRealTime();
-}
-
 void fitted_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"n", "causal"});
   for (int causal : {0, 1})
@@ -262,6 +257,6 @@ BENCHMARK(Favor)->Apply(end_to_end_args);
 BENCHMARK(FavorHyp)->Apply(end_to_end_args);
 BENCHMARK(Oprf)->Apply(fitted_args);
 BENCHMARK(Sderf)->Apply(fitted_args);
-BENCHMARK(ExactThreads)->Apply(thread_args);
-BENCHMARK(FavorThreads)->Apply(thread_args);
-BENCHMARK(OprfThreads)->Apply(thread_args);
+BENCHMARK(ExactThreads)->Apply(bench::thread_rows);
+BENCHMARK(FavorThreads)->Apply(bench::thread_rows);
+BENCHMARK(OprfThreads)->Apply(bench::thread_rows);

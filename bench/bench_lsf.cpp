@@ -155,12 +155,7 @@ void LsfThreads(benchmark::State& state) {
 }
 
 void register_all() {
-  for (int threads : {1, 2})
-    benchmark::RegisterBenchmark("LsfThreads", LsfThreads)
-        ->ArgNames({"n", "threads"})
-        ->Args({65536, threads})
-        ->Unit(benchmark::kMillisecond)
-        ->UseRealTime();
+  benchmark::RegisterBenchmark("LsfThreads", LsfThreads)->Apply(bench::thread_rows);
   for (Index n : {16384, 65536}) {
     benchmark::RegisterBenchmark("TiledExact", TiledExact)
         ->ArgNames({"n"})

@@ -136,12 +136,7 @@ void LshThreads(benchmark::State& state) {
 }
 
 void register_all() {
-  for (int threads : {1, 2})
-    benchmark::RegisterBenchmark("LshThreads", LshThreads)
-        ->ArgNames({"n", "threads"})
-        ->Args({65536, threads})
-        ->Unit(benchmark::kMillisecond)
-        ->UseRealTime();
+  benchmark::RegisterBenchmark("LshThreads", LshThreads)->Apply(bench::thread_rows);
   for (int kind : {0, 1}) {
     for (Index b : {16, 128})
       benchmark::RegisterBenchmark("Hash", Hash)

@@ -11,8 +11,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <stdexcept>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -244,12 +244,7 @@ TEMPLATE_TEST_CASE("Every registered method reports logits beyond the range, nev
         settings.scale = double(std::numeric_limits<Scalar>::max()) / 2;
         INFO(method->name() << (shared ? ", shared QK" : "") << (causal ? ", causal" : ""));
         std::map<std::string, reg::Value> options = options_of(method->name());
-        const auto owns = [&](const char* option) {
-          for (const reg::OptionSpec& o : method->options())
-            if (o.name == option) return true;
-          return false;
-        };
-        if (causal && owns("fit")) {  // a causal fit takes given rows: the first slice's queries
+        if (causal && reg::owns(*method, "fit")) {  // a causal fit takes given rows: the first slice's queries
           options["fit"] = std::string("given");
           options["calibration"] = reg::ArrayValue{
               {shape.n_q, shape.d}, std::vector<double>(q.begin(), q.begin() + shape.n_q * shape.d),

@@ -4,8 +4,9 @@
 A migration check: the SHA-256 of each method's output bytes on fixed inputs and explicit
 options, so that a restructuring of the front ends or of the library can show that it changed
 no output bit. Record with --write, compare with --check (exit 1 and the differing cases listed).
-The fingerprints hold for one compiler and machine (-march=native): re-record them, with the
-reason in the commit message, when an intended numerical change lands.
+The fingerprints hold for one compiler, machine (-march=native) and optimisation level
+(scripts/test.sh's build: GCC, -O2): re-record them, with the reason in the commit message, when
+an intended numerical change lands.
 
     fingerprints.py --cli build/tools/cli/randattn-cli --write tests/fingerprints.txt
     fingerprints.py --cli build/tools/cli/randattn-cli --check tests/fingerprints.txt

@@ -13,7 +13,8 @@ RANDATTN_PACKAGES+=(python3-dev python3-numpy python3-pytest pybind11-dev python
 randattn_require_packages
 # The suite compiles as two unity batches (RANDATTN_TESTS_UNITY), cheaper from scratch than one
 # translation unit per test file. The benchmarks and examples are not tests: scripts/sanitize.sh
-# checks that they compile.
-randattn_configure_and_build -DRANDATTN_BUILD_TESTS=ON -DRANDATTN_TESTS_UNITY=ON -DRANDATTN_BUILD_BENCHMARKS=OFF -DRANDATTN_BUILD_EXAMPLES=OFF \
+# checks that they compile. The programs compile at -O2 (see RANDATTN_DEV_OPTIMIZATION in
+# CMakeLists.txt), the level Debian builds its packages at.
+randattn_configure_and_build -DRANDATTN_DEV_OPTIMIZATION=-O2 -DRANDATTN_BUILD_TESTS=ON -DRANDATTN_TESTS_UNITY=ON -DRANDATTN_BUILD_BENCHMARKS=OFF -DRANDATTN_BUILD_EXAMPLES=OFF \
     -DRANDATTN_PYTHON=ON -DPython_EXECUTABLE="${RANDATTN_PYTHON_EXECUTABLE:-/usr/bin/python3}" -DRANDATTN_MPI=ON
 ctest --test-dir "$RANDATTN_BUILD_DIR" --output-on-failure -j"$(nproc)" "$@"

@@ -3,7 +3,9 @@
 
 Attention (every method, causal and bidirectional, float32; n = 37 is divisible by neither 2
 nor 3): max |mpi - cli| <= 1e-5 max |cli| (the results differ only in the order in which partial
-sums are merged). sparsify: the output files are identical byte for byte. hosvd: every factor
+sums are merged). Under a layout (key lengths, a key padding mask, packed sequences, grouped
+heads, self-exclusion; exact, favor, oprf and lsh) each rank runs whole batch items and sequences:
+the outputs are identical bit for bit. sparsify: the output files are identical byte for byte. hosvd: every factor
 within ||(I - U U^T) V||_F <= 1e-5 of randattn-cli's (an upper bound of sin-Theta). A NaN in the
 last rank's rows: every rank exits 2, one error line, no output file, no hang. One rank that
 fails before the first exchange (its input file missing, a flag it rejects, an option file it
@@ -28,7 +30,7 @@ def write_npy(path, shape, values, dtype="<f4"):
         dtype, "".join("%d, " % s for s in shape))
     pad = (64 - (10 + len(header) + 1) % 64) % 64
     header += " " * pad + "\n"
-    code = "f" if dtype == "<f4" else "d"
+    code = {"<f4": "f", "<f8": "d", "<i8": "q", "|b1": "?"}[dtype]
     with open(path, "wb") as f:
         f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode())
         f.write(struct.pack("<%d%s" % (len(values), code), *values))
@@ -87,6 +89,16 @@ def main():
                     tensor[at] += x * a2[k]
                     at += 1
     write_npy(w("A.npy"), dims, tensor)
+    # Layouts: 3 batch items (one per rank at np = 3), 4 query heads over 2 key heads.
+    write_npy(w("q5.npy"), (3, 4, n, d), gauss(12 * n * d, 0.5))
+    write_npy(w("k5.npy"), (3, 2, n, d), gauss(6 * n * d, 0.5))
+    write_npy(w("v5.npy"), (3, 2, n, dv), gauss(6 * n * dv))
+    write_npy(w("k5_mha.npy"), (3, 4, n, d), gauss(12 * n * d, 0.5))
+    write_npy(w("v5_mha.npy"), (3, 4, n, dv), gauss(12 * n * dv))
+    write_npy(w("lengths4.npy"), (2,), [29, 11], "<i8")
+    write_npy(w("mask5.npy"), (3, n), [int(j % 5 == 2 or (b == 1 and j > 20) or b == 2) for b in range(3)
+                                       for j in range(n)], "|b1")
+    write_npy(w("cu5.npy"), (5,), [0, 5, 6, 20, n], "<i8")
     bad = gauss(n * d, 0.5)
     bad[-1] = float("nan")  # the last row: held by the last rank
     write_npy(w("bad.npy"), (n, d), bad)
@@ -116,6 +128,41 @@ def main():
                                        w("v4.npy")], []
         yield "favor 4-D n_q != n_k", ["--method", "favor", "--q", w("q4.npy"), "--k", w("k4.npy"), "--v",
                                        w("v4.npy")], []
+
+    # Layouts run whole batch items and sequences per rank: randattn-cli's output bit for bit.
+    def layout_cases():
+        qkv4 = ["--q", w("q4.npy"), "--k", w("k4.npy"), "--v", w("v4.npy")]
+        gqa = ["--q", w("q5.npy"), "--k", w("k5.npy"), "--v", w("v5.npy")]
+        mha = ["--q", w("q5.npy"), "--k", w("k5_mha.npy"), "--v", w("v5_mha.npy")]
+        for m in ["exact", "favor", "oprf", "lsh"]:
+            extra = ["--method", m, "--seed", "3"] + (["--chunk", "4"] if m == "lsh" else [])
+            yield m + " key lengths", extra + qkv4 + ["--key-lengths", w("lengths4.npy")]
+            for causal in ([], ["--causal"]):
+                c = " causal" if causal else ""
+                if m != "oprf" or not causal:  # a fit on the sequence is not causal
+                    yield m + " grouped heads, key mask" + c, extra + gqa + causal + [
+                        "--key-padding-mask", w("mask5.npy")]
+                    yield m + " grouped heads, packed sequences" + c, extra + gqa + causal + [
+                        "--cu-seqlens", w("cu5.npy")]
+                    yield m + " exclude self" + c, extra + mha + causal + ["--exclude-self"]
+
+    for name, args in layout_cases():
+        ref_path = w("ref.npy")
+        r = run([a.cli, "attention"] + args + ["--out", ref_path], env)
+        check(r.returncode == 0, "randattn-cli attention %s (%s)" % (name, r.stderr.strip()))
+        _, ref = read_npy(ref_path)
+        for p in map(int, a.ranks.split(",")):
+            out = w("out_%d.npy" % p)
+            r = mpi(p, ["attention"] + args + ["--out", out])
+            if r.returncode != 0:
+                check(False, "np %d attention %s: exit %d: %s" % (p, name, r.returncode, r.stderr.strip()))
+                continue
+            _, got = read_npy(out)
+            check(got == ref, "np %d attention %s: bit for bit" % (p, name))
+    r = mpi(2, ["attention", "--method", "exact", "--layout", "zigzag", "--out", w("never.npy"),
+                "--key-lengths", w("lengths4.npy")] + ["--q", w("q4.npy"), "--k", w("k4.npy"), "--v", w("v4.npy")])
+    check(r.returncode == 2 and "zigzag" in r.stderr and not os.path.exists(w("never.npy")),
+          "np 2 --layout zigzag with key lengths: one clear error")
 
     for name, args, mpi_only in attention_cases():
         ref_path = w("ref.npy")

@@ -9,11 +9,14 @@
 //   P [--report]
 //
 // Each rank reads only its own rows of the inputs (its token rows of every (batch, head) slice;
-// for tensors its range of the flat index) and writes them into the one output file with MPI-IO
-// after rank 0's header; the file is written under a temporary name and renamed when complete.
+// for tensors its range of the flat index). With key padding, packed sequences, grouped heads or
+// --exclude-self, each rank instead runs whole batch items and sequences (runs balanced by their
+// pairs) and reads only those; the output is randattn-cli's bit for bit. Every rank writes its
+// rows into the one output file with MPI-IO after rank 0's header; the file is written under a
+// temporary name and renamed when complete.
 // --report prints one JSON line from rank 0, with "ranks" and "bytes_sent" (one entry per rank).
 // Not distributed (an error): --compare, exact HOSVD (hosvd without --budget), sparsify schemes
-// other than spa, LSH with exact buckets or separate keys.
+// other than spa, LSH with exact buckets or separate keys (separate keys do run under a layout).
 // Exit codes: 0 on success, 2 on any error on any rank: every rank exits 2, rank 0 prints one
 // line "randattn-mpi: error: ..." on stderr, and no output file is created.
 
@@ -154,6 +157,8 @@ class ShardedAttentionCommand : public RegistryAttentionCommand {
     const reg::Method* chosen = nullptr;
     InputInfo q, k, v;
     reg::Call call;
+    reg::Layout call_layout;
+    bool pieces = false;
     collectively(comm, [&] {
       chosen = &prepare();
       if (!sharded_runners<float>().count(chosen->name()))
@@ -167,12 +172,18 @@ class ShardedAttentionCommand : public RegistryAttentionCommand {
       k = shared_qk_ ? q : header("--k", k_path_);
       v = header("--v", v_path_);
       call = make_call(*chosen, q, k, v);
-      if (layout_given() || (k.ndim() == 4 && k.shape[1] != call.shape.heads))
-        throw CliError(
-            "randattn-mpi: key padding, packed sequences, grouped heads and --exclude-self are not "
-            "distributed; run them with randattn-cli");
+      pieces = layout_given() || (k.ndim() == 4 && k.shape[1] != call.shape.heads);
+      if (pieces) {
+        if (layout == randattn::mpi::RowLayout::zigzag)
+          throw CliError(
+              "--layout zigzag shards the rows of one sequence; with key padding, packed "
+              "sequences, grouped heads or --exclude-self each rank runs whole batch items and "
+              "sequences");
+        call_layout = make_layout(*chosen, q, k, v, call);
+      }
     });
     const reg::Method& method = *chosen;
+    if (pieces) return run_pieces(comm, method, call, call_layout, q, k, v);
     const randattn::BatchShape& shape = call.shape;
     const Shape out_shape = output_shape(q.ndim(), shape);
     const randattn::mpi::RowPartition q_rows(shape.n_q, comm.size(), layout),
@@ -231,6 +242,152 @@ class ShardedAttentionCommand : public RegistryAttentionCommand {
   }
 
  private:
+  // The rows [row0, row0 + rows) of one batch item b that one rank attends: its sequences
+  // [seq0, seq1) of cu_seqlens, or all of n_q without packed sequences.
+  struct PieceRun {
+    std::int64_t b, seq0, seq1, row0, rows;
+  };
+
+  // Every rank's runs. The units, (batch item, sequence) in order, are dealt out in contiguous
+  // runs balanced by their (query, key) pairs: unit u goes to the rank whose share of the total
+  // holds the middle of u's pairs.
+  static std::vector<std::vector<PieceRun>> piece_runs(const randattn::BatchShape& shape,
+                                                       const reg::Layout& layout, int ranks) {
+    std::vector<std::int64_t> offsets = layout.cu_seqlens;
+    if (offsets.empty()) offsets = {0, shape.n_q};
+    const auto sequences = std::int64_t(offsets.size()) - 1;
+    const auto pairs = [&](std::int64_t s) {
+      const std::int64_t len = offsets[std::size_t(s + 1)] - offsets[std::size_t(s)];
+      return double(len) * double(layout.cu_seqlens.empty() ? shape.n_k : len);
+    };
+    double total = 0;
+    for (std::int64_t s = 0; s < sequences; ++s) total += double(shape.batch) * pairs(s);
+    std::vector<std::vector<PieceRun>> runs(static_cast<std::size_t>(ranks));
+    double before = 0;
+    for (std::int64_t b = 0; b < shape.batch; ++b) {
+      for (std::int64_t s = 0; s < sequences; ++s) {
+        const double middle = before + 0.5 * pairs(s);
+        before += pairs(s);
+        const int rank = total > 0 ? std::min(ranks - 1, int(middle / total * ranks)) : 0;
+        std::vector<PieceRun>& mine = runs[std::size_t(rank)];
+        if (!mine.empty() && mine.back().b == b && mine.back().seq1 == s) {
+          mine.back().seq1 = s + 1;
+        } else {
+          mine.push_back({b, s, s + 1, offsets[std::size_t(s)], 0});
+        }
+        mine.back().rows = offsets[std::size_t(s + 1)] - mine.back().row0;
+      }
+    }
+    return runs;
+  }
+
+  // Calls with key padding, packed sequences, grouped heads or self-exclusion: each rank runs
+  // whole pieces (piece_runs) through the registry's layout job, as randattn-cli runs them, and
+  // every piece's randomness depends on the seed and the piece alone, so the output is
+  // randattn-cli's bit for bit. Rows of one sequence are not split across ranks here.
+  int run_pieces(Communicator& comm, const reg::Method& method, const reg::Call& call,
+                 const reg::Layout& layout, const InputInfo& q, const InputInfo& k,
+                 const InputInfo& v) {
+    const randattn::BatchShape& shape = call.shape;
+    const Shape out_shape = output_shape(q.ndim(), shape);
+    const std::vector<PieceRun> mine =
+        piece_runs(shape, layout, comm.size())[std::size_t(comm.rank())];
+    double seconds = 0;
+    reg::Report fields;
+    const auto compute = [&](auto tag) {
+      using Scalar = decltype(tag);
+      struct Local {
+        std::vector<Scalar> q, k, v, out;
+      };
+      std::vector<Local> local(mine.size());
+      collectively(comm, [&] {
+        for (std::size_t i = 0; i < mine.size(); ++i) {
+          const PieceRun& r = mine[i];
+          // Keys: the run's own rows under packed sequences, else every key of the batch item.
+          const std::int64_t k0 = layout.cu_seqlens.empty() ? 0 : r.row0,
+                             nk = layout.cu_seqlens.empty() ? shape.n_k : r.rows;
+          local[i].q = read_piece<Scalar>("--q", q_path_, q, r.b, r.row0, r.rows);
+          if (!shared_qk_) local[i].k = read_piece<Scalar>("--k", k_path_, k, r.b, k0, nk);
+          local[i].v = read_piece<Scalar>("--v", v_path_, v, r.b, k0, nk);
+          local[i].out.resize(std::size_t(shape.heads * r.rows * shape.dv));
+        }
+      });
+      comm.reset_bytes_sent();
+      seconds = timed(comm, [&] {
+        collectively(comm, [&] {
+          for (std::size_t i = 0; i < mine.size(); ++i) {
+            const PieceRun& r = mine[i];
+            reg::Call piece = call;
+            piece.shape.batch = 1;
+            reg::Layout piece_layout;
+            piece_layout.kv_heads = layout.kv_heads;
+            if (!layout.key_padding.empty()) {
+              const auto first = layout.key_padding.begin() + std::ptrdiff_t(r.b * shape.n_k);
+              piece_layout.key_padding.assign(first, first + std::ptrdiff_t(shape.n_k));
+            }
+            if (!layout.cu_seqlens.empty()) {
+              piece.shape.n_q = piece.shape.n_k = r.rows;
+              for (std::int64_t s = r.seq0; s <= r.seq1; ++s)
+                piece_layout.cu_seqlens.push_back(layout.cu_seqlens[std::size_t(s)] - r.row0);
+            }
+            Local& l = local[i];
+            reg::Report got = reg::build_job<Scalar>(method, piece, piece_layout)(
+                l.q.data(), shared_qk_ ? nullptr : l.k.data(), l.v.data(), l.out.data());
+            if (i == 0) fields = std::move(got);
+          }
+        });
+      });
+      // Each run's rows of every query head, at their offsets in the global array.
+      std::vector<std::pair<std::int64_t, std::vector<Scalar>>> runs;
+      for (std::size_t i = 0; i < mine.size(); ++i) {
+        const PieceRun& r = mine[i];
+        for (std::int64_t h = 0; h < shape.heads; ++h) {
+          const Scalar* first = local[i].out.data() + h * r.rows * shape.dv;
+          runs.emplace_back(((r.b * shape.heads + h) * shape.n_q + r.row0) * shape.dv,
+                            std::vector<Scalar>(first, first + r.rows * shape.dv));
+        }
+      }
+      write_npy_sharded<Scalar>(comm, out_path_, out_shape, runs, "--out");
+    };
+    if (q.dtype == randattn::io::NpyDtype::float32)
+      compute(float());
+    else
+      compute(double());
+
+    if (report_) {
+      // The method's fields are those of rank 0's first run of pieces.
+      JsonObject json = report_json(method, call, q, k, v, out_shape, fields);
+      json.add("layout", std::string("pieces")).add("seconds", seconds);
+      add_traffic(comm, json);
+      if (comm.rank() == 0) std::cout << json.str() << std::endl;
+    }
+    return 0;
+  }
+
+  // Rows [row0, row0 + rows) of batch item b of every head of an input ((n, c), (heads, n, c) or
+  // (batch, heads, n, c)), heads concatenated.
+  template <typename Scalar>
+  static std::vector<Scalar> read_piece(const char* flag, const std::string& path,
+                                        const InputInfo& in, std::int64_t b, std::int64_t row0,
+                                        std::int64_t rows) {
+    const std::size_t axis = in.ndim() - 2;
+    const std::int64_t n = in.shape[axis], cols = in.shape[axis + 1];
+    try {
+      if (in.ndim() < 4)
+        return randattn::io::read_npy_block(path, axis, row0, rows).values<Scalar>();
+      const std::vector<Scalar> item = randattn::io::read_npy_block(path, 0, b, 1).values<Scalar>();
+      std::vector<Scalar> out;
+      out.reserve(std::size_t(in.shape[1] * rows * cols));
+      for (std::int64_t h = 0; h < in.shape[1]; ++h) {
+        const auto first = item.begin() + std::ptrdiff_t((h * n + row0) * cols);
+        out.insert(out.end(), first, first + std::ptrdiff_t(rows * cols));
+      }
+      return out;
+    } catch (const std::exception& e) {
+      throw CliError(std::string(flag) + ": " + e.what());
+    }
+  }
+
   static InputInfo header(const char* flag, const std::string& path) {
     try {
       const randattn::io::NpyHeader h = randattn::io::read_npy_header(path);

@@ -3,8 +3,7 @@
 // The key count n from which each approximation (default options; lsf with alpha 0.6) ran
 // faster than exact attention, per head size d: single-threaded float32 calls of shape
 // (1, 1, n, d), the fastest of a few runs each, on a grid of n.
-// Measured on a shared 2-core machine under heavy load (load average ~8), 2026-12-02: indicative
-// only, re-measure on a quiet machine.
+// Measured on a 2-core machine with nothing else running, 2026-12-02.
 
 #include <cstdint>
 
@@ -17,37 +16,39 @@ struct CrossoverRow {
 };
 
 inline constexpr const char* crossover_measured_on =
-    "on a shared 2-core machine under heavy load (load average ~8), 2026-12-02: indicative "
-    "only, re-measure on a quiet machine";
+    "on a 2-core machine with nothing else running, 2026-12-02";
 
 inline constexpr CrossoverRow crossover_table[] = {
-    {"favor", 32, 2048},
+    {"favor", 32, 1024},
     {"favor", 64, 2048},
     {"favor", 128, 2048},
     {"favor-hyp", 32, 2048},
     {"favor-hyp", 64, 2048},
     {"favor-hyp", 128, 2048},
     {"trig", 32, 2048},
-    {"trig", 64, 1024},
+    {"trig", 64, 2048},
     {"trig", 128, 2048},
-    {"oprf", 32, 2048},
+    {"oprf", 32, 1024},
     {"oprf", 64, 2048},
     {"oprf", 128, 2048},
     {"sderf", 32, 2048},
     {"sderf", 64, 2048},
     {"sderf", 128, 2048},
-    {"hybrid", 32, 4096},
-    {"hybrid", 64, 4096},
-    {"hybrid", 128, 4096},
-    {"hybrid-gaussian", 32, 4096},
-    {"hybrid-gaussian", 64, 4096},
-    {"hybrid-gaussian", 128, 4096},
+    {"hybrid", 32, 32768},
+    {"hybrid", 64, 32768},
+    {"hybrid", 128, 32768},
+    {"hybrid-gaussian", 32, 32768},
+    {"hybrid-gaussian", 64, 32768},
+    {"hybrid-gaussian", 128, 32768},
     {"lsh", 32, 2048},
     {"lsh", 64, 2048},
     {"lsh", 128, 1024},
-    {"lsf", 32, 4096},
-    {"lsf", 64, 4096},
-    {"lsf", 128, 4096},
+    {"lsf", 32, 32768},
+    {"lsf", 64, 32768},
+    {"lsf", 128, 32768},
+    {"sparse-lowrank", 32, 8192},
+    {"sparse-lowrank", 64, 8192},
+    {"sparse-lowrank", 128, 8192},
 };
 
 }  // namespace randattn::registry

@@ -2,7 +2,7 @@
 # with --system-site-packages (NumPy and pybind11 come from the system), then imports the
 # installed package from outside the source tree and runs one attention call.
 #   cmake -DPYTHON=... -DSOURCE_DIR=... -DWORK_DIR=... [-DLAUNCHER=ccache] [-DCMAKE_BUILD_DIR=...]
-#         [-DGENERATOR=Ninja] -P pip_install_check.cmake
+#         [-DGENERATOR=Ninja] [-DDEV_OPTIMIZATION=-O2] -P pip_install_check.cmake
 
 foreach(var PYTHON SOURCE_DIR WORK_DIR)
   if(NOT DEFINED ${var})
@@ -33,6 +33,9 @@ if(CMAKE_BUILD_DIR)
 endif()
 if(GENERATOR)
   set(ENV{CMAKE_GENERATOR} "${GENERATOR}")  # read by the cmake that setup.py runs
+endif()
+if(DEV_OPTIMIZATION)  # the enclosing build's level, so the compiler cache has the method table
+  set(ENV{RANDATTN_CMAKE_ARGS} "-DRANDATTN_DEV_OPTIMIZATION=${DEV_OPTIMIZATION}")
 endif()
 set(ENV{PIP_DISABLE_PIP_VERSION_CHECK} 1)
 run("${venv}/bin/python" -m pip install --no-build-isolation --no-index --no-deps "${SOURCE_DIR}")

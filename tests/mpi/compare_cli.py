@@ -159,6 +159,22 @@ def main():
                 continue
             _, got = read_npy(out)
             check(got == ref, "np %d attention %s: bit for bit" % (p, name))
+    write_npy(w("lengths_bad.npy"), (2,), [29, 30], "<i8")  # 30 > n_k = 29
+    write_npy(w("cu_bad.npy"), (3,), [0, 20, 36], "<i8")  # does not end at n = 37
+    for flag, path, phrase in (("--key-lengths", "lengths_bad.npy", "must be in [0, 29]"),
+                               ("--cu-seqlens", "cu_bad.npy", "must start at 0 and end at n = 37")):
+        for p in (1, 3):
+            qkv = ["--q", w("q5.npy"), "--k", w("k5.npy"), "--v", w("v5.npy")] if flag == "--cu-seqlens" else \
+                ["--q", w("q4.npy"), "--k", w("k4.npy"), "--v", w("v4.npy")]
+            r = mpi(p, ["attention", "--method", "exact", "--out", w("never.npy"), flag, w(path)] + qkv)
+            lines = [l for l in r.stderr.splitlines() if l.startswith("randattn-mpi: error:")]
+            check(r.returncode == 2 and len(lines) == 1 and phrase in lines[0] and not os.path.exists(w("never.npy")),
+                  "np %d bad %s: exit %d, %s" % (p, flag, r.returncode, lines))
+    r = mpi(2, ["attention", "--method", "favor", "--report", "--out", w("out_report.npy"), "--key-lengths",
+                w("lengths4.npy")] + ["--q", w("q4.npy"), "--k", w("k4.npy"), "--v", w("v4.npy")])
+    lines = r.stdout.strip().splitlines()
+    check(r.returncode == 0 and len(lines) == 1 and '"layout":"pieces"' in lines[0] and '"ranks":2' in lines[0],
+          "np 2 --report under a layout: one line from rank 0 (%s)" % r.stdout.strip())
     r = mpi(2, ["attention", "--method", "exact", "--layout", "zigzag", "--out", w("never.npy"),
                 "--key-lengths", w("lengths4.npy")] + ["--q", w("q4.npy"), "--k", w("k4.npy"), "--v", w("v4.npy")])
     check(r.returncode == 2 and "zigzag" in r.stderr and not os.path.exists(w("never.npy")),

@@ -227,17 +227,8 @@ class ShardedAttentionCommand : public RegistryAttentionCommand {
       }
       write_npy_sharded<Scalar>(comm, out_path_, out_shape, runs, "--out");
     };
-    if (q.dtype == randattn::io::NpyDtype::float32)
-      compute(float());
-    else
-      compute(double());
-
-    if (report_) {
-      JsonObject json = report_json(method, call, q, k, v, out_shape, fields);
-      json.add("layout", layout_).add("seconds", seconds);
-      add_traffic(comm, json);
-      if (comm.rank() == 0) std::cout << json.str() << std::endl;
-    }
+    for_dtype(q, compute);
+    print_report(comm, method, call, q, k, v, out_shape, fields, layout_, seconds);
     return 0;
   }
 
@@ -349,19 +340,32 @@ class ShardedAttentionCommand : public RegistryAttentionCommand {
       }
       write_npy_sharded<Scalar>(comm, out_path_, out_shape, runs, "--out");
     };
+    for_dtype(q, compute);
+    // The method's fields are those of rank 0's first run of pieces.
+    print_report(comm, method, call, q, k, v, out_shape, fields, "pieces", seconds);
+    return 0;
+  }
+
+  // compute(Scalar()) for the inputs' dtype.
+  template <typename Compute>
+  static void for_dtype(const InputInfo& q, Compute&& compute) {
     if (q.dtype == randattn::io::NpyDtype::float32)
       compute(float());
     else
       compute(double());
+  }
 
-    if (report_) {
-      // The method's fields are those of rank 0's first run of pieces.
-      JsonObject json = report_json(method, call, q, k, v, out_shape, fields);
-      json.add("layout", std::string("pieces")).add("seconds", seconds);
-      add_traffic(comm, json);
-      if (comm.rank() == 0) std::cout << json.str() << std::endl;
-    }
-    return 0;
+  // With --report, rank 0 prints the call's JSON line (every rank takes part: the traffic is
+  // gathered).
+  void print_report(Communicator& comm, const reg::Method& method, const reg::Call& call,
+                    const InputInfo& q, const InputInfo& k, const InputInfo& v,
+                    const Shape& out_shape, const reg::Report& fields, const std::string& layout,
+                    double seconds) const {
+    if (!report_) return;
+    JsonObject json = report_json(method, call, q, k, v, out_shape, fields);
+    json.add("layout", layout).add("seconds", seconds);
+    add_traffic(comm, json);
+    if (comm.rank() == 0) std::cout << json.str() << std::endl;
   }
 
   // Rows [row0, row0 + rows) of batch item b of every head of an input ((n, c), (heads, n, c) or

@@ -113,6 +113,10 @@ def main():
     def mpi(p, args):
         return run([a.mpiexec, "-n", str(p), "--oversubscribe", a.mpi] + args, env)
 
+    qkv4 = ["--q", w("q4.npy"), "--k", w("k4.npy"), "--v", w("v4.npy")]
+    gqa = ["--q", w("q5.npy"), "--k", w("k5.npy"), "--v", w("v5.npy")]
+    mha = ["--q", w("q5.npy"), "--k", w("k5_mha.npy"), "--v", w("v5_mha.npy")]
+
     def attention_cases():
         qkv = ["--q", w("q.npy"), "--k", w("k.npy"), "--v", w("v.npy")]
         methods = ["exact", "favor", "favor-hyp", "trig", "hybrid", "hybrid-gaussian"]
@@ -124,16 +128,11 @@ def main():
                                                             w("q.npy"), "--v", w("v.npy")] + causal, []
             yield "exact zigzag%s" % (" causal" if causal else ""), ["--method", "exact"] + qkv + causal, \
                 ["--layout", "zigzag"]
-        yield "exact 4-D n_q != n_k", ["--method", "exact", "--q", w("q4.npy"), "--k", w("k4.npy"), "--v",
-                                       w("v4.npy")], []
-        yield "favor 4-D n_q != n_k", ["--method", "favor", "--q", w("q4.npy"), "--k", w("k4.npy"), "--v",
-                                       w("v4.npy")], []
+        yield "exact 4-D n_q != n_k", ["--method", "exact"] + qkv4, []
+        yield "favor 4-D n_q != n_k", ["--method", "favor"] + qkv4, []
 
     # Layouts run whole batch items and sequences per rank: randattn-cli's output bit for bit.
     def layout_cases():
-        qkv4 = ["--q", w("q4.npy"), "--k", w("k4.npy"), "--v", w("v4.npy")]
-        gqa = ["--q", w("q5.npy"), "--k", w("k5.npy"), "--v", w("v5.npy")]
-        mha = ["--q", w("q5.npy"), "--k", w("k5_mha.npy"), "--v", w("v5_mha.npy")]
         for m in ["exact", "favor", "oprf", "lsh"]:
             extra = ["--method", m, "--seed", "3"] + (["--chunk", "4"] if m == "lsh" else [])
             yield m + " key lengths", extra + qkv4 + ["--key-lengths", w("lengths4.npy")]
@@ -146,41 +145,7 @@ def main():
                         "--cu-seqlens", w("cu5.npy")]
                     yield m + " exclude self" + c, extra + mha + causal + ["--exclude-self"]
 
-    for name, args in layout_cases():
-        ref_path = w("ref.npy")
-        r = run([a.cli, "attention"] + args + ["--out", ref_path], env)
-        check(r.returncode == 0, "randattn-cli attention %s (%s)" % (name, r.stderr.strip()))
-        _, ref = read_npy(ref_path)
-        for p in map(int, a.ranks.split(",")):
-            out = w("out_%d.npy" % p)
-            r = mpi(p, ["attention"] + args + ["--out", out])
-            if r.returncode != 0:
-                check(False, "np %d attention %s: exit %d: %s" % (p, name, r.returncode, r.stderr.strip()))
-                continue
-            _, got = read_npy(out)
-            check(got == ref, "np %d attention %s: bit for bit" % (p, name))
-    write_npy(w("lengths_bad.npy"), (2,), [29, 30], "<i8")  # 30 > n_k = 29
-    write_npy(w("cu_bad.npy"), (3,), [0, 20, 36], "<i8")  # does not end at n = 37
-    for flag, path, phrase in (("--key-lengths", "lengths_bad.npy", "must be in [0, 29]"),
-                               ("--cu-seqlens", "cu_bad.npy", "must start at 0 and end at n = 37")):
-        for p in (1, 3):
-            qkv = ["--q", w("q5.npy"), "--k", w("k5.npy"), "--v", w("v5.npy")] if flag == "--cu-seqlens" else \
-                ["--q", w("q4.npy"), "--k", w("k4.npy"), "--v", w("v4.npy")]
-            r = mpi(p, ["attention", "--method", "exact", "--out", w("never.npy"), flag, w(path)] + qkv)
-            lines = [l for l in r.stderr.splitlines() if l.startswith("randattn-mpi: error:")]
-            check(r.returncode == 2 and len(lines) == 1 and phrase in lines[0] and not os.path.exists(w("never.npy")),
-                  "np %d bad %s: exit %d, %s" % (p, flag, r.returncode, lines))
-    r = mpi(2, ["attention", "--method", "favor", "--report", "--out", w("out_report.npy"), "--key-lengths",
-                w("lengths4.npy")] + ["--q", w("q4.npy"), "--k", w("k4.npy"), "--v", w("v4.npy")])
-    lines = r.stdout.strip().splitlines()
-    check(r.returncode == 0 and len(lines) == 1 and '"layout":"pieces"' in lines[0] and '"ranks":2' in lines[0],
-          "np 2 --report under a layout: one line from rank 0 (%s)" % r.stdout.strip())
-    r = mpi(2, ["attention", "--method", "exact", "--layout", "zigzag", "--out", w("never.npy"),
-                "--key-lengths", w("lengths4.npy")] + ["--q", w("q4.npy"), "--k", w("k4.npy"), "--v", w("v4.npy")])
-    check(r.returncode == 2 and "zigzag" in r.stderr and not os.path.exists(w("never.npy")),
-          "np 2 --layout zigzag with key lengths: one clear error")
-
-    for name, args, mpi_only in attention_cases():
+    def compare_attention(name, args, mpi_only=(), bitwise=False):
         ref_path = w("ref.npy")
         r = run([a.cli, "attention"] + args + ["--out", ref_path], env)
         check(r.returncode == 0, "randattn-cli attention %s (%s)" % (name, r.stderr.strip()))
@@ -188,13 +153,40 @@ def main():
         scale = max(abs(x) for x in ref)
         for p in map(int, a.ranks.split(",")):
             out = w("out_%d.npy" % p)
-            r = mpi(p, ["attention"] + args + mpi_only + ["--out", out])
+            r = mpi(p, ["attention"] + args + list(mpi_only) + ["--out", out])
             if r.returncode != 0:
                 check(False, "np %d attention %s: exit %d: %s" % (p, name, r.returncode, r.stderr.strip()))
                 continue
-            shape, got = read_npy(out)
-            err = max(abs(x - y) for x, y in zip(got, ref)) / scale
-            check(len(got) == len(ref) and err <= 1e-5, "np %d attention %s: rel error %.2e" % (p, name, err))
+            _, got = read_npy(out)
+            if bitwise:
+                check(got == ref, "np %d attention %s: bit for bit" % (p, name))
+            else:
+                err = max(abs(x - y) for x, y in zip(got, ref)) / scale
+                check(len(got) == len(ref) and err <= 1e-5, "np %d attention %s: rel error %.2e" % (p, name, err))
+
+    for name, args, mpi_only in attention_cases():
+        compare_attention(name, args, mpi_only)
+    for name, args in layout_cases():
+        compare_attention(name, args, bitwise=True)
+    write_npy(w("lengths_bad.npy"), (2,), [29, 30], "<i8")  # 30 > n_k = 29
+    write_npy(w("cu_bad.npy"), (3,), [0, 20, 36], "<i8")  # does not end at n = 37
+    for flag, path, phrase in (("--key-lengths", "lengths_bad.npy", "must be in [0, 29]"),
+                               ("--cu-seqlens", "cu_bad.npy", "must start at 0 and end at n = 37")):
+        for p in (1, 3):
+            r = mpi(p, ["attention", "--method", "exact", "--out", w("never.npy"), flag, w(path)] +
+                    (gqa if flag == "--cu-seqlens" else qkv4))
+            lines = [l for l in r.stderr.splitlines() if l.startswith("randattn-mpi: error:")]
+            check(r.returncode == 2 and len(lines) == 1 and phrase in lines[0] and not os.path.exists(w("never.npy")),
+                  "np %d bad %s: exit %d, %s" % (p, flag, r.returncode, lines))
+    r = mpi(2, ["attention", "--method", "favor", "--report", "--out", w("out_report.npy"), "--key-lengths",
+                w("lengths4.npy")] + qkv4)
+    lines = r.stdout.strip().splitlines()
+    check(r.returncode == 0 and len(lines) == 1 and '"layout":"pieces"' in lines[0] and '"ranks":2' in lines[0],
+          "np 2 --report under a layout: one line from rank 0 (%s)" % r.stdout.strip())
+    r = mpi(2, ["attention", "--method", "exact", "--layout", "zigzag", "--out", w("never.npy"),
+                "--key-lengths", w("lengths4.npy")] + qkv4)
+    check(r.returncode == 2 and "zigzag" in r.stderr and not os.path.exists(w("never.npy")),
+          "np 2 --layout zigzag with key lengths: one clear error")
 
     r = run([a.cli, "sparsify", "--in", w("A.npy"), "--budget", "5000", "--seed", "2", "--out", w("ref.npy")], env)
     check(r.returncode == 0, "randattn-cli sparsify")

@@ -298,13 +298,16 @@ TEST_CASE("sparse-lowrank: the chunk-by-chunk LSH correction is the per-key one"
   CHECK(clamped_keys == clamped_chunks);
   const Eigen::MatrixXd a = true_numden(by_key), b = true_numden(by_chunk);
   CHECK((a - b).norm() <= 1e-10 * a.norm());
-  // The sizes alone, without the sets: the same rows, the same correction bit for bit.
+  // The sizes alone, without the sets: the same rows, the same correction bit for bit, and the
+  // sizes the correction counts as it runs are those of the sets.
   const std::vector<Index> sizes = randattn::lsh_target_sizes(chunks, causal);
   REQUIRE(Index(sizes.size()) == sets.rows());
   for (Index i = 0; i < sets.rows(); ++i) REQUIRE(sizes[std::size_t(i)] == sets.size(i));
   Index clamped_sizes = 0;
-  const auto by_sizes = randattn::feature_remainder_accumulate(map, p.q, p.k, p.v, chunks, sizes,
-                                                               fopt, &clamped_sizes);
+  std::vector<Index> counted;
+  const auto by_sizes = randattn::feature_remainder_accumulate(map, p.q, p.k, p.v, chunks, fopt,
+                                                               &clamped_sizes, &counted);
+  CHECK(counted == sizes);
   CHECK(clamped_sizes == clamped_chunks);
   CHECK(by_sizes.numden() == by_chunk.numden());
   CHECK(by_sizes.log_scale() == by_chunk.log_scale());

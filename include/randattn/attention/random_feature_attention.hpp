@@ -28,6 +28,7 @@
 #include "../core/detail/output_check.hpp"
 #include "../core/detail/score_tile.hpp"
 #include "../core/input_checks.hpp"
+#include "../detail/fresh_matrix.hpp"
 #include "../core/linear_attention.hpp"
 #include "../core/linear_decoder.hpp"
 #include "../core/options.hpp"
@@ -115,8 +116,10 @@ std::pair<ScaledFeatures<typename Map::Scalar>, ScaledFeatures<typename Map::Sca
   using Scalar = typename Map::Scalar;
   check_feature_slice(where, map, q, k, v, s, check_finite);
   const Index dim = map.feature_dim();
-  ScaledFeatures<Scalar> qf{RowMatrix<Scalar>(q.rows(), dim), Vector<Scalar>(q.rows())};
-  ScaledFeatures<Scalar> kf{RowMatrix<Scalar>(k.rows(), dim), Vector<Scalar>(k.rows())};
+  ScaledFeatures<Scalar> qf{fresh_matrix<RowMatrix<Scalar>>(q.rows(), dim),
+                            Vector<Scalar>(q.rows())};
+  ScaledFeatures<Scalar> kf{fresh_matrix<RowMatrix<Scalar>>(k.rows(), dim),
+                            Vector<Scalar>(k.rows())};
   if (q.rows() > 0) {
     map.features_into(q, s.normaliser, qf.values, qf.log_scale, FeatureSide::query);
     map.features_into(k, s.normaliser, kf.values, kf.log_scale, FeatureSide::key);

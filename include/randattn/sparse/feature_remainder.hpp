@@ -69,17 +69,22 @@ void subtract_on_targets(const ScaledFeatures<Scalar>& qf, const ScaledFeatures<
 // kCountTableRounds rounds, so the work stays linear in rounds) and masked to j <= i under causal
 // masking. Rows merge round after round; within a round each row belongs to one chunk, so
 // results do not depend on the thread count. Buffers are per thread, reused across chunks.
+// `distinct` (if given, n_q entries) receives Σ 1/N_ij over the row's unmasked pairs: each
+// distinct key of S_i once (before the fallback of a row left without keys), so |S_i| comes
+// from the weights already counted.
 template <typename Scalar>
 void subtract_on_chunks(const ScaledFeatures<Scalar>& qf, const ScaledFeatures<Scalar>& kf,
                         const Vector<Scalar>& signs, const Eigen::Ref<const RowMatrix<Scalar>>& v,
                         const LshChunks& l, bool causal, RowMatrix<Scalar>& nd,
-                        Vector<Scalar>& log_scale) {
+                        Vector<Scalar>& log_scale, std::vector<double>* distinct = nullptr) {
   const Index m = qf.dim(), dv = v.cols();
   // N_ij as the LSH kernel counts it (target_blocks.hpp): from the chunk signatures, or the table.
   const LshChunkPlan& kplan = l.key_plan();
   RoundSignatures sig{l.queries.chunk_of().data(), kplan.chunk_of().data(), l.rounds,
                       l.chunks > 1, static_cast<std::int32_t>(1 - l.chunks)};
   sig.counts = l.has_counts() ? &l.counts : nullptr;
+  std::vector<double> inverse(std::size_t(l.rounds) + 1, 0.0);  // 1/N_ij, N_ij <= rounds
+  for (std::size_t c = 1; c < inverse.size(); ++c) inverse[c] = 1.0 / double(c);
   struct Scratch {
     std::vector<std::int32_t> cols, count;
     RoundCounter::SignatureMatrix key_sig;
@@ -126,6 +131,11 @@ void subtract_on_chunks(const ScaledFeatures<Scalar>& qf, const ScaledFeatures<S
             for (Index t = 0; t < nc; ++t)
               s.weights(u, t) = (causal && s.cols[t] > i) ? Scalar(0)
                                                            : s.weights(u, t) / Scalar(s.count[t]);
+            if (!distinct) continue;
+            double keys = 0;
+            for (Index t = 0; t < nc; ++t)
+              keys += (causal && s.cols[t] > i) ? 0.0 : inverse[std::size_t(s.count[t])];
+            (*distinct)[std::size_t(i)] += keys;
           }
           s.correction.noalias() = -(s.weights * s.values);
           for (Index u = 0; u < nr; ++u) {
@@ -202,26 +212,35 @@ SoftmaxAccumulator<typename Map::Scalar> feature_remainder_accumulate(
       });
 }
 
-// The same on the target sets of sort-and-chunk LSH with the chunks `chunks`, given only their
-// sizes (lsh_target_sizes(chunks, opt.causal)): the sets themselves are never built.
+// The same on the target sets of sort-and-chunk LSH with the chunks `chunks`, which are never
+// built: the correction counts each row's keys as it weighs them, and `sizes` (if given)
+// receives |S_i|, lsh_target_sizes(chunks, opt.causal) without its pass over the keys.
 template <typename Map>
 SoftmaxAccumulator<typename Map::Scalar> feature_remainder_accumulate(
     const Map& map, const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
     const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
     const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v, const LshChunks& chunks,
-    const std::vector<Index>& sizes, const RandomFeatureOptions& opt,
-    Index* clamped_rows = nullptr) {
+    const RandomFeatureOptions& opt, Index* clamped_rows = nullptr,
+    std::vector<Index>* sizes = nullptr) {
   using Scalar = typename Map::Scalar;
   const char* where = "feature_remainder";
-  detail::require(Index(sizes.size()) == q.rows() && chunks.n_q == q.rows() &&
-                      chunks.n_k == k.rows(),
-                  where, "the chunks and sizes were not cut from these q and k");
-  return detail::feature_remainder(
-      where, map, q, k, v, opt, clamped_rows, [&](Index i) { return sizes[std::size_t(i)]; },
+  detail::require(chunks.n_q == q.rows() && chunks.n_k == k.rows(), where,
+                  "the chunks were not cut from these q and k");
+  std::vector<Index> counted(std::size_t(q.rows()), 0);
+  auto acc = detail::feature_remainder(
+      where, map, q, k, v, opt, clamped_rows, [&](Index i) { return counted[std::size_t(i)]; },
       [&](const ScaledFeatures<Scalar>& qf, const ScaledFeatures<Scalar>& kf,
           const Vector<Scalar>& signs, RowMatrix<Scalar>& nd, Vector<Scalar>& log_scale) {
-        detail::subtract_on_chunks(qf, kf, signs, v, chunks, opt.causal, nd, log_scale);
+        std::vector<double> distinct(std::size_t(q.rows()), 0.0);
+        detail::subtract_on_chunks(qf, kf, signs, v, chunks, opt.causal, nd, log_scale,
+                                   &distinct);
+        for (Index i = 0; i < q.rows(); ++i) {  // Σ 1/N_ij sums to an integer; the fallback
+          const Index keys = Index(std::llround(distinct[std::size_t(i)]));
+          counted[std::size_t(i)] = keys > 0 ? keys : valid_keys(i, k.rows(), opt.causal);
+        }
       });
+  if (sizes) *sizes = std::move(counted);
+  return acc;
 }
 
 }  // namespace randattn

@@ -211,7 +211,7 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
   std::vector<Index> sizes;
   TargetSets sets;      // the keys E scores
   TargetSets left_out;  // under the self rule: the keys the remainder leaves out, S_i ∪ {i}
-  if (sizes_only && (features || stats)) {
+  if (sizes_only && !features && stats) {  // a feature remainder counts them as it runs
     sizes = lsh_target_sizes(*chunks, opt.causal);
     for (Index s : sizes) st.pairs_scored += s;
   } else if (need_sets) {
@@ -256,10 +256,15 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
     fopt.scale = double(scale);
     fopt.check_finite = false;
     fopt.denominator_epsilon = remainder.denominator_epsilon;
-    acc.merge(sizes_only ? feature_remainder_accumulate(remainder.map, q, k, v, *chunks, sizes,
-                                                        fopt, &st.clamped_rows)
-                         : feature_remainder_accumulate(remainder.map, q, k, v, remainder_sets,
-                                                        fopt, &st.clamped_rows));
+    if (sizes_only) {
+      acc.merge(
+          feature_remainder_accumulate(remainder.map, q, k, v, *chunks, fopt, &st.clamped_rows,
+                                       &sizes));
+      for (Index s : sizes) st.pairs_scored += s;
+    } else {
+      acc.merge(feature_remainder_accumulate(remainder.map, q, k, v, remainder_sets, fopt,
+                                             &st.clamped_rows));
+    }
   }
   st.remainder_seconds += detail::seconds_since(start);
   // The parts ran unchecked (inputs were checked above): their overflow is reported here.

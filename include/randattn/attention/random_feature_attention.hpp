@@ -301,7 +301,7 @@ RowMatrix<typename Map::Scalar> random_feature_attention(const Map& map,
                                                          const Eigen::MatrixBase<DK>& k,
                                                          const Eigen::MatrixBase<DV>& v,
                                                          const RandomFeatureOptions& opt = {}) {
-  RowMatrix<typename Map::Scalar> out(q.rows(), v.cols());
+  auto out = detail::fresh_matrix<RowMatrix<typename Map::Scalar>>(q.rows(), v.cols());
   random_feature_attention_into(map, q, k, v, out, opt);
   return out;
 }

@@ -13,6 +13,7 @@
 #include <Eigen/Core>
 
 #include "../detail/batch.hpp"
+#include "../detail/fresh_matrix.hpp"
 #include "../detail/gemm.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
@@ -148,7 +149,7 @@ RowMatrix<typename DQ::Scalar> exact_attention(const Eigen::MatrixBase<DQ>& q,
                                                const Eigen::MatrixBase<DK>& k,
                                                const Eigen::MatrixBase<DV>& v,
                                                const ExactOptions& opt = {}) {
-  RowMatrix<typename DQ::Scalar> out(q.rows(), v.cols());
+  auto out = detail::fresh_matrix<RowMatrix<typename DQ::Scalar>>(q.rows(), v.cols());
   exact_attention_into(q, k, v, out, opt);
   return out;
 }

@@ -19,6 +19,7 @@
 #include <Eigen/Core>
 
 #include "../detail/batch.hpp"
+#include "../detail/fresh_matrix.hpp"
 #include "../detail/gemm.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/chunk_products.hpp"
@@ -533,7 +534,7 @@ template <typename Scalar, typename DV>
 RowMatrix<Scalar> linear_attention(const ScaledFeatures<Scalar>& q, const ScaledFeatures<Scalar>& k,
                                    const Eigen::MatrixBase<DV>& v, const LinearOptions& opt = {},
                                    const Vector<Scalar>& signs = Vector<Scalar>()) {
-  RowMatrix<Scalar> out(q.values.rows(), v.cols());
+  auto out = detail::fresh_matrix<RowMatrix<Scalar>>(q.values.rows(), v.cols());
   linear_attention_into(q, k, v, out, opt, signs);
   return out;
 }

@@ -11,6 +11,7 @@
 
 #include <Eigen/Core>
 
+#include "../detail/fresh_matrix.hpp"
 #include "../detail/validation.hpp"
 #include "types.hpp"
 
@@ -48,10 +49,11 @@ class SoftmaxAccumulator {
   // Empty state: no weight on any row (den = 0, log-scale = -inf).
   SoftmaxAccumulator(Index rows, Index value_dim)
       : value_dim_(value_dim),
-        nd_(RowMatrix<Scalar>::Zero(rows, value_dim + 1)),
+        nd_(detail::fresh_matrix<RowMatrix<Scalar>>(rows, value_dim + 1)),
         log_scale_(Vector<Scalar>::Constant(rows, -std::numeric_limits<Scalar>::infinity())) {
     detail::require(rows >= 0 && value_dim >= 0, "SoftmaxAccumulator",
                     "negative shape: rows = ", rows, ", value_dim = ", value_dim);
+    nd_.setZero();
   }
 
   // Takes a complete [num | den] block (rows x (value_dim + 1)) with its per-row log-scales.
@@ -70,6 +72,15 @@ class SoftmaxAccumulator {
   auto numerator() const { return nd_.leftCols(value_dim_); }
   auto denominator() const { return nd_.col(value_dim_); }
   const Vector<Scalar>& log_scale() const { return log_scale_; }
+
+  // Hands over [num | den] and the log-scales without copying them (to rescale or correct them
+  // and build a new accumulator); this one is left with no rows.
+  std::pair<RowMatrix<Scalar>, Vector<Scalar>> release() && {
+    std::pair<RowMatrix<Scalar>, Vector<Scalar>> parts(std::move(nd_), std::move(log_scale_));
+    nd_.resize(0, value_dim_ + 1);
+    log_scale_.resize(0);
+    return parts;
+  }
 
   // Merges a partial [num | den] block for rows [row0, row0 + nd.rows()), given relative to
   // the per-row log-scales `log_scale`. A row with log-scale -inf carries no weight.
@@ -116,7 +127,7 @@ class SoftmaxAccumulator {
   // A row whose guarded denominator is zero or subnormal (eps = 0 and no weight, or weights that
   // underflowed) outputs zeros.
   RowMatrix<Scalar> finalize(Scalar epsilon = 0) const {
-    RowMatrix<Scalar> out(rows(), value_dim_);
+    auto out = detail::fresh_matrix<RowMatrix<Scalar>>(rows(), value_dim_);
     finalize_into(out, epsilon);
     return out;
   }

@@ -59,9 +59,8 @@ void unscale_output(const Eigen::MatrixBase<Derived>& out_, int e) {
 template <typename Scalar>
 SoftmaxAccumulator<Scalar> unscaled_accumulator(SoftmaxAccumulator<Scalar> acc, int e) {
   if (e == 0) return acc;
-  RowMatrix<Scalar> nd = acc.numden();
+  auto [nd, log_scale] = std::move(acc).release();
   scale_by_power_of_two(nd.leftCols(nd.cols() - 1), e);
-  Vector<Scalar> log_scale = acc.log_scale();
   return SoftmaxAccumulator<Scalar>(std::move(nd), std::move(log_scale));
 }
 

@@ -13,6 +13,8 @@
 #include <sys/mman.h>
 #endif
 
+#include <Eigen/Core>
+
 #include "../core/types.hpp"
 
 namespace randattn::detail {
@@ -39,6 +41,14 @@ template <typename Matrix>
 Matrix fresh_matrix(Index rows, Index cols) {
   Matrix m(rows, cols);
   advise_huge_pages(m.data(), sizeof(typename Matrix::Scalar) * std::size_t(m.size()));
+  return m;
+}
+
+// A copy of `e` in a fresh matrix advised as above (inputs scaled or reordered per call).
+template <typename Matrix, typename Derived>
+Matrix fresh_copy(const Eigen::MatrixBase<Derived>& e) {
+  Matrix m = fresh_matrix<Matrix>(e.rows(), e.cols());
+  m = e;
   return m;
 }
 

@@ -60,6 +60,7 @@
 #include "../core/types.hpp"
 #include "../core/value_headroom.hpp"
 #include "../detail/batch.hpp"
+#include "../detail/fresh_matrix.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
 #include "../hashing/detail/bucket_sort.hpp"
@@ -566,7 +567,7 @@ template <typename DQ, typename DK, typename DV>
 RowMatrix<typename DQ::Scalar> lsf_attention(
     const LocalitySensitiveFilters<typename DQ::Scalar>& filters, const Eigen::MatrixBase<DQ>& q,
     const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v, const LsfOptions& opt = {}) {
-  RowMatrix<typename DQ::Scalar> out(q.rows(), v.cols());
+  auto out = detail::fresh_matrix<RowMatrix<typename DQ::Scalar>>(q.rows(), v.cols());
   lsf_attention_into(filters, q, k, v, out, opt);
   return out;
 }

@@ -65,6 +65,7 @@
 #include "../core/types.hpp"
 #include "../core/value_headroom.hpp"
 #include "../detail/batch.hpp"
+#include "../detail/fresh_matrix.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
 #include "../hashing/detail/bucket_sort.hpp"
@@ -197,9 +198,9 @@ class LshSlice {
            const LshOptions& opt, Scalar scale, const LshChunks* chunks = nullptr)
       : hash_(hash), opt_(opt), shared_(k == nullptr), acc_(q.rows(), v.cols()) {
     if (q.rows() == 0) return;
-    queries_ = scale * q;
-    keys_ = shared_ ? unit_rows<Scalar>(q) : RowMatrix<Scalar>(*k);
-    values_ = v;
+    queries_ = fresh_copy<RowMatrix<Scalar>>(scale * q);
+    keys_ = shared_ ? unit_rows<Scalar>(q) : fresh_copy<RowMatrix<Scalar>>(*k);
+    values_ = fresh_copy<RowMatrix<Scalar>>(v);
     // Up to rounds terms per key in a numerator (the multiset counts each round).
     value_exponent_ = value_headroom(values_, double(v.rows()) * double(hash.rounds()));
     scale_by_power_of_two(values_, -value_exponent_);
@@ -678,7 +679,7 @@ RowMatrix<typename DQ::Scalar> lsh_attention(const CrossPolytopeHash<typename DQ
                                              const Eigen::MatrixBase<DK>& k,
                                              const Eigen::MatrixBase<DV>& v,
                                              const LshOptions& opt = {}) {
-  RowMatrix<typename DQ::Scalar> out(q.rows(), v.cols());
+  auto out = detail::fresh_matrix<RowMatrix<typename DQ::Scalar>>(q.rows(), v.cols());
   lsh_attention_into(hash, q, k, v, out, opt);
   return out;
 }

@@ -128,16 +128,23 @@ void subtract_on_chunks(const ScaledFeatures<Scalar>& qf, const ScaledFeatures<S
             const Index i = rows[u];
             std::fill(s.count.begin(), s.count.end(), 0);
             counter(i, col_index, s.count.data());
-            for (Index t = 0; t < nc; ++t)
+            for (Index t = 0; t < nc; ++t)  // negated: the product below is the correction
               s.weights(u, t) = (causal && s.cols[t] > i) ? Scalar(0)
-                                                           : s.weights(u, t) / Scalar(s.count[t]);
+                                                           : -s.weights(u, t) / Scalar(s.count[t]);
             if (!distinct) continue;
-            double keys = 0;
-            for (Index t = 0; t < nc; ++t)
-              keys += (causal && s.cols[t] > i) ? 0.0 : inverse[std::size_t(s.count[t])];
-            (*distinct)[std::size_t(i)] += keys;
+            const auto term = [&](Index t) {
+              return (causal && s.cols[t] > i) ? 0.0 : inverse[std::size_t(s.count[t])];
+            };
+            double a = 0, b = 0;  // two sums: half the chain of dependent additions
+            Index t = 0;
+            for (; t + 1 < nc; t += 2) {
+              a += term(t);
+              b += term(t + 1);
+            }
+            if (t < nc) a += term(t);
+            (*distinct)[std::size_t(i)] += a + b;
           }
-          s.correction.noalias() = -(s.weights * s.values);
+          s.correction.noalias() = s.weights * s.values;
           for (Index u = 0; u < nr; ++u) {
             const Index i = rows[u];
             merge_scaled(nd.row(i), log_scale(i), s.correction.row(u), qf.log_scale(i) + top);
@@ -165,10 +172,9 @@ SoftmaxAccumulator<typename Map::Scalar> feature_remainder(
   const GivenFeatureRows<Scalar> qrows(qf.values, qf.log_scale), krows(kf.values, kf.log_scale);
   const LinearOperands<GivenFeatureRows<Scalar>, GivenFeatureRows<Scalar>> in{
       qrows, krows, v, signs, linear_chunk(settings.linear)};
-  const SoftmaxAccumulator<Scalar> all =
-      linear_accumulate(where, in, settings.linear.causal, settings.linear.check_finite);
-  RowMatrix<Scalar> nd = all.numden();
-  Vector<Scalar> log_scale = all.log_scale();
+  auto [nd, log_scale] =
+      linear_accumulate(where, in, settings.linear.causal, settings.linear.check_finite)
+          .release();
   subtract(qf, kf, signs, nd, log_scale);
   const Index n_q = q.rows(), n_k = k.rows(), dv = v.cols();
   Index clamped = 0;

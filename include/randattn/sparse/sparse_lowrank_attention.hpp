@@ -44,6 +44,7 @@
 #include "../core/softmax_accumulator.hpp"
 #include "../core/target_sets.hpp"
 #include "../core/types.hpp"
+#include "../detail/fresh_matrix.hpp"
 #include "../detail/seconds_since.hpp"
 #include "../detail/validation.hpp"
 #include "../lsf/lsf_attention.hpp"
@@ -235,9 +236,9 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
               ? lsh_attention_accumulate<Scalar>(*support.lsh, q, hash_keys, v, lsh_opt)
               : lsf_attention_accumulate<Scalar>(*support.lsf, q, hash_keys, v, lsf_opt);
     if (opt.centre_keys) {  // back to the raw keys' logits: + scale q_i·μ
-      Vector<Scalar> log_scale = acc.log_scale();
+      auto [nd, log_scale] = std::move(acc).release();
       log_scale.noalias() += scale * (q * mean.transpose().template cast<Scalar>());
-      acc = SoftmaxAccumulator<Scalar>(acc.numden(), std::move(log_scale));
+      acc = SoftmaxAccumulator<Scalar>(std::move(nd), std::move(log_scale));
     }
   } else {
     acc = target_attention_accumulate<Scalar>(q, k, v, sets, scale);
@@ -302,7 +303,7 @@ RowMatrix<Scalar> sparse_lowrank_attention(const Eigen::Ref<const RowMatrix<Scal
                                            const Remainder& remainder = {},
                                            const SparseLowRankOptions& opt = {},
                                            SparseLowRankStats* stats = nullptr) {
-  RowMatrix<Scalar> out(q.rows(), v.cols());
+  auto out = detail::fresh_matrix<RowMatrix<Scalar>>(q.rows(), v.cols());
   sparse_lowrank_attention_into<Scalar, Remainder>(q, k, v, support, out, remainder, opt, stats);
   return out;
 }

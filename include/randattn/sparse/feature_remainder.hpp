@@ -26,6 +26,7 @@
 #include "../core/softmax_accumulator.hpp"
 #include "../core/target_sets.hpp"
 #include "../core/types.hpp"
+#include "../detail/chunk_products.hpp"
 #include "../detail/parallel.hpp"
 #include "../lsh/lsh_attention.hpp"
 
@@ -63,93 +64,218 @@ void subtract_on_targets(const ScaledFeatures<Scalar>& qf, const ScaledFeatures<
   });
 }
 
-// The same for LSH sort-and-chunk target sets, tile by tile: per round, query chunk g against key
-// chunks g and g - 1 as one matrix product, each pair weighted by 1/N_ij (N_ij rounds share it,
-// so the pair counts once over the rounds; looked up in the chunks' table beyond
-// kCountTableRounds rounds, so the work stays linear in rounds) and masked to j <= i under causal
-// masking. Rows merge round after round; within a round each row belongs to one chunk, so
-// results do not depend on the thread count. Buffers are per thread, reused across chunks.
-// `distinct` (if given, n_q entries) receives Σ 1/N_ij over the row's unmasked pairs: each
-// distinct key of S_i once (before the fallback of a row left without keys), so |S_i| comes
-// from the weights already counted.
+// The pair counts N_ij of sort-and-chunk LSH as its kernel counts them (target_blocks.hpp): from
+// the chunk signatures, or the chunks' table beyond kCountTableRounds rounds (so the work stays
+// linear in rounds).
+inline RoundSignatures chunk_signatures(const LshChunks& l) {
+  RoundSignatures sig{l.queries.chunk_of().data(), l.key_plan().chunk_of().data(), l.rounds,
+                      l.chunks > 1, static_cast<std::int32_t>(1 - l.chunks)};
+  sig.counts = l.has_counts() ? &l.counts : nullptr;
+  return sig;
+}
+
+// What one query chunk of one round needs to weigh its pairs: the pair counts of a row against
+// the key columns `cols`, from the signatures (the keys' gathered once per chunk).
+struct ChunkPairCounts {
+  const LshChunks* l = nullptr;
+  RoundSignatures sig;
+  RoundCounter::SignatureMatrix key_sig;
+  std::vector<std::int32_t> count;
+  TileIndex col_index;
+
+  void set_columns(const std::vector<std::int32_t>& cols) {
+    const Index nc = Index(cols.size());
+    key_sig.resize(sig.counts ? 0 : l->rounds, nc);
+    if (!sig.counts)
+      for (Index t = 0; t < nc; ++t)
+        for (Index r = 0; r < l->rounds; ++r) key_sig(r, t) = l->key_plan().chunk_of()(cols[t], r);
+    col_index = TileIndex::gathered(cols.data(), nc);
+    count.resize(std::size_t(nc));
+  }
+  // count[t] = N_{i, cols[t]}.
+  void of_row(Index i) {
+    std::fill(count.begin(), count.end(), 0);
+    const RoundCounter counter{&sig, &key_sig};
+    counter(i, col_index, count.data());
+  }
+};
+
+// Σ_t inverse[count[t]] over the unmasked columns: each distinct key of the row once over the
+// rounds. Two running sums halve the chain of dependent additions.
+template <typename Masked>
+double distinct_keys(const std::vector<std::int32_t>& count, const std::vector<double>& inverse,
+                     Masked&& masked) {
+  const auto term = [&](std::size_t t) { return masked(t) ? 0.0 : inverse[std::size_t(count[t])]; };
+  double a = 0, b = 0;
+  std::size_t t = 0;
+  for (; t + 1 < count.size(); t += 2) {
+    a += term(t);
+    b += term(t + 1);
+  }
+  if (t < count.size()) a += term(t);
+  return a + b;
+}
+
+// The rows of query chunk g in round rho as features (times the map's signs), into fq.
+template <typename Scalar>
+void gather_query_features(const ScaledFeatures<Scalar>& qf, const Vector<Scalar>& signs,
+                           const std::int32_t* rows, Index nr, RowMatrix<Scalar>& fq) {
+  fq.resize(nr, qf.dim());
+  for (Index u = 0; u < nr; ++u) fq.row(u) = qf.values.row(rows[u]);
+  if (signs.size() > 0) fq.array().rowwise() *= signs.transpose().array();
+}
+
+// The same for LSH sort-and-chunk target sets, chunk by chunk: per round, query chunk g against
+// key chunks g and g - 1, each pair weighted by 1/N_ij (N_ij rounds share it, so the pair counts
+// once over the rounds). Rows merge round after round; within a round each row belongs to one
+// chunk, so results do not depend on the thread count. `distinct` (if given, n_q entries)
+// receives Σ 1/N_ij over the row's unmasked pairs: each distinct key of S_i once (before the
+// fallback of a row left without keys), so |S_i| comes from the counts already taken.
+//
+// Without causal masking every key of a chunk counts for every query of the chunks that see it,
+// so the correction factors: with G_h = Σ_{j ∈ chunk h} φ(k_j) [v_j | 1] (M x (dv + 1), once per
+// key chunk and round), query i's sum over its two chunks is φ(q_i)ᵀ (G_g + G_{g-1}), and only the
+// pairs seen in N_ij > 1 rounds give back (1 - 1/N_ij) of their weight, pair by pair (a few per
+// cent of the pairs on Gaussian data). That is (M(dv + 1) per key + 2M(dv + 1) per query) · 2
+// flops per round against 2 c_k (M + dv + 1) per query pair by pair, and each key chunk's
+// features are gathered once per round instead of twice. Causal masking drops about half of each
+// chunk's pairs, query by query: there the pairs are weighed as one product per chunk pair.
 template <typename Scalar>
 void subtract_on_chunks(const ScaledFeatures<Scalar>& qf, const ScaledFeatures<Scalar>& kf,
                         const Vector<Scalar>& signs, const Eigen::Ref<const RowMatrix<Scalar>>& v,
                         const LshChunks& l, bool causal, RowMatrix<Scalar>& nd,
                         Vector<Scalar>& log_scale, std::vector<double>* distinct = nullptr) {
   const Index m = qf.dim(), dv = v.cols();
-  // N_ij as the LSH kernel counts it (target_blocks.hpp): from the chunk signatures, or the table.
-  const LshChunkPlan& kplan = l.key_plan();
-  RoundSignatures sig{l.queries.chunk_of().data(), kplan.chunk_of().data(), l.rounds,
-                      l.chunks > 1, static_cast<std::int32_t>(1 - l.chunks)};
-  sig.counts = l.has_counts() ? &l.counts : nullptr;
+  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   std::vector<double> inverse(std::size_t(l.rounds) + 1, 0.0);  // 1/N_ij, N_ij <= rounds
   for (std::size_t c = 1; c < inverse.size(); ++c) inverse[c] = 1.0 / double(c);
+  // Key rows `cols` as features scaled by exp(log_scale - top), top their largest log-scale, and
+  // their [v | 1] rows.
+  struct KeyRows {
+    std::vector<std::int32_t> cols;
+    RowMatrix<Scalar> features, values, g;  // g = featuresᵀ values (the factored form)
+    Scalar top = kNegInf;
+    void load(const ScaledFeatures<Scalar>& kf, const Eigen::Ref<const RowMatrix<Scalar>>& v) {
+      const Index nk = Index(cols.size()), dv = v.cols();
+      top = kNegInf;
+      for (std::int32_t j : cols) top = std::max(top, kf.log_scale(j));
+      features.resize(nk, kf.dim());
+      values.resize(nk, dv + 1);
+      for (Index t = 0; t < nk; ++t) {
+        features.row(t) = std::exp(kf.log_scale(cols[t]) - top) * kf.values.row(cols[t]);
+        values.row(t).head(dv) = v.row(cols[t]);
+        values(t, dv) = 1;
+      }
+    }
+  };
   struct Scratch {
-    std::vector<std::int32_t> cols, count;
-    RoundCounter::SignatureMatrix key_sig;
-    RowMatrix<Scalar> fq, fk, values, weights, correction;
+    KeyRows prev, cur;
+    ChunkPairCounts pairs;
+    std::vector<std::int32_t> cols;
+    RowMatrix<Scalar> fq, weights, gsum, correction;
+  };
+  const auto make = [&] {
+    Scratch s;
+    s.pairs.l = &l;
+    s.pairs.sig = chunk_signatures(l);
+    return s;
+  };
+  const auto merge_rows = [&](const std::int32_t* rows, Index nr, const RowMatrix<Scalar>& c,
+                              Scalar top) {
+    for (Index u = 0; u < nr; ++u)
+      merge_scaled(nd.row(rows[u]), log_scale(rows[u]), c.row(u), qf.log_scale(rows[u]) + top);
+  };
+  const auto add_distinct = [&](Index i, const std::vector<std::int32_t>& count, auto&& masked) {
+    if (distinct) (*distinct)[std::size_t(i)] += distinct_keys(count, inverse, masked);
+  };
+
+  if (causal) {
+    for (Index rho = 0; rho < l.rounds; ++rho) {
+      parallel_for_with(l.chunks, make, [&](Index g, Scratch& s) {
+        const std::int32_t* rows = l.queries.chunk(rho, g);
+        const Index nr = l.queries.chunk_size(g);
+        KeyRows& keys = s.cur;
+        keys.cols.assign(l.key_chunk(rho, g), l.key_chunk(rho, g) + l.key_count(g));
+        if (l.chunks > 1) {
+          const Index p = l.previous(g);
+          keys.cols.insert(keys.cols.end(), l.key_chunk(rho, p),
+                           l.key_chunk(rho, p) + l.key_count(p));
+        }
+        const Index nc = Index(keys.cols.size());
+        if (nc == 0 || nr == 0) return;
+        keys.load(kf, v);
+        gather_query_features(qf, signs, rows, nr, s.fq);
+        s.weights.noalias() = s.fq * keys.features.transpose();
+        s.pairs.set_columns(keys.cols);
+        for (Index u = 0; u < nr; ++u) {
+          const Index i = rows[u];
+          s.pairs.of_row(i);
+          const auto masked = [&](std::size_t t) { return Index(keys.cols[t]) > i; };
+          for (Index t = 0; t < nc; ++t)  // negated: the product below is the correction
+            s.weights(u, t) = masked(std::size_t(t))
+                                  ? Scalar(0)
+                                  : -s.weights(u, t) / Scalar(s.pairs.count[std::size_t(t)]);
+          add_distinct(i, s.pairs.count, masked);
+        }
+        s.correction.noalias() = s.weights * keys.values;
+        merge_rows(rows, nr, s.correction, keys.top);
+      });
+    }
+    return;
+  }
+
+  // Factored: tasks of consecutive chunks, so that key chunk g's G serves query chunks g and g + 1.
+  const Index per_task = std::max<Index>(1, kChunkTokensPerTask / std::max<Index>(1, l.c));
+  const Index tasks = (l.chunks + per_task - 1) / per_task;
+  const auto load_chunk = [&](Index rho, Index h, KeyRows& keys) {
+    keys.cols.assign(l.key_chunk(rho, h), l.key_chunk(rho, h) + l.key_count(h));
+    keys.load(kf, v);
+    keys.g.resize(m, dv + 1);
+    if (keys.cols.empty())
+      keys.g.setZero();
+    else
+      row_panel_product(keys.g, keys.features.transpose(), keys.values, false);
   };
   for (Index rho = 0; rho < l.rounds; ++rho) {
-    parallel_for_with(
-        l.chunks, [] { return Scratch(); },
-        [&](Index g, Scratch& s) {
-          const std::int32_t* rows = l.queries.chunk(rho, g);
-          const Index nr = l.queries.chunk_size(g);
-          s.cols.assign(l.key_chunk(rho, g), l.key_chunk(rho, g) + l.key_count(g));
-          if (l.chunks > 1) {
-            const Index p = l.previous(g);
-            s.cols.insert(s.cols.end(), l.key_chunk(rho, p), l.key_chunk(rho, p) + l.key_count(p));
+    parallel_for_with(tasks, make, [&](Index task, Scratch& s) {
+      const Index g0 = task * per_task, g1 = std::min(l.chunks, g0 + per_task);
+      const bool two = l.chunks > 1;
+      if (two) load_chunk(rho, l.previous(g0), s.prev);
+      for (Index g = g0; g < g1; std::swap(s.prev, s.cur), ++g) {
+        load_chunk(rho, g, s.cur);
+        const std::int32_t* rows = l.queries.chunk(rho, g);
+        const Index nr = l.queries.chunk_size(g);
+        const Scalar top = two ? std::max(s.cur.top, s.prev.top) : s.cur.top;
+        if (nr == 0 || top == kNegInf) continue;  // no queries, or no keys in either chunk
+        s.gsum.noalias() = std::exp(s.cur.top - top) * s.cur.g;
+        if (two) s.gsum.noalias() += std::exp(s.prev.top - top) * s.prev.g;
+        gather_query_features(qf, signs, rows, nr, s.fq);
+        s.correction.resize(nr, dv + 1);
+        row_panel_product(s.correction, s.fq, s.gsum, false);
+        // The columns as the causal form orders them: chunk g's keys, then chunk g - 1's.
+        const Index ncur = Index(s.cur.cols.size());
+        s.cols = s.cur.cols;
+        if (two) s.cols.insert(s.cols.end(), s.prev.cols.begin(), s.prev.cols.end());
+        s.pairs.set_columns(s.cols);
+        const Scalar cur_scale = std::exp(s.cur.top - top), prev_scale = std::exp(s.prev.top - top);
+        for (Index u = 0; u < nr; ++u) {
+          s.pairs.of_row(rows[u]);
+          for (std::size_t t = 0; t < s.cols.size(); ++t) {
+            const std::int32_t n = s.pairs.count[t];
+            if (n <= 1) continue;
+            const bool in_cur = Index(t) < ncur;
+            const KeyRows& keys = in_cur ? s.cur : s.prev;
+            const Index row = in_cur ? Index(t) : Index(t) - ncur;
+            const Scalar w = s.fq.row(u).dot(keys.features.row(row)) *
+                             (in_cur ? cur_scale : prev_scale) * (Scalar(1) - Scalar(1) / Scalar(n));
+            s.correction.row(u) -= w * keys.values.row(row);
           }
-          const Index nc = Index(s.cols.size());
-          if (nc == 0 || nr == 0) return;
-          s.fq.resize(nr, m);
-          s.fk.resize(nc, m);
-          s.values.resize(nc, dv + 1);
-          for (Index u = 0; u < nr; ++u) s.fq.row(u) = qf.values.row(rows[u]);
-          if (signs.size() > 0) s.fq.array().rowwise() *= signs.transpose().array();
-          Scalar top = -std::numeric_limits<Scalar>::infinity();
-          for (Index t = 0; t < nc; ++t) top = std::max(top, kf.log_scale(s.cols[t]));
-          for (Index t = 0; t < nc; ++t) {
-            const Scalar w = std::exp(kf.log_scale(s.cols[t]) - top);
-            s.fk.row(t) = w * kf.values.row(s.cols[t]);
-            s.values.row(t).head(dv) = v.row(s.cols[t]);
-            s.values(t, dv) = 1;
-          }
-          s.weights.noalias() = s.fq * s.fk.transpose();
-          s.key_sig.resize(sig.counts ? 0 : l.rounds, nc);
-          if (!sig.counts)
-            for (Index t = 0; t < nc; ++t)
-              for (Index r = 0; r < l.rounds; ++r) s.key_sig(r, t) = kplan.chunk_of()(s.cols[t], r);
-          const RoundCounter counter{&sig, &s.key_sig};
-          const TileIndex col_index = TileIndex::gathered(s.cols.data(), nc);
-          s.count.resize(std::size_t(nc));
-          for (Index u = 0; u < nr; ++u) {
-            const Index i = rows[u];
-            std::fill(s.count.begin(), s.count.end(), 0);
-            counter(i, col_index, s.count.data());
-            for (Index t = 0; t < nc; ++t)  // negated: the product below is the correction
-              s.weights(u, t) = (causal && s.cols[t] > i) ? Scalar(0)
-                                                           : -s.weights(u, t) / Scalar(s.count[t]);
-            if (!distinct) continue;
-            const auto term = [&](Index t) {
-              return (causal && s.cols[t] > i) ? 0.0 : inverse[std::size_t(s.count[t])];
-            };
-            double a = 0, b = 0;  // two sums: half the chain of dependent additions
-            Index t = 0;
-            for (; t + 1 < nc; t += 2) {
-              a += term(t);
-              b += term(t + 1);
-            }
-            if (t < nc) a += term(t);
-            (*distinct)[std::size_t(i)] += a + b;
-          }
-          s.correction.noalias() = s.weights * s.values;
-          for (Index u = 0; u < nr; ++u) {
-            const Index i = rows[u];
-            merge_scaled(nd.row(i), log_scale(i), s.correction.row(u), qf.log_scale(i) + top);
-          }
-        });
+          add_distinct(rows[u], s.pairs.count, [](std::size_t) { return false; });
+        }
+        s.correction = -s.correction;
+        merge_rows(rows, nr, s.correction, top);
+      }
+    });
   }
 }
 

@@ -17,12 +17,17 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <Eigen/Core>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "../core/types.hpp"
-#include "../detail/gemm.hpp"
+#include "../detail/chunk_products.hpp"
 #include "../detail/validation.hpp"
 #include "../random/fill.hpp"
 #include "../random/philox.hpp"
@@ -78,14 +83,16 @@ class SimHashTables {
   SimHashTables(Index dim, int bits, int tables, std::uint64_t seed, Index head)
       : bits_(bits), tables_(tables), dim_(dim) {
     const Index planes = Index(bits) * tables;
-    planes_.resize(planes, dim);
-    fill_gaussian(Philox(seed, streams::kv_cache_simhash), planes_, head * planes, 0);
+    RowMatrix<Scalar> rows(planes, dim);
+    fill_gaussian(Philox(seed, streams::kv_cache_simhash), rows, head * planes, 0);
+    planes_t_ = rows.transpose();
     buckets_.resize(static_cast<std::size_t>(tables) << bits);
   }
 
   struct HashScratch {
     Vector<Scalar> x, proj;
     RowMatrix<Scalar> block_proj;
+    std::vector<std::uint64_t> signs;
   };
 
   int bits() const { return bits_; }
@@ -99,28 +106,18 @@ class SimHashTables {
     scratch.x.resize(dim_);
     scratch.proj.resize(planes());
     for (Index c = 0; c < dim_; ++c) scratch.x(c) = centre ? x[c] - centre[c] : x[c];
-    scratch.proj.noalias() = planes_ * scratch.x;
-    for (int t = 0; t < tables_; ++t) {
-      std::uint32_t code = 0;
-      for (int b = 0; b < bits_; ++b) code |= std::uint32_t(scratch.proj(t * bits_ + b) > 0) << b;
-      codes[t] = code;
-    }
+    scratch.proj.noalias() = planes_t_.transpose() * scratch.x;
+    codes_of(scratch.proj.data(), scratch, codes);
   }
 
   // Codes of the rows of x (rows x dim, already centred) into codes[r·tables + t]: one product
-  // x·planesᵀ. Its rounding depends on the shapes only (fixed depth panels), so a block's codes
-  // do not depend on how its rows were appended or on the thread count.
+  // x·planesᵀ. Its rounding depends on the shapes only (register tiles over the whole depth),
+  // so a block's codes do not depend on how its rows were appended or on the thread count.
   void codes_block(const RowMatrix<Scalar>& x, HashScratch& scratch, std::uint32_t* codes) const {
     scratch.block_proj.resize(x.rows(), planes());
-    gemm_fixed_depth(scratch.block_proj, x, planes_.transpose(), false);
-    for (Index r = 0; r < x.rows(); ++r) {
-      const Scalar* proj = scratch.block_proj.row(r).data();
-      for (int t = 0; t < tables_; ++t) {
-        std::uint32_t code = 0;
-        for (int b = 0; b < bits_; ++b) code |= std::uint32_t(proj[t * bits_ + b] > 0) << b;
-        codes[r * tables_ + t] = code;
-      }
-    }
+    row_panel_product(scratch.block_proj, x, planes_t_, false);
+    for (Index r = 0; r < x.rows(); ++r)
+      codes_of(scratch.block_proj.row(r).data(), scratch, codes + r * tables_);
   }
 
   // Room for `per_bucket` entries in every bucket (a hint: buckets fill unevenly).
@@ -137,19 +134,61 @@ class SimHashTables {
   }
 
   std::size_t bytes() const {
-    std::size_t b = sizeof(Scalar) * static_cast<std::size_t>(planes_.size());
+    std::size_t b = sizeof(Scalar) * static_cast<std::size_t>(planes_t_.size());
     for (const auto& v : buckets_) b += v.capacity() * sizeof(std::int32_t) + sizeof(v);
     return b;
   }
 
  private:
+  // The L codes of one projected vector (bit b of table t: proj[tK + b] > 0). The signs are
+  // packed 64 to a word first (16 or 8 at a time with AVX-512 compares), then each table's K bits
+  // are one shifted read of that bit string: a few operations per table instead of K.
+  void codes_of(const Scalar* proj, HashScratch& scratch, std::uint32_t* codes) const {
+    const Index n = planes(), words = (n + 63) / 64;
+    scratch.signs.resize(std::size_t(words) + 1);  // + 1: a code may read past the last word
+    scratch.signs.back() = 0;
+    for (Index w = 0; w < words; ++w) scratch.signs[std::size_t(w)] = sign_word(proj, w * 64, n);
+    const std::uint64_t mask = (std::uint64_t(1) << bits_) - 1;
+    for (int t = 0; t < tables_; ++t) {
+      const Index first = Index(t) * bits_, shift = first % 64;
+      const std::uint64_t* word = scratch.signs.data() + first / 64;
+      std::uint64_t code = word[0] >> shift;
+      if (shift + bits_ > 64) code |= word[1] << (64 - shift);
+      codes[t] = std::uint32_t(code & mask);
+    }
+  }
+
+  // Bit i of the result: proj[first + i] > 0, for first + i < n.
+  static std::uint64_t sign_word(const Scalar* proj, Index first, Index n) {
+    const Index len = std::min<Index>(64, n - first);
+    std::uint64_t m = 0;
+    Index i = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same<Scalar, float>::value) {
+      for (; i + 16 <= len; i += 16)
+        m |= std::uint64_t(_mm512_cmp_ps_mask(_mm512_loadu_ps(proj + first + i),
+                                              _mm512_setzero_ps(), _CMP_GT_OQ))
+             << i;
+    } else if constexpr (std::is_same<Scalar, double>::value) {
+      for (; i + 8 <= len; i += 8)
+        m |= std::uint64_t(_mm512_cmp_pd_mask(_mm512_loadu_pd(proj + first + i),
+                                              _mm512_setzero_pd(), _CMP_GT_OQ))
+             << i;
+    }
+#endif
+    for (; i < len; ++i) m |= std::uint64_t(proj[first + i] > 0) << i;
+    return m;
+  }
+
   std::vector<std::int32_t>& bucket_mut(int table, std::uint32_t code) {
     return buckets_[(static_cast<std::size_t>(table) << bits_) + code];
   }
 
   int bits_ = 0, tables_ = 0;
   Index dim_ = 0;
-  RowMatrix<Scalar> planes_;  // one hyperplane per row, table t owns rows [t·K, (t + 1)·K)
+  // One hyperplane per column, table t owning columns [t·K, (t + 1)·K): stored d x L·K so that
+  // a block's product runs in the library's row-panel tiles (detail/chunk_products.hpp).
+  RowMatrix<Scalar> planes_t_;
   std::vector<std::vector<std::int32_t>> buckets_;
 };
 

@@ -1,9 +1,9 @@
 #pragma once
 // Large matrices written once per call (feature matrices, outputs) are first touched in 2 MiB
 // pages where the system allows it. On Linux every fresh 4 KiB page of anonymous memory costs a
-// fault at its first write: 0.1 µs on bare metal, 13 µs measured on the virtual machines this
-// library is benchmarked on, where a 16 MiB feature matrix then costs 54 ms in faults against
-// 1.5 ms in 2 MiB pages. MADV_HUGEPAGE is advice: the kernel may ignore it (transparent huge
+// fault at its first write: 13 µs measured on the virtual machines this library is benchmarked
+// on, where a fresh 16 MiB feature matrix then costs 54 ms in faults against 1.5 ms in 2 MiB
+// pages. MADV_HUGEPAGE is advice: the kernel may ignore it (transparent huge
 // pages disabled), and the contents and results are the same either way.
 
 #include <cstddef>

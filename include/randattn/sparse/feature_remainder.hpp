@@ -74,8 +74,8 @@ inline RoundSignatures chunk_signatures(const LshChunks& l) {
   return sig;
 }
 
-// What one query chunk of one round needs to weigh its pairs: the pair counts of a row against
-// the key columns `cols`, from the signatures (the keys' gathered once per chunk).
+// The pair counts of one query row against the key columns `cols` of its chunk pair, from the
+// signatures (the columns' gathered once per chunk pair) or the chunks' table.
 struct ChunkPairCounts {
   const LshChunks* l = nullptr;
   RoundSignatures sig;
@@ -136,10 +136,10 @@ void gather_query_features(const ScaledFeatures<Scalar>& qf, const Vector<Scalar
 // so the correction factors: with G_h = Σ_{j ∈ chunk h} φ(k_j) [v_j | 1] (M x (dv + 1), once per
 // key chunk and round), query i's sum over its two chunks is φ(q_i)ᵀ (G_g + G_{g-1}), and only the
 // pairs seen in N_ij > 1 rounds give back (1 - 1/N_ij) of their weight, pair by pair (a few per
-// cent of the pairs on Gaussian data). That is (M(dv + 1) per key + 2M(dv + 1) per query) · 2
-// flops per round against 2 c_k (M + dv + 1) per query pair by pair, and each key chunk's
-// features are gathered once per round instead of twice. Causal masking drops about half of each
-// chunk's pairs, query by query: there the pairs are weighed as one product per chunk pair.
+// cent of the pairs on Gaussian data). That is 2M(dv + 1) flops per key and per query and round
+// against 4 c_k (M + dv + 1) per query pair by pair, and each key chunk's features are gathered
+// once per round instead of twice. Causal masking drops about half of each chunk's pairs, query
+// by query: there the pairs are weighed as one product per chunk pair.
 template <typename Scalar>
 void subtract_on_chunks(const ScaledFeatures<Scalar>& qf, const ScaledFeatures<Scalar>& kf,
                         const Vector<Scalar>& signs, const Eigen::Ref<const RowMatrix<Scalar>>& v,

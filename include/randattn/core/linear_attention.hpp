@@ -296,7 +296,7 @@ void causal_chunk_rows(const In& in, Index i0, const Rows& queries,
   auto row_log = s.log_rows.head(len);
   auto values = s.values.topRows(len);
   auto out = nd.middleRows(i0, len);
-  lower_row_dots(weights, queries, keys);
+  row_dots(weights, queries, keys, true);
   Scalar prefix_max = kNegInf;
   for (Index i = 0; i < len; ++i) {
     prefix_max = std::max(prefix_max, k_log(i));

@@ -78,6 +78,7 @@
 #include "../core/options.hpp"
 #include "../core/softmax_accumulator.hpp"
 #include "../core/types.hpp"
+#include "../detail/chunk_products.hpp"
 #include "../detail/validation.hpp"
 #include "decode_options.hpp"
 #include "detail/binary_io.hpp"
@@ -619,13 +620,13 @@ class KvCache {
 
   // Keys [first, last) for the group's scaled queries qs (g x d), in tiles of `block` keys. Every
   // key and value row is read once per kv head however many query heads share it (grouped-query
-  // attention): a key row meets the g query rows (held in L1) in g dot products, and a value row
-  // is added to the g numerators, straight from the cache's storage. Decoding is bound by the
-  // stream of K and V, and a matrix product over the tile would first copy (pack) the tile's
-  // rows. The sums run in a fixed order, so the rounding depends on the shapes only.
+  // attention), straight from the cache's storage: the logits are dot products of the tile's key
+  // rows with the g query rows, and the numerators a product whose tiles hold g rows of the
+  // result in registers while the value rows stream through (detail/chunk_products.hpp).
+  // Decoding is bound by the stream of K and V; a GEMM would first copy (pack) the tile's rows.
+  // The sums run in a fixed order, so the rounding depends on the shapes only.
   void exact_range(const Matrix& qs, const Head& head, Index first, Index last, Index block,
                    Scratch& s, SoftmaxAccumulator<Scalar>& acc) const {
-    using RowView = Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>;
     const Index g = qs.rows();
     s.scores.resize(block, g);
     s.tile_nd.resize(g, dv_ + 1);
@@ -633,9 +634,13 @@ class KvCache {
     for (Index j0 = first; j0 < last; j0 += block) {
       const Index bk = std::min(block, last - j0);
       auto w = s.scores.topRows(bk);
-      for (Index j = 0; j < bk; ++j) {
-        const RowView key(head.keys.row_ptr(j0 + j), d_);
-        for (Index r = 0; r < g; ++r) w(j, r) = qs.row(r).dot(key);
+      // Rows are requested a few at a time just before their logits (keys and values together):
+      // the hardware prefetcher alone streams K and V at well under half a plain read's rate.
+      for (Index i = 0; i < bk; i += kStreamRows) {
+        const Index m = std::min(kStreamRows, bk - i);
+        prefetch_row(head.keys.row_ptr(j0 + i), m * d_);
+        prefetch_row(head.values.row_ptr(j0 + i), m * dv_);
+        detail::row_dots(w.middleRows(i, m), head.keys.block(j0 + i, m), qs);
       }
       for (Index r = 0; r < g; ++r) {
         const Scalar c = w.col(r).maxCoeff();
@@ -643,11 +648,8 @@ class KvCache {
         w.col(r).array() = (w.col(r).array() - c).exp();
         s.tile_nd(r, dv_) = w.col(r).sum();
       }
-      s.tile_nd.leftCols(dv_).setZero();
-      for (Index j = 0; j < bk; ++j) {
-        const RowView value(head.values.row_ptr(j0 + j), dv_);
-        for (Index r = 0; r < g; ++r) s.tile_nd.row(r).head(dv_) += w(j, r) * value;
-      }
+      detail::row_panel_product(s.tile_nd.leftCols(dv_), w.transpose(), head.values.block(j0, bk),
+                                false);
       acc.merge_rows(0, s.tile_nd, s.tile_max);
     }
   }
@@ -656,6 +658,7 @@ class KvCache {
   // keys would otherwise pay one memory latency per row.
   static constexpr std::size_t kPrefetchAhead = 6;
   static constexpr std::size_t kMinRun = 4;  // shorter runs are read row by row
+  static constexpr Index kStreamRows = 16;    // rows per request of exact_range
   static void prefetch_row(const Scalar* row, Index count) {
 #if defined(__GNUC__) || defined(__clang__)
     const char* p = reinterpret_cast<const char*>(row);

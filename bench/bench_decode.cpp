@@ -98,6 +98,9 @@ std::vector<Config> configs() {
   lsh.lsh_bits = 10;
   lsh.lsh_tables = 100;
   c.push_back({"lsh_K10_L100", lsh});
+  lsh.lsh_bits = 11;
+  lsh.lsh_tables = 80;
+  c.push_back({"lsh_K11_L80", lsh});
   lsh.lsh_bits = 12;
   lsh.lsh_tables = 128;
   c.push_back({"lsh_K12_L128", lsh});
@@ -197,6 +200,10 @@ struct World {
   KvCache<float>& cache(const Config& c) {
     auto it = caches.find(c.name);
     if (it != caches.end()) return *it->second;
+    // One mode's cache resident at a time, as in a server: the caches of the rows before (up to
+    // 0.5 GB each at n = 131072) would otherwise stay mapped and slow the scattered reads of
+    // the rows after them (page walks that miss the caches).
+    caches.clear();
     auto cache = std::make_unique<KvCache<float>>(kD, kDv, kKvHeads, c.options);
     // Storage reserved up front (as a server would for its context length), so the figure is
     // the append itself, not the operating system's first touch of fresh pages.

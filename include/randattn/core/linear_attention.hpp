@@ -56,6 +56,7 @@ constexpr Index kCausalGroup = 16;
 constexpr Index kDefaultKeyPanel = kMaxGemmDepth;
 // Key panels summarised per group of bidirectional attention; a shape constant, not a thread count.
 constexpr Index kKeyGroup = 16;
+constexpr Index kMergeRows = 64;  // rows of the key state per merge task
 
 template <typename Scalar>
 void check_linear_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& qf,
@@ -246,7 +247,17 @@ RowMatrix<typename In::Scalar> key_state(const In& in, typename In::Scalar& c) {
           sums.log_scale(t) =
               summarise_keys(in, keys, s.features.log_scale.head(len), j0, s.values, sums.block(t));
         });
-    for (Index t = 0; t < group; ++t) merge_scaled(state, c, sums.block(t), sums.log_scale(t));
+    // The group's summaries join S in order, each thread taking its own rows of S through the
+    // same sequence of merges (so the same bits whatever the split).
+    const Scalar c0 = c;
+    parallel_for((m + kMergeRows - 1) / kMergeRows, [&](Index b) {
+      const Index r0 = b * kMergeRows, rows = std::min(kMergeRows, m - r0);
+      Scalar cb = c0;
+      for (Index t = 0; t < group; ++t)
+        merge_scaled(state.middleRows(r0, rows), cb, sums.block(t).middleRows(r0, rows),
+                     sums.log_scale(t));
+    });
+    for (Index t = 0; t < group; ++t) c = merged_log_scale(c, sums.log_scale(t));
   }
   return state;
 }

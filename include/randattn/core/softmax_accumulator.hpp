@@ -37,6 +37,14 @@ void merge_scaled(Dst&& dst, Scalar& c_dst, const Src& src, Scalar c_src) {
   }
 }
 
+// The log-scale merge_scaled leaves in c_dst.
+template <typename Scalar>
+Scalar merged_log_scale(Scalar c_dst, Scalar c_src) {
+  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  if (c_src == kNegInf) return c_dst;
+  return c_dst == kNegInf ? c_src : std::max(c_dst, c_src);
+}
+
 }  // namespace detail
 
 template <typename Scalar_>
@@ -140,14 +148,18 @@ class SoftmaxAccumulator {
                     ", expected ", rows(), "x", value_dim_);
     detail::require(epsilon >= 0, "SoftmaxAccumulator::finalize", "epsilon must be >= 0, got ",
                     epsilon);
-    for (Index i = 0; i < rows(); ++i) {
-      const Scalar den = guarded_denominator(nd_(i, value_dim_), epsilon);
-      if (den == Scalar(0)) {
-        out.row(i).setZero();
-      } else {
-        out.row(i) = nd_.row(i).head(value_dim_) / den;
+    // Rows in pieces of about 2^16 entries, in parallel for a long sequence.
+    const Index piece = std::max<Index>(1, (Index(1) << 16) / std::max<Index>(1, value_dim_));
+    detail::parallel_for((rows() + piece - 1) / piece, [&](Index t) {
+      for (Index i = t * piece; i < std::min(rows(), (t + 1) * piece); ++i) {
+        const Scalar den = guarded_denominator(nd_(i, value_dim_), epsilon);
+        if (den == Scalar(0)) {
+          out.row(i).setZero();
+        } else {
+          out.row(i) = nd_.row(i).head(value_dim_) / den;
+        }
       }
-    }
+    });
   }
 
   // The guarded denominator, or 0 when it is 0 or subnormal: a sum of weights that underflowed

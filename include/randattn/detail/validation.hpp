@@ -3,15 +3,18 @@
 // randattn::invalid_argument (a std::invalid_argument) with a message naming the function, the
 // argument and the shapes.
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <Eigen/Core>
 
 #include "../core/invalid_argument.hpp"
+#include "parallel.hpp"
 
 namespace randattn::detail {
 
@@ -44,13 +47,26 @@ bool all_finite(const Eigen::DenseBase<Derived>& m) {
   if constexpr (bool(Derived::Flags & Eigen::DirectAccessBit) &&
                 Derived::InnerStrideAtCompileTime == 1) {
     const Scalar largest = std::numeric_limits<Scalar>::max();
-    for (Eigen::Index o = 0; o < x.outerSize(); ++o) {
-      const Scalar* p = x.data() + o * x.outerStride();
-      int bad = 0;
-      for (Eigen::Index i = 0; i < x.innerSize(); ++i) bad |= !(std::abs(p[i]) <= largest);
-      if (bad) return false;
-    }
-    return true;
+    const Eigen::Index outer = x.outerSize(), inner = x.innerSize();
+    const auto finite = [&](Eigen::Index o0, Eigen::Index o1) {  // outer slices [o0, o1)
+      for (Eigen::Index o = o0; o < o1; ++o) {
+        const Scalar* p = x.data() + o * x.outerStride();
+        int bad = 0;
+        for (Eigen::Index i = 0; i < inner; ++i) bad |= !(std::abs(p[i]) <= largest);
+        if (bad) return false;
+      }
+      return true;
+    };
+    // The inputs of a long sequence are scanned in pieces in parallel: one thread's pass over
+    // them is a visible part of a two-thread call.
+    constexpr Eigen::Index kPiece = Eigen::Index(1) << 18;  // entries
+    const Eigen::Index pieces = std::min(outer, outer * inner / kPiece);
+    if (pieces < 2) return finite(0, outer);
+    std::vector<char> ok(static_cast<std::size_t>(pieces));
+    parallel_for(pieces, [&](Index t) {
+      ok[std::size_t(t)] = finite(t * outer / pieces, (t + 1) * outer / pieces);
+    });
+    return std::all_of(ok.begin(), ok.end(), [](char f) { return f != 0; });
   } else {
     return x.allFinite();
   }

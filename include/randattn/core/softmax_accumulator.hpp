@@ -4,6 +4,7 @@
 // exp(c_i) * (num_i, den_i). Partial results for the same rows (key blocks, hash rounds,
 // shards) merge exactly like online softmax.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -12,6 +13,7 @@
 #include <Eigen/Core>
 
 #include "../detail/fresh_matrix.hpp"
+#include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
 #include "types.hpp"
 

@@ -6,6 +6,7 @@
 //  - Sparsify: Algorithm 1 in memory (pass 1 for ||A||_F, pass 2 samples); StreamedSparsify: the
 //    same through StreamingSparsifier in blocks of 65536 entries. Every iteration also times one
 //    plain pass, so vs_plain = (plain pass time) / (sparsify time) comes from interleaved runs.
+//    SparsifyInto: the same into one sketch reused across calls (sparsify_into).
 //    Counter bytes_per_second: tensor bytes per second (each call reads the data twice).
 //  - ExactHosvd / SketchedHosvd (Algorithm 2, budget n): factors of Tucker rank 5. Every
 //    SketchedHosvd iteration also runs the exact HOSVD (untimed): speedup = exact time / sketched
@@ -91,6 +92,18 @@ void Sparsify(benchmark::State& state) {
   });
 }
 
+// Sparsify into one sketch reused from call to call (sparsify_into): the kept entries land in
+// memory that is already mapped.
+void SparsifyInto(benchmark::State& state) {
+  tensor();
+  bench::set_threads(int(state.range(0)));
+  randattn::SparseSketch<float> out;
+  run_sparsify(state, [&] {
+    randattn::sparsify_into(tensor().view(), options(double(state.range(1))), out);
+    return out.nnz();
+  });
+}
+
 void StreamedSparsify(benchmark::State& state) {
   tensor();
   bench::set_threads(1);
@@ -150,6 +163,12 @@ BENCHMARK(Sparsify)
     ->ArgNames({"threads", "n"})
     ->Args({1, 100000})
     ->Args({2, 100000})
+    ->Args({1, 1000000})
+    ->Unit(benchmark::kMillisecond)
+    ->UseManualTime();
+BENCHMARK(SparsifyInto)
+    ->ArgNames({"threads", "n"})
+    ->Args({1, 100000})
     ->Args({1, 1000000})
     ->Unit(benchmark::kMillisecond)
     ->UseManualTime();

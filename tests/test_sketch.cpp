@@ -146,6 +146,69 @@ TEMPLATE_TEST_CASE("sketch: every tensor layout gives the same sketch", "[sketch
       same_sketch(randattn::sparsify(inner, opt), randattn::sparsify(big.block(2, 3, 9, 11), opt)));
 }
 
+TEMPLATE_TEST_CASE("sketch: sparsify_into reuses a sketch's storage and gives the same bits",
+                   "[sketch]", float, double) {
+  using S = TestType;
+  using Catch::Matchers::Contains;
+  const auto small = mixed_tensor<S>({6, 7, 8}, 3);      // partial tiles only
+  const auto large = mixed_tensor<S>({16, 20, 24}, 4);   // whole tiles, the vector path
+  randattn::SparseSketch<S> out;
+  for (int threads : {1, 2}) {
+    set_threads(threads);
+    for (const auto* t : {&large, &small, &large}) {
+      for (double budget : {20.0, 900.0}) {
+        SparsifyOptions opt = options(budget, 5);
+        opt.stream = std::uint32_t(threads);
+        randattn::sparsify_into(t->view(), opt, out);
+        CHECK(same_sketch(out, randattn::sparsify(t->view(), opt)));
+        CHECK(out.stats.budget == budget);
+      }
+    }
+  }
+  set_threads(2);
+  // A bad budget throws before `out` is touched.
+  const auto kept = out.indices();
+  CHECK_THROWS_WITH(randattn::sparsify_into(large.view(), options(0), out), Contains("budget"));
+  CHECK(out.indices() == kept);
+
+  // take_storage leaves the shape and no entries.
+  auto sketch = randattn::sparsify(small.view(), options(50));
+  const Index nnz = sketch.nnz();
+  auto storage = std::move(sketch).take_storage();
+  CHECK(Index(storage.first.size()) == nnz);
+  CHECK(Index(storage.second.size()) == nnz);
+  CHECK(sketch.nnz() == 0);
+  CHECK(sketch.dims() == small.dims);
+
+  // The sketched HOSVD reuses its sketches' storage from call to call: same bits each time.
+  const auto first = randattn::sketched_hosvd(large.view(), {2, 2, 2}, options(3000, 9));
+  const auto again = randattn::sketched_hosvd(large.view(), {2, 2, 2}, options(3000, 9));
+  for (std::size_t j = 0; j < 3; ++j) {
+    CHECK(first.factors[j] == again.factors[j]);
+    CHECK(first.eigenvalues[j] == again.eigenvalues[j]);
+  }
+  CHECK(first.nnz == again.nnz);
+}
+
+TEST_CASE("sketch: a kept value beyond float's range is reported, on both sampling paths",
+          "[sketch]") {
+  using Catch::Matchers::Contains;
+  // 256 entries (one whole tile) and 64 entries (a partial one), all equal: p = n / D = 1/8 for
+  // budget D / 8, so a kept entry is stored as 8 a, beyond float's largest value for a = 3e38.
+  for (Index d : {16, 8}) {
+    const Vector<float> a = Vector<float>::Constant(d * d, 3e38f);
+    const auto view = randattn::tensor_view(a.data(), {d, d});
+    CHECK_THROWS_WITH(randattn::sparsify(view, options(double(d * d) / 8)),
+                      Contains("overflows the scalar type"));
+    randattn::SparseSketch<float> out = randattn::sparsify(
+        randattn::tensor_view(a.data(), {d, d}), options(double(d * d)));  // p = 1: a itself
+    CHECK(out.nnz() == d * d);
+    CHECK_THROWS_WITH(randattn::sparsify_into(view, options(double(d * d) / 8), out),
+                      Contains("overflows the scalar type"));
+    CHECK(out.nnz() == 0);
+  }
+}
+
 TEMPLATE_TEST_CASE("sketch: Algorithm 1 probabilities, values and thresholds", "[sketch]", float,
                    double) {
   using S = TestType;

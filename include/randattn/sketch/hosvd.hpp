@@ -119,9 +119,11 @@ auto sketched_hosvd(const T& tensor, const std::vector<Index>& ranks, const Spar
   const auto a = tensor_view(tensor);
   using Scalar = typename std::decay_t<decltype(a)>::Scalar;
   detail::check_ranks(a.dims(), ranks, "sketched_hosvd");
-  const auto sketches = detail::InMemorySparsifier<Scalar>(a, opt, "sketched_hosvd")
-                            .sample({opt.stream, opt.stream + 1});
-  return sketched_hosvd(sketches[0], sketches[1], ranks);
+  auto sketches = detail::InMemorySparsifier<Scalar>(a, opt, "sketched_hosvd")
+                      .sample({opt.stream, opt.stream + 1});
+  auto out = sketched_hosvd(sketches[0], sketches[1], ranks);
+  for (SparseSketch<Scalar>& s : sketches) detail::recycle(std::move(s));
+  return out;
 }
 
 // ||sin Theta(U, V)||_2 = ||(I - U U^T) V||_2 for U (d x r) and V (d x r') with orthonormal

@@ -49,6 +49,16 @@ class SparseTensor {
   const std::vector<Index>& indices() const { return indices_; }
   const std::vector<Scalar>& values() const { return values_; }
 
+  // The index and value vectors, moved out so that their storage can be reused (by
+  // sparsify_into, for one); the tensor is left with the same shape and no entries.
+  std::pair<std::vector<Index>, std::vector<Scalar>> take_storage() && {
+    std::pair<std::vector<Index>, std::vector<Scalar>> storage{std::move(indices_),
+                                                              std::move(values_)};
+    indices_.clear();
+    values_.clear();
+    return storage;
+  }
+
   // Index along `mode` of entry e.
   Index coordinate(Index e, Index mode) const {
     return detail::ModeSplit(dims_, mode).row(indices_[std::size_t(e)]);

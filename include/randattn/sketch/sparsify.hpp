@@ -52,6 +52,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -66,6 +67,7 @@
 #include "../core/types.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
+#include "../detail/vector_pool.hpp"
 #include "../random/philox.hpp"
 #include "detail/keep_draws.hpp"
 #include "detail/ordered_sum.hpp"
@@ -233,13 +235,55 @@ struct Identity {
   double operator()(double x) const { return x; }
 };
 
-// The entries kept by one stream of draws.
+// The entries kept by one stream of draws: the first `kept` of indices and values. Past them
+// the vectors hold room that whole groups of sixteen lanes are stored into before the kept ones
+// are counted (trim() cuts it off).
 template <typename Scalar>
 struct SampleOutput {
   explicit SampleOutput(const Philox& rng) : draws(rng) {}
   TileDraws draws;
   std::vector<Index> indices;
   std::vector<Scalar> values;
+  Index kept = 0;
+
+  // Storage for `capacity` kept entries: the vectors held (a sketch's, handed over for reuse),
+  // else vectors from the calling thread's pool.
+  void reserve(Index capacity) {
+    if (indices.capacity() == 0) indices = VectorPool<Index>::take(std::size_t(capacity));
+    if (values.capacity() == 0) values = VectorPool<Scalar>::take(std::size_t(capacity));
+    indices.clear();
+    values.clear();
+    indices.reserve(std::size_t(capacity));
+    values.reserve(std::size_t(capacity));
+    kept = 0;
+  }
+  // Gives the storage back to the calling thread's pool.
+  void recycle() {
+    VectorPool<Index>::give(std::move(indices));
+    VectorPool<Scalar>::give(std::move(values));
+    indices = {};
+    values = {};
+    kept = 0;
+  }
+
+  // Makes room for `count` entries past the kept ones. Grows by steps within the reserved
+  // capacity, so the room is written (zeroed) shortly before it is used.
+  void make_room(Index count) {
+    if (kept + count <= Index(indices.size())) return;
+    constexpr Index kStep = 8192;
+    indices.resize(std::size_t(kept + count + kStep));
+    values.resize(std::size_t(kept + count + kStep));
+  }
+  void push(Index omega, Scalar value) {
+    make_room(1);
+    indices[std::size_t(kept)] = omega;
+    values[std::size_t(kept)] = value;
+    ++kept;
+  }
+  void trim() {
+    indices.resize(std::size_t(kept));
+    values.resize(std::size_t(kept));
+  }
 };
 
 // Pass 2 over consecutive stretches of entries, a tile of kDrawTile entries (or the part of one
@@ -259,13 +303,18 @@ class Sampler {
   void set_rule(const SamplingRule& rule) { rule_ = rule; }
   double expected_nnz() const { return expected_nnz_.value(); }
   double sum_of_squares() const { return squares_.value(); }
-  std::vector<SampleOutput<Scalar>>& outputs() { return outputs_; }
+  // The outputs, trimmed to their kept entries.
+  std::vector<SampleOutput<Scalar>>& outputs() {
+    for (SampleOutput<Scalar>& out : outputs_) out.trim();
+    return outputs_;
+  }
 
   void reserve(Index capacity) {
-    for (SampleOutput<Scalar>& out : outputs_) {
-      out.indices.reserve(std::size_t(capacity));
-      out.values.reserve(std::size_t(capacity));
-    }
+    for (SampleOutput<Scalar>& out : outputs_) out.reserve(capacity);
+  }
+  // Hands the storage of `sketch` to output i, to be filled by the next reserve() and run()s.
+  void adopt(std::size_t i, SparseTensor<Scalar>&& sketch) {
+    std::tie(outputs_[i].indices, outputs_[i].values) = std::move(sketch).take_storage();
   }
   // Joins the sampler of the entries that follow this one's, which must end at a chunk end.
   void append(Sampler& next) {
@@ -274,10 +323,12 @@ class Sampler {
     for (std::size_t i = 0; i < outputs_.size(); ++i) {
       SampleOutput<Scalar>& out = outputs_[i];
       SampleOutput<Scalar>& more = next.outputs_[i];
+      out.trim();
+      more.trim();
+      out.kept += more.kept;
       out.indices.insert(out.indices.end(), more.indices.begin(), more.indices.end());
       out.values.insert(out.values.end(), more.values.begin(), more.values.end());
-      more.indices = {};  // release memory early
-      more.values = {};
+      more.recycle();
     }
   }
 
@@ -356,15 +407,17 @@ class Sampler {
         x[0] = _mm512_loadu_pd(src + 16 * g);
         x[1] = _mm512_loadu_pd(src + 16 * g + 8);
       }
+      __m512d q[2];
       __m256i t[2];
       __mmask8 eligible[2];
       for (int h = 0; h < 2; ++h) {
-        const __m512d q =
+        q[h] =
             _mm512_min_pd(_mm512_max_pd(_mm512_mul_pd(s, _mm512_mul_pd(x[h], x[h])), f), one);
         eligible[h] = _mm512_cmp_pd_mask(_mm512_abs_pd(x[h]), c, _CMP_GE_OQ);
         double* lane = sum_p + 16 * g + 8 * h;
         _mm512_storeu_pd(
-            lane, _mm512_mask_add_pd(_mm512_loadu_pd(lane), eligible[h], _mm512_loadu_pd(lane), q));
+            lane,
+            _mm512_mask_add_pd(_mm512_loadu_pd(lane), eligible[h], _mm512_loadu_pd(lane), q[h]));
         if (sum_squares_) {
           double* lane2 = sum_a2 + 16 * g + 8 * h;
 #if defined(__FMA__) || defined(__FP_FAST_FMA)
@@ -373,7 +426,7 @@ class Sampler {
           _mm512_storeu_pd(lane2, _mm512_add_pd(_mm512_loadu_pd(lane2), _mm512_mul_pd(x[h], x[h])));
 #endif
         }
-        t[h] = _mm512_cvttpd_epi32(_mm512_mul_pd(q, scale256));
+        t[h] = _mm512_cvttpd_epi32(_mm512_mul_pd(q[h], scale256));
       }
       const __m512i tt = _mm512_inserti64x4(_mm512_castsi256_si512(t[0]), t[1], 1);
       const __mmask16 e = __mmask16(eligible[0] | (unsigned(eligible[1]) << 8));
@@ -391,16 +444,61 @@ class Sampler {
           keep = _mm512_mask_cmplt_epi32_mask(e, r, tt);
           tie = _mm512_mask_cmpeq_epi32_mask(e, r, tt);
         }
-        for (unsigned bits = keep | tie; bits != 0; bits &= bits - 1) {
-          const Index o = 16 * g + count_trailing_zeros(bits);
-          const double a = double(src[o]), p = rule.probability(a);
-          if ((keep >> (o % 16)) & 1 || keep_tie(p, out.draws.fine(base + o)))
-            this->keep(out, base + o, a, p);
+        for (unsigned bits = tie; bits != 0; bits &= bits - 1) {  // one moderate entry in 256
+          const int l = count_trailing_zeros(bits);
+          const Index o = 16 * g + l;
+          if (keep_tie(rule.probability(double(src[o])), out.draws.fine(base + o))) keep |= 1u << l;
         }
+        if (keep != 0) keep_lanes(out, base + 16 * g, x, q, __mmask16(keep));
       }
     }
     expected_nnz_.lanes_done(base);
     if (sum_squares_) squares_.lanes_done(base);
+  }
+
+  // Appends the lanes `keep` of sixteen entries (flat indices first, first + 1, ...; values x,
+  // probabilities p, both as two halves) in lane order, each stored as a / p like keep(): the
+  // same division and rounding, so the two paths store the same bits. The lanes are packed in
+  // registers and stored whole into the room past the kept entries (a compressing store to
+  // memory is microcoded and slow on some cores).
+  static void keep_lanes(SampleOutput<Scalar>& out, Index first, const __m512d (&x)[2],
+                         const __m512d (&p)[2], __mmask16 keep) {
+    const __mmask8 k0 = __mmask8(keep & 0xFF), k1 = __mmask8(keep >> 8);
+    const __m512d v0 = _mm512_maskz_div_pd(k0, x[0], p[0]), v1 = _mm512_maskz_div_pd(k1, x[1], p[1]);
+    out.make_room(16);
+    Index* index = out.indices.data() + out.kept;
+    Scalar* value = out.values.data() + out.kept;
+    const int n0 = int(_mm_popcnt_u32(k0)), n1 = int(_mm_popcnt_u32(k1));
+    // a / p can leave the scalar type's range (|a| near its largest value, or a tiny p of a
+    // baseline rule): keep() reports the entry.
+    bool in_range;
+    if constexpr (std::is_same<Scalar, float>::value) {
+      const __m512 v = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(v0)),
+                                          _mm512_cvtpd_ps(v1), 1);
+      in_range = _mm512_mask_cmp_ps_mask(keep, _mm512_abs_ps(v),
+                                         _mm512_set1_ps(std::numeric_limits<float>::max()),
+                                         _CMP_LE_OQ) == keep;
+      _mm512_storeu_ps(value, _mm512_maskz_compress_ps(keep, v));
+    } else {
+      const __m512d big = _mm512_set1_pd(std::numeric_limits<double>::max());
+      in_range = _mm512_mask_cmp_pd_mask(k0, _mm512_abs_pd(v0), big, _CMP_LE_OQ) == k0 &&
+                 _mm512_mask_cmp_pd_mask(k1, _mm512_abs_pd(v1), big, _CMP_LE_OQ) == k1;
+      _mm512_storeu_pd(value, _mm512_maskz_compress_pd(k0, v0));
+      _mm512_storeu_pd(value + n0, _mm512_maskz_compress_pd(k1, v1));
+    }
+    if (!in_range) {
+      for (unsigned bits = keep; bits != 0; bits &= bits - 1) {
+        const int l = count_trailing_zeros(bits);
+        Sampler::keep(out, first + l, x[l / 8][l % 8], p[l / 8][l % 8]);
+      }
+      return;
+    }
+    const __m512i i0 = _mm512_add_epi64(_mm512_set1_epi64(first),
+                                        _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0));
+    const __m512i i1 = _mm512_add_epi64(i0, _mm512_set1_epi64(8));
+    _mm512_storeu_si512(index, _mm512_maskz_compress_epi64(k0, i0));
+    _mm512_storeu_si512(index + n0, _mm512_maskz_compress_epi64(k1, i1));
+    out.kept += n0 + n1;
   }
 #endif
 
@@ -409,8 +507,7 @@ class Sampler {
     // a / p can leave the scalar type's range when |a| is near its largest value.
     require(std::abs(value) <= std::numeric_limits<Scalar>::max(), "sparsify", "the kept entry ", a,
             " / p = ", a / p, " overflows the scalar type; rescale the tensor");
-    out.indices.push_back(omega);
-    out.values.push_back(value);
+    out.push(omega, value);
   }
 
   SamplingRule rule_;
@@ -418,6 +515,14 @@ class Sampler {
   OrderedSum expected_nnz_, squares_;
   std::vector<SampleOutput<Scalar>> outputs_;
 };
+
+// Gives the storage of a sketch that is no longer needed to the calling thread's pool.
+template <typename Scalar>
+void recycle(SparseTensor<Scalar>&& s) {
+  auto storage = std::move(s).take_storage();
+  VectorPool<Index>::give(std::move(storage.first));
+  VectorPool<Scalar>::give(std::move(storage.second));
+}
 
 // Room for the kept entries of a sketch with budget n: E[nnz] <= 2n, plus six standard
 // deviations (nnz is a sum of independent Bernoulli variables, variance <= E[nnz]). Reserved
@@ -476,20 +581,32 @@ class InMemorySparsifier {
 
   // One sketch per stream of draws (independent sketches with the same rule), in one pass. The
   // tensor is cut into one range of whole chunks per thread; the ranges' outputs are joined in
-  // order, so the result does not depend on the thread count.
-  std::vector<SparseSketch<Scalar>> sample(const std::vector<std::uint32_t>& streams) const {
+  // order, so the result does not depend on the thread count. The sketches of `reuse` (one per
+  // stream, when given) lend their storage; other storage comes from the calling thread's pool
+  // (all of it taken and given back on this thread, so the pool serves the next call).
+  std::vector<SparseSketch<Scalar>> sample(const std::vector<std::uint32_t>& streams,
+                                           std::vector<SparseSketch<Scalar>>* reuse = nullptr) const {
     SketchStats stats = stats_;
     const Index chunks = (a_.size() + kSketchChunk - 1) / kSketchChunk;
     const Index parts = std::max<Index>(1, std::min(chunks, worker_count()));
     std::vector<Sampler<Scalar>> samplers(
         std::size_t(parts), Sampler<Scalar>(stats.rule, Philox(opt_.seed), streams, false));
+    if (reuse != nullptr) {
+      for (std::size_t i = 0; i < std::min(reuse->size(), streams.size()); ++i)
+        samplers.front().adopt(i, std::move((*reuse)[i]));
+    }
+    auto range = [&](Index part) {
+      return std::make_pair(std::min(a_.size(), part * chunks / parts * kSketchChunk),
+                            std::min(a_.size(), (part + 1) * chunks / parts * kSketchChunk));
+    };
+    for (Index part = 0; part < parts; ++part) {
+      const auto [begin, end] = range(part);
+      samplers[std::size_t(part)].reserve(std::min(end - begin, nnz_capacity(opt_.budget)));
+    }
     parallel_for(parts, [&](Index part) {
-      Sampler<Scalar>& s = samplers[std::size_t(part)];
-      const Index begin = std::min(a_.size(), part * chunks / parts * kSketchChunk),
-                  end = std::min(a_.size(), (part + 1) * chunks / parts * kSketchChunk);
-      s.reserve(std::min(end - begin, nnz_capacity(opt_.budget)));
+      const auto [begin, end] = range(part);
       for_each_run(a_, begin, end, [&](Index flat0, const Scalar* p, Index stride, Index len) {
-        s.run(flat0, p, stride, len);
+        samplers[std::size_t(part)].run(flat0, p, stride, len);
       });
     });
     Sampler<Scalar>& first = samplers.front();
@@ -616,6 +733,22 @@ auto sparsify(const T& tensor, const SparsifyOptions& opt) {
   using Scalar = typename std::decay_t<decltype(a)>::Scalar;
   return std::move(
       detail::InMemorySparsifier<Scalar>(a, opt, "sparsify").sample({opt.stream}).front());
+}
+
+// sparsify() into `out`, whose storage holds the kept entries (a loop that sparsifies tensor
+// after tensor reuses one sketch's memory instead of faulting fresh pages in each time). The
+// result is the same, bit for bit. A bad tensor or budget throws before `out` is touched; if
+// sampling itself throws (a kept value overflows the scalar type), `out` is left empty.
+template <typename T, typename Scalar>
+void sparsify_into(const T& tensor, const SparsifyOptions& opt, SparseSketch<Scalar>& out) {
+  const auto a = tensor_view(tensor);
+  static_assert(std::is_same<typename std::decay_t<decltype(a)>::Scalar, Scalar>::value,
+                "sparsify_into: the sketch's scalar type must be the tensor's");
+  const detail::InMemorySparsifier<Scalar> sparsifier(a, opt, "sparsify_into");
+  std::vector<SparseSketch<Scalar>> reuse;
+  reuse.push_back(std::move(out));
+  out = SparseSketch<Scalar>();
+  out = std::move(sparsifier.sample({opt.stream}, &reuse).front());
 }
 
 // Two-pass sparsification of a tensor streamed in blocks (Algorithm 1 only: the baselines need

@@ -190,6 +190,35 @@ TEMPLATE_TEST_CASE("sketch: sparsify_into reuses a sketch's storage and gives th
   CHECK(first.nnz == again.nnz);
 }
 
+TEST_CASE("sketch: the per-thread vector pool hands back the best fitting storage", "[sketch]") {
+  using Pool = randattn::detail::VectorPool<std::int32_t>;
+  randattn::release_sketch_storage();
+  CHECK(Pool::held_count() == 0);
+  for (std::size_t c : {100, 10, 1000}) {
+    std::vector<std::int32_t> v;
+    v.reserve(c);
+    v.push_back(7);
+    Pool::give(std::move(v));
+  }
+  CHECK(Pool::held_count() == 3);
+  auto v = Pool::take(50);  // the smallest with room for 50
+  CHECK(v.empty());
+  CHECK(v.capacity() == 100);
+  auto w = Pool::take(5000);  // none has room: the largest, grown
+  CHECK(w.capacity() >= 5000);
+  CHECK(Pool::held_count() == 1);
+  // Full: a smaller vector than every held one is dropped, a larger one replaces the smallest.
+  for (std::size_t i = 0; i < Pool::kHeld + 2; ++i) {
+    std::vector<std::int32_t> u;
+    u.reserve(200 + 10 * i);
+    Pool::give(std::move(u));
+  }
+  CHECK(Pool::held_count() == Pool::kHeld);
+  CHECK(Pool::take(0).capacity() == 200 + 10 * 2);  // 10, 200 and 210 went
+  randattn::release_sketch_storage();
+  CHECK(Pool::held_count() == 0);
+}
+
 TEST_CASE("sketch: a kept value beyond float's range is reported, on both sampling paths",
           "[sketch]") {
   using Catch::Matchers::Contains;

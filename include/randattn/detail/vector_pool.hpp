@@ -6,8 +6,8 @@
 // are already mapped.
 //
 // Each thread holds at most kHeld vectors per element type, the largest it was given; they are
-// freed with the thread (OpenMP's workers live as long as the process). release_held() frees
-// the calling thread's at once.
+// freed with the thread (OpenMP's workers live as long as the process), or at once by
+// randattn::release_sketch_storage() (sketch/sparsify.hpp).
 
 #include <algorithm>
 #include <cstddef>
@@ -59,6 +59,8 @@ class VectorPool {
   }
 
   static void release_held() { pool().clear(); }
+  // Vectors the calling thread holds, in increasing order of capacity.
+  static std::size_t held_count() { return pool().size(); }
 
  private:
   static std::vector<std::vector<T>>& pool() {

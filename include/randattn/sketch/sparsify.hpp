@@ -684,6 +684,23 @@ class InMemorySparsifier {
 
 }  // namespace detail
 
+// Frees the storage the sketches keep for reuse (detail/vector_pool.hpp: kept entries and the
+// HOSVD's column groupings) in the calling thread and, when OpenMP is on, in every thread of a
+// team of the current maximum size. Later calls allocate afresh; results do not change.
+inline void release_sketch_storage() {
+  auto release = [] {
+    detail::VectorPool<Index>::release_held();
+    detail::VectorPool<std::int32_t>::release_held();
+    detail::VectorPool<float>::release_held();
+    detail::VectorPool<double>::release_held();
+  };
+  release();
+#if defined(_OPENMP)
+#pragma omp parallel if (!omp_in_parallel())
+  release();
+#endif
+}
+
 // Entries per chunk of the ordered sums behind ||A||_F^2 and the expected nnz: each chunk of
 // sparsify_chunk_size consecutive flat indices is summed on its own, then the chunk sums are
 // added in order, so any split of A at chunk boundaries (threads, streamed blocks, the shards of

@@ -62,9 +62,10 @@ RowMatrix<Scalar> dense_mode_gram(const Scalar* data, const std::vector<Index>& 
 
 // The entries of a sparse tensor grouped by the column of its mode-j unfolding: column c holds
 // entries start[c] .. start[c + 1] - 1, with their rows (the mode-j index) and values, in flat
-// order within the column. A counting sort (locating every entry twice instead of storing its
-// column), with 32-bit rows, into vectors of the thread's pool (vector_pool.hpp) that go back to
-// it afterwards: a grouping is a few MB built six times per sketched HOSVD.
+// order within the column. A counting sort with 32-bit rows, into vectors of the thread's pool
+// (vector_pool.hpp) that go back to it afterwards: a grouping is a few MB built six times per
+// sketched HOSVD, and with its storage reused, keeping each entry's row and column from the
+// counting pass is cheaper than locating the entry again.
 template <typename Scalar>
 struct ColumnGroups {
   std::vector<Index> start = VectorPool<Index>::take();
@@ -76,8 +77,12 @@ struct ColumnGroups {
     row.resize(std::size_t(s.nnz()));
     value.resize(std::size_t(s.nnz()));
     const std::vector<Index>& flat = s.indices();
-    Index r = 0, c = 0;
+    // Each entry's row and column, located once (the second pass reads them back).
+    std::vector<Index> rc = VectorPool<Index>::take(2 * std::size_t(s.nnz()));
+    rc.resize(2 * std::size_t(s.nnz()));
     for (Index e = 0; e < s.nnz(); ++e) {
+      Index& r = rc[2 * std::size_t(e)];
+      Index& c = rc[2 * std::size_t(e) + 1];
       split.locate(flat[std::size_t(e)], r, c);
       ++start[std::size_t(c) + 1];
     }
@@ -85,12 +90,12 @@ struct ColumnGroups {
     std::vector<Index> next = VectorPool<Index>::take(start.size() - 1);
     next.assign(start.begin(), start.end() - 1);
     for (Index e = 0; e < s.nnz(); ++e) {
-      split.locate(flat[std::size_t(e)], r, c);
-      const std::size_t slot = std::size_t(next[std::size_t(c)]++);
-      row[slot] = std::int32_t(r);
+      const std::size_t slot = std::size_t(next[std::size_t(rc[2 * std::size_t(e) + 1])]++);
+      row[slot] = std::int32_t(rc[2 * std::size_t(e)]);
       value[slot] = s.values()[std::size_t(e)];
     }
     VectorPool<Index>::give(std::move(next));
+    VectorPool<Index>::give(std::move(rc));
   }
   ~ColumnGroups() {
     VectorPool<Index>::give(std::move(start));

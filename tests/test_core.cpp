@@ -263,6 +263,35 @@ TEMPLATE_TEST_CASE("Causal linear core never looks at future keys", "[core][line
   }
 }
 
+#if defined(_OPENMP)
+// One thread runs the causal chunks in order with the state updated in place, several threads
+// scan each group's prefix states and finish its chunks in parallel: the same products in the
+// same order, so the same bits. Several groups of chunks, a ragged last chunk, signs and
+// log-scales on both sides.
+TEMPLATE_TEST_CASE("Causal linear attention gives the same bits on one thread and on two",
+                   "[core][linear][causal][threads]", float, double) {
+  using Scalar = TestType;
+  const int saved = omp_get_max_threads();
+  for (Index chunk : {1, 7, 16}) {
+    INFO("chunk " << chunk);
+    const Index n = 2 * 16 * chunk + 5;
+    const auto p = make_problem<Scalar>(41, n, 24, 3, 4.0, true);
+    LinearOptions opt;
+    opt.causal = true;
+    opt.block_size = chunk;
+    const auto run = [&](int threads) {
+      omp_set_num_threads(threads);
+      return randattn::linear_attention_accumulate<Scalar>(p.qf, p.q_log, p.kf, p.k_log, p.v,
+                                                           p.signs, opt)
+          .finalize(Scalar(1e-6));
+    };
+    const RowMatrix<Scalar> one = run(1), two = run(2);
+    omp_set_num_threads(saved);
+    CHECK(testing::rows_bit_identical(one, two, n));
+  }
+}
+#endif
+
 TEMPLATE_TEST_CASE("Streaming decoder equals causal linear attention", "[core][linear][decoder]",
                    float, double) {
   using Scalar = TestType;

@@ -195,6 +195,19 @@ struct ChunkScratch {
         log_rows(causal ? chunk : 0) {}
 };
 
+// weighted = [w ∘ V | w] for key rows [j0, j0 + len) with log-scales k_log, w = exp(k_log − c)
+// where c, returned, is the larger of c_prev and the largest of k_log.
+template <typename In, typename Weighted>
+typename In::Scalar weigh_values(const In& in, Index j0,
+                                 const Eigen::Ref<const Vector<typename In::Scalar>>& k_log,
+                                 typename In::Scalar c_prev, Weighted&& weighted) {
+  const Index dv = in.v.cols();
+  const typename In::Scalar c = std::max(c_prev, k_log.maxCoeff());
+  weighted.col(dv) = (k_log.array() - c).exp().matrix();
+  weighted.leftCols(dv) = weighted.col(dv).asDiagonal() * in.v.middleRows(j0, k_log.size());
+  return c;
+}
+
 // T = K'ᵀ [w ∘ V | w] for key rows [j0, j0 + len) given as `keys` with log-scales
 // `k_log`, where w = exp(k_log − g) and g is the largest of them: T is relative to exp(g).
 // Returns g.
@@ -202,11 +215,9 @@ template <typename In, typename Keys, typename Out>
 typename In::Scalar summarise_keys(const In& in, const Keys& keys,
                                    const Eigen::Ref<const Vector<typename In::Scalar>>& k_log,
                                    Index j0, RowMatrix<typename In::Scalar>& scratch, Out&& out) {
-  const Index len = keys.rows(), dv = in.v.cols();
-  const typename In::Scalar g = k_log.maxCoeff();
-  auto weighted = scratch.topRows(len);
-  weighted.col(dv) = (k_log.array() - g).exp().matrix();
-  weighted.leftCols(dv) = weighted.col(dv).asDiagonal() * in.v.middleRows(j0, len);
+  auto weighted = scratch.topRows(keys.rows());
+  const typename In::Scalar g = weigh_values(
+      in, j0, k_log, -std::numeric_limits<typename In::Scalar>::infinity(), weighted);
   row_panel_product(out, keys.transpose(), weighted, false);
   return g;
 }
@@ -327,6 +338,20 @@ void causal_chunk_rows(const In& in, Index i0, const Rows& queries,
   log_scale.segment(i0, len) = row_log + q_log;
 }
 
+// A state joined by one chunk's keys: next = exp(c_prev − c_next) prev + a w, where a holds the
+// chunk's (signed) key features transposed, or some of their rows, and w = [w ∘ V | w] from
+// weigh_values. prev is relative to exp(c_prev) (−inf: no keys yet, prev unread) and next to
+// exp(c_next); next may be prev itself.
+template <typename Scalar, typename Prev, typename A, typename W, typename Next>
+void advance_state(const Prev& prev, Scalar c_prev, const A& a, const W& w, Scalar c_next,
+                   Next&& next) {
+  if (c_prev == -std::numeric_limits<Scalar>::infinity()) {
+    row_panel_product(next, a, w, false);
+  } else {
+    row_panel_product_onto(next, prev, std::exp(c_prev - c_next), a, w);
+  }
+}
+
 // The prefix states of one group's chunks: on exit block t of `states` holds the state of every
 // key before chunk t of the group, S_t relative to exp(c_t), for t = 0 … group, S_0 being
 // `carried` (relative to exp(carried_log)), and `carried` becomes S_group. The scan
@@ -341,9 +366,7 @@ void causal_prefix_states(const In& in, Index g0, const Keys& keys,
                           KeySummaries<typename In::Scalar>& states,
                           RowMatrix<typename In::Scalar>& carried,
                           typename In::Scalar& carried_log) {
-  using Scalar = typename In::Scalar;
-  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
-  const Index chunk = in.chunk, dv = in.v.cols(), m = in.features(), len = keys.rows();
+  const Index chunk = in.chunk, m = in.features(), len = keys.rows();
   const auto rows_of = [&](Index t) {
     return std::make_pair(t * chunk, std::min(chunk, len - t * chunk));
   };
@@ -351,27 +374,18 @@ void causal_prefix_states(const In& in, Index g0, const Keys& keys,
   states.log_scale(0) = carried_log;
   for (Index t = 0; t < group; ++t) {
     const auto [r0, rows] = rows_of(t);
-    const Scalar c = std::max(states.log_scale(t), k_log.segment(r0, rows).maxCoeff());
-    states.log_scale(t + 1) = c;
-    auto w = weighted.middleRows(r0, rows);
-    w.col(dv) = (k_log.segment(r0, rows).array() - c).exp().matrix();
-    w.leftCols(dv) = w.col(dv).asDiagonal() * in.v.middleRows(g0 + r0, rows);
+    states.log_scale(t + 1) = weigh_values(in, g0 + r0, k_log.segment(r0, rows),
+                                           states.log_scale(t), weighted.middleRows(r0, rows));
   }
   constexpr Index kRowBlock = 64;  // rows of S per task: four tasks at 256 features
   parallel_for((m + kRowBlock - 1) / kRowBlock, [&](Index b) {
     const Index s0 = b * kRowBlock, s_len = std::min(kRowBlock, m - s0);
     for (Index t = 0; t < group; ++t) {
       const auto [r0, rows] = rows_of(t);
-      const auto a = keys.middleRows(r0, rows).transpose().middleRows(s0, s_len);
-      const auto w = weighted.middleRows(r0, rows);
-      auto next = states.block(t + 1).middleRows(s0, s_len);
-      const Scalar c_prev = states.log_scale(t);
-      if (c_prev == kNegInf) {
-        row_panel_product(next, a, w, false);
-      } else {
-        row_panel_product_onto(next, states.block(t).middleRows(s0, s_len),
-                               std::exp(c_prev - states.log_scale(t + 1)), a, w);
-      }
+      advance_state(states.block(t).middleRows(s0, s_len), states.log_scale(t),
+                    keys.middleRows(r0, rows).transpose().middleRows(s0, s_len),
+                    weighted.middleRows(r0, rows), states.log_scale(t + 1),
+                    states.block(t + 1).middleRows(s0, s_len));
     }
   });
   carried = states.block(group);
@@ -383,8 +397,11 @@ void causal_prefix_states(const In& in, Index g0, const Keys& keys,
 // group. For each group the features of its rows are computed once; then the prefix state of
 // every chunk is scanned (causal_prefix_states), and every chunk's rows are finished in
 // parallel: Q_c S_c for the keys before the chunk plus the masked product inside it, written
-// once into the result. The merge order is fixed by the shapes, so results do not depend
-// on the thread count, and memory holds one group's features and states. Also returns the
+// once into the result. On one thread the chunks run in order instead, each joining the
+// carried state in place once its rows are done, through the same products in the same order:
+// the same bits, with one state in cache rather than the group's. The merge order is fixed by
+// the shapes, so results do not depend on the thread count, and memory holds one group's
+// features and states. Also returns the
 // summary of all keys, which the loop carries anyway (what attention of a later part of the
 // sequence reads).
 template <typename In>
@@ -399,10 +416,12 @@ linear_causal_with_summary(const In& in) {
   Vector<Scalar> log_scale(n);
   RowMatrix<Scalar> carried = RowMatrix<Scalar>::Zero(m, w);
   Scalar carried_log = kNegInf;
-  KeySummaries<Scalar> states(std::min(chunks, kCausalGroup) + 1, m, w);
+  const bool one_thread = available_threads() == 1;
+  KeySummaries<Scalar> states(one_thread ? 0 : std::min(chunks, kCausalGroup) + 1, m, w);
   FeatureBlock<Scalar> q_rows(group_rows, m), k_rows(group_rows, m);
   RowMatrix<Scalar> weighted(group_rows, w);
   const auto scratch = [&] { return ChunkScratch<Scalar>(chunk, m, w, true); };
+  ChunkScratch<Scalar> own(one_thread ? chunk : 0, m, w, true);
   for (Index first = 0; first < chunks; first += kCausalGroup) {
     const Index group = std::min(kCausalGroup, chunks - first), g0 = first * chunk;
     const Index g_len = std::min(group_rows, n - g0);
@@ -412,13 +431,32 @@ linear_causal_with_summary(const In& in) {
       const Index r0 = t * chunk;
       return std::make_pair(r0, std::min(chunk, n - g0 - r0));
     };
+    const auto chunk_rows = [&](Index t, const auto& state, Scalar state_log,
+                                ChunkScratch<Scalar>& s) {
+      const auto [r0, len] = rows_of(t);
+      causal_chunk_rows(in, g0 + r0, queries.middleRows(r0, len), q_rows.log_scale.segment(r0, len),
+                        keys.middleRows(r0, len), k_rows.log_scale.segment(r0, len), state,
+                        state_log, s, nd, log_scale);
+    };
+    if (one_thread) {
+      // Chunk by chunk, the carried state joined by each chunk's keys once its rows are done:
+      // one state in cache instead of a group's prefix states (1.1 MB at 256 features).
+      for (Index t = 0; t < group; ++t) {
+        chunk_rows(t, carried, carried_log, own);
+        const auto [r0, len] = rows_of(t);
+        auto weights = weighted.middleRows(r0, len);
+        const Scalar c =
+            weigh_values(in, g0 + r0, k_rows.log_scale.segment(r0, len), carried_log, weights);
+        advance_state(carried, carried_log, keys.middleRows(r0, len).transpose(), weights, c,
+                      carried);
+        carried_log = c;
+      }
+      continue;
+    }
     causal_prefix_states(in, g0, keys, k_rows.log_scale.head(g_len), group, weighted, states,
                          carried, carried_log);
     parallel_for_with(group, scratch, [&](Index t, ChunkScratch<Scalar>& s) {
-      const auto [r0, len] = rows_of(t);
-      causal_chunk_rows(in, g0 + r0, queries.middleRows(r0, len), q_rows.log_scale.segment(r0, len),
-                        keys.middleRows(r0, len), k_rows.log_scale.segment(r0, len),
-                        states.block(t), states.log_scale(t), s, nd, log_scale);
+      chunk_rows(t, states.block(t), states.log_scale(t), s);
     });
   }
   return {SoftmaxAccumulator<Scalar>(std::move(nd), std::move(log_scale)),

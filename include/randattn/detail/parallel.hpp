@@ -42,6 +42,16 @@ class FirstError {
 #endif
 };
 
+// Threads a parallel loop started here would run on: 1 inside a parallel region (loops do not
+// nest) or without OpenMP.
+inline Index available_threads() {
+#if defined(_OPENMP)
+  return omp_in_parallel() ? 1 : Index(omp_get_max_threads());
+#else
+  return 1;
+#endif
+}
+
 template <typename Fn>
 void parallel_for(Index count, Fn&& fn) {
   FirstError error;

@@ -49,10 +49,6 @@
 #include "method.hpp"
 #include "options.hpp"
 
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
-
 namespace randattn::registry {
 
 // --- The layout inputs --------------------------------------------------------------------------
@@ -401,7 +397,7 @@ class LayoutRunner {
       }
     };
     const Index count = Index(slices.size());
-    if (count >= available_threads()) {
+    if (count >= randattn::detail::available_threads()) {
       randattn::detail::parallel_for(count, run_slice);
     } else {  // each sub-call uses the threads itself
       for (Index i = 0; i < count && !(i > 0 && errors[std::size_t(i - 1)]); ++i) run_slice(i);
@@ -431,14 +427,6 @@ class LayoutRunner {
     const std::uint8_t* padding;  // of the slice's batch item; null: none
     Index head;                   // the query head
   };
-
-  static Index available_threads() {
-#if defined(_OPENMP)
-    return omp_in_parallel() ? 1 : Index(omp_get_max_threads());
-#else
-    return 1;
-#endif
-  }
 
   const std::uint8_t* padding_of(Index b) const {
     return layout_.key_padding.empty() ? nullptr : layout_.key_padding.data() + b * call_.shape.n_k;

@@ -141,5 +141,6 @@ BENCHMARK(Linear)
     ->Args({8192, 1, 0})
     ->Args({8192, 1, 1})
     ->Args({8192, 2, 0})
+    ->Args({8192, 2, 1})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();

@@ -205,15 +205,6 @@ void add_terms(OrderedSum& sum, Index flat0, const Scalar* p, Index stride, Inde
   for (; t < len; ++t) add_one(t);
 }
 
-// Number of pieces to cut parallel work into: the thread count (results never depend on it).
-inline Index worker_count() {
-#if defined(_OPENMP)
-  return Index(omp_get_max_threads());
-#else
-  return 1;
-#endif
-}
-
 // The sum of term(a) (kSquare: of its squares) over every entry a of the tensor, in the order of
 // OrderedSum; chunks in parallel.
 template <bool kSquare, typename Scalar, typename Term>
@@ -588,7 +579,8 @@ class InMemorySparsifier {
                                            std::vector<SparseSketch<Scalar>>* reuse = nullptr) const {
     SketchStats stats = stats_;
     const Index chunks = (a_.size() + kSketchChunk - 1) / kSketchChunk;
-    const Index parts = std::max<Index>(1, std::min(chunks, worker_count()));
+    // One part per thread that will run them (results never depend on the count).
+    const Index parts = std::max<Index>(1, std::min(chunks, available_threads()));
     std::vector<Sampler<Scalar>> samplers(
         std::size_t(parts), Sampler<Scalar>(stats.rule, Philox(opt_.seed), streams, false));
     if (reuse != nullptr) {

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <utility>
 
 #include <Eigen/Core>
@@ -102,11 +103,11 @@ class LocalitySensitiveFilters {
   // rotation for the Hadamard kind).
   RowMatrix<Scalar> matrix() const {
     if (kind_ == RotationKind::dense) return a_;
-    RowMatrix<Scalar> a(tables_ * filters_, dim_), s, work;
+    RowMatrix<Scalar> a(tables_ * filters_, dim_), work;
     const RowMatrix<Scalar> identity = RowMatrix<Scalar>::Identity(dim_, dim_);
     for (Index t = 0; t < tables_; ++t) {
-      score_block(identity, t, s, work);  // row c: the c-th coordinate of every filter
-      a.middleRows(t * filters_, filters_) = s.transpose();
+      // Column c of the scores of the unit vectors e_c: the c-th coordinate of every filter.
+      score_block(identity, t, a.middleRows(t * filters_, filters_), work);
     }
     return a;
   }
@@ -122,8 +123,9 @@ class LocalitySensitiveFilters {
     const RowMatrix<Scalar> unit = unit_rows<Scalar>(x);
     for_each_block(unit,
                    [&](Index i0, const auto& block, RowMatrix<Scalar>& s, RowMatrix<Scalar>& work) {
+                     s.resize(filters_, block.rows());
                      score_block(block, table, s, work);
-                     out.middleRows(i0, block.rows()) = s;
+                     out.middleRows(i0, block.rows()) = s.transpose();
                    });
     return out;
   }
@@ -136,16 +138,21 @@ class LocalitySensitiveFilters {
 
   // --- For the attention kernels: rows already normalised (unit_rows). -------------
 
-  // Scores of a block of unit rows in table t: out = B x m.
-  template <typename X>
-  void score_block(const Eigen::MatrixBase<X>& unit_block, Index t, RowMatrix<Scalar>& out,
+  // Scores of a block of B unit rows in table t, filter-major: out(f, u) = <a_f, row u>, out
+  // m x B (resized when it is a matrix; a block of a larger one must have that shape). Filter
+  // by filter the B scores are contiguous, which is how the consumers scan them (thresholds,
+  // running maxima) and how the Hadamard rotation leaves its coordinates.
+  template <typename X, typename Out>
+  void score_block(const Eigen::MatrixBase<X>& unit_block, Index t, Out&& out,
                    RowMatrix<Scalar>& work) const {
-    out.resize(unit_block.rows(), filters_);
+    if constexpr (std::is_same<std::decay_t<Out>, RowMatrix<Scalar>>::value)
+      out.resize(filters_, unit_block.rows());
+    eigen_assert(out.rows() == filters_ && out.cols() == unit_block.rows());
     if (kind_ == RotationKind::dense) {
-      detail::gemm_fixed_depth(out, unit_block, a_.middleRows(t * filters_, filters_).transpose(),
+      detail::gemm_fixed_depth(out, a_.middleRows(t * filters_, filters_), unit_block.transpose(),
                                false);
     } else {
-      out = gain_ * rotation_.project_round(unit_block, t, work).transpose();
+      out = gain_ * rotation_.project_round(unit_block, t, work);
     }
   }
 
@@ -164,13 +171,24 @@ class LocalitySensitiveFilters {
     HashCodes codes(unit.rows(), tables_);
     for_each_block(unit,
                    [&](Index i0, const auto& block, RowMatrix<Scalar>& s, RowMatrix<Scalar>& work) {
+                     const Index B = block.rows();
+                     Scalar best_score[detail::kHashTile];
+                     std::int32_t best[detail::kHashTile];
                      for (Index t = 0; t < tables_; ++t) {
                        score_block(block, t, s, work);
-                       for (Index u = 0; u < s.rows(); ++u) {
-                         Index best = 0;
-                         s.row(u).maxCoeff(&best);  // the first maximum
-                         codes(i0 + u, t) = static_cast<std::int32_t>(best);
+                       // The first maximum of every column, filter by filter: a strictly
+                       // larger score moves it, so ties keep the lower filter.
+                       std::copy(s.data(), s.data() + B, best_score);
+                       std::fill(best, best + B, 0);
+                       for (Index f = 1; f < filters_; ++f) {
+                         const Scalar* row = &s(f, 0);
+                         for (Index u = 0; u < B; ++u) {
+                           const bool larger = row[u] > best_score[u];
+                           best_score[u] = larger ? row[u] : best_score[u];
+                           best[u] = larger ? std::int32_t(f) : best[u];
+                         }
                        }
+                       for (Index u = 0; u < B; ++u) codes(i0 + u, t) = best[u];
                      }
                    });
     return codes;

@@ -48,6 +48,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <Eigen/Core>
 
 #include "../core/detail/output_check.hpp"
@@ -60,6 +64,7 @@
 #include "../core/types.hpp"
 #include "../core/value_headroom.hpp"
 #include "../detail/batch.hpp"
+#include "../detail/bits.hpp"
 #include "../detail/fresh_matrix.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
@@ -169,6 +174,99 @@ FilterBuckets bucket_keys(const LocalitySensitiveFilters<Scalar>& filters,
   return b;
 }
 
+// order[0..count) = indices of the `count` largest of s[0..size), by descending score, ties to
+// the lower index.
+template <typename Scalar>
+void best_first(const Scalar* s, Index size, Index count, std::vector<std::int32_t>& order) {
+  order.resize(static_cast<std::size_t>(size));
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(
+      order.begin(), order.begin() + count, order.end(),
+      [s](std::int32_t a, std::int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
+}
+
+// Bit u set for row[u] >= eta, u < count <= 64.
+template <typename Scalar>
+std::uint64_t threshold_bits(const Scalar* row, Index count, Scalar eta) {
+  std::uint64_t bits = 0;
+  Index u = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same<Scalar, float>::value) {
+    const __m512 e = _mm512_set1_ps(eta);
+    for (; u + 16 <= count; u += 16)
+      bits |= std::uint64_t(_mm512_cmp_ps_mask(_mm512_loadu_ps(row + u), e, _CMP_GE_OQ)) << u;
+  } else {
+    const __m512d e = _mm512_set1_pd(eta);
+    for (; u + 8 <= count; u += 8)
+      bits |= std::uint64_t(_mm512_cmp_pd_mask(_mm512_loadu_pd(row + u), e, _CMP_GE_OQ)) << u;
+  }
+#endif
+  for (; u < count; ++u) bits |= std::uint64_t(row[u] >= eta) << u;
+  return bits;
+}
+
+// The filters each query of a block opens in each table, from the block's filter-major scores
+// (L m x B, row t m + f): those with score >= η in increasing order, or the min_probes best (in
+// increasing order) when fewer pass. The scores are compared a row, i.e. one filter for every
+// query of the block, at a time, and the lists are placed by a counting sort on (query, table).
+template <typename Scalar>
+class OpenedLists {
+ public:
+  OpenedLists(const RowMatrix<Scalar>& scores, Index m, Scalar eta, Index min_probes)
+      : queries_(scores.cols()), tables_(scores.rows() / m) {
+    eigen_assert(queries_ <= 64 && tables_ * m == scores.rows());
+    const Index lists = queries_ * tables_, rows = scores.rows();
+    std::vector<std::uint64_t> bits(static_cast<std::size_t>(rows));
+    std::vector<Index> size(static_cast<std::size_t>(lists), 0);
+    for (Index t = 0, g = 0; t < tables_; ++t) {
+      Index* table_size = size.data() + t;  // list (u, t) at table_size[u L]
+      for (Index f = 0; f < m; ++f, ++g) {
+        const std::uint64_t b = threshold_bits(&scores(g, 0), queries_, eta);
+        bits[std::size_t(g)] = b;
+        for (std::uint64_t r = b; r != 0; r &= r - 1)
+          ++table_size[Index(count_trailing_zeros(r)) * tables_];
+      }
+    }
+    start_.assign(static_cast<std::size_t>(lists) + 1, 0);
+    for (Index e = 0; e < lists; ++e)
+      start_[std::size_t(e) + 1] =
+          start_[std::size_t(e)] + std::max(size[std::size_t(e)], min_probes);
+    ids_.resize(static_cast<std::size_t>(start_.back()));
+    std::vector<Index> next(start_.begin(), start_.end() - 1);
+    for (Index t = 0, g = 0; t < tables_; ++t) {
+      for (Index f = 0; f < m; ++f, ++g) {
+        for (std::uint64_t r = bits[std::size_t(g)]; r != 0; r &= r - 1) {
+          const std::size_t e = std::size_t(Index(count_trailing_zeros(r)) * tables_ + t);
+          if (size[e] >= min_probes) ids_[std::size_t(next[e]++)] = std::int32_t(g);
+        }
+      }
+    }
+    // Too few pass: they are among the best, so the min_probes best are the list.
+    std::vector<Scalar> column(static_cast<std::size_t>(m));
+    std::vector<std::int32_t> order;
+    for (Index e = 0; e < lists; ++e) {
+      if (size[std::size_t(e)] >= min_probes) continue;
+      const Index u = e / tables_, t = e % tables_;
+      for (Index f = 0; f < m; ++f) column[std::size_t(f)] = scores(t * m + f, u);
+      best_first(column.data(), m, min_probes, order);
+      std::sort(order.begin(), order.begin() + min_probes);
+      for (Index r = 0; r < min_probes; ++r)
+        ids_[std::size_t(start_[std::size_t(e)] + r)] = std::int32_t(t * m + order[std::size_t(r)]);
+    }
+  }
+
+  // Appends the filters of query u, table by table (ids t m + f, increasing).
+  void append(Index u, std::vector<std::int32_t>& out) const {
+    out.insert(out.end(), ids_.begin() + start_[std::size_t(u * tables_)],
+               ids_.begin() + start_[std::size_t((u + 1) * tables_)]);
+  }
+
+ private:
+  Index queries_, tables_;
+  std::vector<Index> start_;  // list (u, t) is ids_[start_[u L + t] ..)
+  std::vector<std::int32_t> ids_;
+};
+
 // Chooses the filters each query opens (threshold, min_probes, fallback; see the top of the file).
 template <typename Scalar>
 class FilterProber {
@@ -190,21 +288,23 @@ class FilterProber {
     std::vector<std::vector<std::int32_t>> opened(static_cast<std::size_t>(blocks));
     std::vector<Index> count(static_cast<std::size_t>(n));
     std::vector<char> fell_back(static_cast<std::size_t>(n), 0);
-    filters_.for_each_block(unit_q, [&](Index i0, const auto& block, RowMatrix<Scalar>& s,
+    filters_.for_each_block(unit_q, [&](Index i0, const auto& block, RowMatrix<Scalar>& scores,
                                         RowMatrix<Scalar>& work) {
       const Index B = block.rows();
-      RowMatrix<Scalar> scores(B, L * m);  // the block's scores in all tables, row u = query i0 + u
-      for (Index t = 0; t < L; ++t) {
-        filters_.score_block(block, t, s, work);
-        scores.middleCols(t * m, m) = s;
-      }
+      // The block's scores in all tables, filter-major: row t m + f, column u = query i0 + u.
+      scores.resize(L * m, B);
+      for (Index t = 0; t < L; ++t) filters_.score_block(block, t, scores.middleRows(t * m, m), work);
+      const OpenedLists<Scalar> lists(scores, m, eta_, min_probes_);
       std::vector<std::int32_t>& out = opened[static_cast<std::size_t>(i0 / kHashTile)];
+      std::vector<Scalar> column;
       std::vector<std::int32_t> order;
       for (Index u = 0; u < B; ++u) {
         const std::size_t first = out.size();
-        for (Index t = 0; t < L; ++t) open_in_table(&scores(u, t * m), t, order, out);
+        lists.append(u, out);
         if (!any_valid(out.data() + first, out.size() - first, i0 + u) && has_valid_key(i0 + u)) {
-          fallback(&scores(u, 0), i0 + u, order, out, first);
+          column.resize(static_cast<std::size_t>(L * m));
+          for (Index g = 0; g < L * m; ++g) column[std::size_t(g)] = scores(g, u);
+          fallback(column.data(), i0 + u, order, out, first);
           fell_back[static_cast<std::size_t>(i0 + u)] = 1;
         }
         count[static_cast<std::size_t>(i0 + u)] = Index(out.size() - first);
@@ -231,32 +331,6 @@ class FilterProber {
   }
 
  private:
-  // Filters of table t with score >= η, or the min_probes best if fewer; appended as ids t m + f.
-  void open_in_table(const Scalar* s, Index t, std::vector<std::int32_t>& order,
-                     std::vector<std::int32_t>& out) const {
-    const Index m = filters_.filters();
-    const std::size_t first = out.size();
-    for (Index f = 0; f < m; ++f)
-      if (s[f] >= eta_) out.push_back(static_cast<std::int32_t>(t * m + f));
-    if (Index(out.size() - first) >= min_probes_) return;
-    // Fewer than min_probes pass: they are among the best, so the min_probes best are the set.
-    out.resize(first);
-    best_first(s, m, min_probes_, order);
-    std::sort(order.begin(), order.begin() + min_probes_);
-    for (Index r = 0; r < min_probes_; ++r)
-      out.push_back(static_cast<std::int32_t>(t * m + order[r]));
-  }
-
-  // order[0..count) = indices of the `count` largest of s[0..size), by descending score, ties to
-  // the lower index.
-  static void best_first(const Scalar* s, Index size, Index count,
-                         std::vector<std::int32_t>& order) {
-    order.resize(static_cast<std::size_t>(size));
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(
-        order.begin(), order.begin() + count, order.end(),
-        [s](std::int32_t a, std::int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
-  }
 
   // True when filter g holds a key valid for query i (keys are in increasing position): not
   // after i under causal masking, not i itself under self-exclusion.

@@ -24,6 +24,7 @@
 #endif
 
 #include "../../core/types.hpp"
+#include "../../detail/bits.hpp"
 #include "../../random/philox.hpp"
 #include "../../random/philox_lanes.hpp"
 
@@ -98,17 +99,6 @@ inline void tile_decisions(const double* p, const TileDraws* draws, Index o0, In
     keep[o / 64] |= std::uint64_t(k) << (o % 64);
     tie[o / 64] |= std::uint64_t(e) << (o % 64);
   }
-}
-
-// Index of the lowest set bit of bits != 0.
-inline int count_trailing_zeros(std::uint64_t bits) {
-#if defined(__GNUC__) || defined(__clang__)
-  return __builtin_ctzll(bits);
-#else
-  int n = 0;
-  for (; (bits & 1) == 0; bits >>= 1) ++n;
-  return n;
-#endif
 }
 
 // The fine decision of a tie: v < 256 p - floor(256 p), exact in double.

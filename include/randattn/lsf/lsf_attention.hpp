@@ -67,6 +67,7 @@
 #include "../detail/bits.hpp"
 #include "../detail/fresh_matrix.hpp"
 #include "../detail/parallel.hpp"
+#include "../detail/transpose.hpp"
 #include "../detail/validation.hpp"
 #include "../hashing/detail/bucket_sort.hpp"
 #include "../hashing/detail/tiles.hpp"
@@ -501,16 +502,23 @@ class LsfSlice {
     SoftmaxAccumulator<Scalar> acc(n_q, v.cols());
     if (n_q == 0) return acc;
     const RowMatrix<Scalar> queries = scale * q;
-    RowMatrix<Scalar> keys(n_k, k.cols()), values(n_k, v.cols());
+    // Keys transposed (d x n_k, filter by filter): a filter's keys are a few dozen columns, the
+    // right operand of the tiles' register products as they lie.
+    RowMatrix<Scalar> keys_t(k.cols(), n_k), values(n_k, v.cols()), gathered(kHashTile, k.cols());
     HashCodes codes(n_k, L);
     const Index block = query_block(L * m), tasks = (n_q + block - 1) / block;
     for (Index t = 0; t < L; ++t) {
       const std::int32_t* perm = keys_.perm.data() + t * n_k;
       const Index* start = keys_.start.data() + t * (m + 1);
-      for (Index s = 0; s < n_k; ++s) {
-        keys.row(s) = k.row(perm[s]);
-        values.row(s) = v.row(perm[s]);
-        codes.row(s) = keys_.codes.row(perm[s]);
+      for (Index s0 = 0; s0 < n_k; s0 += kHashTile) {
+        const Index count = std::min(kHashTile, n_k - s0);
+        for (Index s = s0; s < s0 + count; ++s) {
+          gathered.row(s - s0) = k.row(perm[s]);
+          values.row(s) = v.row(perm[s]);
+          codes.row(s) = keys_.codes.row(perm[s]);
+        }
+        transpose_scaled(gathered.data(), gathered.cols(), count, gathered.cols(),
+                         static_cast<const Scalar*>(nullptr), keys_t.data() + s0, n_k);
       }
       // Each task owns the rows [b Q, (b + 1) Q): one thread merges a row, filter by filter.
       parallel_for(tasks, [&](Index b) {
@@ -548,8 +556,9 @@ class LsfSlice {
             const TileIndex rows = TileIndex::gathered(r, br);
             for (Index c0 = k0; c0 < end; c0 += kTargetColTile) {
               const Index bc = std::min(kTargetColTile, end - c0);
-              tile.attend(q_tile.topRows(br), keys.middleRows(c0, bc), values.middleRows(c0, bc),
-                          rows, TileIndex::gathered(perm + c0, bc), mask, acc);
+              tile.attend_transposed(q_tile.topRows(br), keys_t.middleCols(c0, bc),
+                                     values.middleRows(c0, bc), rows,
+                                     TileIndex::gathered(perm + c0, bc), mask, acc);
             }
           }
         }

@@ -22,6 +22,7 @@
 
 #include <Eigen/Core>
 
+#include "../../detail/chunk_products.hpp"
 #include "../../detail/gemm.hpp"
 #include "../softmax_accumulator.hpp"
 #include "../types.hpp"
@@ -82,6 +83,16 @@ class ScoreTile {
     gemm_fixed_depth(scores(), q, k.transpose(), false);
   }
 
+  // The same for keys given transposed, kt (d x bc) with unit column stride, through the
+  // register-tile product (detail/chunk_products.hpp), which packs neither operand: for narrow
+  // tiles (a few dozen keys, as in filter attention) packing costs about as much as the multiply.
+  template <typename Q, typename KT>
+  void logits_transposed(const Q& q, const KT& kt) {
+    br_ = q.rows();
+    bc_ = kt.cols();
+    row_panel_product(scores(), q, kt, false);
+  }
+
   auto scores() { return s_.topLeftCorner(br_, bc_); }
   auto scores() const { return s_.topLeftCorner(br_, bc_); }
   auto row_max() const { return row_max_.head(br_); }
@@ -136,11 +147,18 @@ class ScoreTile {
 
   // [num | den] = [P V | P 1] for the tile's weights P and value rows v (bc x dv), merged into
   // acc at the tile's rows with the row log-scales.
+  // With `panels`, P V goes through the register-tile product (v with unit column stride), as
+  // after logits_transposed.
   template <typename V>
-  void merge_into(SoftmaxAccumulator<Scalar>& acc, const TileIndex& rows, const V& v) {
+  void merge_into(SoftmaxAccumulator<Scalar>& acc, const TileIndex& rows, const V& v,
+                  bool panels = false) {
     const Index dv = nd_.cols() - 1;
     auto nd = nd_.topRows(br_);
-    gemm_fixed_depth(nd.leftCols(dv), scores(), v, false);
+    if (panels) {
+      row_panel_product(nd.leftCols(dv), scores(), v, false);
+    } else {
+      gemm_fixed_depth(nd.leftCols(dv), scores(), v, false);
+    }
     nd.col(dv) = scores().rowwise().sum();
     if (rows.list) {
       acc.merge_gathered(rows.list, nd, row_max_.head(br_));
@@ -154,12 +172,26 @@ class ScoreTile {
   void attend(const Q& q, const K& k, const V& v, const TileIndex& rows, const TileIndex& cols,
               const TileMask<Count>& mask, SoftmaxAccumulator<Scalar>& acc) {
     logits(q, k);
-    this->mask(rows, cols, mask);
-    exponentiate();
-    merge_into(acc, rows, v);
+    finish(v, rows, cols, mask, acc, false);
+  }
+  // The same with the keys transposed (kt, d x bc) and both products as register tiles.
+  template <typename Q, typename KT, typename V, typename Count>
+  void attend_transposed(const Q& q, const KT& kt, const V& v, const TileIndex& rows,
+                         const TileIndex& cols, const TileMask<Count>& mask,
+                         SoftmaxAccumulator<Scalar>& acc) {
+    logits_transposed(q, kt);
+    finish(v, rows, cols, mask, acc, true);
   }
 
  private:
+  template <typename V, typename Count>
+  void finish(const V& v, const TileIndex& rows, const TileIndex& cols,
+              const TileMask<Count>& mask, SoftmaxAccumulator<Scalar>& acc, bool panels) {
+    this->mask(rows, cols, mask);
+    exponentiate();
+    merge_into(acc, rows, v, panels);
+  }
+
   template <typename Count>
   void subtract_log_counts(const TileIndex& rows, const TileIndex& cols, const Count& count) {
     for (Index t = 0; t < br_; ++t) {

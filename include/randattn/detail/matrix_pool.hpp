@@ -87,6 +87,11 @@ class Scratch : public M {
   Scratch(Scratch&& other) noexcept : M(std::move(static_cast<M&>(other))) {}  // other: empty
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
+  // Swaps storage (Eigen's move assignment): other gives back what this one held.
+  Scratch& operator=(Scratch&& other) noexcept {
+    M::operator=(std::move(static_cast<M&>(other)));
+    return *this;
+  }
   ~Scratch() { MatrixPool<M>::give(std::move(static_cast<M&>(*this))); }
   using M::operator=;
 };

@@ -8,6 +8,7 @@
 #include "core/linear_attention.hpp"
 #include "core/linear_decoder.hpp"
 #include "core/scaled_features.hpp"
+#include "core/scratch.hpp"
 #include "core/softmax_accumulator.hpp"
 #include "core/target_sets.hpp"
 #include "core/types.hpp"

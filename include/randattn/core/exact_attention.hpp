@@ -15,6 +15,7 @@
 #include "../detail/batch.hpp"
 #include "../detail/fresh_matrix.hpp"
 #include "../detail/gemm.hpp"
+#include "../detail/matrix_pool.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
 #include "detail/output_check.hpp"
@@ -81,7 +82,8 @@ SoftmaxAccumulator<Scalar> exact_tiled(const Eigen::Ref<const RowMatrix<Scalar>>
   const Index n_q = q.rows(), n_k = k.rows(), dv = v.cols();
   SoftmaxAccumulator<Scalar> acc(n_q, dv);
   if (n_q == 0) return acc;
-  const RowMatrix<Scalar> qs = scale * q;
+  Scratch<RowMatrix<Scalar>> qs(n_q, q.cols());
+  qs = scale * q;
   const Index q_blocks = (n_q + block - 1) / block;
   // Query blocks are independent and each runs on one thread: results do not depend on the
   // thread count.

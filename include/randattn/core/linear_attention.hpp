@@ -21,6 +21,7 @@
 #include "../detail/batch.hpp"
 #include "../detail/fresh_matrix.hpp"
 #include "../detail/gemm.hpp"
+#include "../detail/matrix_pool.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/chunk_products.hpp"
 #include "../detail/validation.hpp"
@@ -102,11 +103,14 @@ void check_linear_inputs(const char* where, const Eigen::Ref<const RowMatrix<Sca
   }
 }
 
+// Work buffers below come from the thread's pool (detail/matrix_pool.hpp): a call with the
+// shapes of an earlier one on the same thread allocates none of them.
+
 // A block of feature rows with their log-scales (the rows a source filled).
 template <typename Scalar>
 struct FeatureBlock {
-  RowMatrix<Scalar> values;
-  Vector<Scalar> log_scale;
+  Scratch<RowMatrix<Scalar>> values;
+  Scratch<Vector<Scalar>> log_scale;
   FeatureBlock(Index rows, Index dim) : values(rows, dim), log_scale(rows) {}
 };
 
@@ -182,17 +186,19 @@ Eigen::Ref<const RowMatrix<typename In::Scalar>> signed_keys(
 }
 
 // Work buffers of one thread: a block of feature rows, [w ∘ V | w] or [V | 1] of a chunk, and,
-// for causal chunks, the masked weights and the rows' log-scales.
+// for causal chunks, the masked weights, the rows' log-scales and the factors that rescale the
+// carried state's part.
 template <typename Scalar>
 struct ChunkScratch {
   FeatureBlock<Scalar> features;
-  RowMatrix<Scalar> values, weights;
-  Vector<Scalar> log_rows;
+  Scratch<RowMatrix<Scalar>> values, weights;
+  Scratch<Vector<Scalar>> log_rows, rescale;
   ChunkScratch(Index chunk, Index dim, Index width, bool causal)
       : features(causal ? 0 : chunk, dim),
         values(chunk, width),
         weights(causal ? chunk : 0, causal ? chunk : 0),
-        log_rows(causal ? chunk : 0) {}
+        log_rows(causal ? chunk : 0),
+        rescale(causal ? chunk : 0) {}
 };
 
 // weighted = [w ∘ V | w] for key rows [j0, j0 + len) with log-scales k_log, w = exp(k_log − c)
@@ -226,8 +232,8 @@ typename In::Scalar summarise_keys(const In& in, const Keys& keys,
 // relative to exp(log_scale(t)).
 template <typename Scalar>
 struct KeySummaries {
-  RowMatrix<Scalar> blocks;
-  Vector<Scalar> log_scale;
+  Scratch<RowMatrix<Scalar>> blocks;
+  Scratch<Vector<Scalar>> log_scale;
   Index m = 0;
   KeySummaries(Index chunks, Index m, Index width)
       : blocks(chunks * m, width), log_scale(chunks), m(m) {}
@@ -241,12 +247,13 @@ struct KeySummaries {
 // in order: the result does not depend on the thread count, and memory holds one group's
 // summaries and one panel of features per thread.
 template <typename In>
-RowMatrix<typename In::Scalar> key_state(const In& in, typename In::Scalar& c) {
+Scratch<RowMatrix<typename In::Scalar>> key_state(const In& in, typename In::Scalar& c) {
   using Scalar = typename In::Scalar;
   const Index n_k = in.k.rows(), m = in.features(), w = in.width(), chunk = in.chunk;
   const Index chunks = (n_k + chunk - 1) / chunk;
   KeySummaries<Scalar> sums(std::min(chunks, kKeyGroup), m, w);
-  RowMatrix<Scalar> state = RowMatrix<Scalar>::Zero(m, w);
+  Scratch<RowMatrix<Scalar>> state(m, w);
+  state.setZero();
   c = -std::numeric_limits<Scalar>::infinity();
   for (Index first = 0; first < chunks; first += kKeyGroup) {
     const Index group = std::min(kKeyGroup, chunks - first);
@@ -280,8 +287,8 @@ SoftmaxAccumulator<typename In::Scalar> query_key_state(const In& in,
                                                         typename In::Scalar c) {
   using Scalar = typename In::Scalar;
   const Index n_q = in.q.rows(), m = in.features(), chunk = in.chunk;
-  RowMatrix<Scalar> nd(n_q, in.width());
-  Vector<Scalar> log_scale(n_q);
+  RowMatrix<Scalar> nd = MatrixPool<RowMatrix<Scalar>>::take(n_q, in.width());
+  Vector<Scalar> log_scale = MatrixPool<Vector<Scalar>>::take(n_q);
   parallel_for_with((n_q + chunk - 1) / chunk, [&] { return FeatureBlock<Scalar>(chunk, m); },
                     [&](Index b, FeatureBlock<Scalar>& f) {
                       const Index i0 = b * chunk, len = std::min(chunk, n_q - i0);
@@ -332,7 +339,10 @@ void causal_chunk_rows(const In& in, Index i0, const Rows& queries,
   const bool has_state = state_log != kNegInf;
   if (has_state) {
     row_panel_product(out, queries, state, false);
-    out.array().colwise() *= (state_log - row_log.array()).exp();
+    // Evaluated into scratch first (Eigen would evaluate it into a temporary).
+    auto rescale = s.rescale.head(len);
+    rescale = (state_log - row_log.array()).exp().matrix();
+    out.array().colwise() *= rescale.array();
   }
   row_panel_product(out, weights, values, has_state, true);
   log_scale.segment(i0, len) = row_log + q_log;
@@ -412,14 +422,15 @@ linear_causal_with_summary(const In& in) {
   const Index n = in.q.rows(), m = in.features(), w = in.width(), chunk = in.chunk;
   const Index chunks = (n + chunk - 1) / chunk;
   const Index group_rows = std::min(n, kCausalGroup * chunk);
-  RowMatrix<Scalar> nd(n, w);
-  Vector<Scalar> log_scale(n);
-  RowMatrix<Scalar> carried = RowMatrix<Scalar>::Zero(m, w);
+  RowMatrix<Scalar> nd = MatrixPool<RowMatrix<Scalar>>::take(n, w);
+  Vector<Scalar> log_scale = MatrixPool<Vector<Scalar>>::take(n);
+  RowMatrix<Scalar> carried = MatrixPool<RowMatrix<Scalar>>::take(m, w);
+  carried.setZero();
   Scalar carried_log = kNegInf;
   const bool one_thread = available_threads() == 1;
   KeySummaries<Scalar> states(one_thread ? 0 : std::min(chunks, kCausalGroup) + 1, m, w);
   FeatureBlock<Scalar> q_rows(group_rows, m), k_rows(group_rows, m);
-  RowMatrix<Scalar> weighted(group_rows, w);
+  Scratch<RowMatrix<Scalar>> weighted(group_rows, w);
   const auto scratch = [&] { return ChunkScratch<Scalar>(chunk, m, w, true); };
   ChunkScratch<Scalar> own(one_thread ? chunk : 0, m, w, true);
   for (Index first = 0; first < chunks; first += kCausalGroup) {
@@ -465,7 +476,9 @@ linear_causal_with_summary(const In& in) {
 
 template <typename In>
 SoftmaxAccumulator<typename In::Scalar> linear_causal(const In& in) {
-  return linear_causal_with_summary(in).first;
+  auto [acc, summary] = linear_causal_with_summary(in);
+  MatrixPool<RowMatrix<typename In::Scalar>>::give(std::move(summary.state));
+  return std::move(acc);
 }
 
 // Self-exclusion for queries and keys at the same positions (n_q == n_k): removes from row i of
@@ -479,7 +492,7 @@ void remove_self_terms(const In& in, bool causal, SoftmaxAccumulator<typename In
   if (n <= 1) return;
   const Index block = std::min<Index>(n, 256), dv = in.v.cols();
   FeatureBlock<Scalar> qb(block, in.features()), kb(block, in.features());
-  RowMatrix<Scalar> nd(block, dv + 1);
+  Scratch<RowMatrix<Scalar>> nd(block, dv + 1);
   for (Index i0 = first; i0 < n; i0 += block) {
     const Index len = std::min(block, n - i0);
     const auto qf = in.q.view(i0, len, qb);

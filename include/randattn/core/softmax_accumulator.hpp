@@ -13,6 +13,7 @@
 #include <Eigen/Core>
 
 #include "../detail/fresh_matrix.hpp"
+#include "../detail/matrix_pool.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
 #include "types.hpp"
@@ -56,14 +57,15 @@ class SoftmaxAccumulator {
 
   SoftmaxAccumulator() : SoftmaxAccumulator(0, 0) {}
 
-  // Empty state: no weight on any row (den = 0, log-scale = -inf).
-  SoftmaxAccumulator(Index rows, Index value_dim)
-      : value_dim_(value_dim),
-        nd_(detail::fresh_matrix<RowMatrix<Scalar>>(rows, value_dim + 1)),
-        log_scale_(Vector<Scalar>::Constant(rows, -std::numeric_limits<Scalar>::infinity())) {
+  // Empty state: no weight on any row (den = 0, log-scale = -inf). The storage comes from the
+  // calling thread's pool (detail/matrix_pool.hpp) and goes back to it with the accumulator.
+  SoftmaxAccumulator(Index rows, Index value_dim) : value_dim_(value_dim) {
     detail::require(rows >= 0 && value_dim >= 0, "SoftmaxAccumulator",
                     "negative shape: rows = ", rows, ", value_dim = ", value_dim);
+    nd_ = detail::MatrixPool<RowMatrix<Scalar>>::take(rows, value_dim + 1);
+    log_scale_ = detail::MatrixPool<Vector<Scalar>>::take(rows);
     nd_.setZero();
+    log_scale_.setConstant(-std::numeric_limits<Scalar>::infinity());
   }
 
   // Takes a complete [num | den] block (rows x (value_dim + 1)) with its per-row log-scales.
@@ -72,6 +74,15 @@ class SoftmaxAccumulator {
     detail::require(nd_.cols() >= 1 && log_scale_.size() == nd_.rows(), "SoftmaxAccumulator",
                     "numden is ", nd_.rows(), "x", nd_.cols(), " but ", log_scale_.size(),
                     " log-scales were given");
+  }
+
+  SoftmaxAccumulator(const SoftmaxAccumulator&) = default;
+  SoftmaxAccumulator(SoftmaxAccumulator&&) = default;
+  SoftmaxAccumulator& operator=(const SoftmaxAccumulator&) = default;
+  SoftmaxAccumulator& operator=(SoftmaxAccumulator&&) = default;
+  ~SoftmaxAccumulator() {
+    detail::MatrixPool<RowMatrix<Scalar>>::give(std::move(nd_));
+    detail::MatrixPool<Vector<Scalar>>::give(std::move(log_scale_));
   }
 
   Index rows() const { return nd_.rows(); }

@@ -52,13 +52,21 @@ inline Index available_threads() {
 #endif
 }
 
+// Whether a loop of `count` items gets a parallel region. A region that would run on one thread
+// is not started: the OpenMP runtime (libgomp) allocates the team of each such region afresh.
+inline bool runs_parallel(Index count) { return count > 1 && available_threads() > 1; }
+
 template <typename Fn>
 void parallel_for(Index count, Fn&& fn) {
   FirstError error;
+  if (runs_parallel(count)) {
 #if defined(_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1) if (count > 1 && !omp_in_parallel())
+#pragma omp parallel for schedule(dynamic, 1)
 #endif
-  for (Index i = 0; i < count; ++i) error.run([&] { fn(i); });
+    for (Index i = 0; i < count; ++i) error.run([&] { fn(i); });
+  } else {
+    for (Index i = 0; i < count; ++i) error.run([&] { fn(i); });
+  }
   error.rethrow();
 }
 
@@ -69,8 +77,17 @@ void parallel_for(Index count, Fn&& fn) {
 template <typename Make, typename Fn>
 void parallel_for_with(Index count, Make&& make, Fn&& fn) {
   FirstError error;
+  if (!runs_parallel(count)) {
+    std::optional<decltype(make())> scratch;
+    error.run([&] { scratch.emplace(make()); });
+    for (Index i = 0; i < count; ++i) {
+      if (scratch) error.run([&] { fn(i, *scratch); });
+    }
+    error.rethrow();
+    return;
+  }
 #if defined(_OPENMP)
-#pragma omp parallel if (count > 1 && !omp_in_parallel())
+#pragma omp parallel
 #endif
   {
     std::optional<decltype(make())> scratch;

@@ -89,13 +89,16 @@ class DenseRotation {
   const RowMatrix<Scalar>& matrix() const { return r_; }
 
   // (x_block R_round)^T: h x B, written into `work` (resized as needed) and returned as a view.
+  // A `work` with h rows and at least B columns is kept: resizing it would reallocate.
   template <typename X>
   auto project_round(const Eigen::MatrixBase<X>& x_block, Index round,
                      RowMatrix<Scalar>& work) const {
-    work.resize(half_, x_block.rows());
-    detail::gemm_fixed_depth(work, rt_.middleRows(round * half_, half_), x_block.transpose(),
+    const Index cols = x_block.rows();
+    if (work.rows() != half_ || work.cols() < cols) work.resize(half_, cols);
+    auto out = work.topLeftCorner(half_, cols);
+    detail::gemm_fixed_depth(out, rt_.middleRows(round * half_, half_), x_block.transpose(),
                              false);
-    return work.topRows(half_);
+    return out;
   }
 
  private:

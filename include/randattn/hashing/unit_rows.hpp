@@ -8,9 +8,9 @@
 
 namespace randattn {
 
-template <typename Scalar>
-RowMatrix<Scalar> unit_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x) {
-  RowMatrix<Scalar> u(x.rows(), x.cols());
+// Into u, of x's shape (the rows of u are written in place).
+template <typename Scalar, typename Out>
+void unit_rows_into(const Eigen::Ref<const RowMatrix<Scalar>>& x, Out& u) {
   for (Index i = 0; i < x.rows(); ++i) {
     // Dividing by the largest entry first keeps the norm finite for any finite row.
     const Scalar m = x.row(i).cwiseAbs().maxCoeff();
@@ -21,6 +21,12 @@ RowMatrix<Scalar> unit_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x) {
       u.row(i) /= u.row(i).norm();
     }
   }
+}
+
+template <typename Scalar>
+RowMatrix<Scalar> unit_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x) {
+  RowMatrix<Scalar> u(x.rows(), x.cols());
+  unit_rows_into<Scalar>(x, u);
   return u;
 }
 

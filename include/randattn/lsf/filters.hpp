@@ -28,6 +28,7 @@
 
 #include "../core/types.hpp"
 #include "../detail/gemm.hpp"
+#include "../detail/matrix_pool.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
 #include "../hashing/detail/tiles.hpp"
@@ -157,18 +158,27 @@ class LocalitySensitiveFilters {
   }
 
   // Runs fn(first_row, block, scores, work) on the aligned 64-row blocks of `unit`, in parallel.
+  // scores and work come sized for the block from the thread's pool (detail/matrix_pool.hpp).
   template <typename Fn>
   void for_each_block(const RowMatrix<Scalar>& unit, Fn&& fn) const {
     const Index n = unit.rows(), blocks = (n + detail::kHashTile - 1) / detail::kHashTile;
     detail::parallel_for(blocks, [&](Index b) {
-      RowMatrix<Scalar> s, work;
-      const Index i0 = b * detail::kHashTile;
-      fn(i0, unit.middleRows(i0, std::min(detail::kHashTile, n - i0)), s, work);
+      const Index i0 = b * detail::kHashTile, rows = std::min(detail::kHashTile, n - i0);
+      detail::Scratch<RowMatrix<Scalar>> s(filters_, rows);  // filter-major (score_block)
+      detail::Scratch<RowMatrix<Scalar>> work(
+          kind_ == RotationKind::dense ? 0 : rotation_.padded_dim(), rows);
+      fn(i0, unit.middleRows(i0, rows), s, work);
     });
   }
 
   HashCodes assign_unit(const RowMatrix<Scalar>& unit) const {
     HashCodes codes(unit.rows(), tables_);
+    assign_unit_into(unit, codes);
+    return codes;
+  }
+
+  // The same into `codes` (unit.rows() x tables()).
+  void assign_unit_into(const RowMatrix<Scalar>& unit, HashCodes& codes) const {
     for_each_block(unit,
                    [&](Index i0, const auto& block, RowMatrix<Scalar>& s, RowMatrix<Scalar>& work) {
                      const Index B = block.rows();
@@ -191,7 +201,6 @@ class LocalitySensitiveFilters {
                        for (Index u = 0; u < B; ++u) codes(i0 + u, t) = best[u];
                      }
                    });
-    return codes;
   }
 
  private:

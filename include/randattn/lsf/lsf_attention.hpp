@@ -66,7 +66,9 @@
 #include "../detail/batch.hpp"
 #include "../detail/bits.hpp"
 #include "../detail/fresh_matrix.hpp"
+#include "../detail/matrix_pool.hpp"
 #include "../detail/parallel.hpp"
+#include "../detail/pooled_vector.hpp"
 #include "../detail/transpose.hpp"
 #include "../detail/validation.hpp"
 #include "../hashing/detail/bucket_sort.hpp"
@@ -107,20 +109,21 @@ inline Index query_block(Index filters_in_all_tables) {
   return std::clamp<Index>(fit / 64 * 64, 256, 4096);
 }
 
-// Keys bucketed by filter, one CSR per table.
+// Keys bucketed by filter, one CSR per table. Storage from the thread's pools (reused by the next
+// call with the same shapes).
 struct FilterBuckets {
-  HashCodes codes;                 // n_k x L
-  std::vector<std::int32_t> perm;  // L x n_k: table t's keys filter by filter, increasing position
-  std::vector<Index> start;  // L x (m + 1): filter f of table t is perm[t n_k + start[f]], ...
+  Scratch<HashCodes> codes;             // n_k x L
+  PooledVector<std::int32_t> perm;  // L x n_k: table t's keys filter by filter, increasing position
+  PooledVector<Index> start;  // L x (m + 1): filter f of table t is perm[t n_k + start[f]], ...
 };
 
 // The filters opened by every query: by query (ids g = t m + f, increasing) and by filter (queries
-// in increasing position).
+// in increasing position). Storage from the thread's pools.
 struct FilterProbes {
-  std::vector<Index> query_start;  // n_q + 1
-  std::vector<std::int32_t> query_filters;
-  std::vector<Index> filter_start;  // L m + 1
-  std::vector<std::int32_t> filter_queries;
+  PooledVector<Index> query_start;  // n_q + 1
+  PooledVector<std::int32_t> query_filters;
+  PooledVector<Index> filter_start;  // L m + 1
+  PooledVector<std::int32_t> filter_queries;
   Index fallback_queries = 0;
 };
 
@@ -163,11 +166,10 @@ template <typename Scalar>
 FilterBuckets bucket_keys(const LocalitySensitiveFilters<Scalar>& filters,
                           const RowMatrix<Scalar>& unit_k) {
   const Index n = unit_k.rows(), m = filters.filters(), L = filters.tables();
-  FilterBuckets b;
-  b.codes = filters.assign_unit(unit_k);
-  b.perm.resize(static_cast<std::size_t>(L * n));
-  b.start.resize(static_cast<std::size_t>(L * (m + 1)));
-  std::vector<Index> start;
+  FilterBuckets b{Scratch<HashCodes>(n, L), PooledVector<std::int32_t>(std::size_t(L * n)),
+                  PooledVector<Index>(std::size_t(L * (m + 1)))};
+  filters.assign_unit_into(unit_k, b.codes);
+  PooledVector<Index> start(std::size_t(m) + 1);
   for (Index t = 0; t < L; ++t) {
     sort_by_bucket(b.codes.data() + t, L, n, m, b.perm.data() + t * n, start);
     std::copy(start.begin(), start.end(), b.start.begin() + t * (m + 1));
@@ -217,8 +219,8 @@ class OpenedLists {
       : queries_(scores.cols()), tables_(scores.rows() / m) {
     eigen_assert(queries_ <= 64 && tables_ * m == scores.rows());
     const Index lists = queries_ * tables_, rows = scores.rows();
-    std::vector<std::uint64_t> bits(static_cast<std::size_t>(rows));
-    std::vector<Index> size(static_cast<std::size_t>(lists), 0);
+    PooledVector<std::uint64_t> bits(static_cast<std::size_t>(rows));
+    PooledVector<Index> size(static_cast<std::size_t>(lists));
     for (Index t = 0, g = 0; t < tables_; ++t) {
       Index* table_size = size.data() + t;  // list (u, t) at table_size[u L]
       for (Index f = 0; f < m; ++f, ++g) {
@@ -228,12 +230,13 @@ class OpenedLists {
           ++table_size[Index(count_trailing_zeros(r)) * tables_];
       }
     }
-    start_.assign(static_cast<std::size_t>(lists) + 1, 0);
+    start_ = PooledVector<Index>(static_cast<std::size_t>(lists) + 1);
     for (Index e = 0; e < lists; ++e)
       start_[std::size_t(e) + 1] =
           start_[std::size_t(e)] + std::max(size[std::size_t(e)], min_probes);
-    ids_.resize(static_cast<std::size_t>(start_.back()));
-    std::vector<Index> next(start_.begin(), start_.end() - 1);
+    ids_ = PooledVector<std::int32_t>(static_cast<std::size_t>(start_.back()));
+    PooledVector<Index> next(static_cast<std::size_t>(lists));
+    std::copy(start_.begin(), start_.end() - 1, next.begin());
     for (Index t = 0, g = 0; t < tables_; ++t) {
       for (Index f = 0; f < m; ++f, ++g) {
         for (std::uint64_t r = bits[std::size_t(g)]; r != 0; r &= r - 1) {
@@ -243,11 +246,15 @@ class OpenedLists {
       }
     }
     // Too few pass: they are among the best, so the min_probes best are the list.
-    std::vector<Scalar> column(static_cast<std::size_t>(m));
-    std::vector<std::int32_t> order;
+    PooledVector<Scalar> column;
+    PooledVector<std::int32_t> order;
     for (Index e = 0; e < lists; ++e) {
       if (size[std::size_t(e)] >= min_probes) continue;
       const Index u = e / tables_, t = e % tables_;
+      if (column.empty()) {
+        column = PooledVector<Scalar>(static_cast<std::size_t>(m));
+        order = PooledVector<std::int32_t>(0, static_cast<std::size_t>(m));
+      }
       for (Index f = 0; f < m; ++f) column[std::size_t(f)] = scores(t * m + f, u);
       best_first(column.data(), m, min_probes, order);
       std::sort(order.begin(), order.begin() + min_probes);
@@ -264,8 +271,8 @@ class OpenedLists {
 
  private:
   Index queries_, tables_;
-  std::vector<Index> start_;  // list (u, t) is ids_[start_[u L + t] ..)
-  std::vector<std::int32_t> ids_;
+  PooledVector<Index> start_;  // list (u, t) is ids_[start_[u L + t] ..)
+  PooledVector<std::int32_t> ids_;
 };
 
 // Chooses the filters each query opens (threshold, min_probes, fallback; see the top of the file).
@@ -286,24 +293,33 @@ class FilterProber {
   FilterProbes probe(const RowMatrix<Scalar>& unit_q) const {
     const Index n = unit_q.rows(), m = filters_.filters(), L = filters_.tables();
     const Index blocks = (n + kHashTile - 1) / kHashTile;
-    std::vector<std::vector<std::int32_t>> opened(static_cast<std::size_t>(blocks));
-    std::vector<Index> count(static_cast<std::size_t>(n));
-    std::vector<char> fell_back(static_cast<std::size_t>(n), 0);
-    filters_.for_each_block(unit_q, [&](Index i0, const auto& block, RowMatrix<Scalar>& scores,
+    // The filters each block opened, kept by the calling thread with their capacity for its next
+    // call (a call's blocks fill them on any thread; only this call uses them meanwhile).
+    // (A reference: the blocks' lambda must reach this thread's lists, not its own thread's.)
+    thread_local std::vector<std::vector<std::int32_t>> kept;
+    std::vector<std::vector<std::int32_t>>& opened = kept;
+    if (Index(opened.size()) < blocks) opened.resize(static_cast<std::size_t>(blocks));
+    for (Index b = 0; b < blocks; ++b) opened[std::size_t(b)].clear();
+    PooledVector<Index> count(static_cast<std::size_t>(n));
+    PooledVector<char> fell_back(static_cast<std::size_t>(n));
+    filters_.for_each_block(unit_q, [&](Index i0, const auto& block, RowMatrix<Scalar>&,
                                         RowMatrix<Scalar>& work) {
       const Index B = block.rows();
       // The block's scores in all tables, filter-major: row t m + f, column u = query i0 + u.
-      scores.resize(L * m, B);
+      Scratch<RowMatrix<Scalar>> scores(L * m, B);
       for (Index t = 0; t < L; ++t) filters_.score_block(block, t, scores.middleRows(t * m, m), work);
       const OpenedLists<Scalar> lists(scores, m, eta_, min_probes_);
       std::vector<std::int32_t>& out = opened[static_cast<std::size_t>(i0 / kHashTile)];
-      std::vector<Scalar> column;
-      std::vector<std::int32_t> order;
+      PooledVector<Scalar> column;
+      PooledVector<std::int32_t> order;
       for (Index u = 0; u < B; ++u) {
         const std::size_t first = out.size();
         lists.append(u, out);
         if (!any_valid(out.data() + first, out.size() - first, i0 + u) && has_valid_key(i0 + u)) {
-          column.resize(static_cast<std::size_t>(L * m));
+          if (column.empty()) {  // rare: the storage only when a query needs it
+            column = PooledVector<Scalar>(static_cast<std::size_t>(L * m));
+            order = PooledVector<std::int32_t>(0, static_cast<std::size_t>(L * m));
+          }
           for (Index g = 0; g < L * m; ++g) column[std::size_t(g)] = scores(g, u);
           fallback(column.data(), i0 + u, order, out, first);
           fell_back[static_cast<std::size_t>(i0 + u)] = 1;
@@ -312,18 +328,21 @@ class FilterProber {
       }
     });
     FilterProbes p;
-    p.query_start.assign(static_cast<std::size_t>(n) + 1, 0);
+    p.query_start = PooledVector<Index>(static_cast<std::size_t>(n) + 1);
     for (Index i = 0; i < n; ++i) p.query_start[i + 1] = p.query_start[i] + count[i];
-    p.query_filters.reserve(static_cast<std::size_t>(p.query_start[n]));
-    for (const auto& block : opened)
-      p.query_filters.insert(p.query_filters.end(), block.begin(), block.end());
+    const std::size_t opened_total = static_cast<std::size_t>(p.query_start[n]);
+    p.query_filters = PooledVector<std::int32_t>(0, opened_total);
+    for (Index b = 0; b < blocks; ++b)
+      p.query_filters.insert(p.query_filters.end(), opened[std::size_t(b)].begin(),
+                             opened[std::size_t(b)].end());
     p.fallback_queries = std::count(fell_back.begin(), fell_back.end(), 1);
     // By filter: a stable counting sort of the (query, filter) pairs keeps queries in order.
-    p.filter_start.assign(static_cast<std::size_t>(L * m) + 1, 0);
+    p.filter_start = PooledVector<Index>(static_cast<std::size_t>(L * m) + 1);
     for (std::int32_t g : p.query_filters) ++p.filter_start[static_cast<std::size_t>(g) + 1];
     for (Index g = 0; g < L * m; ++g) p.filter_start[g + 1] += p.filter_start[g];
-    p.filter_queries.resize(p.query_filters.size());
-    std::vector<Index> next(p.filter_start.begin(), p.filter_start.end() - 1);
+    p.filter_queries = PooledVector<std::int32_t>(opened_total);
+    PooledVector<Index> next(p.filter_start.size() - 1);
+    std::copy(p.filter_start.begin(), p.filter_start.end() - 1, next.begin());
     for (Index i = 0; i < n; ++i)
       for (Index e = p.query_start[i]; e < p.query_start[i + 1]; ++e)
         p.filter_queries[static_cast<std::size_t>(next[p.query_filters[e]]++)] =
@@ -387,12 +406,12 @@ struct OpenedFilterCounter {
       nullptr;                       // the table's keys in filter order (cols.list points into it)
   const HashCodes* codes = nullptr;  // n_k x L, rows in the order of perm
   Index filters = 0, lo = 0, words = 0;
-  std::vector<std::uint64_t> bits;  // rows x words
+  PooledVector<std::uint64_t> bits;  // rows x words
 
   void open(const FilterProbes& p, Index first, Index rows) {
     lo = first;
     words = (codes->cols() * filters + 63) / 64;
-    bits.assign(static_cast<std::size_t>(rows * words), 0);
+    bits = PooledVector<std::uint64_t>(static_cast<std::size_t>(rows * words));  // zeros
     for (Index i = first; i < first + rows; ++i)
       for (Index e = p.query_start[i]; e < p.query_start[i + 1]; ++e) {
         const std::uint64_t g = std::uint64_t(p.query_filters[e]);
@@ -427,10 +446,14 @@ class LsfSlice {
         opt_(opt),
         eta_(resolve_threshold("lsf_attention", opt, filters.filters())) {
     if (q.rows() == 0) return;
-    keys_ = bucket_keys(filters, unit_rows<Scalar>(k));
+    Scratch<RowMatrix<Scalar>> unit_k(k.rows(), k.cols());
+    unit_rows_into<Scalar>(k, unit_k);
+    keys_ = bucket_keys(filters, unit_k);
+    Scratch<RowMatrix<Scalar>> unit_q(q.rows(), q.cols());
+    unit_rows_into<Scalar>(q, unit_q);
     probes_ = FilterProber<Scalar>(filters, keys_, k.rows(), static_cast<Scalar>(eta_),
                                    opt.min_probes, opt.causal, opt.exclude_self)
-                  .probe(unit_rows<Scalar>(q));
+                  .probe(unit_q);
   }
 
   LsfProbeStats stats() const {
@@ -501,11 +524,13 @@ class LsfSlice {
     const Index n_q = q.rows(), n_k = k.rows(), m = filters_.filters(), L = filters_.tables();
     SoftmaxAccumulator<Scalar> acc(n_q, v.cols());
     if (n_q == 0) return acc;
-    const RowMatrix<Scalar> queries = scale * q;
+    Scratch<RowMatrix<Scalar>> queries(n_q, q.cols());
+    queries = scale * q;
     // Keys transposed (d x n_k, filter by filter): a filter's keys are a few dozen columns, the
     // right operand of the tiles' register products as they lie.
-    RowMatrix<Scalar> keys_t(k.cols(), n_k), values(n_k, v.cols()), gathered(kHashTile, k.cols());
-    HashCodes codes(n_k, L);
+    Scratch<RowMatrix<Scalar>> keys_t(k.cols(), n_k), values(n_k, v.cols()),
+        gathered(kHashTile, k.cols());
+    Scratch<HashCodes> codes(n_k, L);
     const Index block = query_block(L * m), tasks = (n_q + block - 1) / block;
     for (Index t = 0; t < L; ++t) {
       const std::int32_t* perm = keys_.perm.data() + t * n_k;
@@ -525,7 +550,7 @@ class LsfSlice {
         const std::int32_t lo = static_cast<std::int32_t>(b * block);
         const std::int32_t hi = static_cast<std::int32_t>(std::min(n_q, (b + 1) * block));
         ScoreTile<Scalar> tile(kTargetRowTile, kTargetColTile, v.cols());
-        RowMatrix<Scalar> q_tile(kTargetRowTile, q.cols());
+        Scratch<RowMatrix<Scalar>> q_tile(kTargetRowTile, q.cols());
         OpenedFilterCounter counter;
         TileMask<OpenedFilterCounter> mask;
         mask.causal = opt_.causal;
@@ -591,7 +616,8 @@ SoftmaxAccumulator<Scalar> lsf_slice(const Eigen::Ref<const RowMatrix<Scalar>>& 
     if (value_exponent) *value_exponent = 0;
     return slice.attend(q, k, v, scale);
   }
-  RowMatrix<Scalar> scaled = v;
+  Scratch<RowMatrix<Scalar>> scaled(v.rows(), v.cols());
+  scaled = v;
   scale_by_power_of_two(scaled, -e);
   SoftmaxAccumulator<Scalar> acc = slice.attend(q, k, scaled, scale);
   if (value_exponent) {

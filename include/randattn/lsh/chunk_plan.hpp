@@ -10,7 +10,10 @@
 #include <vector>
 
 #include "../core/types.hpp"
+#include "../detail/matrix_pool.hpp"
+#include "../detail/pooled_vector.hpp"
 #include "../detail/validation.hpp"
+#include "../detail/vector_pool.hpp"
 #include "../hashing/detail/bucket_sort.hpp"
 #include "../hashing/hash_codes.hpp"
 
@@ -26,14 +29,25 @@ class LshChunkPlan {
                     "need chunk_length >= 1 and buckets >= 1, got ", chunk_length, " and ",
                     buckets);
     const Index n = tokens_, r = rounds_;
+    // Storage from the thread's pools, given back by the destructor.
+    sorted_ = detail::VectorPool<std::int32_t>::take(static_cast<std::size_t>(n * r));
     sorted_.resize(static_cast<std::size_t>(n * r));
-    chunk_of_.resize(n, r);
-    std::vector<Index> start;
+    chunk_of_ = detail::MatrixPool<HashCodes>::take(n, r);
+    detail::PooledVector<Index> start(static_cast<std::size_t>(buckets) + 1);
     for (Index rho = 0; rho < r; ++rho) {
       std::int32_t* pr = sorted_.data() + rho * n;
       detail::sort_by_bucket(codes.data() + rho, r, n, buckets, pr, start);
       for (Index s = 0; s < n; ++s) chunk_of_(pr[s], rho) = static_cast<std::int32_t>(s / chunk_);
     }
+  }
+
+  LshChunkPlan(const LshChunkPlan&) = default;
+  LshChunkPlan(LshChunkPlan&&) = default;
+  LshChunkPlan& operator=(const LshChunkPlan&) = default;
+  LshChunkPlan& operator=(LshChunkPlan&&) = default;
+  ~LshChunkPlan() {
+    detail::VectorPool<std::int32_t>::give(std::move(sorted_));
+    detail::MatrixPool<HashCodes>::give(std::move(chunk_of_));
   }
 
   Index tokens() const { return tokens_; }

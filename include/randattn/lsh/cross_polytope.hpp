@@ -30,6 +30,7 @@
 #include <Eigen/Core>
 
 #include "../core/types.hpp"
+#include "../detail/matrix_pool.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
 #include "../hashing/detail/tiles.hpp"
@@ -167,16 +168,25 @@ class CrossPolytopeHash {
 
   // Bucket codes of the rows of x (n x dim): n x rounds.
   HashCodes hash(const Eigen::Ref<const RowMatrix<Scalar>>& x, bool check_finite = true) const {
+    HashCodes codes(x.rows(), rounds());
+    hash_into(x, codes, check_finite);
+    return codes;
+  }
+
+  // The same into `codes` (x.rows() x rounds(), e.g. from detail::MatrixPool).
+  void hash_into(const Eigen::Ref<const RowMatrix<Scalar>>& x, HashCodes& codes,
+                 bool check_finite = true) const {
     const char* where = "CrossPolytopeHash::hash";
     detail::require(x.rows() == 0 || x.cols() == dim(), where, "x is ", detail::shape_of(x),
                     " but the hash was built for dimension ", dim());
     detail::require_finite(x, where, "x", check_finite);
     const Index n = x.rows(), r = rounds();
-    HashCodes codes(n, r);
+    detail::require(codes.rows() == n && codes.cols() == r, where, "codes are ",
+                    codes.rows(), "x", codes.cols(), ", expected ", n, "x", r);
     const Index chunks = (n + detail::kHashChunk - 1) / detail::kHashChunk;
     visit([&](const auto& rot) {
       detail::parallel_for(chunks, [&](Index c) {
-        RowMatrix<Scalar> work;
+        detail::Scratch<RowMatrix<Scalar>> work(work_rows(rot), detail::kHashTile);
         const Index end = std::min(n, (c + 1) * detail::kHashChunk);
         for (Index i0 = c * detail::kHashChunk; i0 < end; i0 += detail::kHashTile) {
           const Index count = std::min(detail::kHashTile, end - i0);
@@ -185,11 +195,16 @@ class CrossPolytopeHash {
         }
       });
     });
-    return codes;
   }
 
  private:
   using Rotation = std::variant<DenseRotation<Scalar>, HadamardRotation<Scalar>>;
+
+  // Rows of a tile's work buffer (its columns: detail::kHashTile vectors).
+  Index work_rows(const DenseRotation<Scalar>&) const { return buckets() / 2; }
+  Index work_rows(const HadamardRotation<Scalar>& rot) const {
+    return rot.structured().padded_dim();
+  }
 
   // Codes of one round for a tile of vectors, into codes[t * rounds]. The Hadamard rotation's
   // p^{-3/2} is applied inside the argmax, so its coordinates are read once.

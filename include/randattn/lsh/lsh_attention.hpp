@@ -66,7 +66,9 @@
 #include "../core/value_headroom.hpp"
 #include "../detail/batch.hpp"
 #include "../detail/fresh_matrix.hpp"
+#include "../detail/matrix_pool.hpp"
 #include "../detail/parallel.hpp"
+#include "../detail/pooled_vector.hpp"
 #include "../detail/validation.hpp"
 #include "../hashing/detail/bucket_sort.hpp"
 #include "../hashing/unit_rows.hpp"
@@ -196,17 +198,29 @@ class LshSlice {
            const Eigen::Ref<const RowMatrix<Scalar>>* k,
            const Eigen::Ref<const RowMatrix<Scalar>>& v, const CrossPolytopeHash<Scalar>& hash,
            const LshOptions& opt, Scalar scale, const LshChunks* chunks = nullptr)
-      : hash_(hash), opt_(opt), shared_(k == nullptr), acc_(q.rows(), v.cols()) {
+      : hash_(hash),
+        opt_(opt),
+        shared_(k == nullptr),
+        acc_(q.rows(), v.cols()),
+        queries_(q.rows(), q.cols()),
+        keys_(q.rows() == 0 ? 0 : shared_ ? q.rows() : k->rows(), q.cols()),
+        values_(q.rows() == 0 ? 0 : v.rows(), v.cols()),
+        query_codes_(hashes_here(q.rows(), chunks, opt) ? q.rows() : 0, hash.rounds()),
+        key_codes_(hashes_here(q.rows(), chunks, opt) && k ? k->rows() : 0, hash.rounds()) {
     if (q.rows() == 0) return;
-    queries_ = fresh_copy<RowMatrix<Scalar>>(scale * q);
-    keys_ = shared_ ? unit_rows<Scalar>(q) : fresh_copy<RowMatrix<Scalar>>(*k);
-    values_ = fresh_copy<RowMatrix<Scalar>>(v);
+    queries_ = scale * q;
+    if (shared_) {
+      unit_rows_into<Scalar>(q, keys_);
+    } else {
+      keys_ = *k;
+    }
+    values_ = v;
     // Up to rounds terms per key in a numerator (the multiset counts each round).
     value_exponent_ = value_headroom(values_, double(v.rows()) * double(hash.rounds()));
     scale_by_power_of_two(values_, -value_exponent_);
     if (!chunks || opt.exact_buckets) {  // given chunks: hashed once by the caller
-      query_codes_ = hash.hash(q, false);
-      if (!shared_) key_codes_ = hash.hash(*k, false);
+      hash.hash_into(q, query_codes_, false);
+      if (!shared_) hash.hash_into(*k, key_codes_, false);
     }
     problem_.queries = &queries_;
     problem_.keys = &keys_;
@@ -230,6 +244,11 @@ class LshSlice {
  private:
   const HashCodes& key_codes() const { return shared_ ? query_codes_ : key_codes_; }
 
+  // Whether the slice hashes q and k itself (not given chunks by the caller).
+  static bool hashes_here(Index n_q, const LshChunks* chunks, const LshOptions& opt) {
+    return n_q > 0 && (!chunks || opt.exact_buckets);
+  }
+
   // Sort-and-chunk. Signature of a token in a round: its chunk index. Shared QK: one sort, key
   // chunks are the query chunks. Separate keys: queries and keys sorted separately, key chunk g
   // holds sorted keys [g c_k, (g + 1) c_k) (see the top of this file).
@@ -249,7 +268,7 @@ class LshSlice {
       // Chunks write disjoint rows; each round completes before the next merges.
       parallel_for(tasks, [&](Index task) {
         TargetBlockKernel<Scalar> kernel(problem_);
-        std::vector<std::int32_t> cols(static_cast<std::size_t>(2 * std::min(ck, n_k)));
+        PooledVector<std::int32_t> cols(static_cast<std::size_t>(2 * std::min(ck, n_k)));
         for (Index g = task * per_task; g < std::min(chunks, (task + 1) * per_task); ++g) {
           const std::int32_t* rows = qplan.chunk(rho, g);
           const Index nr = qplan.chunk_size(g);
@@ -298,18 +317,19 @@ class LshSlice {
       });
       sig.counts = &counts;
     }
-    std::vector<std::int32_t> qperm(static_cast<std::size_t>(n_q)),
+    PooledVector<std::int32_t> qperm(static_cast<std::size_t>(n_q)),
         kperm(static_cast<std::size_t>(n_k));
-    std::vector<Index> qstart, kstart;
+    PooledVector<Index> qstart(std::size_t(b) + 1), kstart(std::size_t(b) + 1);
     struct Task {
       Index q0, nq, k0, nk;
     };
-    std::vector<Task> tasks;
+    // At most one task per bucket plus one per full row tile.
+    PooledVector<Task> tasks(0, std::size_t(b + n_q / kTargetRowTile + 1));
     for (Index rho = 0; rho < r; ++rho) {
       sort_by_bucket(query_codes_.data() + rho, r, n_q, b, qperm.data(), qstart);
       if (shared_) {
-        kperm = qperm;
-        kstart = qstart;
+        kperm.assign(qperm.begin(), qperm.end());
+        kstart.assign(qstart.begin(), qstart.end());
       } else {
         sort_by_bucket(key_codes_.data() + rho, r, n_k, b, kperm.data(), kstart);
       }
@@ -336,7 +356,7 @@ class LshSlice {
   // Rows whose target set is empty after all rounds: shared QK attends to itself (self rule),
   // separate keys fall back to all valid keys.
   void rows_without_targets() {
-    std::vector<std::int32_t> empty;
+    PooledVector<std::int32_t> empty(0, std::size_t(acc_.rows()));
     for (Index i = 0; i < acc_.rows(); ++i)
       if (acc_.log_scale()(i) == -std::numeric_limits<Scalar>::infinity())
         empty.push_back(static_cast<std::int32_t>(i));
@@ -345,7 +365,7 @@ class LshSlice {
       attend_to_self(acc_, empty, queries_, keys_, values_);
       return;
     }
-    std::vector<std::int32_t> all(static_cast<std::size_t>(keys_.rows()));
+    PooledVector<std::int32_t> all(static_cast<std::size_t>(keys_.rows()));
     std::iota(all.begin(), all.end(), 0);
     const Index tiles = (Index(empty.size()) + kTargetRowTile - 1) / kTargetRowTile;
     parallel_for(tiles, [&](Index t) {
@@ -356,7 +376,7 @@ class LshSlice {
     });
     if (!opt_.exclude_self) return;
     // Self rule: a row whose only valid key is its own attends to it.
-    std::vector<std::int32_t> alone;
+    PooledVector<std::int32_t> alone(0, empty.size());
     for (std::int32_t i : empty)
       if (acc_.log_scale()(i) == -std::numeric_limits<Scalar>::infinity()) alone.push_back(i);
     if (!alone.empty()) attend_to_self(acc_, alone, queries_, keys_, values_);
@@ -367,8 +387,10 @@ class LshSlice {
   bool shared_;
   SoftmaxAccumulator<Scalar> acc_;
   int value_exponent_ = 0;
-  RowMatrix<Scalar> queries_, keys_, values_;
-  HashCodes query_codes_, key_codes_;
+  // Copies of the inputs (scaled, unit or reduced in range) and their codes, from the thread's
+  // pool (detail/matrix_pool.hpp).
+  Scratch<RowMatrix<Scalar>> queries_, keys_, values_;
+  Scratch<HashCodes> query_codes_, key_codes_;
   TargetProblem<Scalar> problem_;
 };
 
@@ -693,13 +715,15 @@ void shared_qk_attention_into(const Eigen::MatrixBase<DQ>& qk, const Eigen::Matr
   const Eigen::Ref<const RowMatrix<Scalar>> qr(qk), vr(v);
   detail::check_output("shared_qk_attention", out, qr.rows(), vr.cols(),
                        {detail::named_input("qk", qr), detail::named_input("v", vr)});
-  const RowMatrix<Scalar> q = qr;
-  const CrossPolytopeHash<Scalar> one_bucket(
-      RowMatrix<Scalar>::Zero(std::max<Index>(q.cols(), 1), 1), 1);
+  // The hash of one bucket for this dimension, kept per thread for the next call.
+  const Index dim = std::max<Index>(qr.cols(), 1);
+  thread_local std::optional<CrossPolytopeHash<Scalar>> one_bucket;
+  if (!one_bucket || one_bucket->dim() != dim)
+    one_bucket.emplace(RowMatrix<Scalar>::Zero(dim, 1), 1);
   LshOptions single = opt;
   single.exact_buckets = true;  // every token hashes to bucket 0: one bucket holds the sequence
   single.dedupe = false;
-  lsh_attention_into(one_bucket, q, vr, out, single);
+  lsh_attention_into(*one_bucket, qr, vr, out, single);
 }
 
 // Exact shared-QK attention with the same keys, scale, self rule and causal mask: the limit of

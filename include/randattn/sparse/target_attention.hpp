@@ -16,6 +16,7 @@
 #include "../core/softmax_accumulator.hpp"
 #include "../core/target_sets.hpp"
 #include "../core/types.hpp"
+#include "../detail/matrix_pool.hpp"
 #include "../detail/parallel.hpp"
 
 namespace randattn {
@@ -35,7 +36,12 @@ class TargetRowKernel {
               const std::int32_t* cols, const Scalar* weight, Index count,
               SoftmaxAccumulator<Scalar>& acc) {
     if (count == 0) return;
-    if (logits_.size() < count) logits_.resize(count);
+    // Grown in powers of two, so that the next call's kernels find the same sizes in the pool.
+    if (logits_.size() < count) {
+      Index size = 1;
+      while (size < count) size *= 2;
+      logits_ = Scratch<Vector<Scalar>>(size);
+    }
     const Index dv = v.cols();
     Scalar c = -std::numeric_limits<Scalar>::infinity();
     for (Index u = 0; u < count; ++u) {
@@ -52,8 +58,9 @@ class TargetRowKernel {
   }
 
  private:
-  Vector<Scalar> logits_;
-  RowMatrix<Scalar> nd_;
+  // From the thread's pool (detail/matrix_pool.hpp).
+  Scratch<Vector<Scalar>> logits_;
+  Scratch<RowMatrix<Scalar>> nd_;
 };
 
 }  // namespace detail

@@ -19,11 +19,13 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include <Eigen/Core>
 
 #include "../../detail/chunk_products.hpp"
 #include "../../detail/gemm.hpp"
+#include "../../detail/matrix_pool.hpp"
 #include "../softmax_accumulator.hpp"
 #include "../types.hpp"
 
@@ -62,18 +64,16 @@ struct TileMask {
 };
 
 // One tile's buffers, sized once for tiles of at most max_rows x max_cols; every step works on
-// the top-left br x bc corner, so a kernel allocates nothing per tile.
+// the top-left br x bc corner, so a kernel allocates nothing per tile. The buffers come from the
+// thread's pool (detail/matrix_pool.hpp), so a tile made per call allocates nothing either once
+// the thread has made one of that size.
 template <typename Scalar>
 class ScoreTile {
  public:
   static constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
 
   ScoreTile(Index max_rows, Index max_cols, Index value_dim)
-      : s_(max_rows, max_cols),
-        nd_(max_rows, value_dim + 1),
-        row_max_(max_rows),
-        count_(max_cols),
-        log_count_(Vector<Scalar>::Zero(1)) {}
+      : s_(max_rows, max_cols), nd_(max_rows, value_dim + 1), row_max_(max_rows), count_(max_cols) {}
 
   // S = q kᵀ for q (br x d) and k (bc x d); the logits of the rows and columns now in the tile.
   template <typename Q, typename K>
@@ -195,28 +195,28 @@ class ScoreTile {
   template <typename Count>
   void subtract_log_counts(const TileIndex& rows, const TileIndex& cols, const Count& count) {
     for (Index t = 0; t < br_; ++t) {
-      std::fill(count_.data(), count_.data() + bc_, 0);
-      count(rows[t], cols, count_.data());
+      std::int32_t* n = count_.data();
+      std::fill(n, n + bc_, 0);
+      count(rows[t], cols, n);
       Scalar* srow = &s_(t, 0);
-      for (Index u = 0; u < bc_; ++u) srow[u] -= log_of_count(count_[u]);
+      for (Index u = 0; u < bc_; ++u) srow[u] -= log_of_count(n[u]);
     }
   }
 
-  // log max(n, 1), from a table grown on demand (counts are small: rounds or tables).
-  Scalar log_of_count(std::int32_t n) {
-    if (n >= Index(log_count_.size())) {
-      const Index old = log_count_.size();
-      log_count_.conservativeResize(n + 1);
-      for (Index c = old; c <= n; ++c)
-        log_count_[c] = std::log(static_cast<Scalar>(std::max<Index>(c, 1)));
+  // log max(n, 1), from a per-thread table grown on demand (counts are small: rounds or tables),
+  // kept across calls.
+  static Scalar log_of_count(std::int32_t n) {
+    thread_local std::vector<Scalar> table;
+    if (std::size_t(n) >= table.size()) {
+      for (std::size_t c = table.size(); c <= std::size_t(n); ++c)
+        table.push_back(std::log(static_cast<Scalar>(std::max<std::size_t>(c, 1))));
     }
-    return log_count_[n];
+    return table[std::size_t(n)];
   }
 
-  RowMatrix<Scalar> s_, nd_;
-  Vector<Scalar> row_max_;
-  Eigen::Matrix<std::int32_t, Eigen::Dynamic, 1> count_;
-  Vector<Scalar> log_count_;
+  Scratch<RowMatrix<Scalar>> s_, nd_;
+  Scratch<Vector<Scalar>> row_max_;
+  Scratch<Eigen::Matrix<std::int32_t, Eigen::Dynamic, 1>> count_;
   Index br_ = 0, bc_ = 0;
 };
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../../detail/matrix_pool.hpp"
 #include "../softmax_accumulator.hpp"
 #include "../target_sets.hpp"
 #include "../types.hpp"
@@ -49,7 +50,7 @@ inline TargetSets sets_with_self(const TargetSets& sets) {
 template <typename Scalar, typename Q, typename K, typename V>
 void attend_to_self(SoftmaxAccumulator<Scalar>& acc, const std::vector<std::int32_t>& rows,
                     const Q& queries, const K& keys, const V& values) {
-  RowMatrix<Scalar> self(1, values.cols() + 1);
+  Scratch<RowMatrix<Scalar>> self(1, values.cols() + 1);
   self(0, values.cols()) = 1;
   for (std::int32_t i : rows) {
     self.leftCols(values.cols()) = values.row(i);

@@ -27,6 +27,7 @@
 #include "../../core/softmax_accumulator.hpp"
 #include "../../core/types.hpp"
 #include "../../detail/gemm.hpp"
+#include "../../detail/matrix_pool.hpp"
 #include "../../detail/parallel.hpp"
 #include "../../hashing/detail/tiles.hpp"
 #include "../chunk_plan.hpp"
@@ -237,9 +238,10 @@ class TargetBlockKernel {
   }
 
   const TargetProblem<Scalar>& p_;
-  RowMatrix<Scalar> q_, k_, v_;
+  // From the thread's pool: a kernel made per task allocates nothing once the thread made one.
+  Scratch<RowMatrix<Scalar>> q_, k_, v_;
   ScoreTile<Scalar> tile_;
-  RoundCounter::SignatureMatrix key_sig_;
+  Scratch<RoundCounter::SignatureMatrix> key_sig_;
   RoundCounter counter_;
   TileMask<RoundCounter> mask_;
   std::vector<std::int32_t> row_pos_, col_pos_;

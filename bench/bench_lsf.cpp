@@ -174,7 +174,7 @@ void register_all() {
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
     for (Index tables : {1, 2, 4})
-      for (Index eta : {300, 250, 200})
+      for (Index eta : {300, 250, 215, 200})
         benchmark::RegisterBenchmark("Lsf", Lsf)
             ->ArgNames({"n", "L", "eta_x100", "rotation"})
             ->Args({n, tables, eta, 1})

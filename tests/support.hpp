@@ -195,4 +195,10 @@ constexpr double tolerance() {
   return std::is_same<Scalar, float>::value ? 1e-5 : 1e-12;
 }
 
+// Heap allocations of every thread between start and stop (main.cpp). allocations_counted() is
+// false where they are not counted (sanitizer builds, non-glibc systems): stop then returns 0.
+bool allocations_counted();
+void start_counting_allocations();
+long stop_counting_allocations();
+
 }  // namespace testing

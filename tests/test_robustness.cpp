@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <limits>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -17,6 +18,10 @@
 #include <vector>
 
 #include <randattn/io/npy.hpp>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include "support.hpp"
 
@@ -353,4 +358,77 @@ TEMPLATE_TEST_CASE("robustness: HOSVD of finite entries whose squares overflow r
   const randattn::TensorView<Scalar> view(a.data(), {4, 5, 6});
   CHECK_THROWS_WITH(randattn::exact_hosvd(view, {2, 2, 2}),
                     Catch::Contains("the result overflowed the floating-point range"));
+}
+
+TEST_CASE("robustness: a second _into call with the same shapes allocates nothing",
+          "[robustness][into]") {
+  if (!testing::allocations_counted()) {
+    WARN("heap allocations are not counted in this build (sanitizer or not glibc)");
+    return;
+  }
+  // One thread: with more, which thread runs which task can change between calls, and a thread's
+  // first task of a shape takes new storage for it (see docs/core.md).
+#if defined(_OPENMP)
+  struct OneThread {
+    int before = omp_get_max_threads();
+    OneThread() { omp_set_num_threads(1); }
+    ~OneThread() { omp_set_num_threads(before); }
+  } one_thread;
+#endif
+  using S = float;
+  const Index n = 200, d = 16, dv = 8;  // n not a multiple of any tile length
+  const RowMatrix<S> q = testing::gaussian<S>(301, n, d, 0.5), k = testing::gaussian<S>(302, n, d, 0.5),
+                     v = testing::gaussian<S>(303, n, dv);
+  const RowMatrix<S> qf = (q * S(0.2)).array().exp().matrix(),
+                     kf = (k * S(0.2)).array().exp().matrix();
+  const PositiveFeatures<S> positive(OrthogonalProjection<S>(32, d, 304));
+  const randattn::TrigFeatures<S> trig(OrthogonalProjection<S>(16, d, 305));
+  const CrossPolytopeHash<S> hash(RotationKind::dense, d, 8, 2, 306);
+  const randattn::LocalitySensitiveFilters<S> filters(RotationKind::dense, d, 16, 2, 307);
+  RowMatrix<S> out(n, dv);
+  std::vector<std::pair<std::string, std::function<void()>>> calls;
+  for (const bool causal : {false, true}) {
+    const std::string mode = causal ? " (causal)" : "";
+    randattn::ExactOptions exact;
+    exact.causal = causal;
+    randattn::ExactOptions self = exact;
+    self.exclude_self = true;
+    randattn::LinearOptions linear;
+    linear.causal = causal;
+    RandomFeatureOptions features;
+    features.causal = causal;
+    LshOptions lsh;
+    lsh.causal = causal;
+    lsh.chunk = 32;
+    randattn::LsfOptions lsf;
+    lsf.causal = causal;
+    lsf.eta = 0.3;
+    calls.emplace_back("exact_attention_into" + mode,
+                       [&, exact] { randattn::exact_attention_into(q, k, v, out, exact); });
+    calls.emplace_back("exact_attention_into, exclude_self" + mode,
+                       [&, self] { randattn::exact_attention_into(q, q, v, out, self); });
+    calls.emplace_back("linear_attention_into" + mode,
+                       [&, linear] { randattn::linear_attention_into(qf, kf, v, out, linear); });
+    calls.emplace_back("random_feature_attention_into, positive" + mode, [&, features] {
+      randattn::random_feature_attention_into(positive, q, k, v, out, features);
+    });
+    calls.emplace_back("random_feature_attention_into, trig" + mode, [&, features] {
+      randattn::random_feature_attention_into(trig, q, k, v, out, features);
+    });
+    calls.emplace_back("lsh_attention_into, shared QK" + mode,
+                       [&, lsh] { randattn::lsh_attention_into(hash, q, v, out, lsh); });
+    calls.emplace_back("lsh_attention_into, separate keys" + mode,
+                       [&, lsh] { randattn::lsh_attention_into(hash, q, k, v, out, lsh); });
+    calls.emplace_back("shared_qk_attention_into" + mode,
+                       [&, lsh] { randattn::shared_qk_attention_into(q, v, out, lsh); });
+    calls.emplace_back("lsf_attention_into" + mode,
+                       [&, lsf] { randattn::lsf_attention_into(filters, q, k, v, out, lsf); });
+  }
+  for (const auto& [name, call] : calls) {
+    INFO(name);
+    call();
+    testing::start_counting_allocations();
+    call();
+    CHECK(testing::stop_counting_allocations() == 0);
+  }
 }

@@ -52,7 +52,7 @@ class MatrixPool {
 
   // Keeps m's storage for a later take(); when full, the buffer given back first is freed.
   static void give(M&& m) {
-    if (m.size() == 0) return;
+    if (m.size() == 0 || closed()) return;  // closed: m frees its storage itself
     std::vector<M>& h = held();
     if (h.size() == kHeld) h.erase(h.begin());
     h.push_back(std::move(m));
@@ -64,14 +64,25 @@ class MatrixPool {
   static std::size_t held_count() { return held().size(); }
 
  private:
-  static std::vector<M>& held() {
-    thread_local std::vector<M> h = [] {
+  // Whether the thread's pool is gone (thread exit): a buffer destroyed later, e.g. in an object
+  // of static storage, is freed instead of given back.
+  static bool& closed() {
+    thread_local bool gone = false;  // trivially destructible: readable until the thread ends
+    return gone;
+  }
+
+  struct Held {
+    std::vector<M> buffers;
+    Held() {
       thread_pools().push_back(&MatrixPool::release_held);
-      std::vector<M> v;
-      v.reserve(kHeld);
-      return v;
-    }();
-    return h;
+      buffers.reserve(kHeld);
+    }
+    ~Held() { closed() = true; }
+  };
+
+  static std::vector<M>& held() {
+    thread_local Held h;
+    return h.buffers;
   }
 };
 

@@ -275,6 +275,16 @@ class OpenedLists {
   PooledVector<std::int32_t> ids_;
 };
 
+// The filters each block of 64 queries opened, kept by a thread with their capacity for its next
+// call; freed by release_attention_scratch().
+inline std::vector<std::vector<std::int32_t>>& opened_filter_lists() {
+  thread_local std::vector<std::vector<std::int32_t>> lists = [] {
+    thread_pools().push_back([] { opened_filter_lists().clear(); });
+    return std::vector<std::vector<std::int32_t>>();
+  }();
+  return lists;
+}
+
 // Chooses the filters each query opens (threshold, min_probes, fallback; see the top of the file).
 template <typename Scalar>
 class FilterProber {
@@ -288,16 +298,13 @@ class FilterProber {
         min_probes_(min_probes),
         causal_(causal),
         exclude_self_(exclude_self),
-        first_alone_(exclude_self && !rows_alone_with_self(n_k, causal).empty()) {}
+        first_alone_(exclude_self && first_row_alone_with_self(n_k, causal)) {}
 
   FilterProbes probe(const RowMatrix<Scalar>& unit_q) const {
     const Index n = unit_q.rows(), m = filters_.filters(), L = filters_.tables();
     const Index blocks = (n + kHashTile - 1) / kHashTile;
-    // The filters each block opened, kept by the calling thread with their capacity for its next
-    // call (a call's blocks fill them on any thread; only this call uses them meanwhile).
-    // (A reference: the blocks' lambda must reach this thread's lists, not its own thread's.)
-    thread_local std::vector<std::vector<std::int32_t>> kept;
-    std::vector<std::vector<std::int32_t>>& opened = kept;
+    // The calling thread's lists (the blocks fill them on any thread; only this call uses them).
+    std::vector<std::vector<std::int32_t>>& opened = opened_filter_lists();
     if (Index(opened.size()) < blocks) opened.resize(static_cast<std::size_t>(blocks));
     for (Index b = 0; b < blocks; ++b) opened[std::size_t(b)].clear();
     PooledVector<Index> count(static_cast<std::size_t>(n));
@@ -589,8 +596,11 @@ class LsfSlice {
         }
       });
     }
-    if (opt_.exclude_self)  // the self rule: a query with no other valid key attends to its own
-      attend_to_self(acc, rows_alone_with_self(n_q, opt_.causal), queries, k, v);
+    // The self rule: a query with no other valid key (row 0 alone can be one) attends to its own.
+    if (opt_.exclude_self && first_row_alone_with_self(n_q, opt_.causal)) {
+      const std::int32_t first = 0;
+      attend_to_self(acc, &first, 1, queries, k, v);
+    }
     return acc;
   }
 

@@ -16,8 +16,10 @@ namespace randattn::detail {
 
 // The rows of an n x n self-excluding call that have no valid key but their own: row 0 under
 // causal masking, the single row when n = 1, none otherwise.
+inline bool first_row_alone_with_self(Index n, bool causal) { return n > 0 && (causal || n == 1); }
+
 inline std::vector<std::int32_t> rows_alone_with_self(Index n, bool causal) {
-  if (n == 0 || (!causal && n > 1)) return {};
+  if (!first_row_alone_with_self(n, causal)) return {};
   return {0};
 }
 
@@ -48,14 +50,21 @@ inline TargetSets sets_with_self(const TargetSets& sets) {
 // Each row i of `rows` attends to itself alone, with logit queries(i) . keys(i) (queries already
 // scaled) and value values(i), merged into acc.
 template <typename Scalar, typename Q, typename K, typename V>
-void attend_to_self(SoftmaxAccumulator<Scalar>& acc, const std::vector<std::int32_t>& rows,
+void attend_to_self(SoftmaxAccumulator<Scalar>& acc, const std::int32_t* rows, Index count,
                     const Q& queries, const K& keys, const V& values) {
   Scratch<RowMatrix<Scalar>> self(1, values.cols() + 1);
   self(0, values.cols()) = 1;
-  for (std::int32_t i : rows) {
+  for (const std::int32_t* at = rows; at < rows + count; ++at) {
+    const std::int32_t i = *at;
     self.leftCols(values.cols()) = values.row(i);
     acc.merge_rows(i, self, Vector<Scalar>::Constant(1, queries.row(i).dot(keys.row(i))));
   }
+}
+
+template <typename Scalar, typename Q, typename K, typename V>
+void attend_to_self(SoftmaxAccumulator<Scalar>& acc, const std::vector<std::int32_t>& rows,
+                    const Q& queries, const K& keys, const V& values) {
+  attend_to_self(acc, rows.data(), Index(rows.size()), queries, keys, values);
 }
 
 }  // namespace randattn::detail

@@ -124,7 +124,6 @@ class LocalitySensitiveFilters {
     const RowMatrix<Scalar> unit = unit_rows<Scalar>(x);
     for_each_block(unit,
                    [&](Index i0, const auto& block, RowMatrix<Scalar>& s, RowMatrix<Scalar>& work) {
-                     s.resize(filters_, block.rows());
                      score_block(block, table, s, work);
                      out.middleRows(i0, block.rows()) = s.transpose();
                    });
@@ -140,14 +139,12 @@ class LocalitySensitiveFilters {
   // --- For the attention kernels: rows already normalised (unit_rows). -------------
 
   // Scores of a block of B unit rows in table t, filter-major: out(f, u) = <a_f, row u>, out
-  // m x B (resized when it is a matrix; a block of a larger one must have that shape). Filter
+  // m x B (for_each_block hands out scores of that shape). Filter
   // by filter the B scores are contiguous, which is how the consumers scan them (thresholds,
   // running maxima) and how the Hadamard rotation leaves its coordinates.
   template <typename X, typename Out>
   void score_block(const Eigen::MatrixBase<X>& unit_block, Index t, Out&& out,
                    RowMatrix<Scalar>& work) const {
-    if constexpr (std::is_same<std::decay_t<Out>, RowMatrix<Scalar>>::value)
-      out.resize(filters_, unit_block.rows());
     eigen_assert(out.rows() == filters_ && out.cols() == unit_block.rows());
     if (kind_ == RotationKind::dense) {
       detail::gemm_fixed_depth(out, a_.middleRows(t * filters_, filters_), unit_block.transpose(),

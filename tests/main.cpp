@@ -11,6 +11,7 @@ namespace testing {
 bool allocations_counted();
 void start_counting_allocations();
 long stop_counting_allocations();
+long counted_bytes();
 }  // namespace testing
 
 // Heap allocations are counted by replacing malloc, calloc, realloc and the aligned forms with
@@ -33,10 +34,13 @@ long stop_counting_allocations();
 namespace {
 std::atomic<bool> heap_counting_on{false};
 std::atomic<long> heap_allocations{0};
+std::atomic<long> heap_bytes{0};
 
-void count_allocation() {
-  if (heap_counting_on.load(std::memory_order_relaxed))
+void count_allocation(std::size_t bytes) {
+  if (heap_counting_on.load(std::memory_order_relaxed)) {
     heap_allocations.fetch_add(1, std::memory_order_relaxed);
+    heap_bytes.fetch_add(long(bytes), std::memory_order_relaxed);
+  }
 }
 
 bool valid_alignment(std::size_t alignment) {
@@ -51,28 +55,28 @@ void* __libc_realloc(void*, std::size_t);
 void* __libc_memalign(std::size_t, std::size_t);
 
 void* malloc(std::size_t size) noexcept {
-  count_allocation();
+  count_allocation(size);
   return __libc_malloc(size);
 }
 void* calloc(std::size_t count, std::size_t size) noexcept {
-  count_allocation();
+  count_allocation(count * size);
   return __libc_calloc(count, size);
 }
 void* realloc(void* p, std::size_t size) noexcept {
-  count_allocation();
+  count_allocation(size);
   return __libc_realloc(p, size);
 }
 void* memalign(std::size_t alignment, std::size_t size) noexcept {
-  count_allocation();
+  count_allocation(size);
   return __libc_memalign(alignment, size);
 }
 void* aligned_alloc(std::size_t alignment, std::size_t size) noexcept {
-  count_allocation();
+  count_allocation(size);
   return __libc_memalign(alignment, size);
 }
 int posix_memalign(void** out, std::size_t alignment, std::size_t size) noexcept {
   if (!valid_alignment(alignment)) return EINVAL;
-  count_allocation();
+  count_allocation(size);
   void* p = __libc_memalign(alignment, size);
   if (!p) return ENOMEM;
   *out = p;
@@ -84,12 +88,14 @@ namespace testing {
 bool allocations_counted() { return true; }
 void start_counting_allocations() {
   heap_allocations.store(0);
+  heap_bytes.store(0);
   heap_counting_on.store(true);
 }
 long stop_counting_allocations() {
   heap_counting_on.store(false);
   return heap_allocations.load();
 }
+long counted_bytes() { return heap_bytes.load(); }
 }  // namespace testing
 #else
 
@@ -97,5 +103,6 @@ namespace testing {
 bool allocations_counted() { return false; }
 void start_counting_allocations() {}
 long stop_counting_allocations() { return 0; }
+long counted_bytes() { return 0; }
 }  // namespace testing
 #endif

@@ -200,5 +200,6 @@ constexpr double tolerance() {
 bool allocations_counted();
 void start_counting_allocations();
 long stop_counting_allocations();
+long counted_bytes();  // bytes requested by the allocations of the last counted stretch
 
 }  // namespace testing

@@ -431,4 +431,19 @@ TEST_CASE("robustness: a second _into call with the same shapes allocates nothin
     call();
     CHECK(testing::stop_counting_allocations() == 0);
   }
+  // Sparse-score attention's sketch keeps its shape, its stream list and the ordered partial sums
+  // of its two passes (one double per 2^15 scores) in small vectors of its own; its scaled
+  // queries, score tiles, kept entries and [num | den] come from the pools.
+  for (const bool causal : {false, true}) {
+    INFO("sparse_score_attention_into, causal " << causal);
+    randattn::SparseScoreOptions sparse;
+    sparse.causal = causal;
+    sparse.budget = 4000;
+    sparse.seed = 308;
+    randattn::sparse_score_attention_into(q, k, v, out, sparse);
+    testing::start_counting_allocations();
+    randattn::sparse_score_attention_into(q, k, v, out, sparse);
+    CHECK(testing::stop_counting_allocations() <= 8);
+    CHECK(testing::counted_bytes() < 1024);
+  }
 }

@@ -710,6 +710,28 @@ TEMPLATE_TEST_CASE("sketch: spectral norm estimate and sin-theta distance", "[sk
   CHECK(randattn::sin_theta_distance(v, plane) == Approx(1).epsilon(1e-14));
 }
 
+TEMPLATE_TEST_CASE("sketch: sparse_score_attention_into equals sparse_score_attention bit for bit",
+                   "[sketch][attention][into]", float, double) {
+  using S = TestType;
+  using Refs = std::vector<Eigen::Ref<const RowMatrix<S>>>;
+  const RowMatrix<S> q = testing::gaussian<S>(91, 23, 6), k = testing::gaussian<S>(92, 23, 6),
+                     v = testing::gaussian<S>(93, 23, 4);
+  randattn::SparseScoreOptions opt;
+  opt.budget = 60;  // about a tenth of the scores: some rows keep no entry and output zeros
+  opt.seed = 5;
+  opt.block_size = 7;
+  for (const bool causal : {false, true}) {
+    INFO("causal " << causal);
+    opt.causal = causal;
+    const RowMatrix<S> expected = randattn::sparse_score_attention(q, k, v, opt);
+    testing::check_into_form<S>(expected, {q, k, v}, {"q", "k", "v"},
+                                [&](const Refs& in, Eigen::Ref<RowMatrix<S>> out) {
+                                  randattn::sparse_score_attention_into(in[0], in[1], in[2], out,
+                                                                        opt);
+                                });
+  }
+}
+
 TEMPLATE_TEST_CASE("sketch: sparse-score attention through the softmax accumulator",
                    "[sketch][attention]", float, double) {
   using S = TestType;

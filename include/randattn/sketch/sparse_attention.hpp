@@ -5,7 +5,7 @@
 //
 // sparse_score_accumulate: the core step for any such W_hat (a SparseTensor of order 2 or a
 //   row-major Eigen::SparseMatrix), with optional per-row log-scales.
-// sparse_score_attention(_accumulate): W_ij = exp(scale q_i.k_j - c_i), c_i = max_j of the
+// sparse_score_attention(_accumulate, _into): W_ij = exp(scale q_i.k_j - c_i), c_i = max_j of the
 //   row's logits, sparsified by Algorithm 1 with a StreamingSparsifier fed with blocks of
 //   block_size score rows (two passes, each recomputing the block's logits): memory
 //   O(block_size * n_k + nnz), never the full score matrix. E[W_hat] = W, so [num | den] is
@@ -19,16 +19,20 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <utility>
 
 #include <Eigen/Core>
 #include <Eigen/SparseCore>
 
+#include "../core/detail/output_check.hpp"
 #include "../core/detail/score_tile.hpp"
 #include "../core/exact_attention.hpp"
 #include "../core/softmax_accumulator.hpp"
 #include "../core/types.hpp"
+#include "../detail/fresh_matrix.hpp"
 #include "../detail/gemm.hpp"
+#include "../detail/matrix_pool.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validation.hpp"
 #include "sparse_tensor.hpp"
@@ -61,7 +65,9 @@ SoftmaxAccumulator<Scalar> sparse_numden(const char* where, Index rows,
                                          const Eigen::MatrixBase<DV>& v, Vector<Scalar> log_scale,
                                          RowEntries&& row_entries) {
   const Index dv = v.cols();
-  RowMatrix<Scalar> nd = RowMatrix<Scalar>::Zero(rows, dv + 1);
+  // Pooled storage, given back by the accumulator's destructor.
+  RowMatrix<Scalar> nd = MatrixPool<RowMatrix<Scalar>>::take(rows, dv + 1);
+  nd.setZero();
   parallel_for((rows + kSparseRowBlock - 1) / kSparseRowBlock, [&](Index b) {
     for (Index i = b * kSparseRowBlock; i < std::min(rows, (b + 1) * kSparseRowBlock); ++i) {
       row_entries(i, [&](Index col, Scalar w) {
@@ -72,7 +78,10 @@ SoftmaxAccumulator<Scalar> sparse_numden(const char* where, Index rows,
   });
   // A non-finite value row or an overflowing product shows in the small result.
   check_result_finite(where, nd, true, [&] { require_finite(v, where, "v"); });
-  if (log_scale.size() == 0) log_scale = Vector<Scalar>::Zero(rows);
+  if (log_scale.size() == 0) {
+    log_scale = MatrixPool<Vector<Scalar>>::take(rows);
+    log_scale.setZero();
+  }
   return SoftmaxAccumulator<Scalar>(std::move(nd), std::move(log_scale));
 }
 
@@ -149,31 +158,51 @@ SparseScoreAttention<Scalar> sparse_score_attention_accumulate(
   sp.seed = opt.seed;
   sp.stream = opt.stream;
   StreamingSparsifier<Scalar> sparsifier({n_q, n_k}, sp);
-  const RowMatrix<Scalar> qs = scale * q;
-  // One tile spans whole score rows, so its weights are contiguous (row-major, flat index order).
+  detail::Scratch<RowMatrix<Scalar>> qs(n_q, q.cols());
+  qs = scale * q;
+  // A tile spans whole score rows, so its rows in order are the weights in flat index order.
   detail::ScoreTile<Scalar> tile(rows, n_k, v.cols());
   detail::TileMask<> mask;
   mask.causal = opt.causal;
-  Vector<Scalar> log_scale(n_q);
-  // Rows [i0, i0 + bq) of W, recomputed identically in both passes.
-  auto weights = [&](Index i0, Index bq) {
-    tile.logits(qs.middleRows(i0, bq), k);
-    tile.mask(detail::TileIndex::range(i0, bq), detail::TileIndex::range(0, n_k), mask);
-    tile.exponentiate();
-    log_scale.segment(i0, bq) = tile.row_max();
-    return tile.scores().data();
+  Vector<Scalar> log_scale = detail::MatrixPool<Vector<Scalar>>::take(n_q);
+  // Every row of W in order, computed identically in both passes: feed(weights, n_k) per row.
+  auto for_each_row = [&](auto&& feed) {
+    for (Index i0 = 0; i0 < n_q; i0 += rows) {
+      const Index bq = std::min(rows, n_q - i0);
+      tile.logits(qs.middleRows(i0, bq), k);
+      tile.mask(detail::TileIndex::range(i0, bq), detail::TileIndex::range(0, n_k), mask);
+      tile.exponentiate();
+      log_scale.segment(i0, bq) = tile.row_max();
+      for (Index t = 0; t < bq; ++t) feed(tile.scores().row(t).data(), n_k);
+    }
   };
-  for (Index i0 = 0; i0 < n_q; i0 += rows) {
-    const Index bq = std::min(rows, n_q - i0);
-    sparsifier.add_norm_block(weights(i0, bq), bq * n_k);
-  }
-  for (Index i0 = 0; i0 < n_q; i0 += rows) {
-    const Index bq = std::min(rows, n_q - i0);
-    sparsifier.add_sample_block(weights(i0, bq), bq * n_k);
-  }
+  for_each_row([&](const Scalar* w, Index count) { sparsifier.add_norm_block(w, count); });
+  for_each_row([&](const Scalar* w, Index count) { sparsifier.add_sample_block(w, count); });
   SparseSketch<Scalar> w = sparsifier.finish();
-  SoftmaxAccumulator<Scalar> acc = sparse_score_accumulate(w, v, log_scale);
+  SoftmaxAccumulator<Scalar> acc = sparse_score_accumulate(w, v, std::move(log_scale));
   return {std::move(acc), std::move(w)};
+}
+
+// Normalised sparse-score attention (rows with no sampled key are zero), written into `out`
+// (n_q x dv; a matrix, block, Map or Ref that shares no memory with q, k or v). A rejected `out`
+// is not written. The sketch's storage goes back to the calling thread's pool, so a loop of calls
+// with the same shapes reuses it.
+template <typename DQ, typename DK, typename DV, typename DO>
+void sparse_score_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                 const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DO>& out,
+                                 const SparseScoreOptions& opt) {
+  using Scalar = typename DQ::Scalar;
+  static_assert(std::is_same<Scalar, typename DK::Scalar>::value &&
+                    std::is_same<Scalar, typename DV::Scalar>::value &&
+                    std::is_same<Scalar, typename DO::Scalar>::value,
+                "q, k, v and out must share the scalar type");
+  const Eigen::Ref<const RowMatrix<Scalar>> qr(q), kr(k), vr(v);
+  detail::check_output("sparse_score_attention", out, qr.rows(), vr.cols(),
+                       {detail::named_input("q", qr), detail::named_input("k", kr),
+                        detail::named_input("v", vr)});
+  SparseScoreAttention<Scalar> r = sparse_score_attention_accumulate<Scalar>(qr, kr, vr, opt);
+  r.accumulator.finalize_into(out);
+  detail::recycle(static_cast<SparseTensor<Scalar>&&>(r.weights));
 }
 
 // Normalised sparse-score attention (rows with no sampled key are zero).
@@ -182,8 +211,9 @@ RowMatrix<typename DQ::Scalar> sparse_score_attention(const Eigen::MatrixBase<DQ
                                                       const Eigen::MatrixBase<DK>& k,
                                                       const Eigen::MatrixBase<DV>& v,
                                                       const SparseScoreOptions& opt) {
-  using Scalar = typename DQ::Scalar;
-  return sparse_score_attention_accumulate<Scalar>(q, k, v, opt).accumulator.finalize();
+  auto out = detail::fresh_matrix<RowMatrix<typename DQ::Scalar>>(q.rows(), v.cols());
+  sparse_score_attention_into(q, k, v, out, opt);
+  return out;
 }
 
 }  // namespace randattn

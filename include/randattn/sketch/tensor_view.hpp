@@ -32,14 +32,21 @@ namespace randattn {
 
 namespace detail {
 
-inline std::string dims_str(const std::vector<Index>& dims) {
-  std::ostringstream s;
+// A shape or multi-index as "(d_0, ..., d_{k-1})" ("(d_0,)" for order 1), formatted only when
+// streamed into a message: the checks that pass it to require() build no string unless they fail.
+// Refers to `dims`, so it must not outlive them.
+struct DimsText {
+  const std::vector<Index>* dims;
+};
+
+inline std::ostream& operator<<(std::ostream& s, DimsText t) {
   s << "(";
-  for (std::size_t j = 0; j < dims.size(); ++j) s << (j ? ", " : "") << dims[j];
-  if (dims.size() == 1) s << ",";
-  s << ")";
-  return s.str();
+  for (std::size_t j = 0; j < t.dims->size(); ++j) s << (j ? ", " : "") << (*t.dims)[j];
+  if (t.dims->size() == 1) s << ",";
+  return s << ")";
 }
+
+inline DimsText dims_str(const std::vector<Index>& dims) { return {&dims}; }
 
 // "(i_0, ..., i_{k-1})", the multi-index of flat row-major index `flat`.
 inline std::string index_str(const std::vector<Index>& dims, Index flat) {
@@ -48,7 +55,9 @@ inline std::string index_str(const std::vector<Index>& dims, Index flat) {
     idx[j] = flat % dims[j];
     flat /= dims[j];
   }
-  return dims_str(idx);
+  std::ostringstream s;
+  s << dims_str(idx);
+  return s.str();
 }
 
 // Number of entries of a tensor with these dimensions; throws on negative dims or overflow.

@@ -4,12 +4,15 @@
 A migration check: the SHA-256 of each method's output bytes on fixed inputs and explicit
 options, so that a restructuring of the front ends or of the library can show that it changed
 no output bit. Record with --write, compare with --check (exit 1 and the differing cases listed).
-The fingerprints hold for one compiler, machine (-march=native) and optimisation level
-(scripts/test.sh's build: GCC, -O2): re-record them, with the reason in the commit message, when
-an intended numerical change lands.
+The fingerprints hold for one compiler, CPU (-march=native) and optimisation level
+(scripts/test.sh's build: GCC, -O2), so tests/fingerprints/ keeps one file per compiler version
+and CPU (tests/CMakeLists.txt names it); --check of a file that does not exist reports that none
+were recorded there and exits with 77 (skipped). Re-record them, with the reason in the commit
+message, when an intended numerical change lands (on every CPU you can; a file that cannot be
+re-recorded is deleted rather than left stale).
 
-    fingerprints.py --cli build/tools/cli/randattn-cli --write tests/fingerprints.txt
-    fingerprints.py --cli build/tools/cli/randattn-cli --check tests/fingerprints.txt
+    fingerprints.py --cli build/tools/cli/randattn-cli --write tests/fingerprints/<name>.txt
+    fingerprints.py --cli build/tools/cli/randattn-cli --check tests/fingerprints/<name>.txt
 """
 
 import argparse
@@ -120,9 +123,14 @@ def main():
     mode.add_argument("--write")
     mode.add_argument("--check")
     args = parser.parse_args()
+    if args.check and not os.path.exists(args.check):
+        print(f"no fingerprints recorded for this compiler and CPU ({args.check}); "
+              f"record them with --write {args.check}")
+        return 77
     with tempfile.TemporaryDirectory() as work:
         got = fingerprints(args.cli, work)
     if args.write:
+        os.makedirs(os.path.dirname(os.path.abspath(args.write)), exist_ok=True)
         with open(args.write, "w") as f:
             for key, digest in got.items():
                 f.write(f"{key} {digest}\n")

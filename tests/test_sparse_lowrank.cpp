@@ -354,6 +354,12 @@ TEST_CASE("sparse-lowrank: target sets are each row's distinct keys, sorted", "[
   const TargetSets joined = randattn::union_of({&half, &rest});
   CHECK(joined.keys == all.keys);
   CHECK(joined.start == all.start);
+  // Copies hold their own storage; sets with no rows hold none.
+  const TargetSets copy = joined;
+  CHECK(copy.keys == joined.keys);
+  CHECK(copy.start == joined.start);
+  CHECK(TargetSets().rows() == 0);
+  CHECK(TargetSets().pairs() == 0);
 }
 
 TEST_CASE("sparse-lowrank: causal outputs before key j do not depend on key j",

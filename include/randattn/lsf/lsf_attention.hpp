@@ -500,28 +500,41 @@ class LsfSlice {
   // P_i of every query: the valid keys of its opened filters, each once (under self-exclusion
   // without i, or {i} for a query with no other valid key).
   TargetSets target_sets() const {
-    TargetSets sets;
     const Index n_q = Index(probes_.query_start.size()) - 1, n_k = keys_.codes.rows();
     const Index m = filters_.filters();
-    const std::vector<std::int32_t> alone =
-        opt_.exclude_self ? rows_alone_with_self(n_q, opt_.causal) : std::vector<std::int32_t>();
-    std::vector<std::int32_t> row;
+    const bool first_alone = opt_.exclude_self && first_row_alone_with_self(n_q, opt_.causal);
+    // The keys of the filter opened at probes_.query_filters[e], in increasing position.
+    const auto filter_keys = [&](Index e) {
+      const Index g = probes_.query_filters[std::size_t(e)], t = g / m, f = g % m;
+      const std::int32_t* perm = keys_.perm.data() + t * n_k;
+      const Index* start = keys_.start.data() + t * (m + 1);
+      return std::make_pair(perm + start[f], perm + start[f + 1]);
+    };
+    // Room: per query, the keys of its filters (its valid keys at most), or itself.
+    std::size_t room = 0;
     for (Index i = 0; i < n_q; ++i) {
-      row.clear();
+      Index keys = 1;
       for (Index e = probes_.query_start[i]; e < probes_.query_start[i + 1]; ++e) {
-        const Index g = probes_.query_filters[std::size_t(e)], t = g / m, f = g % m;
-        const std::int32_t* perm = keys_.perm.data() + t * n_k;
-        const Index* start = keys_.start.data() + t * (m + 1);
-        const Index end =
-            opt_.causal ? Index(std::upper_bound(perm + start[f], perm + start[f + 1], i) - perm)
-                        : start[f + 1];
-        row.insert(row.end(), perm + start[f], perm + end);
+        const auto [first, last] = filter_keys(e);
+        keys += last - first;
       }
-      if (opt_.exclude_self) row.erase(std::remove(row.begin(), row.end(), i), row.end());
-      if (std::find(alone.begin(), alone.end(), i) != alone.end()) row.assign(1, std::int32_t(i));
-      sets.append_row(row);
+      room += std::size_t(std::min(keys, valid_keys(i, n_k, opt_.causal)));
     }
-    return sets;
+    return gather_target_sets(
+        n_q, n_k,
+        [&](Index i, auto&& add) {
+          if (first_alone && i == 0) {
+            add(std::int32_t(0));
+            return;
+          }
+          for (Index e = probes_.query_start[i]; e < probes_.query_start[i + 1]; ++e) {
+            auto [first, last] = filter_keys(e);
+            if (opt_.causal) last = std::upper_bound(first, last, std::int32_t(i));
+            for (const std::int32_t* j = first; j < last; ++j)
+              if (!(opt_.exclude_self && *j == i)) add(*j);
+          }
+        },
+        false, false, room);
   }
 
   SoftmaxAccumulator<Scalar> attend(const Eigen::Ref<const RowMatrix<Scalar>>& q,

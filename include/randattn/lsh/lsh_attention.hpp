@@ -568,8 +568,10 @@ template <typename Scalar>
 LshChunks lsh_chunks(const CrossPolytopeHash<Scalar>& hash,
                      const Eigen::Ref<const RowMatrix<Scalar>>& q,
                      const Eigen::Ref<const RowMatrix<Scalar>>& k, const LshOptions& opt) {
-  const HashCodes kcodes = hash.hash(k, false);
-  return detail::chunk_layout(hash.hash(q, false), &kcodes, hash.buckets(), opt.chunk, opt.dedupe);
+  detail::Scratch<HashCodes> qcodes(q.rows(), hash.rounds()), kcodes(k.rows(), hash.rounds());
+  hash.hash_into(q, qcodes, false);
+  hash.hash_into(k, kcodes, false);
+  return detail::chunk_layout(qcodes, &kcodes, hash.buckets(), opt.chunk, opt.dedupe);
 }
 
 namespace detail {
@@ -584,15 +586,27 @@ inline auto chunk_targets(const LshChunks& l, bool causal) {
   };
 }
 
+// Room for the target sets of the chunks `l`: per query, the keys of its chunks in every round
+// (its valid keys at most).
+inline std::size_t chunk_target_room(const LshChunks& l, bool causal) {
+  const Index per_round = l.chunks > 1 ? 2 * l.ck : l.ck;
+  std::size_t room = 0;
+  for (Index i = 0; i < l.n_q; ++i)
+    room += std::size_t(std::min(valid_keys(i, l.n_k, causal), l.rounds * per_round));
+  return room;
+}
+
 }  // namespace detail
 
 // The target sets of sort-and-chunk LSH attention with the chunks `l` (see lsh_target_sets).
 inline TargetSets lsh_target_sets(const LshChunks& l, bool causal) {
-  return gather_target_sets(l.n_q, l.n_k, detail::chunk_targets(l, causal), true, causal);
+  return gather_target_sets(l.n_q, l.n_k, detail::chunk_targets(l, causal), true, causal,
+                            detail::chunk_target_room(l, causal));
 }
 
-// Their sizes |P_i| alone (the pairs each query scores), without the sets.
-inline std::vector<Index> lsh_target_sizes(const LshChunks& l, bool causal) {
+// Their sizes |P_i| alone (the pairs each query scores), without the sets (storage from the
+// thread's pool).
+inline detail::PooledVector<Index> lsh_target_sizes(const LshChunks& l, bool causal) {
   return gather_target_sizes(l.n_q, l.n_k, detail::chunk_targets(l, causal), true, causal);
 }
 
@@ -606,17 +620,30 @@ TargetSets lsh_target_sets(const CrossPolytopeHash<Scalar>& hash,
   const RowMatrix<Scalar> no_values(k.rows(), 0);
   detail::check_lsh_inputs<Scalar>("lsh_target_sets", q, &k, no_values, hash, opt);
   if (!opt.exact_buckets) return lsh_target_sets(lsh_chunks<Scalar>(hash, q, k, opt), opt.causal);
-  const Index n_k = k.rows(), r = hash.rounds(), b = hash.buckets();
-  const HashCodes qc = hash.hash(q, false), kc = hash.hash(k, false);
+  const Index n_q = q.rows(), n_k = k.rows(), r = hash.rounds(), b = hash.buckets();
+  detail::Scratch<HashCodes> qc(n_q, r), kc(n_k, r);
+  hash.hash_into(q, qc, false);
+  hash.hash_into(k, kc, false);
   // Per round the keys sorted by bucket, bucket c at [start[rho (b + 1) + c], ... + 1).
-  std::vector<std::int32_t> sorted(static_cast<std::size_t>(r * n_k));
-  std::vector<Index> start, ks;
+  detail::PooledVector<std::int32_t> sorted(static_cast<std::size_t>(r * n_k));
+  detail::PooledVector<Index> start(static_cast<std::size_t>(r * (b + 1))),
+      ks(static_cast<std::size_t>(b + 1));
   for (Index rho = 0; rho < r; ++rho) {
     detail::sort_by_bucket(kc.data() + rho, r, n_k, b, sorted.data() + rho * n_k, ks);
-    start.insert(start.end(), ks.begin(), ks.end());
+    std::copy(ks.begin(), ks.end(), start.begin() + rho * (b + 1));
+  }
+  // Room: per query, its buckets' keys in every round (its valid keys at most).
+  std::size_t room = 0;
+  for (Index i = 0; i < n_q; ++i) {
+    Index keys = 0;
+    for (Index rho = 0; rho < r; ++rho) {
+      const Index* bucket = start.data() + rho * (b + 1) + qc(i, rho);
+      keys += bucket[1] - bucket[0];
+    }
+    room += std::size_t(std::min(keys, valid_keys(i, n_k, opt.causal)));
   }
   return gather_target_sets(
-      q.rows(), n_k,
+      n_q, n_k,
       [&](Index i, auto&& add) {
         const Index valid = valid_keys(i, n_k, opt.causal);
         for (Index rho = 0; rho < r; ++rho) {
@@ -625,7 +652,7 @@ TargetSets lsh_target_sets(const CrossPolytopeHash<Scalar>& hash,
             if (sorted[std::size_t(rho * n_k + t)] < valid) add(sorted[std::size_t(rho * n_k + t)]);
         }
       },
-      true, opt.causal);
+      true, opt.causal, room);
 }
 
 namespace detail {

@@ -10,6 +10,7 @@
 #include <Eigen/Core>
 
 #include "../core/types.hpp"
+#include "../detail/matrix_pool.hpp"
 #include "../detail/validation.hpp"
 
 namespace randattn {
@@ -22,8 +23,8 @@ class KeyBlockBounds {
       : block_(block), n_k_(k.rows()) {
     detail::require(block >= 1, "KeyBlockBounds", "block size must be >= 1, got ", block);
     const Index nb = blocks();
-    lo_.resize(nb, k.cols());
-    hi_.resize(nb, k.cols());
+    lo_ = detail::Scratch<RowMatrix<Scalar>>(nb, k.cols());
+    hi_ = detail::Scratch<RowMatrix<Scalar>>(nb, k.cols());
     for (Index b = 0; b < nb; ++b) {
       const auto rows = k.middleRows(b * block, block_size(b));
       lo_.row(b) = rows.colwise().minCoeff();
@@ -38,15 +39,23 @@ class KeyBlockBounds {
 
   // out(i, b) = the bound on q_i·k for every key k of block b: q rows x blocks().
   RowMatrix<Scalar> bounds(const Eigen::Ref<const RowMatrix<Scalar>>& q) const {
-    const RowMatrix<Scalar> pos = q.cwiseMax(Scalar(0)), neg = q.cwiseMin(Scalar(0));
-    RowMatrix<Scalar> out = pos * hi_.transpose();
-    out.noalias() += neg * lo_.transpose();
+    RowMatrix<Scalar> out(q.rows(), blocks());
+    bounds_into(q, out);
     return out;
+  }
+
+  // The same into `out` (q rows x blocks()), its working storage from the thread's pool.
+  void bounds_into(const Eigen::Ref<const RowMatrix<Scalar>>& q, RowMatrix<Scalar>& out) const {
+    detail::Scratch<RowMatrix<Scalar>> pos(q.rows(), q.cols()), neg(q.rows(), q.cols());
+    pos = q.cwiseMax(Scalar(0));
+    neg = q.cwiseMin(Scalar(0));
+    out.noalias() = pos * hi_.transpose();
+    out.noalias() += neg * lo_.transpose();
   }
 
  private:
   Index block_, n_k_;
-  RowMatrix<Scalar> lo_, hi_;
+  detail::Scratch<RowMatrix<Scalar>> lo_, hi_;  // from the thread's pool
 };
 
 }  // namespace randattn

@@ -17,6 +17,8 @@
 
 #include "../core/target_sets.hpp"
 #include "../core/types.hpp"
+#include "../detail/matrix_pool.hpp"
+#include "../detail/pooled_vector.hpp"
 #include "../detail/validation.hpp"
 #include "block_bounds.hpp"
 
@@ -36,12 +38,17 @@ TargetSets block_target_sets(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                   "need block_size >= 1 and top_blocks >= 0, got ", b.block_size, " and ",
                   b.top_blocks);
   const Index n_q = q.rows(), n_k = k.rows(), B = b.block_size;
-  TargetSets sets;
-  if (n_q == 0) return sets;
+  if (n_q == 0) return TargetSets();
   const KeyBlockBounds<Scalar> bounds(k, B);
   const Index key_blocks = bounds.blocks(), query_blocks = (n_q + B - 1) / B;
-  std::vector<Index> order;
-  std::vector<std::int32_t> row;
+  // Room: T + 1 blocks of keys per query (its valid keys at most).
+  std::size_t pairs = 0;
+  for (Index i = 0; i < n_q; ++i)
+    pairs += std::size_t(
+        std::min(valid_keys(i, n_k, causal), (std::min(b.top_blocks, key_blocks) + 1) * B));
+  TargetSets sets(n_q, pairs);
+  detail::PooledVector<Index> order(0, std::size_t(key_blocks) + 1);
+  detail::Scratch<Eigen::Matrix<Scalar, 1, Eigen::Dynamic>> best(1, key_blocks);
   for (Index g = 0; g < query_blocks; ++g) {
     const Index i0 = g * B, rows = std::min(B, n_q - i0);
     // Competing key blocks: all but the own one (causal: those before it).
@@ -51,8 +58,9 @@ TargetSets block_target_sets(const Eigen::Ref<const RowMatrix<Scalar>>& q,
       if (c != g) order.push_back(c);
     const Index top = std::min<Index>(b.top_blocks, Index(order.size()));
     if (top > 0) {
-      const Eigen::Matrix<Scalar, 1, Eigen::Dynamic> best =
-          bounds.bounds(q.middleRows(i0, rows)).colwise().maxCoeff();
+      detail::Scratch<RowMatrix<Scalar>> ub(rows, key_blocks);
+      bounds.bounds_into(q.middleRows(i0, rows), ub);
+      best = ub.colwise().maxCoeff();
       std::partial_sort(order.begin(), order.begin() + top, order.end(), [&](Index x, Index y) {
         return best(x) > best(y) || (best(x) == best(y) && x < y);
       });
@@ -60,14 +68,12 @@ TargetSets block_target_sets(const Eigen::Ref<const RowMatrix<Scalar>>& q,
     order.resize(std::size_t(top));
     if (g < key_blocks) order.push_back(g);
     std::sort(order.begin(), order.end());
-    for (Index i = i0; i < i0 + rows; ++i) {
-      row.clear();
+    for (Index i = i0; i < i0 + rows; ++i) {  // blocks in increasing order: keys sorted, distinct
       const Index valid = valid_keys(i, n_k, causal);
       for (Index c : order)
         for (Index j = c * B; j < std::min(valid, c * B + bounds.block_size(c)); ++j)
-          row.push_back(static_cast<std::int32_t>(j));
-      sets.keys.insert(sets.keys.end(), row.begin(), row.end());  // already sorted, distinct
-      sets.start.push_back(Index(sets.keys.size()));
+          sets.keys.push_back(static_cast<std::int32_t>(j));
+      sets.start[std::size_t(i) + 1] = Index(sets.keys.size());
     }
   }
   return sets;

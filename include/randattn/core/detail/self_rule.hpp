@@ -27,24 +27,30 @@ inline std::vector<std::int32_t> rows_alone_with_self(Index n, bool causal) {
 // or key i alone for a row with no other valid key.
 inline TargetSets sets_under_self_rule(const TargetSets& sets, bool causal) {
   const Index n = sets.rows();
-  return gather_target_sets(n, n, [&](Index i, auto&& add) {
-    if (valid_keys(i, n, causal) == 1) {
-      add(std::int32_t(i));
-      return;
-    }
-    for (const std::int32_t* j = sets.begin(i); j < sets.end(i); ++j)
-      if (*j != i) add(*j);
-  });
+  return gather_target_sets(
+      n, n,
+      [&](Index i, auto&& add) {
+        if (valid_keys(i, n, causal) == 1) {
+          add(std::int32_t(i));
+          return;
+        }
+        for (const std::int32_t* j = sets.begin(i); j < sets.end(i); ++j)
+          if (*j != i) add(*j);
+      },
+      false, false, sets.keys.size() + std::size_t(n));
 }
 
 // Row i's set with key i added (n x n): the keys an estimate of "every other valid key" leaves out
 // under the self rule.
 inline TargetSets sets_with_self(const TargetSets& sets) {
   const Index n = sets.rows();
-  return gather_target_sets(n, n, [&](Index i, auto&& add) {
-    add(std::int32_t(i));
-    for (const std::int32_t* j = sets.begin(i); j < sets.end(i); ++j) add(*j);
-  });
+  return gather_target_sets(
+      n, n,
+      [&](Index i, auto&& add) {
+        add(std::int32_t(i));
+        for (const std::int32_t* j = sets.begin(i); j < sets.end(i); ++j) add(*j);
+      },
+      false, false, sets.keys.size() + std::size_t(n));
 }
 
 // Each row i of `rows` attends to itself alone, with logit queries(i) . keys(i) (queries already

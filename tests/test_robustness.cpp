@@ -423,6 +423,51 @@ TEST_CASE("robustness: a second _into call with the same shapes allocates nothin
                        [&, lsh] { randattn::shared_qk_attention_into(q, v, out, lsh); });
     calls.emplace_back("lsf_attention_into" + mode,
                        [&, lsf] { randattn::lsf_attention_into(filters, q, k, v, out, lsf); });
+    // Sparse + low-rank: each kind of support and remainder, the LSH support alone both with its
+    // sets (sampled remainder) and without them (the feature correction runs chunk by chunk).
+    using randattn::SupportSpec;
+    using randattn::WindowSupport;
+    const randattn::FeatureRemainder<PositiveFeatures<S>> positive_rest{positive, {}};
+    const randattn::SampledRemainder sampled{16, false, 32};
+    randattn::SparseLowRankOptions slr;
+    slr.causal = causal;
+    slr.seed = 309;
+    randattn::SparseLowRankOptions slr_centred = slr;
+    slr_centred.centre_keys = true;
+    randattn::SparseLowRankOptions slr_self = slr;
+    slr_self.exclude_self = true;
+    SupportSpec<S> window, lsh_support, lsh_buckets, lsh_window, lsf_support, window_blocks;
+    window.window = WindowSupport{16, 2};
+    lsh_support.lsh = &hash;
+    lsh_support.lsh_options = lsh;
+    lsh_buckets = lsh_support;
+    lsh_buckets.lsh_options.exact_buckets = true;
+    lsh_window = lsh_support;
+    lsh_window.window = window.window;
+    lsf_support.lsf = &filters;
+    lsf_support.lsf_options = lsf;
+    window_blocks.window = WindowSupport{8, 0};
+    window_blocks.blocks = randattn::BlockSupport{32, 1};
+    const auto add_sparse_lowrank = [&](const std::string& what, const SupportSpec<S>& support,
+                                        const auto& remainder,
+                                        const randattn::SparseLowRankOptions& opt) {
+      calls.emplace_back("sparse_lowrank_attention_into, " + what + mode,
+                         [&, support, remainder, opt] {
+                           randattn::SparseLowRankStats stats;
+                           randattn::sparse_lowrank_attention_into<S>(q, k, v, support, out,
+                                                                      remainder, opt, &stats);
+                         });
+    };
+    add_sparse_lowrank("window + positive features", window, positive_rest, slr);
+    add_sparse_lowrank("window + positive features, exclude_self", window, positive_rest, slr_self);
+    add_sparse_lowrank("lsh + sampled", lsh_support, sampled, slr);
+    add_sparse_lowrank("lsh + positive features", lsh_support, positive_rest, slr);
+    add_sparse_lowrank("lsh + no remainder, centred keys", lsh_support, randattn::NoRemainder{},
+                       slr_centred);
+    add_sparse_lowrank("lsh buckets + positive features", lsh_buckets, positive_rest, slr);
+    add_sparse_lowrank("lsf + sampled, centred keys", lsf_support, sampled, slr_centred);
+    add_sparse_lowrank("window, blocks + sampled", window_blocks, sampled, slr);
+    add_sparse_lowrank("lsh, window + positive features", lsh_window, positive_rest, slr);
   }
   for (const auto& [name, call] : calls) {
     INFO(name);

@@ -27,7 +27,9 @@
 #include "../core/target_sets.hpp"
 #include "../core/types.hpp"
 #include "../detail/chunk_products.hpp"
+#include "../detail/matrix_pool.hpp"
 #include "../detail/parallel.hpp"
+#include "../detail/pooled_vector.hpp"
 #include "../lsh/lsh_attention.hpp"
 
 namespace randattn {
@@ -43,8 +45,8 @@ void subtract_on_targets(const ScaledFeatures<Scalar>& qf, const ScaledFeatures<
   const Index n_q = qf.rows(), dv = v.cols();
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   parallel_for((n_q + 63) / 64, [&](Index t) {
-    Vector<Scalar> fq(qf.dim());
-    RowMatrix<Scalar> correction(1, dv + 1);
+    Scratch<Vector<Scalar>> fq(qf.dim());
+    Scratch<RowMatrix<Scalar>> correction(1, dv + 1);
     for (Index i = t * 64; i < std::min(n_q, (t + 1) * 64); ++i) {
       if (sets.size(i) == 0) continue;
       fq = qf.values.row(i).transpose();
@@ -74,18 +76,33 @@ inline RoundSignatures chunk_signatures(const LshChunks& l) {
   return sig;
 }
 
-// The pair counts of one query row against the key columns `cols` of its chunk pair, from the
-// signatures (the columns' gathered once per chunk pair) or the chunks' table.
+// A rows x cols matrix on the first entries of `buffer` (at least rows x cols of them), laid out
+// as a RowMatrix of that shape, so that products over it round as over one: working storage
+// sized once for the largest chunk serves every chunk.
+template <typename Scalar>
+Eigen::Map<RowMatrix<Scalar>, Eigen::AlignedMax> shaped(RowMatrix<Scalar>& buffer, Index rows,
+                                                        Index cols) {
+  return Eigen::Map<RowMatrix<Scalar>, Eigen::AlignedMax>(buffer.data(), rows, cols);
+}
+
+// The pair counts of one query row against the key columns `cols` of its chunk pair (at most
+// `room`), from the signatures (the columns' gathered once per chunk pair) or the chunks'
+// table. Storage from the thread's pools.
 struct ChunkPairCounts {
-  const LshChunks* l = nullptr;
+  const LshChunks* l;
   RoundSignatures sig;
-  RoundCounter::SignatureMatrix key_sig;
-  std::vector<std::int32_t> count;
+  Scratch<RoundCounter::SignatureMatrix> key_sig;  // rounds x room (none with the table)
+  PooledVector<std::int32_t> count;
   TileIndex col_index;
+
+  ChunkPairCounts(const LshChunks& chunks, Index room)
+      : l(&chunks),
+        sig(chunk_signatures(chunks)),
+        key_sig(sig.counts ? 0 : chunks.rounds, room),
+        count(0, std::size_t(room)) {}
 
   void set_columns(const std::vector<std::int32_t>& cols) {
     const Index nc = Index(cols.size());
-    key_sig.resize(sig.counts ? 0 : l->rounds, nc);
     if (!sig.counts)
       for (Index t = 0; t < nc; ++t)
         for (Index r = 0; r < l->rounds; ++r) key_sig(r, t) = l->key_plan().chunk_of()(cols[t], r);
@@ -103,9 +120,9 @@ struct ChunkPairCounts {
 // Σ_t inverse[count[t]] over the unmasked columns: each distinct key of the row once over the
 // rounds. Two running sums halve the chain of dependent additions.
 template <typename Masked>
-double distinct_keys(const std::vector<std::int32_t>& count, const std::vector<double>& inverse,
+double distinct_keys(const std::vector<std::int32_t>& count, const double* inverse,
                      Masked&& masked) {
-  const auto term = [&](std::size_t t) { return masked(t) ? 0.0 : inverse[std::size_t(count[t])]; };
+  const auto term = [&](std::size_t t) { return masked(t) ? 0.0 : inverse[count[t]]; };
   double a = 0, b = 0;
   std::size_t t = 0;
   for (; t + 1 < count.size(); t += 2) {
@@ -116,11 +133,10 @@ double distinct_keys(const std::vector<std::int32_t>& count, const std::vector<d
   return a + b;
 }
 
-// The rows of query chunk g in round rho as features (times the map's signs), into fq.
+// The rows of query chunk g in round rho as features (times the map's signs), into fq (nr rows).
 template <typename Scalar>
 void gather_query_features(const ScaledFeatures<Scalar>& qf, const Vector<Scalar>& signs,
-                           const std::int32_t* rows, Index nr, RowMatrix<Scalar>& fq) {
-  fq.resize(nr, qf.dim());
+                           const std::int32_t* rows, Index nr, Eigen::Ref<RowMatrix<Scalar>> fq) {
   for (Index u = 0; u < nr; ++u) fq.row(u) = qf.values.row(rows[u]);
   if (signs.size() > 0) fq.array().rowwise() *= signs.transpose().array();
 }
@@ -144,54 +160,66 @@ template <typename Scalar>
 void subtract_on_chunks(const ScaledFeatures<Scalar>& qf, const ScaledFeatures<Scalar>& kf,
                         const Vector<Scalar>& signs, const Eigen::Ref<const RowMatrix<Scalar>>& v,
                         const LshChunks& l, bool causal, RowMatrix<Scalar>& nd,
-                        Vector<Scalar>& log_scale, std::vector<double>* distinct = nullptr) {
+                        Vector<Scalar>& log_scale, double* distinct = nullptr) {
   const Index m = qf.dim(), dv = v.cols();
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
-  std::vector<double> inverse(std::size_t(l.rounds) + 1, 0.0);  // 1/N_ij, N_ij <= rounds
-  for (std::size_t c = 1; c < inverse.size(); ++c) inverse[c] = 1.0 / double(c);
-  // Key rows `cols` as features scaled by exp(log_scale - top), top their largest log-scale, and
-  // their [v | 1] rows.
+  Scratch<Eigen::VectorXd> inverse(l.rounds + 1);  // 1/N_ij, N_ij <= rounds
+  inverse(0) = 0.0;
+  for (Index c = 1; c < inverse.size(); ++c) inverse(c) = 1.0 / double(c);
+  // Key rows `cols` (at most `room`) as features scaled by exp(log_scale - top), top their
+  // largest log-scale, and their [v | 1] rows.
   struct KeyRows {
-    std::vector<std::int32_t> cols;
-    RowMatrix<Scalar> features, values, g;  // g = featuresᵀ values (the factored form)
+    PooledVector<std::int32_t> cols;
+    Scratch<RowMatrix<Scalar>> feature_rows, value_rows;  // room x M, room x (dv + 1)
+    Scratch<RowMatrix<Scalar>> g;  // featuresᵀ values (the factored form), M x (dv + 1)
     Scalar top = kNegInf;
+    KeyRows(Index room, Index m, Index dv, bool factored)
+        : cols(0, std::size_t(room)),
+          feature_rows(room, m),
+          value_rows(room, dv + 1),
+          g(factored ? m : 0, dv + 1) {}
+    auto features() { return shaped(feature_rows, Index(cols.size()), feature_rows.cols()); }
+    auto values() { return shaped(value_rows, Index(cols.size()), value_rows.cols()); }
     void load(const ScaledFeatures<Scalar>& kf, const Eigen::Ref<const RowMatrix<Scalar>>& v) {
       const Index nk = Index(cols.size()), dv = v.cols();
       top = kNegInf;
       for (std::int32_t j : cols) top = std::max(top, kf.log_scale(j));
-      features.resize(nk, kf.dim());
-      values.resize(nk, dv + 1);
       for (Index t = 0; t < nk; ++t) {
-        features.row(t) = std::exp(kf.log_scale(cols[t]) - top) * kf.values.row(cols[t]);
-        values.row(t).head(dv) = v.row(cols[t]);
-        values(t, dv) = 1;
+        feature_rows.row(t) = std::exp(kf.log_scale(cols[t]) - top) * kf.values.row(cols[t]);
+        value_rows.row(t).head(dv) = v.row(cols[t]);
+        value_rows(t, dv) = 1;
       }
     }
   };
-  struct Scratch {
+  // Per thread and round, from the thread's pools, sized for the largest chunks: c queries, key
+  // chunks of ck.
+  struct Work {
     KeyRows prev, cur;
     ChunkPairCounts pairs;
-    std::vector<std::int32_t> cols;
-    RowMatrix<Scalar> fq, weights, gsum, correction;
+    PooledVector<std::int32_t> cols;
+    Scratch<RowMatrix<Scalar>> fq_rows, weight_rows, gsum, correction_rows;
+    Work(const LshChunks& l, Index m, Index dv, bool causal)
+        : prev(causal ? 0 : l.ck, m, dv, !causal),
+          cur(causal ? 2 * l.ck : l.ck, m, dv, !causal),
+          pairs(l, 2 * l.ck),
+          cols(0, causal ? 0 : std::size_t(2 * l.ck)),
+          fq_rows(l.c, m),
+          weight_rows(causal ? l.c : 0, 2 * l.ck),
+          gsum(causal ? 0 : m, dv + 1),
+          correction_rows(l.c, dv + 1) {}
   };
-  const auto make = [&] {
-    Scratch s;
-    s.pairs.l = &l;
-    s.pairs.sig = chunk_signatures(l);
-    return s;
-  };
-  const auto merge_rows = [&](const std::int32_t* rows, Index nr, const RowMatrix<Scalar>& c,
-                              Scalar top) {
+  const auto make = [&] { return Work(l, m, dv, causal); };
+  const auto merge_rows = [&](const std::int32_t* rows, Index nr, const auto& c, Scalar top) {
     for (Index u = 0; u < nr; ++u)
       merge_scaled(nd.row(rows[u]), log_scale(rows[u]), c.row(u), qf.log_scale(rows[u]) + top);
   };
   const auto add_distinct = [&](Index i, const std::vector<std::int32_t>& count, auto&& masked) {
-    if (distinct) (*distinct)[std::size_t(i)] += distinct_keys(count, inverse, masked);
+    if (distinct) distinct[i] += distinct_keys(count, inverse.data(), masked);
   };
 
   if (causal) {
     for (Index rho = 0; rho < l.rounds; ++rho) {
-      parallel_for_with(l.chunks, make, [&](Index g, Scratch& s) {
+      parallel_for_with(l.chunks, make, [&](Index g, Work& s) {
         const std::int32_t* rows = l.queries.chunk(rho, g);
         const Index nr = l.queries.chunk_size(g);
         KeyRows& keys = s.cur;
@@ -204,21 +232,24 @@ void subtract_on_chunks(const ScaledFeatures<Scalar>& qf, const ScaledFeatures<S
         const Index nc = Index(keys.cols.size());
         if (nc == 0 || nr == 0) return;
         keys.load(kf, v);
-        gather_query_features(qf, signs, rows, nr, s.fq);
-        s.weights.noalias() = s.fq * keys.features.transpose();
+        auto fq = shaped(s.fq_rows, nr, m);
+        auto weights = shaped(s.weight_rows, nr, nc);
+        auto correction = shaped(s.correction_rows, nr, dv + 1);
+        gather_query_features<Scalar>(qf, signs, rows, nr, fq);
+        weights.noalias() = fq * keys.features().transpose();
         s.pairs.set_columns(keys.cols);
         for (Index u = 0; u < nr; ++u) {
           const Index i = rows[u];
           s.pairs.of_row(i);
           const auto masked = [&](std::size_t t) { return Index(keys.cols[t]) > i; };
           for (Index t = 0; t < nc; ++t)  // negated: the product below is the correction
-            s.weights(u, t) = masked(std::size_t(t))
-                                  ? Scalar(0)
-                                  : -s.weights(u, t) / Scalar(s.pairs.count[std::size_t(t)]);
+            weights(u, t) = masked(std::size_t(t))
+                                ? Scalar(0)
+                                : -weights(u, t) / Scalar(s.pairs.count[std::size_t(t)]);
           add_distinct(i, s.pairs.count, masked);
         }
-        s.correction.noalias() = s.weights * keys.values;
-        merge_rows(rows, nr, s.correction, keys.top);
+        correction.noalias() = weights * keys.values();
+        merge_rows(rows, nr, correction, keys.top);
       });
     }
     return;
@@ -230,14 +261,13 @@ void subtract_on_chunks(const ScaledFeatures<Scalar>& qf, const ScaledFeatures<S
   const auto load_chunk = [&](Index rho, Index h, KeyRows& keys) {
     keys.cols.assign(l.key_chunk(rho, h), l.key_chunk(rho, h) + l.key_count(h));
     keys.load(kf, v);
-    keys.g.resize(m, dv + 1);
     if (keys.cols.empty())
       keys.g.setZero();
     else
-      row_panel_product(keys.g, keys.features.transpose(), keys.values, false);
+      row_panel_product(keys.g, keys.features().transpose(), keys.values(), false);
   };
   for (Index rho = 0; rho < l.rounds; ++rho) {
-    parallel_for_with(tasks, make, [&](Index task, Scratch& s) {
+    parallel_for_with(tasks, make, [&](Index task, Work& s) {
       const Index g0 = task * per_task, g1 = std::min(l.chunks, g0 + per_task);
       const bool two = l.chunks > 1;
       if (two) load_chunk(rho, l.previous(g0), s.prev);
@@ -249,14 +279,17 @@ void subtract_on_chunks(const ScaledFeatures<Scalar>& qf, const ScaledFeatures<S
         if (nr == 0 || top == kNegInf) continue;  // no queries, or no keys in either chunk
         s.gsum.noalias() = std::exp(s.cur.top - top) * s.cur.g;
         if (two) s.gsum.noalias() += std::exp(s.prev.top - top) * s.prev.g;
-        gather_query_features(qf, signs, rows, nr, s.fq);
-        s.correction.resize(nr, dv + 1);
-        row_panel_product(s.correction, s.fq, s.gsum, false);
+        auto fq = shaped(s.fq_rows, nr, m);
+        auto correction = shaped(s.correction_rows, nr, dv + 1);
+        gather_query_features<Scalar>(qf, signs, rows, nr, fq);
+        row_panel_product(correction, fq, s.gsum, false);
         // The columns as the causal form orders them: chunk g's keys, then chunk g - 1's.
         const Index ncur = Index(s.cur.cols.size());
-        s.cols = s.cur.cols;
+        s.cols.assign(s.cur.cols.begin(), s.cur.cols.end());
         if (two) s.cols.insert(s.cols.end(), s.prev.cols.begin(), s.prev.cols.end());
         s.pairs.set_columns(s.cols);
+        const auto cur_features = s.cur.features(), prev_features = s.prev.features();
+        const auto cur_values = s.cur.values(), prev_values = s.prev.values();
         const Scalar cur_scale = std::exp(s.cur.top - top), prev_scale = std::exp(s.prev.top - top);
         for (Index u = 0; u < nr; ++u) {
           s.pairs.of_row(rows[u]);
@@ -264,20 +297,35 @@ void subtract_on_chunks(const ScaledFeatures<Scalar>& qf, const ScaledFeatures<S
             const std::int32_t n = s.pairs.count[t];
             if (n <= 1) continue;
             const bool in_cur = Index(t) < ncur;
-            const KeyRows& keys = in_cur ? s.cur : s.prev;
+            const auto& features = in_cur ? cur_features : prev_features;
+            const auto& values = in_cur ? cur_values : prev_values;
             const Index row = in_cur ? Index(t) : Index(t) - ncur;
-            const Scalar w = s.fq.row(u).dot(keys.features.row(row)) *
+            const Scalar w = fq.row(u).dot(features.row(row)) *
                              (in_cur ? cur_scale : prev_scale) * (Scalar(1) - Scalar(1) / Scalar(n));
-            s.correction.row(u) -= w * keys.values.row(row);
+            correction.row(u) -= w * values.row(row);
           }
           add_distinct(rows[u], s.pairs.count, [](std::size_t) { return false; });
         }
-        s.correction = -s.correction;
-        merge_rows(rows, nr, s.correction, top);
+        correction = -correction;
+        merge_rows(rows, nr, correction, top);
       }
     });
   }
 }
+
+// Feature rows whose storage is taken from the thread's pool and given back with them.
+template <typename Scalar>
+struct PooledFeatures : ScaledFeatures<Scalar> {
+  PooledFeatures(Index rows, Index dim)
+      : ScaledFeatures<Scalar>{MatrixPool<RowMatrix<Scalar>>::take(rows, dim),
+                               MatrixPool<Vector<Scalar>>::take(rows)} {}
+  PooledFeatures(const PooledFeatures&) = delete;
+  PooledFeatures& operator=(const PooledFeatures&) = delete;
+  ~PooledFeatures() {
+    MatrixPool<RowMatrix<Scalar>>::give(std::move(this->values));
+    MatrixPool<Vector<Scalar>>::give(std::move(this->log_scale));
+  }
+};
 
 // The remainder from the mapped features: the linear core over all valid keys, minus the
 // correction `subtract` on the support, then the denominator rule; size(i) = |S_i|.
@@ -289,12 +337,13 @@ SoftmaxAccumulator<typename Map::Scalar> feature_remainder(
     Index* clamped_rows, Size&& size, Subtract&& subtract) {
   using Scalar = typename Map::Scalar;
   const auto settings = feature_attention_settings(where, map, opt);
-  // q and k mapped once: the same features serve the linear core and the correction.
-  const auto mapped = map_slice(where, map, q, k, v, settings, opt.check_finite);
-  const ScaledFeatures<Scalar>& qf = mapped.first;
-  const ScaledFeatures<Scalar>& kf = mapped.second;
+  check_feature_slice(where, map, q, k, v, settings, opt.check_finite);
   if (q.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
-  const Vector<Scalar> signs = map.signs();
+  // q and k mapped once: the same features serve the linear core and the correction.
+  PooledFeatures<Scalar> qf(q.rows(), map.feature_dim()), kf(k.rows(), map.feature_dim());
+  map.features_into(q, settings.normaliser, qf.values, qf.log_scale, FeatureSide::query);
+  map.features_into(k, settings.normaliser, kf.values, kf.log_scale, FeatureSide::key);
+  const auto& signs = map.signs();  // a reference where the map holds them: no copy
   const GivenFeatureRows<Scalar> qrows(qf.values, qf.log_scale), krows(kf.values, kf.log_scale);
   const LinearOperands<GivenFeatureRows<Scalar>, GivenFeatureRows<Scalar>> in{
       qrows, krows, v, signs, linear_chunk(settings.linear)};
@@ -358,21 +407,23 @@ SoftmaxAccumulator<typename Map::Scalar> feature_remainder_accumulate(
   const char* where = "feature_remainder";
   detail::require(chunks.n_q == q.rows() && chunks.n_k == k.rows(), where,
                   "the chunks were not cut from these q and k");
-  std::vector<Index> counted(std::size_t(q.rows()), 0);
-  auto acc = detail::feature_remainder(
+  // The sizes are counted into `sizes` when given (a caller's storage, e.g. from the pool).
+  detail::PooledVector<Index> own(sizes ? 0 : std::size_t(q.rows()));
+  std::vector<Index>& counted = sizes ? *sizes : own;
+  counted.assign(std::size_t(q.rows()), 0);
+  return detail::feature_remainder(
       where, map, q, k, v, opt, clamped_rows, [&](Index i) { return counted[std::size_t(i)]; },
       [&](const ScaledFeatures<Scalar>& qf, const ScaledFeatures<Scalar>& kf,
           const Vector<Scalar>& signs, RowMatrix<Scalar>& nd, Vector<Scalar>& log_scale) {
-        std::vector<double> distinct(std::size_t(q.rows()), 0.0);
+        detail::Scratch<Eigen::VectorXd> distinct(q.rows());
+        distinct.setZero();
         detail::subtract_on_chunks(qf, kf, signs, v, chunks, opt.causal, nd, log_scale,
-                                   &distinct);
+                                   distinct.data());
         for (Index i = 0; i < q.rows(); ++i) {  // Σ 1/N_ij sums to an integer; the fallback
-          const Index keys = Index(std::llround(distinct[std::size_t(i)]));
+          const Index keys = Index(std::llround(distinct(i)));
           counted[std::size_t(i)] = keys > 0 ? keys : valid_keys(i, k.rows(), opt.causal);
         }
       });
-  if (sizes) *sizes = std::move(counted);
-  return acc;
 }
 
 }  // namespace randattn

@@ -17,6 +17,7 @@
 // j <= i of its own block outside S_i are taken with p = 1, so nothing depends on a later key.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -27,7 +28,9 @@
 #include "../core/softmax_accumulator.hpp"
 #include "../core/target_sets.hpp"
 #include "../core/types.hpp"
+#include "../detail/matrix_pool.hpp"
 #include "../detail/parallel.hpp"
+#include "../detail/pooled_vector.hpp"
 #include "../random/philox.hpp"
 #include "block_bounds.hpp"
 #include "target_attention.hpp"
@@ -62,15 +65,16 @@ Index sampled_remainder_merge(const Eigen::Ref<const RowMatrix<Scalar>>& q,
   const Index blocks = bounds.blocks(), B = bounds.block();
   constexpr Index kRows = 64;
   const Index tasks = (n_q + kRows - 1) / kRows;
-  std::vector<Index> drawn(static_cast<std::size_t>(tasks), 0);
+  std::atomic<Index> drawn{0};
   detail::parallel_for(tasks, [&](Index t) {
     const Index i0 = t * kRows, rows = std::min(kRows, n_q - i0);
-    const RowMatrix<Scalar> ub = rule.uniform ? RowMatrix<Scalar>()
-                                              : RowMatrix<Scalar>(bounds.bounds(q.middleRows(i0, rows)));
-    std::vector<Index> outside(static_cast<std::size_t>(blocks));
-    std::vector<double> prob(static_cast<std::size_t>(blocks));
-    std::vector<std::int32_t> cols;
-    std::vector<Scalar> weight;
+    // From the thread's pool. A query draws each valid key at most once.
+    detail::Scratch<RowMatrix<Scalar>> ub(rule.uniform ? 0 : rows, blocks);
+    if (!rule.uniform) bounds.bounds_into(q.middleRows(i0, rows), ub);
+    detail::PooledVector<Index> outside(static_cast<std::size_t>(blocks));
+    detail::Scratch<Eigen::VectorXd> prob(blocks);
+    detail::PooledVector<std::int32_t> cols(0, static_cast<std::size_t>(n_k));
+    detail::Scratch<Vector<Scalar>> weight(n_k);
     detail::TargetRowKernel<Scalar> kernel(0, v.cols());
     for (Index i = i0; i < i0 + rows; ++i) {
       // Sampled blocks [0, sampled); causal: the keys j <= i of block `own` are taken whole.
@@ -93,7 +97,6 @@ Index sampled_remainder_merge(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                                : std::min(1.0, std::max(rule.samples * prob[b] / mass,
                                                         rule.samples / count));
       cols.clear();
-      weight.clear();
       std::uint32_t draw = 0;
       const std::uint64_t key = row_offset + std::uint64_t(i);
       for (Index b = 0; b < sampled; ++b) {
@@ -110,23 +113,21 @@ Index sampled_remainder_merge(const Eigen::Ref<const RowMatrix<Scalar>>& q,
           }
           if (j >= b1) break;
           if (sets.contains(i, j)) continue;
+          weight(Index(cols.size())) = static_cast<Scalar>(1.0 / p);
           cols.push_back(static_cast<std::int32_t>(j));
-          weight.push_back(static_cast<Scalar>(1.0 / p));
         }
       }
       if (causal)
         for (Index j = sampled * B; j <= std::min(i, n_k - 1); ++j)
           if (!sets.contains(i, j)) {
+            weight(Index(cols.size())) = Scalar(1);
             cols.push_back(static_cast<std::int32_t>(j));
-            weight.push_back(Scalar(1));
           }
-      drawn[std::size_t(t)] += Index(cols.size());
+      drawn += Index(cols.size());
       kernel.attend(q, k, v, scale, i, cols.data(), weight.data(), Index(cols.size()), acc);
     }
   });
-  Index total = 0;
-  for (Index d : drawn) total += d;
-  return total;
+  return drawn;
 }
 
 }  // namespace randattn

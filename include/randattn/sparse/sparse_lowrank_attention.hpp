@@ -45,6 +45,8 @@
 #include "../core/target_sets.hpp"
 #include "../core/types.hpp"
 #include "../detail/fresh_matrix.hpp"
+#include "../detail/matrix_pool.hpp"
+#include "../detail/pooled_vector.hpp"
 #include "../detail/seconds_since.hpp"
 #include "../detail/validation.hpp"
 #include "../lsf/lsf_attention.hpp"
@@ -118,17 +120,18 @@ TargetSets support_sets(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                         const Eigen::Ref<const RowMatrix<Scalar>>& hash_keys,
                         const SupportSpec<Scalar>& s, const LshOptions& lsh_opt,
                         const LsfOptions& lsf_opt, bool causal, const LshChunks* chunks) {
-  std::vector<TargetSets> parts;
+  TargetSets parts[4];
+  std::size_t count = 0;
   if (s.lsh)
-    parts.push_back(chunks ? lsh_target_sets(*chunks, causal)
-                           : lsh_target_sets<Scalar>(*s.lsh, q, hash_keys, lsh_opt));
-  if (s.lsf) parts.push_back(lsf_target_sets<Scalar>(*s.lsf, q, hash_keys, lsf_opt));
-  if (s.window) parts.push_back(window_target_sets(q.rows(), hash_keys.rows(), *s.window, causal));
-  if (s.blocks) parts.push_back(block_target_sets<Scalar>(q, hash_keys, *s.blocks, causal));
-  if (parts.size() == 1) return std::move(parts.front());
-  std::vector<const TargetSets*> ptrs;
-  for (const TargetSets& p : parts) ptrs.push_back(&p);
-  return union_of(ptrs);
+    parts[count++] = chunks ? lsh_target_sets(*chunks, causal)
+                            : lsh_target_sets<Scalar>(*s.lsh, q, hash_keys, lsh_opt);
+  if (s.lsf) parts[count++] = lsf_target_sets<Scalar>(*s.lsf, q, hash_keys, lsf_opt);
+  if (s.window) parts[count++] = window_target_sets(q.rows(), hash_keys.rows(), *s.window, causal);
+  if (s.blocks) parts[count++] = block_target_sets<Scalar>(q, hash_keys, *s.blocks, causal);
+  if (count == 1) return std::move(parts[0]);
+  const TargetSets* ptrs[4];
+  for (std::size_t p = 0; p < count; ++p) ptrs[p] = &parts[p];
+  return union_of(ptrs, count);
 }
 
 }  // namespace detail
@@ -168,19 +171,20 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
   SparseLowRankStats& st = stats ? *stats : local;
   if (q.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
 
-  // The keys the supports see.
+  // The keys the supports see; working storage from the thread's pool.
   auto start = Clock::now();
-  Eigen::RowVectorXd mean = Eigen::RowVectorXd::Zero(k.cols());
+  detail::Scratch<Eigen::RowVectorXd> mean(1, opt.centre_keys ? k.cols() : 0);
+  detail::Scratch<RowMatrix<Scalar>> centred_keys(opt.centre_keys ? k.rows() : 0, k.cols());
   if (opt.centre_keys) {
     if (opt.key_mean) {
       detail::require(opt.key_mean->size() == k.cols(), where, "key_mean has ",
                       opt.key_mean->size(), " entries for keys of dimension ", k.cols());
       mean = *opt.key_mean;
     } else {
-      mean = key_mean<Scalar>(k, opt.causal ? opt.centre_prefix : 0);
+      key_mean_into<Scalar>(k, opt.causal ? opt.centre_prefix : 0, mean);
     }
+    centred_into<Scalar>(k, mean, centred_keys);
   }
-  const RowMatrix<Scalar> centred_keys = opt.centre_keys ? centred<Scalar>(k, mean) : RowMatrix<Scalar>();
   const Eigen::Ref<const RowMatrix<Scalar>> hash_keys =
       opt.centre_keys ? Eigen::Ref<const RowMatrix<Scalar>>(centred_keys) : k;
   LshOptions lsh_opt = support.lsh_options;
@@ -209,7 +213,8 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
   const bool own_kernel = detail::hashed_alone(support) && !opt.exclude_self;
   const bool sizes_only = chunks && own_kernel && !sampled;
   const bool need_sets = !sizes_only && (!no_remainder || stats || !own_kernel);
-  std::vector<Index> sizes;
+  // |S_i| without the sets: counted by a feature remainder as it runs, or for the stats.
+  detail::PooledVector<Index> sizes(0, sizes_only && features ? std::size_t(q.rows()) : 0);
   TargetSets sets;      // the keys E scores
   TargetSets left_out;  // under the self rule: the keys the remainder leaves out, S_i ∪ {i}
   if (sizes_only && !features && stats) {  // a feature remainder counts them as it runs
@@ -237,7 +242,9 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
               : lsf_attention_accumulate<Scalar>(*support.lsf, q, hash_keys, v, lsf_opt);
     if (opt.centre_keys) {  // back to the raw keys' logits: + scale q_i·μ
       auto [nd, log_scale] = std::move(acc).release();
-      log_scale.noalias() += scale * (q * mean.transpose().template cast<Scalar>());
+      detail::Scratch<Vector<Scalar>> mu(k.cols());
+      mu = mean.transpose().template cast<Scalar>();
+      log_scale.noalias() += scale * (q * mu);
       acc = SoftmaxAccumulator<Scalar>(std::move(nd), std::move(log_scale));
     }
   } else {

@@ -134,13 +134,10 @@ void exact_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBas
                           const ExactOptions& opt = {}) {
   using Scalar = typename DQ::Scalar;
   static_assert(std::is_same<Scalar, typename DK::Scalar>::value &&
-                    std::is_same<Scalar, typename DV::Scalar>::value &&
-                    std::is_same<Scalar, typename DO::Scalar>::value,
+                    std::is_same<Scalar, typename DV::Scalar>::value,
                 "q, k, v and out must share the scalar type");
   const Eigen::Ref<const RowMatrix<Scalar>> qr(q), kr(k), vr(v);
-  detail::check_output("exact_attention", out, qr.rows(), vr.cols(),
-                       {detail::named_input("q", qr), detail::named_input("k", kr),
-                        detail::named_input("v", vr)});
+  detail::check_attention_output<Scalar>("exact_attention", out, qr, kr, vr);
   // Every row of an exact accumulator has den >= 1 (its maximal term is exp(0)).
   exact_attention_accumulate<Scalar>(qr, kr, vr, opt).finalize_into(out);
 }

@@ -193,13 +193,10 @@ void sparse_score_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::Ma
                                  const SparseScoreOptions& opt) {
   using Scalar = typename DQ::Scalar;
   static_assert(std::is_same<Scalar, typename DK::Scalar>::value &&
-                    std::is_same<Scalar, typename DV::Scalar>::value &&
-                    std::is_same<Scalar, typename DO::Scalar>::value,
+                    std::is_same<Scalar, typename DV::Scalar>::value,
                 "q, k, v and out must share the scalar type");
   const Eigen::Ref<const RowMatrix<Scalar>> qr(q), kr(k), vr(v);
-  detail::check_output("sparse_score_attention", out, qr.rows(), vr.cols(),
-                       {detail::named_input("q", qr), detail::named_input("k", kr),
-                        detail::named_input("v", vr)});
+  detail::check_attention_output<Scalar>("sparse_score_attention", out, qr, kr, vr);
   SparseScoreAttention<Scalar> r = sparse_score_attention_accumulate<Scalar>(qr, kr, vr, opt);
   r.accumulator.finalize_into(out);
   detail::recycle(static_cast<SparseTensor<Scalar>&&>(r.weights));

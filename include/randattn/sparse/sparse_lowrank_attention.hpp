@@ -291,11 +291,7 @@ void sparse_lowrank_attention_into(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                                    const Remainder& remainder = {},
                                    const SparseLowRankOptions& opt = {},
                                    SparseLowRankStats* stats = nullptr) {
-  static_assert(std::is_same<Scalar, typename DO::Scalar>::value,
-                "q, k, v and out must share the scalar type");
-  detail::check_output("sparse_lowrank_attention", out, q.rows(), v.cols(),
-                       {detail::named_input("q", q), detail::named_input("k", k),
-                        detail::named_input("v", v)});
+  detail::check_attention_output<Scalar>("sparse_lowrank_attention", out, q, k, v);
   sparse_lowrank_accumulate<Scalar, Remainder>(q, k, v, support, remainder, opt, stats)
       .finalize_into(out);
 }

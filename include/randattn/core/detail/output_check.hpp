@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 
 #include <Eigen/Core>
 
@@ -76,6 +77,18 @@ void check_output(const char* where, const Eigen::MatrixBase<DO>& out, Index row
   require(out.rows() == rows && out.cols() == cols, where, "out is ", shape_of(out),
           ", expected ", rows, "x", cols, " (queries x value dimension)");
   check_no_overlap(where, address_span(out), inputs);
+}
+
+// check_output for attention on q, k and v: out is n_q x dv and shares storage with none of them.
+template <typename Scalar, typename DO>
+void check_attention_output(const char* where, const Eigen::MatrixBase<DO>& out,
+                            const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                            const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                            const Eigen::Ref<const RowMatrix<Scalar>>& v) {
+  static_assert(std::is_same<Scalar, typename DO::Scalar>::value,
+                "q, k, v and out must share the scalar type");
+  check_output(where, out, q.rows(), v.cols(),
+               {named_input("q", q), named_input("k", k), named_input("v", v)});
 }
 
 // An input buffer of a `_batched` form: `count` contiguous entries from `data` (null: none).

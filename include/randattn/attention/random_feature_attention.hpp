@@ -106,6 +106,18 @@ void check_feature_slice(const char* where, const Map& map,
   if (check_finite) check_attention_finite<Scalar>(where, q, k, v);
 }
 
+// q and k as features, into qf and kf (q.rows() and k.rows() rows of map.feature_dim()).
+template <typename Map>
+void map_features(const Map& map, const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
+                  const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
+                  const FeatureAttentionSettings<typename Map::Scalar>& s,
+                  ScaledFeatures<typename Map::Scalar>& qf,
+                  ScaledFeatures<typename Map::Scalar>& kf) {
+  if (q.rows() == 0) return;
+  map.features_into(q, s.normaliser, qf.values, qf.log_scale, FeatureSide::query);
+  map.features_into(k, s.normaliser, kf.values, kf.log_scale, FeatureSide::key);
+}
+
 // Validates one (q, k, v) slice and maps q and k to features.
 template <typename Map>
 std::pair<ScaledFeatures<typename Map::Scalar>, ScaledFeatures<typename Map::Scalar>> map_slice(
@@ -120,10 +132,7 @@ std::pair<ScaledFeatures<typename Map::Scalar>, ScaledFeatures<typename Map::Sca
                             Vector<Scalar>(q.rows())};
   ScaledFeatures<Scalar> kf{fresh_matrix<RowMatrix<Scalar>>(k.rows(), dim),
                             Vector<Scalar>(k.rows())};
-  if (q.rows() > 0) {
-    map.features_into(q, s.normaliser, qf.values, qf.log_scale, FeatureSide::query);
-    map.features_into(k, s.normaliser, kf.values, kf.log_scale, FeatureSide::key);
-  }
+  map_features(map, q, k, s, qf, kf);
   return {std::move(qf), std::move(kf)};
 }
 

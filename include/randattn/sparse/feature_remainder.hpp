@@ -341,8 +341,7 @@ SoftmaxAccumulator<typename Map::Scalar> feature_remainder(
   if (q.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
   // q and k mapped once: the same features serve the linear core and the correction.
   PooledFeatures<Scalar> qf(q.rows(), map.feature_dim()), kf(k.rows(), map.feature_dim());
-  map.features_into(q, settings.normaliser, qf.values, qf.log_scale, FeatureSide::query);
-  map.features_into(k, settings.normaliser, kf.values, kf.log_scale, FeatureSide::key);
+  map_features(map, q, k, settings, qf, kf);
   const auto& signs = map.signs();  // a reference where the map holds them: no copy
   const GivenFeatureRows<Scalar> qrows(qf.values, qf.log_scale), krows(kf.values, kf.log_scale);
   const LinearOperands<GivenFeatureRows<Scalar>, GivenFeatureRows<Scalar>> in{

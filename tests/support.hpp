@@ -191,6 +191,35 @@ void check_into_form(const RowMatrix<Scalar>& expected, const std::vector<RowMat
 }
 
 template <typename Scalar>
+struct LinearProblem {
+  RowMatrix<Scalar> qf, kf, v;
+  Vector<Scalar> q_log, k_log, signs;
+};
+
+// Inputs of the linear core: positive features, log-scales spread over [-log_spread, log_spread], and (optionally) signs
+// that flip a few small features so the signed denominators stay well away from zero.
+template <typename Scalar>
+LinearProblem<Scalar> linear_problem(std::uint64_t seed, Index n, Index m, Index dv,
+                                     double log_spread, bool with_signs) {
+  LinearProblem<Scalar> p;
+  p.qf = uniform<Scalar>(seed, n, m, 0.1, 1.0);
+  p.kf = uniform<Scalar>(seed + 1, n, m, 0.1, 1.0);
+  p.v = gaussian<Scalar>(seed + 2, n, dv);
+  if (log_spread > 0) {
+    p.q_log = uniform<Scalar>(seed + 3, n, 1, -log_spread, log_spread).col(0);
+    p.k_log = uniform<Scalar>(seed + 4, n, 1, -log_spread, log_spread).col(0);
+  }
+  if (with_signs) {
+    p.signs = Vector<Scalar>::Ones(m);
+    for (Index i = 0; i < m; i += 4) {
+      p.signs(i) = -1;
+      p.qf.col(i) *= Scalar(0.1);
+    }
+  }
+  return p;
+}
+
+template <typename Scalar>
 constexpr double tolerance() {
   return std::is_same<Scalar, float>::value ? 1e-5 : 1e-12;
 }

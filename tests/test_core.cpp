@@ -42,35 +42,6 @@ RowMatrix<double> explicit_linear(const RowMatrix<Scalar>& qf, const Vector<Scal
   return den.cwiseInverse().asDiagonal() * num;
 }
 
-template <typename Scalar>
-struct LinearProblem {
-  RowMatrix<Scalar> qf, kf, v;
-  Vector<Scalar> q_log, k_log, signs;
-};
-
-// Positive features, log-scales spread over [-log_spread, log_spread], and (optionally) signs
-// that flip a few small features so the signed denominators stay well away from zero.
-template <typename Scalar>
-LinearProblem<Scalar> make_problem(std::uint64_t seed, Index n, Index m, Index dv,
-                                   double log_spread, bool with_signs) {
-  LinearProblem<Scalar> p;
-  p.qf = testing::uniform<Scalar>(seed, n, m, 0.1, 1.0);
-  p.kf = testing::uniform<Scalar>(seed + 1, n, m, 0.1, 1.0);
-  p.v = testing::gaussian<Scalar>(seed + 2, n, dv);
-  if (log_spread > 0) {
-    p.q_log = testing::uniform<Scalar>(seed + 3, n, 1, -log_spread, log_spread).col(0);
-    p.k_log = testing::uniform<Scalar>(seed + 4, n, 1, -log_spread, log_spread).col(0);
-  }
-  if (with_signs) {
-    p.signs = Vector<Scalar>::Ones(m);
-    for (Index i = 0; i < m; i += 4) {
-      p.signs(i) = -1;
-      p.qf.col(i) *= Scalar(0.1);
-    }
-  }
-  return p;
-}
-
 }  // namespace
 
 TEMPLATE_TEST_CASE("SoftmaxAccumulator merges partial results exactly", "[core][accumulator]",
@@ -169,8 +140,8 @@ TEMPLATE_TEST_CASE("Linear core equals the explicit masked product", "[core][lin
   const Index n = 301, m = 24, dv = 7;
   for (bool with_signs : {false, true}) {
     for (double spread : {0.0, 8.0}) {
-      const auto p =
-          make_problem<Scalar>(100 + 10 * with_signs + Index(spread), n, m, dv, spread, with_signs);
+      const auto p = testing::linear_problem<Scalar>(100 + 10 * with_signs + Index(spread), n, m,
+                                                     dv, spread, with_signs);
       for (bool causal : {false, true}) {
         const RowMatrix<double> expected =
             explicit_linear(p.qf, p.q_log, p.kf, p.k_log, p.v, p.signs, causal);
@@ -204,7 +175,7 @@ TEMPLATE_TEST_CASE("Causal and bidirectional linear core at awkward sizes, defau
   for (const Widths wd : {Widths{37, 17}, Widths{16, 47}, Widths{256, 64}}) {
     for (const Index n : {1, 5, 32, 33, 100, 545}) {
       if (wd.m == 256 && n > 100) continue;  // the wide case only where it is cheap
-      const auto p = make_problem<Scalar>(700 + n, n, wd.m, wd.dv, 6.0, n % 2 == 1);
+      const auto p = testing::linear_problem<Scalar>(700 + n, n, wd.m, wd.dv, 6.0, n % 2 == 1);
       for (bool causal : {false, true}) {
         INFO("n " << n << " m " << wd.m << " dv " << wd.dv << " causal " << causal);
         LinearOptions opt;
@@ -223,7 +194,7 @@ TEMPLATE_TEST_CASE("Causal and bidirectional linear core at awkward sizes, defau
 TEMPLATE_TEST_CASE("Linear core with ScaledFeatures and plain matrices", "[core][linear]", float,
                    double) {
   using Scalar = TestType;
-  const auto p = make_problem<Scalar>(7, 50, 8, 3, 2.0, false);
+  const auto p = testing::linear_problem<Scalar>(7, 50, 8, 3, 2.0, false);
   const randattn::ScaledFeatures<Scalar> q{p.qf, p.q_log}, k{p.kf, p.k_log};
   const RowMatrix<double> expected =
       explicit_linear(p.qf, p.q_log, p.kf, p.k_log, p.v, p.signs, false);
@@ -243,7 +214,7 @@ TEMPLATE_TEST_CASE("Causal linear core never looks at future keys", "[core][line
   for (bool scaled : {false, true}) {
     for (Index chunk : {1, 32, 64, 256}) {
       INFO("scaled " << scaled << " chunk " << chunk);
-      auto p = make_problem<Scalar>(31, n, m, dv, scaled ? 6.0 : 0.0, true);
+      auto p = testing::linear_problem<Scalar>(31, n, m, dv, scaled ? 6.0 : 0.0, true);
       LinearOptions opt;
       opt.causal = true;
       opt.block_size = chunk;
@@ -263,41 +234,12 @@ TEMPLATE_TEST_CASE("Causal linear core never looks at future keys", "[core][line
   }
 }
 
-#if defined(_OPENMP)
-// One thread runs the causal chunks in order with the state updated in place, several threads
-// scan each group's prefix states and finish its chunks in parallel: the same products in the
-// same order, so the same bits. Several groups of chunks, a ragged last chunk, signs and
-// log-scales on both sides.
-TEMPLATE_TEST_CASE("Causal linear attention gives the same bits on one thread and on two",
-                   "[core][linear][causal][threads]", float, double) {
-  using Scalar = TestType;
-  const int saved = omp_get_max_threads();
-  for (Index chunk : {1, 7, 16}) {
-    INFO("chunk " << chunk);
-    const Index n = 2 * 16 * chunk + 5;
-    const auto p = make_problem<Scalar>(41, n, 24, 3, 4.0, true);
-    LinearOptions opt;
-    opt.causal = true;
-    opt.block_size = chunk;
-    const auto run = [&](int threads) {
-      omp_set_num_threads(threads);
-      return randattn::linear_attention_accumulate<Scalar>(p.qf, p.q_log, p.kf, p.k_log, p.v,
-                                                           p.signs, opt)
-          .finalize(Scalar(1e-6));
-    };
-    const RowMatrix<Scalar> one = run(1), two = run(2);
-    omp_set_num_threads(saved);
-    CHECK(testing::rows_bit_identical(one, two, n));
-  }
-}
-#endif
-
 TEMPLATE_TEST_CASE("Streaming decoder equals causal linear attention", "[core][linear][decoder]",
                    float, double) {
   using Scalar = TestType;
   const Index n = 90, m = 12, dv = 4;
   for (bool scaled : {false, true}) {
-    const auto p = make_problem<Scalar>(55, n, m, dv, scaled ? 5.0 : 0.0, true);
+    const auto p = testing::linear_problem<Scalar>(55, n, m, dv, scaled ? 5.0 : 0.0, true);
     LinearOptions opt;
     opt.causal = true;
     opt.block_size = 16;
@@ -381,56 +323,11 @@ TEST_CASE("Linear core validates its arguments", "[core][linear][validation]") {
   CHECK(call(one_q, one_k, one_v, none, none, none, causal).finalize()(0, 0) == -4.0);
 }
 
-TEMPLATE_TEST_CASE("Batched linear attention equals per-slice calls for any thread count",
-                   "[core][linear][batched][threads]", float, double) {
-  using Scalar = TestType;
-  randattn::BatchShape shape;
-  shape.batch = 2;
-  shape.heads = 3;
-  shape.n_q = shape.n_k = 70;
-  shape.d = 10;
-  shape.dv = 4;
-  const Index s = shape.slices();
-  const RowMatrix<Scalar> qf = testing::uniform<Scalar>(1, s * shape.n_q, shape.d, 0.1, 1.0);
-  const RowMatrix<Scalar> kf = testing::uniform<Scalar>(2, s * shape.n_k, shape.d, 0.1, 1.0);
-  const RowMatrix<Scalar> v = testing::gaussian<Scalar>(3, s * shape.n_k, shape.dv);
-  const RowMatrix<Scalar> kl = testing::uniform<Scalar>(4, s * shape.n_k, 1, -3, 3);
-  for (bool causal : {false, true}) {
-    LinearOptions opt;
-    opt.causal = causal;
-    opt.block_size = 16;
-    RowMatrix<Scalar> out(s * shape.n_q, shape.dv);
-    randattn::linear_attention_batched<Scalar>(qf.data(), nullptr, kf.data(), kl.data(), v.data(),
-                                               nullptr, out.data(), shape, opt);
-    for (Index i = 0; i < s; ++i) {
-      const RowMatrix<Scalar> slice =
-          randattn::linear_attention_accumulate<Scalar>(
-              qf.middleRows(i * shape.n_q, shape.n_q), Vector<Scalar>(),
-              kf.middleRows(i * shape.n_k, shape.n_k), kl.col(0).segment(i * shape.n_k, shape.n_k),
-              v.middleRows(i * shape.n_k, shape.n_k), Vector<Scalar>(), opt)
-              .finalize(Scalar(1e-6));
-      CHECK((out.middleRows(i * shape.n_q, shape.n_q).array() == slice.array()).all());
-    }
-#if defined(_OPENMP)
-    RowMatrix<Scalar> one(out.rows(), out.cols()), two(out.rows(), out.cols());
-    const int saved = omp_get_max_threads();
-    omp_set_num_threads(1);
-    randattn::linear_attention_batched<Scalar>(qf.data(), nullptr, kf.data(), kl.data(), v.data(),
-                                               nullptr, one.data(), shape, opt);
-    omp_set_num_threads(2);
-    randattn::linear_attention_batched<Scalar>(qf.data(), nullptr, kf.data(), kl.data(), v.data(),
-                                               nullptr, two.data(), shape, opt);
-    omp_set_num_threads(saved);
-    CHECK((one.array() == two.array()).all());
-#endif
-  }
-}
-
 TEMPLATE_TEST_CASE("linear_attention_into equals linear_attention bit for bit and checks out",
                    "[core][linear][into]", float, double) {
   using Scalar = TestType;
   using Refs = std::vector<Eigen::Ref<const RowMatrix<Scalar>>>;
-  const auto p = make_problem<Scalar>(61, 37, 8, 3, 2.0, true);
+  const auto p = testing::linear_problem<Scalar>(61, 37, 8, 3, 2.0, true);
   const randattn::ScaledFeatures<Scalar> q{p.qf, p.q_log}, k{p.kf, p.k_log};
   for (const bool causal : {false, true}) {
     INFO("causal " << causal);
@@ -450,7 +347,7 @@ TEMPLATE_TEST_CASE("linear_attention_into equals linear_attention bit for bit an
         });
   }
   // An out (4 x 1) mapped onto the storage of a scaled feature matrix, a log-scale or the signs.
-  const auto small = make_problem<Scalar>(62, 4, 8, 1, 2.0, true);
+  const auto small = testing::linear_problem<Scalar>(62, 4, 8, 1, 2.0, true);
   randattn::ScaledFeatures<Scalar> qs{small.qf, small.q_log}, ks{small.kf, small.k_log};
   Vector<Scalar> signs = small.signs;
   const auto rejects = [&](Scalar* data, const std::string& name) {
@@ -474,7 +371,7 @@ TEMPLATE_TEST_CASE("linear_attention_into equals linear_attention bit for bit an
 
 TEST_CASE("Batched linear attention refuses an out overlapping any input buffer, unwritten",
           "[core][linear][into]") {
-  const auto p = make_problem<double>(63, 4, 8, 2, 1.0, true);
+  const auto p = testing::linear_problem<double>(63, 4, 8, 2, 1.0, true);
   const randattn::BatchShape shape{1, 1, 4, 4, 8, 2};
   // Every input in one buffer (q_features, q_log_scale, k_features, k_log_scale, v, signs), with
   // room for an 8-entry out after the last.

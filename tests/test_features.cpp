@@ -504,53 +504,6 @@ TEMPLATE_TEST_CASE("attention: no NaN or Inf for norms up to 20", "[features]", 
   }
 }
 
-TEMPLATE_TEST_CASE("attention: batched, decoder and thread count agree with the single call",
-                   "[features][threads]", float, double) {
-  const Index batch = 2, heads = 3, n = 150, d = 8, dv = 5, m = 32;
-  const Index slices = batch * heads;
-  const RowMatrix<TestType> q = testing::gaussian<TestType>(51, slices * n, d),
-                            k = testing::gaussian<TestType>(52, slices * n, d),
-                            v = testing::gaussian<TestType>(53, slices * n, dv);
-  const PositiveFeatures<TestType> map(OrthogonalProjection<TestType>(m, d, 54));
-  for (bool causal : {false, true}) {
-    RandomFeatureOptions opt;
-    opt.causal = causal;
-    RowMatrix<TestType> out(slices * n, dv);
-    randattn::random_feature_attention_batched(map, q.data(), k.data(), v.data(), out.data(),
-                                               randattn::BatchShape{batch, heads, n, n, d, dv},
-                                               opt);
-    for (Index s = 0; s < slices; ++s) {
-      const RowMatrix<TestType> single = randattn::random_feature_attention(
-          map, q.middleRows(s * n, n), k.middleRows(s * n, n), v.middleRows(s * n, n), opt);
-      CHECK(RowMatrix<TestType>(out.middleRows(s * n, n)) == single);
-    }
-#if defined(_OPENMP)
-    const int threads = omp_get_max_threads();
-    omp_set_num_threads(1);
-    const RowMatrix<TestType> one = randattn::random_feature_attention(
-        map, q.topRows(4 * n), k.topRows(4 * n), v.topRows(4 * n), opt);
-    omp_set_num_threads(2);
-    const RowMatrix<TestType> two = randattn::random_feature_attention(
-        map, q.topRows(4 * n), k.topRows(4 * n), v.topRows(4 * n), opt);
-    omp_set_num_threads(threads);
-    CHECK(one == two);
-#endif
-  }
-  // Streaming decoding reproduces causal attention up to rounding.
-  RandomFeatureOptions opt;
-  opt.causal = true;
-  const RowMatrix<TestType> causal =
-      randattn::random_feature_attention(map, q.topRows(n), k.topRows(n), v.topRows(n), opt);
-  randattn::RandomFeatureDecoder<PositiveFeatures<TestType>> decoder(map, dv);
-  RowMatrix<TestType> streamed(n, dv);
-  for (Index t = 0; t < n; ++t) {
-    decoder.append(k.row(t), v.row(t));
-    streamed.row(t) = decoder.query(q.row(t));
-  }
-  CHECK(decoder.length() == n);
-  CHECK(rel_error(streamed, causal) < 10 * testing::tolerance<TestType>());
-}
-
 TEMPLATE_TEST_CASE("attention: edge cases and argument errors", "[features]", float, double) {
   const PositiveFeatures<TestType> map(OrthogonalProjection<TestType>(4, 3, 1));
   const TrigFeatures<TestType> trig(OrthogonalProjection<TestType>(4, 3, 1));

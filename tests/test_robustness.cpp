@@ -1,7 +1,7 @@
 // The rules of docs/robustness.md that cut across the families: large norms in the hybrid maps
-// and LSH, objects shared between threads or reused across calls, and unit-size inputs of the
-// sketching entry points, and the one exception type of every bad argument. Rules owned by one
-// family are tested next to it.
+// and LSH, objects reused across calls, and unit-size inputs of the sketching entry points, and
+// the one exception type of every bad argument (objects shared between threads: test_threads.cpp).
+// Rules owned by one family are tested next to it.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -45,19 +45,6 @@ Eigen::VectorXd norms_up_to_20(std::uint64_t seed, Index n) {
   return norms;
 }
 
-// Runs f once on this thread and three times concurrently on others; every run must give the
-// reference result bit for bit. Under ThreadSanitizer this also proves the shared objects are
-// only read.
-template <typename F>
-void check_concurrent_calls(F f) {
-  const auto reference = f();
-  std::vector<decltype(f())> results(3);
-  std::vector<std::thread> threads;
-  for (std::size_t t = 0; t < results.size(); ++t)
-    threads.emplace_back([&, t] { results[t] = f(); });
-  for (std::thread& t : threads) t.join();
-  for (const auto& r : results) CHECK(r == reference);
-}
 
 // f() must throw randattn::invalid_argument itself (not a class derived from it), catchable as
 // std::invalid_argument.
@@ -115,44 +102,6 @@ TEMPLATE_TEST_CASE("robustness: hybrid maps and LSH stay finite for norms up to 
       CHECK(testing::within_value_ranges(separate, v));
     }
   }
-}
-
-TEMPLATE_TEST_CASE("robustness: objects shared between threads give identical results",
-                   "[robustness][threads]", float, double) {
-  using Scalar = TestType;
-  const Index n = 300, d = 16, dv = 4;
-  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(11, n, d, 0.4),
-                          k = testing::gaussian<Scalar>(12, n, d, 0.4),
-                          v = testing::gaussian<Scalar>(13, n, dv);
-  RandomFeatureOptions causal;
-  causal.causal = true;
-  const PositiveFeatures<Scalar> favor(OrthogonalProjection<Scalar>(64, d, 14));
-  const auto hybrid = randattn::angular_hybrid<Scalar>(8, 2, d, 15);
-  check_concurrent_calls(
-      [&] { return randattn::random_feature_attention(favor, q, k, v, causal); });
-  check_concurrent_calls([&] { return randattn::random_feature_attention(hybrid, q, k, v); });
-  check_concurrent_calls([&] { return randattn::exact_attention(q, k, v); });
-
-  for (RotationKind kind : {RotationKind::dense, RotationKind::hadamard}) {
-    const CrossPolytopeHash<Scalar> hash(kind, d, 16, 3, 16);
-    LshOptions opt;
-    opt.chunk = 32;
-    check_concurrent_calls([&] { return hash.hash(q); });
-    check_concurrent_calls([&] { return randattn::lsh_attention(hash, q, v, opt); });
-  }
-
-  // Sparsification: the same options object and tensor from several threads.
-  const RowMatrix<Scalar> a = testing::gaussian<Scalar>(17, 40, 60);
-  const auto tensor = randattn::tensor_view(a.data(), {40, 60});
-  SparsifyOptions sopt;
-  sopt.budget = 300;
-  sopt.seed = 18;
-  const auto sketch = [&] {
-    const auto s = randattn::sparsify(tensor, sopt);
-    return std::make_tuple(s.dims(), s.indices(), s.values());
-  };
-  check_concurrent_calls(sketch);
-  check_concurrent_calls([&] { return randattn::sketched_hosvd(tensor, {3, 3}, sopt).factors; });
 }
 
 TEMPLATE_TEST_CASE("robustness: reuse across calls, decoder reset and redraw", "[robustness][edge]",

@@ -26,7 +26,7 @@ sanitized_build() {  # <dir> <sanitizers> <targets> [cmake arguments...]
 }
 
 randattn_log "AddressSanitizer + UndefinedBehaviorSanitizer: whole test suite"
-sanitized_build "$RANDATTN_ROOT/build-asan" address,undefined randattn_test_programs -DRANDATTN_TESTS_UNITY_BATCHES=3 \
+sanitized_build "$RANDATTN_ROOT/build-asan" address,undefined randattn_test_programs -DRANDATTN_TESTS_UNITY_BATCHES=1 \
     -DRANDATTN_BUILD_BENCHMARKS=ON -DRANDATTN_BUILD_EXAMPLES=ON -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
 randattn_log "compile check of the benchmarks and examples"
 python3 "$RANDATTN_ROOT/scripts/syntax_check.py" "$RANDATTN_ROOT/build-asan" "$RANDATTN_ROOT/bench" "$RANDATTN_ROOT/examples"

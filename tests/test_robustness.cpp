@@ -332,6 +332,7 @@ TEST_CASE("robustness: a second _into call with the same shapes allocates nothin
                      kf = (k * S(0.2)).array().exp().matrix();
   const PositiveFeatures<S> positive(OrthogonalProjection<S>(32, d, 304));
   const randattn::TrigFeatures<S> trig(OrthogonalProjection<S>(16, d, 305));
+  const auto hybrid = randattn::angular_hybrid<S>(8, 2, d, 310);
   const CrossPolytopeHash<S> hash(RotationKind::dense, d, 8, 2, 306);
   const randattn::LocalitySensitiveFilters<S> filters(RotationKind::dense, d, 16, 2, 307);
   RowMatrix<S> out(n, dv);
@@ -363,6 +364,9 @@ TEST_CASE("robustness: a second _into call with the same shapes allocates nothin
     });
     calls.emplace_back("random_feature_attention_into, trig" + mode, [&, features] {
       randattn::random_feature_attention_into(trig, q, k, v, out, features);
+    });
+    calls.emplace_back("random_feature_attention_into, angular hybrid" + mode, [&, features] {
+      randattn::random_feature_attention_into(hybrid, q, k, v, out, features);
     });
     calls.emplace_back("lsh_attention_into, shared QK" + mode,
                        [&, lsh] { randattn::lsh_attention_into(hash, q, v, out, lsh); });

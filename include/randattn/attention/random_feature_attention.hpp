@@ -29,6 +29,7 @@
 #include "../core/detail/score_tile.hpp"
 #include "../core/input_checks.hpp"
 #include "../detail/fresh_matrix.hpp"
+#include "../detail/matrix_pool.hpp"
 #include "../core/linear_attention.hpp"
 #include "../core/linear_decoder.hpp"
 #include "../core/options.hpp"
@@ -174,7 +175,7 @@ struct FeatureOperands {
   using Scalar = typename Map::Scalar;
   using Rows = MappedFeatureRows<Map>;
   Rows q, k;
-  Vector<Scalar> signs;
+  detail::Scratch<Vector<Scalar>> signs;  // a pooled copy: a map may return its signs by value
   LinearOperands<Rows, Rows> in;
 
   FeatureOperands(const Map& map, const Eigen::Ref<const RowMatrix<Scalar>>& q_rows,
@@ -183,7 +184,7 @@ struct FeatureOperands {
                   const FeatureAttentionSettings<Scalar>& s)
       : q(map, q_rows, s.normaliser, FeatureSide::query),
         k(map, k_rows, s.normaliser, FeatureSide::key),
-        signs(map.signs()),
+        signs(detail::pooled_copy(map.signs())),
         in{q, k, v, signs, linear_chunk(s.linear)} {}
   FeatureOperands(const FeatureOperands&) = delete;
   FeatureOperands& operator=(const FeatureOperands&) = delete;

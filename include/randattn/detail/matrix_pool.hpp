@@ -107,4 +107,12 @@ class Scratch : public M {
   using M::operator=;
 };
 
+// A copy of x in storage taken from the calling thread's pool.
+template <typename M>
+Scratch<M> pooled_copy(const M& x) {
+  Scratch<M> copy(x.rows(), x.cols());
+  copy = x;
+  return copy;
+}
+
 }  // namespace randattn::detail

@@ -29,6 +29,7 @@
 // kernel estimates at zero (biased, quadratic cost).
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -40,6 +41,7 @@
 
 #include "../core/scaled_features.hpp"
 #include "../core/types.hpp"
+#include "../detail/matrix_pool.hpp"
 #include "../detail/validation.hpp"
 #include "feature_maps.hpp"
 #include "projection.hpp"
@@ -225,38 +227,63 @@ class HybridFeatures {
   void features_into(const Eigen::Ref<const RowMatrix<Scalar>>& x, Scalar normaliser,
                      Eigen::Ref<RowMatrix<Scalar>> values, Eigen::Ref<Vector<Scalar>> log_scale,
                      FeatureSide side = FeatureSide::query) const {
-    const Index n = x.rows(), p = this->p();
+    const Index n = x.rows(), p = this->p(), parts = 2 * p + 1;
     detail::require(values.rows() == n && values.cols() == feature_dim() && log_scale.size() == n,
                     "HybridFeatures", "values (", detail::shape_of(values), ") and log_scale (",
                     log_scale.size(), ") must be ", n, "x", feature_dim(), " and ", n);
-    std::vector<ScaledFeatures<Scalar>> w(weights_.size()), b(bases_.size());
-    auto map = [&](const Component& c, ScaledFeatures<Scalar>& f) {
-      f.values.resize(n, c.feature_dim());
-      f.log_scale.resize(n);
-      c.features_into(x, normaliser, f.values, f.log_scale, side);
+    // Part j: weight estimator j for j < p, then the bases; part 2p is the last base.
+    const auto part = [&](Index j) -> const Component& {
+      return j < p ? weights_[std::size_t(j)] : bases_[std::size_t(j - p)];
     };
-    for (std::size_t k = 0; k < w.size(); ++k) map(weights_[k], w[k]);
-    for (std::size_t k = 0; k < b.size(); ++k) map(bases_[k], b[k]);
-    const ScaledFeatures<Scalar>& last = b.back();
+    // Every part's n x dim features and its n log-scales, one block after another in one buffer
+    // of the calling thread's pool (a second call with the same shapes allocates nothing). Each
+    // block starts on a 64-byte boundary, as a matrix of its own would: Eigen's vectorised loops
+    // over a row then split it the same way, and the features keep their last bits.
+    constexpr Index kAlign = Index(64 / sizeof(Scalar));
+    const auto padded = [](Index size) { return (size + kAlign - 1) / kAlign * kAlign; };
+    const auto start = [&](Index j) {  // offset of part j's features; its log-scales follow
+      Index o = 0;
+      for (Index i = 0; i < j; ++i) o += padded(n * part(i).feature_dim()) + padded(n);
+      return o;
+    };
+    detail::Scratch<Vector<Scalar>> storage(start(parts) + kAlign);
+    const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(storage.data()) % 64;
+    Scalar* const base = storage.data() + (misaligned ? (64 - misaligned) / sizeof(Scalar) : 0);
+    const auto values_of = [&](Index j) {
+      return Eigen::Map<const RowMatrix<Scalar>>(base + start(j), n, part(j).feature_dim());
+    };
+    const auto log_of = [&](Index j) {
+      return Eigen::Map<const Vector<Scalar>>(
+          base + start(j) + padded(n * part(j).feature_dim()), n);
+    };
+    for (Index j = 0; j < parts; ++j) {
+      Scalar* const block = base + start(j);
+      const Index dim = part(j).feature_dim();
+      part(j).features_into(x, normaliser, Eigen::Map<RowMatrix<Scalar>>(block, n, dim),
+                            Eigen::Map<Vector<Scalar>>(block + padded(n * dim), n), side);
+    }
+    const Index last = 2 * p;
     for (Index i = 0; i < n; ++i) {
       // Log-scale of the row: the largest of its terms' log-scales.
-      Scalar top = last.log_scale(i);
+      Scalar top = log_of(last)(i);
       for (Index k = 0; k < p; ++k) {
-        top = std::max(top, w[k].log_scale(i) + b[k].log_scale(i));
-        top = std::max(top, w[k].log_scale(i) + last.log_scale(i));
+        top = std::max(top, log_of(k)(i) + log_of(p + k)(i));
+        top = std::max(top, log_of(k)(i) + log_of(last)(i));
       }
       auto row = values.row(i);
       Index offset = 0;
-      auto kron = [&](const ScaledFeatures<Scalar>& a, const ScaledFeatures<Scalar>& c) {
-        const Index da = a.dim(), dc = c.dim();
-        const Scalar scale = std::exp(a.log_scale(i) + c.log_scale(i) - top);
+      auto kron = [&](Index a, Index c) {
+        const auto va = values_of(a), vc = values_of(c);
+        const Index da = va.cols(), dc = vc.cols();
+        const Scalar scale = std::exp(log_of(a)(i) + log_of(c)(i) - top);
         for (Index r = 0; r < da; ++r)
-          row.segment(offset + r * dc, dc) = (scale * a.values(i, r)) * c.values.row(i);
+          row.segment(offset + r * dc, dc) = (scale * va(i, r)) * vc.row(i);
         offset += da * dc;
       };
-      for (Index k = 0; k < p; ++k) kron(w[k], b[k]);
-      for (Index k = 0; k < p; ++k) kron(w[k], last);
-      row.tail(last.dim()) = std::exp(last.log_scale(i) - top) * last.values.row(i);
+      for (Index k = 0; k < p; ++k) kron(k, p + k);
+      for (Index k = 0; k < p; ++k) kron(k, last);
+      const auto vl = values_of(last);
+      row.tail(vl.cols()) = std::exp(log_of(last)(i) - top) * vl.row(i);
       log_scale(i) = top;
     }
   }

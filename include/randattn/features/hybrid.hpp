@@ -236,9 +236,10 @@ class HybridFeatures {
       return j < p ? weights_[std::size_t(j)] : bases_[std::size_t(j - p)];
     };
     // Every part's n x dim features and its n log-scales, one block after another in one buffer
-    // of the calling thread's pool (a second call with the same shapes allocates nothing). Each
-    // block starts on a 64-byte boundary, as a matrix of its own would: Eigen's vectorised loops
-    // over a row then split it the same way, and the features keep their last bits.
+    // of the calling thread's pool, then the rows' log-scales (a second call with the same shapes
+    // allocates nothing). Each block starts on a 64-byte boundary, as a matrix of its own would:
+    // Eigen's vectorised loops over a row then split it the same way, and the features keep
+    // their last bits.
     constexpr Index kAlign = Index(64 / sizeof(Scalar));
     const auto padded = [](Index size) { return (size + kAlign - 1) / kAlign * kAlign; };
     const auto start = [&](Index j) {  // offset of part j's features; its log-scales follow
@@ -246,46 +247,49 @@ class HybridFeatures {
       for (Index i = 0; i < j; ++i) o += padded(n * part(i).feature_dim()) + padded(n);
       return o;
     };
-    detail::Scratch<Vector<Scalar>> storage(start(parts) + kAlign);
+    detail::Scratch<Vector<Scalar>> storage(start(parts) + padded(n) + kAlign);
     const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(storage.data()) % 64;
     Scalar* const base = storage.data() + (misaligned ? (64 - misaligned) / sizeof(Scalar) : 0);
     const auto values_of = [&](Index j) {
-      return Eigen::Map<const RowMatrix<Scalar>>(base + start(j), n, part(j).feature_dim());
+      return Eigen::Map<RowMatrix<Scalar>>(base + start(j), n, part(j).feature_dim());
     };
     const auto log_of = [&](Index j) {
-      return Eigen::Map<const Vector<Scalar>>(
-          base + start(j) + padded(n * part(j).feature_dim()), n);
+      return Eigen::Map<Vector<Scalar>>(base + start(j) + padded(n * part(j).feature_dim()), n);
     };
-    for (Index j = 0; j < parts; ++j) {
-      Scalar* const block = base + start(j);
-      const Index dim = part(j).feature_dim();
-      part(j).features_into(x, normaliser, Eigen::Map<RowMatrix<Scalar>>(block, n, dim),
-                            Eigen::Map<Vector<Scalar>>(block + padded(n * dim), n), side);
-    }
+    for (Index j = 0; j < parts; ++j)
+      part(j).features_into(x, normaliser, values_of(j), log_of(j), side);
+
+    // Each row's log-scale: the largest of its terms' log-scales.
     const Index last = 2 * p;
-    for (Index i = 0; i < n; ++i) {
-      // Log-scale of the row: the largest of its terms' log-scales.
-      Scalar top = log_of(last)(i);
-      for (Index k = 0; k < p; ++k) {
-        top = std::max(top, log_of(k)(i) + log_of(p + k)(i));
-        top = std::max(top, log_of(k)(i) + log_of(last)(i));
+    const auto last_log = log_of(last);
+    Eigen::Map<Vector<Scalar>> top(base + start(parts), n);
+    top = last_log;
+    for (Index k = 0; k < p; ++k) {
+      const auto weight_log = log_of(k), base_log = log_of(p + k);
+      for (Index i = 0; i < n; ++i) {
+        top(i) = std::max(top(i), weight_log(i) + base_log(i));
+        top(i) = std::max(top(i), weight_log(i) + last_log(i));
       }
-      auto row = values.row(i);
-      Index offset = 0;
-      auto kron = [&](Index a, Index c) {
-        const auto va = values_of(a), vc = values_of(c);
-        const Index da = va.cols(), dc = vc.cols();
-        const Scalar scale = std::exp(log_of(a)(i) + log_of(c)(i) - top);
-        for (Index r = 0; r < da; ++r)
-          row.segment(offset + r * dc, dc) = (scale * va(i, r)) * vc.row(i);
-        offset += da * dc;
-      };
-      for (Index k = 0; k < p; ++k) kron(k, p + k);
-      for (Index k = 0; k < p; ++k) kron(k, last);
-      const auto vl = values_of(last);
-      row.tail(vl.cols()) = std::exp(log_of(last)(i) - top) * vl.row(i);
-      log_scale(i) = top;
     }
+    // The blocks of Ψ, one pair of parts at a time over every row.
+    Index offset = 0;
+    const auto kron = [&](Index a, Index c) {
+      const auto va = values_of(a), vc = values_of(c);
+      const auto la = log_of(a), lc = log_of(c);
+      const Index da = va.cols(), dc = vc.cols();
+      for (Index i = 0; i < n; ++i) {
+        const Scalar scale = std::exp(la(i) + lc(i) - top(i));
+        for (Index r = 0; r < da; ++r)
+          values.row(i).segment(offset + r * dc, dc) = (scale * va(i, r)) * vc.row(i);
+      }
+      offset += da * dc;
+    };
+    for (Index k = 0; k < p; ++k) kron(k, p + k);
+    for (Index k = 0; k < p; ++k) kron(k, last);
+    const auto vl = values_of(last);
+    for (Index i = 0; i < n; ++i)
+      values.row(i).tail(vl.cols()) = std::exp(last_log(i) - top(i)) * vl.row(i);
+    log_scale = top;
   }
 
   ScaledFeatures<Scalar> features(const Eigen::Ref<const RowMatrix<Scalar>>& x,

@@ -11,18 +11,27 @@ RANDATTN_PACKAGES+=(clang libclang-rt-14-dev libomp-14-dev ccache)
 randattn_require_packages
 randattn_use_ccache
 
-build="$RANDATTN_ROOT/build-fuzz"
 # ASan + UBSan at -O1 with line tables (RANDATTN_SANITIZE), as the sanitizer runs: a fraction
-# of the compile time of -O3 with full debug information, for a modest loss of executions. The
-# build type and sanitizers are scripts/sanitize.sh's, so the registry's method table is the same
-# compile command there and here (see CMakeLists.txt), and the compiler cache has it.
-randattn_generator "$build"
-cmake -S "$RANDATTN_ROOT" -B "$build" "${RANDATTN_GENERATOR[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
-    "${RANDATTN_LAUNCHER[@]}" -DRANDATTN_SANITIZE=address,undefined \
-    -DRANDATTN_BUILD_FUZZERS=ON -DRANDATTN_BUILD_TESTS=OFF -DRANDATTN_BUILD_BENCHMARKS=OFF \
-    -DRANDATTN_BUILD_EXAMPLES=OFF -DRANDATTN_BUILD_TOOLS=OFF -DRANDATTN_INSTALL=OFF \
-    -DRANDATTN_PYTHON=OFF -DRANDATTN_MPI=OFF
-cmake --build "$build" -j"$(nproc)"
+# of the compile time of -O3 with full debug information, for a modest loss of executions.
+# RANDATTN_FUZZ_BUILD_DIR names a build that already has the targets (scripts/sanitize.sh's
+# build-asan, with the same build type and sanitizers); otherwise build-fuzz holds them alone.
+if [ -n "${RANDATTN_FUZZ_BUILD_DIR:-}" ]; then
+    build=$RANDATTN_FUZZ_BUILD_DIR
+    if ! grep -qs '^RANDATTN_BUILD_FUZZERS:BOOL=ON$' "$build/CMakeCache.txt"; then
+        randattn_log "RANDATTN_FUZZ_BUILD_DIR=$build is not a build configured with RANDATTN_BUILD_FUZZERS=ON"
+        exit 1
+    fi
+    build=$(cd "$build" && pwd)  # the targets run from a scratch directory
+else
+    build="$RANDATTN_ROOT/build-fuzz"
+    randattn_generator "$build"
+    cmake -S "$RANDATTN_ROOT" -B "$build" "${RANDATTN_GENERATOR[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
+        "${RANDATTN_LAUNCHER[@]}" -DRANDATTN_SANITIZE=address,undefined \
+        -DRANDATTN_BUILD_FUZZERS=ON -DRANDATTN_BUILD_TESTS=OFF -DRANDATTN_BUILD_BENCHMARKS=OFF \
+        -DRANDATTN_BUILD_EXAMPLES=OFF -DRANDATTN_BUILD_TOOLS=OFF -DRANDATTN_INSTALL=OFF \
+        -DRANDATTN_PYTHON=OFF -DRANDATTN_MPI=OFF
+fi
+cmake --build "$build" -j"$(nproc)" --target randattn_fuzzers
 
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT

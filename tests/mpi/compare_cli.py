@@ -21,6 +21,7 @@ import struct
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 TIMEOUT = 120
 
@@ -61,6 +62,7 @@ def main():
     ap.add_argument("--cli", required=True)
     ap.add_argument("--work", required=True)
     ap.add_argument("--ranks", default="1,2,3")
+    ap.add_argument("--jobs", type=int, default=3, help="comparisons run at a time")
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
@@ -103,12 +105,13 @@ def main():
     bad[-1] = float("nan")  # the last row: held by the last rank
     write_npy(w("bad.npy"), (n, d), bad)
 
-    failures = []
+    # Every comparison below is a job with its own files, and the jobs run a few at a time: most
+    # of a job's time is mpiexec starting and stopping ranks, not computing.
+    jobs = []
 
-    def check(ok, what):
-        print(("ok   " if ok else "FAIL ") + what, flush=True)
-        if not ok:
-            failures.append(what)
+    def job(fn):
+        jobs.append(fn)
+        return fn
 
     def mpi(p, args):
         return run([a.mpiexec, "-n", str(p), "--oversubscribe", a.mpi] + args, env)
@@ -145,14 +148,16 @@ def main():
                         "--cu-seqlens", w("cu5.npy")]
                     yield m + " exclude self" + c, extra + mha + causal + ["--exclude-self"]
 
-    def compare_attention(name, args, mpi_only=(), bitwise=False):
-        ref_path = w("ref.npy")
+    def compare_attention(check, tag, name, args, mpi_only=(), bitwise=False):
+        ref_path = w("ref_%s.npy" % tag)
         r = run([a.cli, "attention"] + args + ["--out", ref_path], env)
         check(r.returncode == 0, "randattn-cli attention %s (%s)" % (name, r.stderr.strip()))
+        if r.returncode != 0:
+            return
         _, ref = read_npy(ref_path)
         scale = max(abs(x) for x in ref)
         for p in map(int, a.ranks.split(",")):
-            out = w("out_%d.npy" % p)
+            out = w("out_%s_%d.npy" % (tag, p))
             r = mpi(p, ["attention"] + args + list(mpi_only) + ["--out", out])
             if r.returncode != 0:
                 check(False, "np %d attention %s: exit %d: %s" % (p, name, r.returncode, r.stderr.strip()))
@@ -164,58 +169,76 @@ def main():
                 err = max(abs(x - y) for x, y in zip(got, ref)) / scale
                 check(len(got) == len(ref) and err <= 1e-5, "np %d attention %s: rel error %.2e" % (p, name, err))
 
-    for name, args, mpi_only in attention_cases():
-        compare_attention(name, args, mpi_only)
-    for name, args in layout_cases():
-        compare_attention(name, args, bitwise=True)
+    for i, (name, args, mpi_only) in enumerate(attention_cases()):
+        job(lambda check, i=i, name=name, args=args, mpi_only=mpi_only:
+            compare_attention(check, "a%d" % i, name, args, mpi_only))
+    for i, (name, args) in enumerate(layout_cases()):
+        job(lambda check, i=i, name=name, args=args: compare_attention(check, "l%d" % i, name, args, bitwise=True))
+
     write_npy(w("lengths_bad.npy"), (2,), [29, 30], "<i8")  # 30 > n_k = 29
     write_npy(w("cu_bad.npy"), (3,), [0, 20, 36], "<i8")  # does not end at n = 37
     for flag, path, phrase in (("--key-lengths", "lengths_bad.npy", "must be in [0, 29]"),
                                ("--cu-seqlens", "cu_bad.npy", "must start at 0 and end at n = 37")):
         for p in (1, 3):
-            r = mpi(p, ["attention", "--method", "exact", "--out", w("never.npy"), flag, w(path)] +
-                    (gqa if flag == "--cu-seqlens" else qkv4))
-            lines = [l for l in r.stderr.splitlines() if l.startswith("randattn-mpi: error:")]
-            check(r.returncode == 2 and len(lines) == 1 and phrase in lines[0] and not os.path.exists(w("never.npy")),
-                  "np %d bad %s: exit %d, %s" % (p, flag, r.returncode, lines))
-    r = mpi(2, ["attention", "--method", "favor", "--report", "--out", w("out_report.npy"), "--key-lengths",
-                w("lengths4.npy")] + qkv4)
-    lines = r.stdout.strip().splitlines()
-    check(r.returncode == 0 and len(lines) == 1 and '"layout":"pieces"' in lines[0] and '"ranks":2' in lines[0],
-          "np 2 --report under a layout: one line from rank 0 (%s)" % r.stdout.strip())
-    r = mpi(2, ["attention", "--method", "exact", "--layout", "zigzag", "--out", w("never.npy"),
-                "--key-lengths", w("lengths4.npy")] + qkv4)
-    check(r.returncode == 2 and "zigzag" in r.stderr and not os.path.exists(w("never.npy")),
-          "np 2 --layout zigzag with key lengths: one clear error")
+            @job
+            def bad_layout(check, flag=flag, path=path, phrase=phrase, p=p):
+                never = w("never_%s_%d.npy" % (flag[2:], p))
+                r = mpi(p, ["attention", "--method", "exact", "--out", never, flag, w(path)] +
+                        (gqa if flag == "--cu-seqlens" else qkv4))
+                lines = [l for l in r.stderr.splitlines() if l.startswith("randattn-mpi: error:")]
+                check(r.returncode == 2 and len(lines) == 1 and phrase in lines[0] and not os.path.exists(never),
+                      "np %d bad %s: exit %d, %s" % (p, flag, r.returncode, lines))
 
-    r = run([a.cli, "sparsify", "--in", w("A.npy"), "--budget", "5000", "--seed", "2", "--out", w("ref.npy")], env)
-    check(r.returncode == 0, "randattn-cli sparsify")
-    ref = open(w("ref.npy"), "rb").read()
+    @job
+    def report_under_layout(check):
+        r = mpi(2, ["attention", "--method", "favor", "--report", "--out", w("out_report.npy"), "--key-lengths",
+                    w("lengths4.npy")] + qkv4)
+        lines = r.stdout.strip().splitlines()
+        check(r.returncode == 0 and len(lines) == 1 and '"layout":"pieces"' in lines[0] and '"ranks":2' in lines[0],
+              "np 2 --report under a layout: one line from rank 0 (%s)" % r.stdout.strip())
+
+    @job
+    def zigzag_with_lengths(check):
+        never = w("never_zigzag.npy")
+        r = mpi(2, ["attention", "--method", "exact", "--layout", "zigzag", "--out", never,
+                    "--key-lengths", w("lengths4.npy")] + qkv4)
+        check(r.returncode == 2 and "zigzag" in r.stderr and not os.path.exists(never),
+              "np 2 --layout zigzag with key lengths: one clear error")
+
     ranks3 = ["--ranks", "3,3,3", "--budget", "60000", "--seed", "5"]
+
+    # randattn-cli's sketches, made before the jobs that compare with them.
+    r = run([a.cli, "sparsify", "--in", w("A.npy"), "--budget", "5000", "--seed", "2", "--out", w("ref_sk.npy")], env)
+    references = [(r.returncode == 0, "randattn-cli sparsify")]
     r = run([a.cli, "hosvd", "--in", w("A.npy")] + ranks3 + ["--out-prefix", w("ref_u")], env)
-    check(r.returncode == 0, "randattn-cli hosvd")
-    for p in map(int, a.ranks.split(",")):
-        r = mpi(p, ["sparsify", "--in", w("A.npy"), "--budget", "5000", "--seed", "2", "--out", w("sk.npy")])
-        check(r.returncode == 0 and open(w("sk.npy"), "rb").read() == ref,
-              "np %d sparsify: output identical byte for byte" % p)
-        r = mpi(p, ["hosvd", "--in", w("A.npy")] + ranks3 + ["--out-prefix", w("u%d_" % p)])
-        check(r.returncode == 0, "np %d hosvd (%s)" % (p, r.stderr.strip()))
-        for j in range(3):
-            (dj, rj), u = read_npy(w("ref_u%d.npy" % j))
-            _, v = read_npy(w("u%d_%d.npy" % (p, j)))
-            # R = V - U (U^T V), ||R||_F >= sin-Theta.
-            utv = [[sum(u[i * rj + s] * v[i * rj + t] for i in range(dj)) for t in range(rj)] for s in range(rj)]
-            res = sum((v[i * rj + t] - sum(u[i * rj + s] * utv[s][t] for s in range(rj))) ** 2
-                      for i in range(dj) for t in range(rj)) ** 0.5
-            check(res <= 1e-5, "np %d hosvd factor %d: ||(I - UU^T)V||_F = %.2e" % (p, j, res))
+    references.append((r.returncode == 0, "randattn-cli hosvd"))
+    job(lambda check: [check(ok, what) for ok, what in references])
 
     for p in map(int, a.ranks.split(",")):
-        out = w("never.npy")
-        r = mpi(p, ["attention", "--method", "favor", "--q", w("bad.npy"), "--k", w("k.npy"), "--v", w("v.npy"),
-                    "--out", out])
-        lines = [l for l in r.stderr.splitlines() if l.startswith("randattn-mpi: error:")]
-        check(r.returncode == 2 and len(lines) == 1 and "non-finite" in lines[0] and not os.path.exists(out),
-              "np %d NaN on the last rank: exit %d, %d error line(s), no output" % (p, r.returncode, len(lines)))
+        @job
+        def sketches(check, p=p):
+            r = mpi(p, ["sparsify", "--in", w("A.npy"), "--budget", "5000", "--seed", "2", "--out", w("sk_%d.npy" % p)])
+            check(r.returncode == 0 and open(w("sk_%d.npy" % p), "rb").read() == open(w("ref_sk.npy"), "rb").read(),
+                  "np %d sparsify: output identical byte for byte" % p)
+            r = mpi(p, ["hosvd", "--in", w("A.npy")] + ranks3 + ["--out-prefix", w("u%d_" % p)])
+            check(r.returncode == 0, "np %d hosvd (%s)" % (p, r.stderr.strip()))
+            for j in range(3):
+                (dj, rj), u = read_npy(w("ref_u%d.npy" % j))
+                _, v = read_npy(w("u%d_%d.npy" % (p, j)))
+                # R = V - U (U^T V), ||R||_F >= sin-Theta.
+                utv = [[sum(u[i * rj + s] * v[i * rj + t] for i in range(dj)) for t in range(rj)] for s in range(rj)]
+                res = sum((v[i * rj + t] - sum(u[i * rj + s] * utv[s][t] for s in range(rj))) ** 2
+                          for i in range(dj) for t in range(rj)) ** 0.5
+                check(res <= 1e-5, "np %d hosvd factor %d: ||(I - UU^T)V||_F = %.2e" % (p, j, res))
+
+        @job
+        def nan_on_last_rank(check, p=p):
+            out = w("never_nan_%d.npy" % p)
+            r = mpi(p, ["attention", "--method", "favor", "--q", w("bad.npy"), "--k", w("k.npy"), "--v", w("v.npy"),
+                        "--out", out])
+            lines = [l for l in r.stderr.splitlines() if l.startswith("randattn-mpi: error:")]
+            check(r.returncode == 2 and len(lines) == 1 and "non-finite" in lines[0] and not os.path.exists(out),
+                  "np %d NaN on the last rank: exit %d, %d error line(s), no output" % (p, r.returncode, len(lines)))
 
     # One rank fails before the first exchange: its own command line (MPMD) names a missing input,
     # a bad flag value, an unknown flag or a missing option file. Every rank exits 2 with that
@@ -223,35 +246,51 @@ def main():
     base = ["attention", "--method", "lsh", "--shared-qk", "--v", w("v.npy")]
     q = ["--q", w("q.npy")]
     failing_rank = [
-        (["--out", w("never.npy"), "--q", w("missing_on_this_node.npy")], "missing_on_this_node.npy"),
-        (["--out", w("never.npy"), "--threads", "0"], "--threads must be in [1, 1024]"),
-        (["--out", w("never.npy"), "--no-such-flag"], "no-such-flag"),
-        (["--out", w("never.npy"), "--rotations", w("missing_rotations.npy")], "missing_rotations.npy"),
+        (["--q", w("missing_on_this_node.npy")], "missing_on_this_node.npy"),
+        (["--threads", "0"], "--threads must be in [1, 1024]"),
+        (["--no-such-flag"], "no-such-flag"),
+        (["--rotations", w("missing_rotations.npy")], "missing_rotations.npy"),
     ]
     for p in (2, 3):
-        for extra, phrase in failing_rank:
+        for case, (extra, phrase) in enumerate(failing_rank):
             for bad_rank in sorted({0, p - 1}):
-                good = base + q + ["--out", w("never.npy")]
-                cmd = [a.mpiexec, "--oversubscribe"]
-                for rank in range(p):
-                    # The failing rank's --q replaces the good one (given once).
-                    own_q = [] if "--q" in extra else q
-                    cmd += ["-n", "1", a.mpi] + (base + own_q + extra if rank == bad_rank else good)
-                    if rank < p - 1:
-                        cmd.append(":")
-                start = time.monotonic()
-                try:
-                    r = run(cmd, env)
-                    seconds = time.monotonic() - start
-                except subprocess.TimeoutExpired:
-                    check(False, "np %d, rank %d fails (%s): hang" % (p, bad_rank, phrase))
-                    continue
-                lines = [l for l in r.stderr.splitlines() if l.startswith("randattn-mpi: error:")]
-                check(r.returncode == 2 and len(lines) == 1 and phrase in lines[0] and seconds < 60 and
-                      not os.path.exists(w("never.npy")),
-                      "np %d, rank %d fails before the first exchange (%s): exit %d in %.1f s, %s" %
-                      (p, bad_rank, phrase, r.returncode, seconds, lines))
+                @job
+                def failing(check, p=p, extra=extra, phrase=phrase, bad_rank=bad_rank, case=case):
+                    never = w("never_fail_%d_%d_%d.npy" % (p, case, bad_rank))
+                    good = base + q + ["--out", never]
+                    cmd = [a.mpiexec, "--oversubscribe"]
+                    for rank in range(p):
+                        # The failing rank's --q replaces the good one (given once).
+                        own_q = [] if "--q" in extra else q
+                        cmd += ["-n", "1", a.mpi] + (base + own_q + ["--out", never] + extra
+                                                     if rank == bad_rank else good)
+                        if rank < p - 1:
+                            cmd.append(":")
+                    start = time.monotonic()
+                    try:
+                        r = run(cmd, env)
+                        seconds = time.monotonic() - start
+                    except subprocess.TimeoutExpired:
+                        check(False, "np %d, rank %d fails (%s): hang" % (p, bad_rank, phrase))
+                        return
+                    lines = [l for l in r.stderr.splitlines() if l.startswith("randattn-mpi: error:")]
+                    check(r.returncode == 2 and len(lines) == 1 and phrase in lines[0] and seconds < 60 and
+                          not os.path.exists(never),
+                          "np %d, rank %d fails before the first exchange (%s): exit %d in %.1f s, %s" %
+                          (p, bad_rank, phrase, r.returncode, seconds, lines))
 
+    def run_job(fn):
+        results = []
+        fn(lambda ok, what: results.append((ok, what)))
+        return results
+
+    failures = []
+    with ThreadPoolExecutor(max_workers=a.jobs) as pool:
+        for results in pool.map(run_job, jobs):  # printed in order, as they finish
+            for ok, what in results:
+                print(("ok   " if ok else "FAIL ") + what, flush=True)
+                if not ok:
+                    failures.append(what)
     if failures:
         print("%d failure(s)" % len(failures))
         return 1

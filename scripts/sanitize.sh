@@ -3,10 +3,10 @@
 # it (halting on the first report; the [statistical] cases, which repeat the same calls to average
 # an estimate, run only in the plain build: see tests/CMakeLists.txt), then under ThreadSanitizer
 # and runs the tests tagged [threads]. The AddressSanitizer build also builds the libFuzzer
-# targets (run them with RANDATTN_FUZZ_BUILD_DIR=build-asan scripts/fuzz.sh) and checks that the
+# targets beside the suite's one long translation unit, where a core would otherwise idle for
+# minutes (run them with RANDATTN_FUZZ_BUILD_DIR=build-asan scripts/fuzz.sh), and checks that the
 # benchmarks and examples compile (scripts/syntax_check.py: parsed and instantiated, no code
-# generated; they are not run here). Both go beside the suite's one long translation unit, which
-# would otherwise leave a core idle for minutes.
+# generated; they are not run here).
 # OpenMP comes from LLVM's libomp with its Archer tool, which tells ThreadSanitizer
 # about OpenMP's own synchronisation.
 set -euo pipefail
@@ -28,12 +28,10 @@ sanitized_configure() {  # <dir> <sanitizers> [cmake arguments...]
 
 asan="$RANDATTN_ROOT/build-asan"
 randattn_log "AddressSanitizer + UndefinedBehaviorSanitizer: whole test suite, fuzz targets, compile check of the benchmarks and examples"
-sanitized_configure "$asan" address,undefined -DRANDATTN_TESTS_UNITY_BATCHES=1 -DRANDATTN_BUILD_FUZZERS=ON \
+sanitized_configure "$asan" address,undefined -DRANDATTN_BUILD_FUZZERS=ON \
     -DRANDATTN_BUILD_BENCHMARKS=ON -DRANDATTN_BUILD_EXAMPLES=ON -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
-python3 "$RANDATTN_ROOT/scripts/syntax_check.py" "$asan" "$RANDATTN_ROOT/bench" "$RANDATTN_ROOT/examples" &
-syntax=$!
-cmake --build "$asan" -j"$(nproc)" --target randattn_test_programs randattn_fuzzers || { wait "$syntax" || true; exit 1; }
-wait "$syntax"
+cmake --build "$asan" -j"$(nproc)" --target randattn_test_programs randattn_fuzzers
+python3 "$RANDATTN_ROOT/scripts/syntax_check.py" "$asan" "$RANDATTN_ROOT/bench" "$RANDATTN_ROOT/examples"
 ASAN_OPTIONS=halt_on_error=1:detect_leaks=1:abort_on_error=1 \
 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
     ctest --test-dir "$asan" --output-on-failure --label-exclude 'packaging|mpi' -j"$(nproc)"

@@ -11,7 +11,7 @@ RANDATTN_PACKAGES+=(openmpi-bin libopenmpi-dev)
 RANDATTN_PACKAGES+=(python3-dev python3-numpy python3-pytest pybind11-dev python3-pybind11 python3-setuptools
                     python3-wheel python3-torch python3-venv python3-pip python3-scipy)
 randattn_require_packages
-# The suite compiles as two unity batches (RANDATTN_TESTS_UNITY), cheaper from scratch than one
+# The suite compiles as one unity batch (RANDATTN_TESTS_UNITY), cheaper from scratch than one
 # translation unit per test file. The benchmarks and examples are not tests: scripts/sanitize.sh
 # checks that they compile. The programs compile at -O2 (see RANDATTN_DEV_OPTIMIZATION in
 # CMakeLists.txt), the level Debian builds its packages at.

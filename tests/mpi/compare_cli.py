@@ -108,6 +108,15 @@ def main():
     # Every comparison below is a job with its own files, and the jobs run a few at a time: most
     # of a job's time is mpiexec starting and stopping ranks, not computing.
     jobs = []
+    failures = []
+
+    def report(ok, what):
+        print(("ok   " if ok else "FAIL ") + what, flush=True)
+        if not ok:
+            failures.append(what)
+
+    def error_lines(r):
+        return [l for l in r.stderr.splitlines() if l.startswith("randattn-mpi: error:")]
 
     def job(fn):
         jobs.append(fn)
@@ -185,7 +194,7 @@ def main():
                 never = w("never_%s_%d.npy" % (flag[2:], p))
                 r = mpi(p, ["attention", "--method", "exact", "--out", never, flag, w(path)] +
                         (gqa if flag == "--cu-seqlens" else qkv4))
-                lines = [l for l in r.stderr.splitlines() if l.startswith("randattn-mpi: error:")]
+                lines = error_lines(r)
                 check(r.returncode == 2 and len(lines) == 1 and phrase in lines[0] and not os.path.exists(never),
                       "np %d bad %s: exit %d, %s" % (p, flag, r.returncode, lines))
 
@@ -209,10 +218,9 @@ def main():
 
     # randattn-cli's sketches, made before the jobs that compare with them.
     r = run([a.cli, "sparsify", "--in", w("A.npy"), "--budget", "5000", "--seed", "2", "--out", w("ref_sk.npy")], env)
-    references = [(r.returncode == 0, "randattn-cli sparsify")]
+    report(r.returncode == 0, "randattn-cli sparsify")
     r = run([a.cli, "hosvd", "--in", w("A.npy")] + ranks3 + ["--out-prefix", w("ref_u")], env)
-    references.append((r.returncode == 0, "randattn-cli hosvd"))
-    job(lambda check: [check(ok, what) for ok, what in references])
+    report(r.returncode == 0, "randattn-cli hosvd")
 
     for p in map(int, a.ranks.split(",")):
         @job
@@ -236,7 +244,7 @@ def main():
             out = w("never_nan_%d.npy" % p)
             r = mpi(p, ["attention", "--method", "favor", "--q", w("bad.npy"), "--k", w("k.npy"), "--v", w("v.npy"),
                         "--out", out])
-            lines = [l for l in r.stderr.splitlines() if l.startswith("randattn-mpi: error:")]
+            lines = error_lines(r)
             check(r.returncode == 2 and len(lines) == 1 and "non-finite" in lines[0] and not os.path.exists(out),
                   "np %d NaN on the last rank: exit %d, %d error line(s), no output" % (p, r.returncode, len(lines)))
 
@@ -273,7 +281,7 @@ def main():
                     except subprocess.TimeoutExpired:
                         check(False, "np %d, rank %d fails (%s): hang" % (p, bad_rank, phrase))
                         return
-                    lines = [l for l in r.stderr.splitlines() if l.startswith("randattn-mpi: error:")]
+                    lines = error_lines(r)
                     check(r.returncode == 2 and len(lines) == 1 and phrase in lines[0] and seconds < 60 and
                           not os.path.exists(never),
                           "np %d, rank %d fails before the first exchange (%s): exit %d in %.1f s, %s" %
@@ -284,13 +292,10 @@ def main():
         fn(lambda ok, what: results.append((ok, what)))
         return results
 
-    failures = []
     with ThreadPoolExecutor(max_workers=a.jobs) as pool:
-        for results in pool.map(run_job, jobs):  # printed in order, as they finish
+        for results in pool.map(run_job, jobs):  # reported in order, as they finish
             for ok, what in results:
-                print(("ok   " if ok else "FAIL ") + what, flush=True)
-                if not ok:
-                    failures.append(what)
+                report(ok, what)
     if failures:
         print("%d failure(s)" % len(failures))
         return 1

@@ -574,7 +574,7 @@ TEST_CASE("cli: oprf and sderf, their fit modes and the predicted kernel MSE", "
   const std::string calibration = " --fit given --calibration " + quote(ws.path("c.npy"));
   for (const std::string method : {"oprf", "sderf"}) {
     INFO(method);
-    for (const std::string fit : {std::string(""), std::string(" --fit given --rho 0.4"),
+    for (const std::string& fit : {std::string(""), std::string(" --fit given --rho 0.4"),
                                   calibration, " --causal" + calibration,
                                   " --fit given --calibration-q " + quote(ws.path("c.npy")) +
                                       " --calibration-k " + quote(ws.path("ck.npy")),

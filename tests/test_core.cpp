@@ -401,3 +401,36 @@ TEST_CASE("Batched linear attention refuses an out overlapping any input buffer,
   run(separate.data());
   CHECK(std::equal(separate.data(), separate.data() + 8, pool.begin() + offset[6]));
 }
+
+TEMPLATE_TEST_CASE("row_dots: every entry as one dot product, whatever tile it falls in",
+                   "[core][kernels]", float, double) {
+  // The reference is a 1 x 1 tile (packets along the depth, Eigen's predux, then the rest of the
+  // depth); the wider tiles, with their joint horizontal sums, must give the same bits. The
+  // shapes cover every tile size and remainder, depths with and without a partial packet.
+  using Matrix = RowMatrix<TestType>;
+  for (const Index depth : {Index(1), Index(7), Index(8), Index(17), Index(128)}) {
+    for (const Index m : {Index(1), Index(2), Index(3), Index(5), Index(9)}) {
+      for (const Index n : {Index(1), Index(2), Index(4), Index(6), Index(7), Index(9)}) {
+        const Matrix a = Matrix::Random(m, depth), b = Matrix::Random(n, depth);
+        Matrix out(m, n), one(1, 1);
+        randattn::detail::row_dots(out, a, b);
+        for (Index i = 0; i < m; ++i) {
+          for (Index j = 0; j < n; ++j) {
+            randattn::detail::row_panel::dot_tile<1, 1>(one, a.row(i), b.row(j), 0, 0);
+            CHECK(out(i, j) == one(0, 0));
+            const double exact = a.row(i).template cast<double>().dot(b.row(j).template cast<double>());
+            CHECK(std::abs(double(out(i, j)) - exact) <=
+                  4 * double(depth) * double(std::numeric_limits<TestType>::epsilon()) *
+                      a.row(i).norm() * b.row(j).norm());
+          }
+        }
+        if (m == n) {
+          Matrix lower = Matrix::Zero(m, n);
+          randattn::detail::row_dots(lower, a, b, true);
+          for (Index i = 0; i < m; ++i)
+            for (Index j = 0; j <= i; ++j) CHECK(lower(i, j) == out(i, j));
+        }
+      }
+    }
+  }
+}

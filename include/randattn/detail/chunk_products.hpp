@@ -12,7 +12,7 @@
 #include <algorithm>
 #include <type_traits>
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -224,6 +224,58 @@ inline void horizontal_sums<4, 4, __m512, float>(const __m512 (&c)[4][4], float 
 }
 #endif
 
+#if defined(__AVX__)
+// Eigen's predux of a packet of 8 floats adds lanes l + l+4, then (0 + 2) + (1 + 3). The same
+// additions in the same order for several packets at once, two packets per register and step,
+// so an entry's value does not depend on the tile it falls in.
+inline __m256 halves_added(__m256 a, __m256 b) {  // [a_l + a_l+4 | b_l + b_l+4]
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+inline __m256 pairs_added(__m256 x, __m256 y) {  // per half: [x0 + x2, x1 + x3, y0 + y2, y1 + y3]
+  return _mm256_add_ps(_mm256_shuffle_ps(x, y, 0x44), _mm256_shuffle_ps(x, y, 0xEE));
+}
+inline __m256 odd_even_added(__m256 x, __m256 y) {  // per half: [x0 + x1, x2 + x3, y0 + y1, y2 + y3]
+  return _mm256_add_ps(_mm256_shuffle_ps(x, y, 0x88), _mm256_shuffle_ps(x, y, 0xDD));
+}
+
+// Eight packets p0..p7 (row-major c[r][s]): the result holds their sums in lanes
+// [p0, p2, p4, p6, p1, p3, p5, p7].
+template <>
+inline void horizontal_sums<2, 4, __m256, float>(const __m256 (&c)[2][4], float (&sums)[2][4]) {
+  const __m256 q0 = pairs_added(halves_added(c[0][0], c[0][1]), halves_added(c[0][2], c[0][3]));
+  const __m256 q1 = pairs_added(halves_added(c[1][0], c[1][1]), halves_added(c[1][2], c[1][3]));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, odd_even_added(q0, q1));
+  for (int p = 0; p < 8; ++p) sums[p / 4][p % 4] = lanes[p % 2 == 0 ? p / 2 : 4 + p / 2];
+}
+
+// Four packets p0..p3: their sums in lanes [p0, p2, ·, ·, p1, p3, ·, ·].
+inline void sums_of_four(__m256 p0, __m256 p1, __m256 p2, __m256 p3, float (&out)[4]) {
+  const __m256 q = pairs_added(halves_added(p0, p1), halves_added(p2, p3));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, odd_even_added(q, q));
+  out[0] = lanes[0];
+  out[1] = lanes[4];
+  out[2] = lanes[1];
+  out[3] = lanes[5];
+}
+
+template <>
+inline void horizontal_sums<1, 4, __m256, float>(const __m256 (&c)[1][4], float (&sums)[1][4]) {
+  sums_of_four(c[0][0], c[0][1], c[0][2], c[0][3], sums[0]);
+}
+
+template <>
+inline void horizontal_sums<2, 2, __m256, float>(const __m256 (&c)[2][2], float (&sums)[2][2]) {
+  float s[4];
+  sums_of_four(c[0][0], c[0][1], c[1][0], c[1][1], s);
+  sums[0][0] = s[0];
+  sums[0][1] = s[1];
+  sums[1][0] = s[2];
+  sums[1][1] = s[3];
+}
+#endif
+
 // out(i0 + r, j0 + c) = a_{i0 + r} · b_{j0 + c} for r < RI, c < RJ: packets along the depth,
 // then one horizontal sum per entry, then the depth past the last whole packet.
 template <int RI, int RJ, typename Out, typename A, typename B>
@@ -270,7 +322,9 @@ void dot_tile(Out& out, const A& a, const B& b, Index i0, Index j0) {
 // its value does not depend on the tile it falls in.
 template <typename Out, typename A, typename B>
 void row_dots(Out&& out, const A& a, const B& b, bool lower = false) {
-  constexpr int t = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 4 : 2;
+  // Tiles of ti rows of a by tj rows of b: tj = 4 gives eight independent accumulators with
+  // 16 registers, enough to hide the latency of the multiply-adds.
+  constexpr int ti = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 4 : 2, tj = 4;
   const Index m = a.rows(), n = b.rows();
   require(a.cols() == b.cols() && out.rows() == m && out.cols() == n && (!lower || m == n) &&
               (a.colStride() == 1 || a.cols() <= 1) && (b.colStride() == 1 || b.cols() <= 1),
@@ -279,11 +333,13 @@ void row_dots(Out&& out, const A& a, const B& b, bool lower = false) {
   const auto strip = [&](auto rows_c, Index i, Index end) {
     constexpr int R = decltype(rows_c)::value;
     Index j = 0;
-    for (; j + t <= end; j += t) row_panel::dot_tile<R, t>(out, a, b, i, j);
+    for (; j + tj <= end; j += tj) row_panel::dot_tile<R, tj>(out, a, b, i, j);
+    for (; j + 2 <= end; j += 2) row_panel::dot_tile<R, 2>(out, a, b, i, j);
     for (; j < end; ++j) row_panel::dot_tile<R, 1>(out, a, b, i, j);
   };
-  const Index tiled = m / t * t;
-  for (Index i = 0; i < tiled; i += t) strip(std::integral_constant<int, t>(), i, lower ? i + t : n);
+  const Index tiled = m / ti * ti;
+  for (Index i = 0; i < tiled; i += ti)
+    strip(std::integral_constant<int, ti>(), i, lower ? i + ti : n);
   for (Index i = tiled; i < m; ++i) strip(std::integral_constant<int, 1>(), i, lower ? i + 1 : n);
 }
 

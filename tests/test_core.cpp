@@ -434,3 +434,38 @@ TEMPLATE_TEST_CASE("row_dots: every entry as one dot product, whatever tile it f
     }
   }
 }
+
+TEMPLATE_TEST_CASE("row_panel_product: every entry one chain of multiply-adds, whatever the tile",
+                   "[core][kernels]", float, double) {
+  // Row by row (tiles of one row) against all rows at once (the tallest tiles and every
+  // remainder), both panel widths, from zero and onto a start: the same bits. Columns cover
+  // whole wide panels, narrower ones and the tail past the last packet, which goes through
+  // Eigen's product and is compared only against the exact product.
+  using Matrix = RowMatrix<TestType>;
+  for (const Index depth : {Index(1), Index(9), Index(64), Index(300)}) {
+    for (const Index rows : {Index(1), Index(2), Index(4), Index(5), Index(7), Index(13),
+                             Index(31)}) {
+      for (const Index cols : {Index(1), Index(8), Index(17), Index(65), Index(128)}) {
+        const Matrix a = Matrix::Random(rows, depth), b = Matrix::Random(depth, cols);
+        const Matrix start = Matrix::Random(rows, cols);
+        Matrix all(rows, cols), streamed = start, by_row(rows, cols);
+        randattn::detail::row_panel_product(all, a, b, false);
+        randattn::detail::row_panel_product_streamed(streamed, a, b, true);
+        for (Index i = 0; i < rows; ++i)
+          randattn::detail::row_panel_product(by_row.row(i), a.row(i), b, false);
+        const Index packed = cols / randattn::detail::row_panel::packet_size<TestType> *
+                             randattn::detail::row_panel::packet_size<TestType>;
+        CHECK(all.leftCols(packed) == by_row.leftCols(packed));
+        Matrix onto = start;
+        randattn::detail::row_panel_product(onto, a, b, true);
+        CHECK(streamed == onto);
+        const Eigen::MatrixXd exact = a.template cast<double>() * b.template cast<double>();
+        const double tol = 4 * double(depth) * double(std::numeric_limits<TestType>::epsilon());
+        CHECK(((all.template cast<double>() - exact).array().abs() <=
+               tol * (a.template cast<double>().cwiseAbs() * b.template cast<double>().cwiseAbs())
+                         .array())
+                  .all());
+      }
+    }
+  }
+}

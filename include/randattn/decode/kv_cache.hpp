@@ -654,8 +654,8 @@ class KvCache {
         w.col(r).array() = (w.col(r).array() - c).exp();
         s.tile_nd(r, dv_) = w.col(r).sum();
       }
-      detail::row_panel_product(s.tile_nd.leftCols(dv_), w.transpose(), head.values.block(j0, bk),
-                                false);
+      detail::row_panel_product_streamed(s.tile_nd.leftCols(dv_), w.transpose(),
+                                         head.values.block(j0, bk), false);
       acc.merge_rows(0, s.tile_nd, s.tile_max);
     }
   }

@@ -32,11 +32,16 @@ using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
 template <typename Scalar>
 constexpr Index packet_size = Eigen::internal::unpacket_traits<Packet<Scalar>>::size;
 
-// Accumulator rows of a tile: six with 32 vector registers (24 accumulators, 4 loads of b, one
-// broadcast), two with 16.
-constexpr int kTileRows = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 6 : 2;
-static_assert(kTileRows <= 6, "panel() finishes with tiles of at most 5 rows");
-constexpr int kTilePackets = 4;
+// A tile of R rows by P packets keeps R·P accumulators, P packets of b and one broadcast of a in
+// vector registers: with 32 registers six rows by four packets, with 16 six rows by two. With 16
+// registers, two rows by four packets (8 accumulators) ran at 45 GFLOP/s where six by two runs at
+// 69–87 (a 48 x 256 x 64 product on a Zen 3; Eigen's GEMM: 59–61).
+constexpr int kRegisters = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS;
+constexpr int kTilePackets = kRegisters >= 32 ? 4 : 2;
+template <int P>
+constexpr int kTileRowsFor = std::min(24, (kRegisters - 1 - P) / P);
+constexpr int kTileRows = 6;  // rows per tile where a panel's own height leaves a remainder
+static_assert(kTileRowsFor<kTilePackets> >= kTileRows, "the default panels hold six rows");
 
 // Operand a by strides: a(i, k) = data[i * row + k * col].
 template <typename Scalar>
@@ -98,13 +103,14 @@ void panel(Scalar* out, Index out_stride, Start<Scalar> start, Strided<Scalar> a
     tile<R, P>(out + i * out_stride, out_stride, start_of(i), {a.data + i * a.row, a.row, a.col},
                b, b_stride, depth_of(i, R));
   };
-  // Narrow panels take taller tiles, so that each tile keeps kTileRows * kTilePackets
-  // accumulators.
-  constexpr int tall = kTileRows * (kTilePackets / P);
+  // Narrow panels take taller tiles, as many rows as the registers hold.
+  constexpr int tall = kTileRowsFor<P>;
   Index i = 0;
   for (; i + tall <= rows; i += tall) run(std::integral_constant<int, tall>(), i);
-  for (; i + kTileRows <= rows; i += kTileRows) run(std::integral_constant<int, kTileRows>(), i);
-  // The last rows in one tile of their count (kTileRows is at most 6).
+  if constexpr (tall > kTileRows) {
+    for (; i + kTileRows <= rows; i += kTileRows) run(std::integral_constant<int, kTileRows>(), i);
+  }
+  // The last rows (at most five) in one tile of their count.
   switch (rows - i) {
     case 0: return;
     case 1: return run(std::integral_constant<int, 1>(), i);
@@ -115,8 +121,9 @@ void panel(Scalar* out, Index out_stride, Start<Scalar> start, Strided<Scalar> a
   }
 }
 
-// out = start + a b; see row_panel_product.
-template <typename Out, typename A, typename B>
+// out = start + a b in column panels Wide packets wide, then narrower ones; see
+// row_panel_product.
+template <int Wide, typename Out, typename A, typename B>
 void product(Out& out, Start<typename Out::Scalar> start, const A& a, const B& b, bool lower) {
   using Scalar = typename Out::Scalar;
   constexpr Index ps = packet_size<Scalar>;
@@ -134,10 +141,10 @@ void product(Out& out, Start<typename Out::Scalar> start, const A& a, const B& b
     return Start<Scalar>{start.data ? start.data + j : nullptr, start.stride, start.alpha};
   };
   Index j = 0;
-  for (; j + kTilePackets * ps <= cols; j += kTilePackets * ps) {
-    panel<kTilePackets>(o + j, os, from(j), sa, bb + j, bs, rows, depth, lower);
+  for (; j + Wide * ps <= cols; j += Wide * ps) {
+    panel<Wide>(o + j, os, from(j), sa, bb + j, bs, rows, depth, lower);
   }
-  if (j + 2 * ps <= cols) {
+  if (Wide > 2 && j + 2 * ps <= cols) {
     panel<2>(o + j, os, from(j), sa, bb + j, bs, rows, depth, lower);
     j += 2 * ps;
   }
@@ -169,8 +176,20 @@ void product(Out& out, Start<typename Out::Scalar> start, const A& a, const B& b
 template <typename Out, typename A, typename B>
 void row_panel_product(Out&& out, const A& a, const B& b, bool accumulate, bool lower = false) {
   using Scalar = typename std::decay_t<Out>::Scalar;
-  row_panel::product(out, {accumulate ? out.data() : nullptr, out.rowStride(), Scalar(1)}, a, b,
-                     lower);
+  row_panel::product<row_panel::kTilePackets>(
+      out, {accumulate ? out.data() : nullptr, out.rowStride(), Scalar(1)}, a, b, lower);
+}
+
+// out (+)= a b as row_panel_product, the same bits, for a b read once from memory and few rows
+// of a (decoding's query heads): panels four packets wide take two cache lines of each row of b
+// per pass. With 16 registers that allows tiles of only two rows, so b is read once per two
+// rows, but the second read comes from the caches; panels of one cache line per row, read
+// once, ran a kernel streaming b from memory at 0.6–0.8 of that speed (Zen 3).
+template <typename Out, typename A, typename B>
+void row_panel_product_streamed(Out&& out, const A& a, const B& b, bool accumulate) {
+  using Scalar = typename std::decay_t<Out>::Scalar;
+  row_panel::product<4>(out, {accumulate ? out.data() : nullptr, out.rowStride(), Scalar(1)}, a,
+                        b, false);
 }
 
 // out = alpha · start + a b, start having out's shape and unit column stride (it may be out).
@@ -181,7 +200,8 @@ void row_panel_product_onto(Out&& out, const Start& start, typename std::decay_t
               (start.colStride() == 1 || start.cols() <= 1),
           "row_panel_product_onto", "start is ", start.rows(), "x", start.cols(), ", out ",
           out.rows(), "x", out.cols());
-  row_panel::product(out, {start.data(), start.rowStride(), alpha}, a, b, false);
+  row_panel::product<row_panel::kTilePackets>(out, {start.data(), start.rowStride(), alpha}, a, b,
+                                              false);
 }
 
 namespace row_panel {

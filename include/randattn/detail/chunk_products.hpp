@@ -344,7 +344,7 @@ template <typename Out, typename A, typename B>
 void row_dots(Out&& out, const A& a, const B& b, bool lower = false) {
   // Tiles of ti rows of a by tj rows of b: tj = 4 gives eight independent accumulators with
   // 16 registers, enough to hide the latency of the multiply-adds.
-  constexpr int ti = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 4 : 2, tj = 4;
+  constexpr int ti = row_panel::kRegisters >= 32 ? 4 : 2, tj = 4;
   const Index m = a.rows(), n = b.rows();
   require(a.cols() == b.cols() && out.rows() == m && out.cols() == n && (!lower || m == n) &&
               (a.colStride() == 1 || a.cols() <= 1) && (b.colStride() == 1 || b.cols() <= 1),

@@ -604,14 +604,18 @@ class KvCache {
     while (n_ - hashed_ >= B) {
       // Scratch sized on first use; no allocation per block afterwards.
       hash_codes_.resize(L * static_cast<std::size_t>(B));
-      hash_block_.resize(B, d_);
       for (Head& head : heads_) {
-        hash_block_ = head.keys.block(hashed_, B);
-        if (centred_) hash_block_.rowwise() -= head.centre.transpose();
-        head.tables.codes_block(hash_block_, hash_scratch_, hash_codes_.data());
-        for (Index r = 0; r < B; ++r) {
-          head.tables.insert(std::int32_t(hashed_ + r), hash_codes_.data() + std::size_t(r) * L);
-          head.centred_norm.push_back(hash_block_.row(r).norm());
+        const auto index = [&](const auto& centred) {
+          head.tables.codes_block(centred, hash_scratch_, hash_codes_.data());
+          head.tables.insert_block(std::int32_t(hashed_), B, hash_codes_.data());
+          for (Index r = 0; r < B; ++r) head.centred_norm.push_back(centred.row(r).norm());
+        };
+        if (centred_) {
+          hash_block_ = head.keys.block(hashed_, B);
+          hash_block_.rowwise() -= head.centre.transpose();
+          index(hash_block_);
+        } else {
+          index(head.keys.block(hashed_, B));  // hashed where it lies
         }
       }
       hashed_ += B;

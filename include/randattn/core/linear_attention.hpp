@@ -195,7 +195,7 @@ struct ChunkScratch {
   Scratch<Vector<Scalar>> log_rows, rescale;
   ChunkScratch(Index chunk, Index dim, Index width, bool causal)
       : features(causal ? 0 : chunk, dim),
-        values(chunk, width),
+        values(chunk, line_padded<Scalar>(width)),
         weights(causal ? chunk : 0, causal ? chunk : 0),
         log_rows(causal ? chunk : 0),
         rescale(causal ? chunk : 0) {}
@@ -221,7 +221,7 @@ template <typename In, typename Keys, typename Out>
 typename In::Scalar summarise_keys(const In& in, const Keys& keys,
                                    const Eigen::Ref<const Vector<typename In::Scalar>>& k_log,
                                    Index j0, RowMatrix<typename In::Scalar>& scratch, Out&& out) {
-  auto weighted = scratch.topRows(keys.rows());
+  auto weighted = scratch.topLeftCorner(keys.rows(), in.width());
   const typename In::Scalar g = weigh_values(
       in, j0, k_log, -std::numeric_limits<typename In::Scalar>::infinity(), weighted);
   row_panel_product(out, keys.transpose(), weighted, false);
@@ -323,7 +323,7 @@ void causal_chunk_rows(const In& in, Index i0, const Rows& queries,
   const Index len = queries.rows(), dv = in.v.cols();
   auto weights = s.weights.topLeftCorner(len, len);
   auto row_log = s.log_rows.head(len);
-  auto values = s.values.topRows(len);
+  auto values = s.values.topLeftCorner(len, dv + 1);
   auto out = nd.middleRows(i0, len);
   row_dots(weights, queries, keys, true);
   Scalar prefix_max = kNegInf;
@@ -372,7 +372,7 @@ void advance_state(const Prev& prev, Scalar c_prev, const A& a, const W& w, Scal
 template <typename In, typename Keys>
 void causal_prefix_states(const In& in, Index g0, const Keys& keys,
                           const Eigen::Ref<const Vector<typename In::Scalar>>& k_log, Index group,
-                          RowMatrix<typename In::Scalar>& weighted,
+                          RowMatrix<typename In::Scalar>& weighted,  // rows x width or wider
                           KeySummaries<typename In::Scalar>& states,
                           RowMatrix<typename In::Scalar>& carried,
                           typename In::Scalar& carried_log) {
@@ -385,7 +385,7 @@ void causal_prefix_states(const In& in, Index g0, const Keys& keys,
   for (Index t = 0; t < group; ++t) {
     const auto [r0, rows] = rows_of(t);
     states.log_scale(t + 1) = weigh_values(in, g0 + r0, k_log.segment(r0, rows),
-                                           states.log_scale(t), weighted.middleRows(r0, rows));
+                                           states.log_scale(t), weighted.block(r0, 0, rows, in.width()));
   }
   constexpr Index kRowBlock = 64;  // rows of S per task: four tasks at 256 features
   parallel_for((m + kRowBlock - 1) / kRowBlock, [&](Index b) {
@@ -394,7 +394,7 @@ void causal_prefix_states(const In& in, Index g0, const Keys& keys,
       const auto [r0, rows] = rows_of(t);
       advance_state(states.block(t).middleRows(s0, s_len), states.log_scale(t),
                     keys.middleRows(r0, rows).transpose().middleRows(s0, s_len),
-                    weighted.middleRows(r0, rows), states.log_scale(t + 1),
+                    weighted.block(r0, 0, rows, in.width()), states.log_scale(t + 1),
                     states.block(t + 1).middleRows(s0, s_len));
     }
   });
@@ -430,7 +430,7 @@ linear_causal_with_summary(const In& in) {
   const bool one_thread = available_threads() == 1;
   KeySummaries<Scalar> states(one_thread ? 0 : std::min(chunks, kCausalGroup) + 1, m, w);
   FeatureBlock<Scalar> q_rows(group_rows, m), k_rows(group_rows, m);
-  Scratch<RowMatrix<Scalar>> weighted(group_rows, w);
+  Scratch<RowMatrix<Scalar>> weighted(group_rows, line_padded<Scalar>(w));
   const auto scratch = [&] { return ChunkScratch<Scalar>(chunk, m, w, true); };
   ChunkScratch<Scalar> own(one_thread ? chunk : 0, m, w, true);
   for (Index first = 0; first < chunks; first += kCausalGroup) {
@@ -455,7 +455,7 @@ linear_causal_with_summary(const In& in) {
       for (Index t = 0; t < group; ++t) {
         chunk_rows(t, carried, carried_log, own);
         const auto [r0, len] = rows_of(t);
-        auto weights = weighted.middleRows(r0, len);
+        auto weights = weighted.block(r0, 0, len, w);
         const Scalar c =
             weigh_values(in, g0 + r0, k_rows.log_scale.segment(r0, len), carried_log, weights);
         advance_state(carried, carried_log, keys.middleRows(r0, len).transpose(), weights, c,

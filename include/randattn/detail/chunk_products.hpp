@@ -24,6 +24,15 @@
 
 namespace randattn::detail {
 
+// Columns to allocate for a b operand of `cols` columns: a whole number of cache lines per row,
+// so that no packet of a row straddles two lines (rows of 65 floats made a 256 x 256 x 65
+// product run at 45–60 GFLOP/s against 74 with rows of 80; Zen 3). Use the leftmost `cols`.
+template <typename Scalar>
+constexpr Index line_padded(Index cols) {
+  constexpr Index line = 64 / Index(sizeof(Scalar));
+  return (cols + line - 1) / line * line;
+}
+
 namespace row_panel {
 
 template <typename Scalar>

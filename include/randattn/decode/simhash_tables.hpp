@@ -17,17 +17,13 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #include <Eigen/Core>
 
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
-
 #include "../core/types.hpp"
 #include "../detail/chunk_products.hpp"
+#include "../detail/threshold_mask.hpp"
 #include "../detail/validation.hpp"
 #include "../random/fill.hpp"
 #include "../random/philox.hpp"
@@ -170,7 +166,11 @@ class SimHashTables {
     const Index n = planes(), words = (n + 63) / 64;
     scratch.signs.resize(std::size_t(words) + 1);  // + 1: a code may read past the last word
     scratch.signs.back() = 0;
-    for (Index w = 0; w < words; ++w) scratch.signs[std::size_t(w)] = sign_word(proj, w * 64, n);
+    for (Index w = 0; w < words; ++w) {
+      const Index first = w * 64;
+      scratch.signs[std::size_t(w)] =
+          threshold_mask<true>(proj + first, std::min<Index>(64, n - first), Scalar(0));
+    }
     const std::uint64_t mask = (std::uint64_t(1) << bits_) - 1;
     for (int t = 0; t < tables_; ++t) {
       const Index first = Index(t) * bits_, shift = first % 64;
@@ -179,40 +179,6 @@ class SimHashTables {
       if (shift + bits_ > 64) code |= word[1] << (64 - shift);
       codes[t] = std::uint32_t(code & mask);
     }
-  }
-
-  // Bit i of the result: proj[first + i] > 0, for first + i < n.
-  static std::uint64_t sign_word(const Scalar* proj, Index first, Index n) {
-    const Index len = std::min<Index>(64, n - first);
-    std::uint64_t m = 0;
-    Index i = 0;
-#if defined(__AVX512F__)
-    if constexpr (std::is_same<Scalar, float>::value) {
-      for (; i + 16 <= len; i += 16)
-        m |= std::uint64_t(_mm512_cmp_ps_mask(_mm512_loadu_ps(proj + first + i),
-                                              _mm512_setzero_ps(), _CMP_GT_OQ))
-             << i;
-    } else if constexpr (std::is_same<Scalar, double>::value) {
-      for (; i + 8 <= len; i += 8)
-        m |= std::uint64_t(_mm512_cmp_pd_mask(_mm512_loadu_pd(proj + first + i),
-                                              _mm512_setzero_pd(), _CMP_GT_OQ))
-             << i;
-    }
-#elif defined(__AVX__)
-    if constexpr (std::is_same<Scalar, float>::value) {
-      for (; i + 8 <= len; i += 8)
-        m |= std::uint64_t(unsigned(_mm256_movemask_ps(_mm256_cmp_ps(
-                 _mm256_loadu_ps(proj + first + i), _mm256_setzero_ps(), _CMP_GT_OQ))))
-             << i;
-    } else if constexpr (std::is_same<Scalar, double>::value) {
-      for (; i + 4 <= len; i += 4)
-        m |= std::uint64_t(unsigned(_mm256_movemask_pd(_mm256_cmp_pd(
-                 _mm256_loadu_pd(proj + first + i), _mm256_setzero_pd(), _CMP_GT_OQ))))
-             << i;
-    }
-#endif
-    for (; i < len; ++i) m |= std::uint64_t(proj[first + i] > 0) << i;
-    return m;
   }
 
   std::vector<std::int32_t>& bucket_mut(int table, std::uint32_t code) {

@@ -70,8 +70,12 @@ RANDATTN_FWHT_INLINE void fwht_strip(Scalar* __restrict base, Index stride, cons
 // Levels h .. 2^{M-1} h over the whole p x cols block (row stride ld).
 template <int M, bool Scaled, typename Scalar>
 void fwht_columns_step(Scalar* w, Index p, Index cols, Index ld, Index h, const Scalar* diag) {
-  // 8 rows x kWidth scalars fill half of the vector registers (16 of 32 with AVX-512).
-  constexpr int kRows = 1 << M, kWidth = int(128 / sizeof(Scalar));
+  // A strip of 8 rows fills half of the vector registers: two packets a row with AVX-512's 32,
+  // one with AVX2's 16. With AVX2, strips as wide as AVX-512's spill to the stack: 256 columns
+  // of length 256 took 56–67 µs against 32–36 (two packets a row: 35–55; Zen 3).
+  constexpr int kPacket = Eigen::internal::packet_traits<Scalar>::size;
+  constexpr int kRows = 1 << M,
+                kWidth = kPacket * (EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 2 : 1);
   const Index stride = h * ld;
   Scalar sign[kRows];
   for (Index i0 = 0; i0 < p; i0 += kRows * h) {

@@ -48,10 +48,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include <Eigen/Core>
 
 #include "../core/detail/output_check.hpp"
@@ -69,6 +65,7 @@
 #include "../detail/matrix_pool.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/pooled_vector.hpp"
+#include "../detail/threshold_mask.hpp"
 #include "../detail/transpose.hpp"
 #include "../detail/validation.hpp"
 #include "../hashing/detail/bucket_sort.hpp"
@@ -188,26 +185,6 @@ void best_first(const Scalar* s, Index size, Index count, std::vector<std::int32
       [s](std::int32_t a, std::int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
 }
 
-// Bit u set for row[u] >= eta, u < count <= 64.
-template <typename Scalar>
-std::uint64_t threshold_bits(const Scalar* row, Index count, Scalar eta) {
-  std::uint64_t bits = 0;
-  Index u = 0;
-#if defined(__AVX512F__)
-  if constexpr (std::is_same<Scalar, float>::value) {
-    const __m512 e = _mm512_set1_ps(eta);
-    for (; u + 16 <= count; u += 16)
-      bits |= std::uint64_t(_mm512_cmp_ps_mask(_mm512_loadu_ps(row + u), e, _CMP_GE_OQ)) << u;
-  } else {
-    const __m512d e = _mm512_set1_pd(eta);
-    for (; u + 8 <= count; u += 8)
-      bits |= std::uint64_t(_mm512_cmp_pd_mask(_mm512_loadu_pd(row + u), e, _CMP_GE_OQ)) << u;
-  }
-#endif
-  for (; u < count; ++u) bits |= std::uint64_t(row[u] >= eta) << u;
-  return bits;
-}
-
 // The filters each query of a block opens in each table, from the block's filter-major scores
 // (L m x B, row t m + f): those with score >= η in increasing order, or the min_probes best (in
 // increasing order) when fewer pass. The scores are compared a row, i.e. one filter for every
@@ -224,7 +201,7 @@ class OpenedLists {
     for (Index t = 0, g = 0; t < tables_; ++t) {
       Index* table_size = size.data() + t;  // list (u, t) at table_size[u L]
       for (Index f = 0; f < m; ++f, ++g) {
-        const std::uint64_t b = threshold_bits(&scores(g, 0), queries_, eta);
+        const std::uint64_t b = threshold_mask<false>(&scores(g, 0), queries_, eta);
         bits[std::size_t(g)] = b;
         for (std::uint64_t r = b; r != 0; r &= r - 1)
           ++table_size[Index(count_trailing_zeros(r)) * tables_];

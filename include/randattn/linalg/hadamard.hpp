@@ -67,15 +67,47 @@ RANDATTN_FWHT_INLINE void fwht_strip(Scalar* __restrict base, Index stride, cons
     for (int l = 0; l < V; ++l) base[m * stride + l] = a[m][l];
 }
 
+// fwht_strip on P packets of adjacent vectors, written with Eigen's packet operations so that
+// the strip stays in vector registers whatever the compiler makes of the scalar form (GCC
+// vectorised that form in some programs and spilled it lane by lane in others). The same
+// products and additions per lane: the same bits.
+template <int M, int P, bool Scaled, typename Scalar>
+RANDATTN_FWHT_INLINE void fwht_strip_packets(Scalar* __restrict base, Index stride,
+                                             const Scalar* sign) {
+  using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
+  constexpr int kRows = 1 << M, kSize = Eigen::internal::packet_traits<Scalar>::size;
+  Packet a[kRows][P];
+  RANDATTN_FWHT_UNROLL
+  for (int m = 0; m < kRows; ++m)
+    for (int l = 0; l < P; ++l) {
+      a[m][l] = Eigen::internal::ploadu<Packet>(base + m * stride + l * kSize);
+      if (Scaled) a[m][l] = Eigen::internal::pmul(a[m][l], Eigen::internal::pset1<Packet>(sign[m]));
+    }
+  RANDATTN_FWHT_UNROLL
+  for (int level = 1; level < kRows; level <<= 1) {
+    RANDATTN_FWHT_UNROLL
+    for (int m = 0; m < kRows; ++m) {
+      if (m & level) continue;
+      for (int l = 0; l < P; ++l) {
+        const Packet x = a[m][l], y = a[m | level][l];
+        a[m][l] = Eigen::internal::padd(x, y);
+        a[m | level][l] = Eigen::internal::psub(x, y);
+      }
+    }
+  }
+  RANDATTN_FWHT_UNROLL
+  for (int m = 0; m < kRows; ++m)
+    for (int l = 0; l < P; ++l) Eigen::internal::pstoreu(base + m * stride + l * kSize, a[m][l]);
+}
+
 // Levels h .. 2^{M-1} h over the whole p x cols block (row stride ld).
 template <int M, bool Scaled, typename Scalar>
 void fwht_columns_step(Scalar* w, Index p, Index cols, Index ld, Index h, const Scalar* diag) {
   // A strip of 8 rows fills half of the vector registers: two packets a row with AVX-512's 32,
-  // one with AVX2's 16. With AVX2, strips as wide as AVX-512's spill to the stack: 256 columns
-  // of length 256 took 56–67 µs against 32–36 (two packets a row: 35–55; Zen 3).
-  constexpr int kPacket = Eigen::internal::packet_traits<Scalar>::size;
-  constexpr int kRows = 1 << M,
-                kWidth = kPacket * (EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 2 : 1);
+  // one with AVX2's 16, where two left too few registers for the butterflies.
+  constexpr int kSize = Eigen::internal::packet_traits<Scalar>::size;
+  constexpr int kRows = 1 << M, kPackets = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 2 : 1;
+  constexpr int kWidth = kPackets * kSize;
   const Index stride = h * ld;
   Scalar sign[kRows];
   for (Index i0 = 0; i0 < p; i0 += kRows * h) {
@@ -83,7 +115,8 @@ void fwht_columns_step(Scalar* w, Index p, Index cols, Index ld, Index h, const 
       for (int m = 0; m < kRows; ++m) sign[m] = Scaled ? diag[j + m * h] : Scalar(1);
       Scalar* row = w + j * ld;
       Index t = 0;
-      for (; t + kWidth <= cols; t += kWidth) fwht_strip<M, kWidth, Scaled>(row + t, stride, sign);
+      for (; t + kWidth <= cols; t += kWidth)
+        fwht_strip_packets<M, kPackets, Scaled>(row + t, stride, sign);
       for (; t < cols; ++t) fwht_strip<M, 1, Scaled>(row + t, stride, sign);
     }
   }

@@ -38,50 +38,23 @@ namespace detail {
 #define RANDATTN_FWHT_UNROLL
 #endif
 
-// Radix-2^M step on V adjacent vectors: levels h, 2h, ..., 2^{M-1} h at once on the 2^M rows
-// spaced `stride` apart, kept in registers across the levels. With Scaled, row m is first
-// multiplied by sign[m] = +-1 (exact). Only exact products and the adds of the radix-2 levels
-// occur, in the same order, so neither the grouping of levels nor V changes a bit.
-template <int M, int V, bool Scaled, typename Scalar>
+// Radix-2^M step on P packets of adjacent vectors (Packet a SIMD type, or Scalar itself for one
+// vector): levels h, 2h, ..., 2^{M-1} h at once on the 2^M rows spaced `stride` apart, kept in
+// registers across the levels. With Scaled, row m is first multiplied by sign[m] = +-1 (exact).
+// Only exact products and the adds of the radix-2 levels occur, in the same order, so neither the
+// grouping of levels nor the strip's width changes a bit. Written with Eigen's packet operations:
+// as scalar arrays left to the vectoriser, GCC kept the strip in registers in some programs and
+// spilled it lane by lane in others.
+template <int M, int P, bool Scaled, typename Packet, typename Scalar>
 RANDATTN_FWHT_INLINE void fwht_strip(Scalar* __restrict base, Index stride, const Scalar* sign) {
-  constexpr int kRows = 1 << M;
-  Scalar a[kRows][V];
-  RANDATTN_FWHT_UNROLL
-  for (int m = 0; m < kRows; ++m)
-    for (int l = 0; l < V; ++l)
-      a[m][l] = Scaled ? base[m * stride + l] * sign[m] : base[m * stride + l];
-  RANDATTN_FWHT_UNROLL
-  for (int level = 1; level < kRows; level <<= 1) {
-    RANDATTN_FWHT_UNROLL
-    for (int m = 0; m < kRows; ++m) {
-      if (m & level) continue;
-      for (int l = 0; l < V; ++l) {
-        const Scalar x = a[m][l], y = a[m | level][l];
-        a[m][l] = x + y;
-        a[m | level][l] = x - y;
-      }
-    }
-  }
-  RANDATTN_FWHT_UNROLL
-  for (int m = 0; m < kRows; ++m)
-    for (int l = 0; l < V; ++l) base[m * stride + l] = a[m][l];
-}
-
-// fwht_strip on P packets of adjacent vectors, written with Eigen's packet operations so that
-// the strip stays in vector registers whatever the compiler makes of the scalar form (GCC
-// vectorised that form in some programs and spilled it lane by lane in others). The same
-// products and additions per lane: the same bits.
-template <int M, int P, bool Scaled, typename Scalar>
-RANDATTN_FWHT_INLINE void fwht_strip_packets(Scalar* __restrict base, Index stride,
-                                             const Scalar* sign) {
-  using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
-  constexpr int kRows = 1 << M, kSize = Eigen::internal::packet_traits<Scalar>::size;
+  using namespace Eigen::internal;
+  constexpr int kRows = 1 << M, kSize = unpacket_traits<Packet>::size;
   Packet a[kRows][P];
   RANDATTN_FWHT_UNROLL
   for (int m = 0; m < kRows; ++m)
     for (int l = 0; l < P; ++l) {
-      a[m][l] = Eigen::internal::ploadu<Packet>(base + m * stride + l * kSize);
-      if (Scaled) a[m][l] = Eigen::internal::pmul(a[m][l], Eigen::internal::pset1<Packet>(sign[m]));
+      a[m][l] = ploadu<Packet>(base + m * stride + l * kSize);
+      if (Scaled) a[m][l] = pmul(a[m][l], pset1<Packet>(sign[m]));
     }
   RANDATTN_FWHT_UNROLL
   for (int level = 1; level < kRows; level <<= 1) {
@@ -90,14 +63,14 @@ RANDATTN_FWHT_INLINE void fwht_strip_packets(Scalar* __restrict base, Index stri
       if (m & level) continue;
       for (int l = 0; l < P; ++l) {
         const Packet x = a[m][l], y = a[m | level][l];
-        a[m][l] = Eigen::internal::padd(x, y);
-        a[m | level][l] = Eigen::internal::psub(x, y);
+        a[m][l] = padd(x, y);
+        a[m | level][l] = psub(x, y);
       }
     }
   }
   RANDATTN_FWHT_UNROLL
   for (int m = 0; m < kRows; ++m)
-    for (int l = 0; l < P; ++l) Eigen::internal::pstoreu(base + m * stride + l * kSize, a[m][l]);
+    for (int l = 0; l < P; ++l) pstoreu(base + m * stride + l * kSize, a[m][l]);
 }
 
 // Levels h .. 2^{M-1} h over the whole p x cols block (row stride ld).
@@ -105,6 +78,7 @@ template <int M, bool Scaled, typename Scalar>
 void fwht_columns_step(Scalar* w, Index p, Index cols, Index ld, Index h, const Scalar* diag) {
   // A strip of 8 rows fills half of the vector registers: two packets a row with AVX-512's 32,
   // one with AVX2's 16, where two left too few registers for the butterflies.
+  using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
   constexpr int kSize = Eigen::internal::packet_traits<Scalar>::size;
   constexpr int kRows = 1 << M, kPackets = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 2 : 1;
   constexpr int kWidth = kPackets * kSize;
@@ -116,8 +90,8 @@ void fwht_columns_step(Scalar* w, Index p, Index cols, Index ld, Index h, const 
       Scalar* row = w + j * ld;
       Index t = 0;
       for (; t + kWidth <= cols; t += kWidth)
-        fwht_strip_packets<M, kPackets, Scaled>(row + t, stride, sign);
-      for (; t < cols; ++t) fwht_strip<M, 1, Scaled>(row + t, stride, sign);
+        fwht_strip<M, kPackets, Scaled, Packet>(row + t, stride, sign);
+      for (; t < cols; ++t) fwht_strip<M, 1, Scaled, Scalar>(row + t, stride, sign);
     }
   }
 }

@@ -21,16 +21,17 @@
 // Every scheme is one SamplingRule: p(a) = 0 if |a| < cutoff, else min(1, max(scale a^2, floor)).
 //
 // Draws (sketch/detail/keep_draws.hpp). Entry omega is kept when u_omega < p_omega for a uniform
-// u_omega = (r_omega + v_omega) / 256: r_omega is a byte of a Philox block shared by a tile of
-// 256 entries (16 blocks per tile, one block per 16 entries), v_omega a 53-bit uniform of its
-// own that is drawn only when r_omega = floor(256 p_omega), which happens for one entry in 256.
-// Entries with p = 1 are kept, and those with p = 0 dropped, without looking at a draw; tiles
-// without an entry 0 < p < 1 generate no draw at all. Unbiasedness and the expected nnz:
-//   P(keep omega) = floor(256 p) / 256 + P(v < 256 p - floor(256 p)) / 256 = p + delta,
-//   0 <= delta < 2^-61 (v's resolution is 2^-53; 256 p - floor(256 p) is exact in double),
+// u_omega = (r_omega + v_omega) / 2^16: r_omega is a 16-bit half of a Philox word shared by a
+// tile of 256 entries (32 blocks per tile), v_omega
+// a 53-bit uniform of its own that is drawn only when r_omega = floor(2^16 p_omega), which
+// happens for one entry in 2^16. Entries with p = 1 are kept, and those with p = 0 dropped,
+// without looking at a draw; tiles without an entry 0 < p < 1 generate no draw at all.
+// Unbiasedness and the expected nnz:
+//   P(keep omega) = floor(2^16 p) / 2^16 + P(v < 2^16 p - floor(2^16 p)) / 2^16 = p + delta,
+//   0 <= delta < 2^-69 (v's resolution is 2^-53; 2^16 p - floor(2^16 p) is exact in double),
 // independently across entries (every r and v is a different Philox output), so
-//   E[A_hat_omega] = P(keep) a / p = a (1 + delta / p), E[nnz] = sum P(keep) <= 2n + D 2^-61,
-// exact up to a relative 2^-61 / p (a plain 53-bit uniform would be within 2^-53). The tile grid
+//   E[A_hat_omega] = P(keep) a / p = a (1 + delta / p), E[nnz] = sum P(keep) <= 2n + D 2^-69,
+// exact up to a relative 2^-69 / p (a plain 53-bit uniform would be within 2^-53). The tile grid
 // is fixed by the flat index, not by the traversal.
 //
 // Reproducibility. The draws are a pure function of (seed, stream, flat row-major index).
@@ -123,35 +124,54 @@ struct SamplingRule {
 
   // p[t] = probability(a[t]) for t < count; returns whether some 0 < p[t] < 1 (so draws are
   // needed). The same operations as probability(), eight lanes at a time where AVX-512 is on.
-  bool probabilities(const double* a, double* p, Index count) const {
-    Index t = 0;
-    unsigned moderate = 0;
-#if defined(__AVX512F__)
-    const __m512d s = _mm512_set1_pd(scale), f = _mm512_set1_pd(floor), one = _mm512_set1_pd(1),
-                  zero = _mm512_setzero_pd();
-    // |a| >= c keeps exactly the entries with a != 0 and |a| >= cutoff.
-    const __m512d c =
-        _mm512_set1_pd(cutoff > 0 ? cutoff : std::numeric_limits<double>::denorm_min());
-    for (; t + 8 <= count; t += 8) {
-      const __m512d x = _mm512_loadu_pd(a + t);
-      const __m512d q = _mm512_min_pd(_mm512_max_pd(_mm512_mul_pd(s, _mm512_mul_pd(x, x)), f), one);
-      const __mmask8 eligible = _mm512_cmp_pd_mask(_mm512_abs_pd(x), c, _CMP_GE_OQ);
-      const __m512d pv = _mm512_maskz_mov_pd(eligible, q);
-      _mm512_storeu_pd(p + t, pv);
-      moderate |= unsigned(_mm512_cmp_pd_mask(pv, zero, _CMP_GT_OQ) &
-                           _mm512_cmp_pd_mask(pv, one, _CMP_LT_OQ));
-    }
-#endif
-    for (; t < count; ++t) {
-      p[t] = probability(a[t]);
-      moderate |= unsigned(p[t] > 0) & unsigned(p[t] < 1);
-    }
-    return moderate != 0;
-  }
+  bool probabilities(const double* a, double* p, Index count) const;
 
   // Keeps every nonzero entry (p = 1).
   static SamplingRule keep_all() { return SamplingRule{0, 1, 0}; }
 };
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+namespace detail {
+// SamplingRule::probability of eight entries at once, in the same operations lane by lane (so
+// the vector and scalar paths give the same bits).
+struct RuleLanes {
+  explicit RuleLanes(const SamplingRule& rule)
+      : scale(_mm512_set1_pd(rule.scale)),
+        floor(_mm512_set1_pd(rule.floor)),
+        // |a| >= c keeps exactly the entries with a != 0 and |a| >= cutoff.
+        cutoff(_mm512_set1_pd(rule.cutoff > 0 ? rule.cutoff
+                                              : std::numeric_limits<double>::denorm_min())) {}
+  // The probabilities of x, 0 in the lanes that are not `eligible` (set here).
+  __m512d probability(__m512d x, __mmask8& eligible) const {
+    eligible = _mm512_cmp_pd_mask(_mm512_abs_pd(x), cutoff, _CMP_GE_OQ);
+    const __m512d q =
+        _mm512_min_pd(_mm512_max_pd(_mm512_mul_pd(scale, _mm512_mul_pd(x, x)), floor), one);
+    return _mm512_maskz_mov_pd(eligible, q);
+  }
+  __m512d scale, floor, cutoff, one = _mm512_set1_pd(1);
+};
+}  // namespace detail
+#endif
+
+inline bool SamplingRule::probabilities(const double* a, double* p, Index count) const {
+  Index t = 0;
+  unsigned moderate = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  const detail::RuleLanes lanes(*this);
+  for (; t + 8 <= count; t += 8) {
+    __mmask8 eligible;
+    const __m512d pv = lanes.probability(_mm512_loadu_pd(a + t), eligible);
+    _mm512_storeu_pd(p + t, pv);
+    moderate |= unsigned(_mm512_cmp_pd_mask(pv, _mm512_setzero_pd(), _CMP_GT_OQ) &
+                         _mm512_cmp_pd_mask(pv, lanes.one, _CMP_LT_OQ));
+  }
+#endif
+  for (; t < count; ++t) {
+    p[t] = probability(a[t]);
+    moderate |= unsigned(p[t] > 0) & unsigned(p[t] < 1);
+  }
+  return moderate != 0;
+}
 
 struct SketchStats {
   SparsifyScheme scheme = SparsifyScheme::spa;
@@ -185,6 +205,10 @@ struct SparseSketch : SparseTensor<Scalar> {
 
 namespace detail {
 
+struct Identity {
+  double operator()(double x) const { return x; }
+};
+
 // Adds term(x) (kSquare: its square, see OrderedSum::add_square) for the entries x = p[t *
 // stride] of flat indices flat0 + t, t < len: one at a time up to a multiple of
 // OrderedSum::kLanes, then kLanes at a time (vectorised), then the rest.
@@ -197,6 +221,11 @@ void add_terms(OrderedSum& sum, Index flat0, const Scalar* p, Index stride, Inde
   };
   Index t = 0;
   for (; t < len && (flat0 + t) % L != 0; ++t) add_one(t);
+  if constexpr (kSquare && std::is_same<Term, Identity>::value) {
+    if (stride == 1) {  // the common case, without the copy
+      for (; t + L <= len; t += L) sum.add_square_lanes(flat0 + t, p + t);
+    }
+  }
   double x[L];
   for (; t + L <= len; t += L) {
     for (Index l = 0; l < L; ++l) x[l] = term(double(p[(t + l) * stride]));
@@ -222,13 +251,20 @@ double ordered_sum(const TensorView<Scalar>& a, Term term) {
   return total.value();
 }
 
-struct Identity {
-  double operator()(double x) const { return x; }
-};
+// Byte k of kSetBitPositions[m] is the position of the k-th set bit of the byte m (the other
+// bytes are zero).
+inline constexpr std::array<std::uint64_t, 256> kSetBitPositions = [] {
+  std::array<std::uint64_t, 256> table{};
+  for (unsigned m = 0; m < 256; ++m) {
+    int k = 0;
+    for (unsigned b = 0; b < 8; ++b)
+      if ((m >> b) & 1u) table[m] |= std::uint64_t(b) << (8 * k++);
+  }
+  return table;
+}();
 
 // The entries kept by one stream of draws: the first `kept` of indices and values. Past them
-// the vectors hold room that whole groups of sixteen lanes are stored into before the kept ones
-// are counted (trim() cuts it off).
+// the vectors may hold room (make_room) that trim() cuts off.
 template <typename Scalar>
 struct SampleOutput {
   explicit SampleOutput(const Philox& rng) : draws(rng) {}
@@ -236,6 +272,14 @@ struct SampleOutput {
   std::vector<Index> indices;
   std::vector<Scalar> values;
   Index kept = 0;
+  // The entries of the current tile that the draws keep: bit o of bits[o / 64] for offset o
+  // (ties: the entries whose fine draw decides), then their offsets in order (count of them,
+  // with room for one more byte-wide store) before their values a / p are formed.
+  struct TileKeeps {
+    std::array<std::uint64_t, 4> bits, ties;
+    alignas(64) std::uint8_t offset[kDrawTile + 8];
+    int count = 0;
+  } tile_keeps;
 
   // Storage for `capacity` kept entries: the vectors held (a sketch's, handed over for reuse),
   // else vectors from the calling thread's pool.
@@ -373,123 +417,183 @@ class Sampler {
   }
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-  // A whole contiguous tile in one sweep of sixteen entries at a time, the probabilities in
-  // registers: the same arithmetic and decisions as the general path above (tile_decisions,
-  // SamplingRule::probabilities), so the two give identical sketches. A tile's draws are
-  // generated when its first entry with 0 < p < 1 appears.
+  // A whole contiguous tile, sixteen entries at a time with the probabilities in registers: the
+  // same arithmetic and decisions as the general path above (tile_decisions, SamplingRule), so
+  // the two give identical sketches. The sweep only records which lanes are kept (about one
+  // group of sixteen in four keeps something, at random, so packing them group by group would
+  // cost more than the decisions); the kept entries are then collected bit by bit and their
+  // values a / p formed eight at a time. A tile's draws are generated when its first entry with
+  // 0 < p < 1 appears.
   void sample_full_tile(Index tile, const Scalar* src) {
-    const SamplingRule rule = rule_;
-    const Index base = tile * kDrawTile;
-    const __m512d s = _mm512_set1_pd(rule.scale), f = _mm512_set1_pd(rule.floor),
-                  one = _mm512_set1_pd(1), scale256 = _mm512_set1_pd(256);
-    const __m512d c =
-        _mm512_set1_pd(rule.cutoff > 0 ? rule.cutoff : std::numeric_limits<double>::denorm_min());
-    const __m512i all = _mm512_set1_epi32(256), low_byte = _mm512_set1_epi32(0xFF);
-    double* sum_p = expected_nnz_.lanes();
-    double* sum_a2 = squares_.lanes();
-    bool drawn = false;
-    for (int g = 0; g < 16; ++g) {
-      __m512d x[2];
-      if constexpr (std::is_same<Scalar, float>::value) {
-        const __m512 v = _mm512_loadu_ps(src + 16 * g);
-        x[0] = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
-        x[1] = _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1));
-      } else {
-        x[0] = _mm512_loadu_pd(src + 16 * g);
-        x[1] = _mm512_loadu_pd(src + 16 * g + 8);
-      }
-      __m512d q[2];
-      __m256i t[2];
-      __mmask8 eligible[2];
-      for (int h = 0; h < 2; ++h) {
-        q[h] =
-            _mm512_min_pd(_mm512_max_pd(_mm512_mul_pd(s, _mm512_mul_pd(x[h], x[h])), f), one);
-        eligible[h] = _mm512_cmp_pd_mask(_mm512_abs_pd(x[h]), c, _CMP_GE_OQ);
-        double* lane = sum_p + 16 * g + 8 * h;
-        _mm512_storeu_pd(
-            lane,
-            _mm512_mask_add_pd(_mm512_loadu_pd(lane), eligible[h], _mm512_loadu_pd(lane), q[h]));
-        if (sum_squares_) {
-          double* lane2 = sum_a2 + 16 * g + 8 * h;
-#if defined(__FMA__) || defined(__FP_FAST_FMA)
-          _mm512_storeu_pd(lane2, _mm512_fmadd_pd(x[h], x[h], _mm512_loadu_pd(lane2)));
-#else
-          _mm512_storeu_pd(lane2, _mm512_add_pd(_mm512_loadu_pd(lane2), _mm512_mul_pd(x[h], x[h])));
-#endif
-        }
-        t[h] = _mm512_cvttpd_epi32(_mm512_mul_pd(q[h], scale256));
-      }
-      const __m512i tt = _mm512_inserti64x4(_mm512_castsi256_si512(t[0]), t[1], 1);
-      const __mmask16 e = __mmask16(eligible[0] | (unsigned(eligible[1]) << 8));
-      const __mmask16 uncertain = _mm512_mask_cmplt_epi32_mask(e, tt, all);  // 0 < p < 1 (or p = 0)
-      if (uncertain != 0 && !drawn) {
-        for (SampleOutput<Scalar>& out : outputs_) out.draws.load(tile);
-        drawn = true;
-      }
-      for (SampleOutput<Scalar>& out : outputs_) {
-        unsigned keep = unsigned(e & ~uncertain), tie = 0;
-        if (uncertain != 0) {
-          const __m512i r = _mm512_and_si512(
-              _mm512_srli_epi32(_mm512_load_si512(out.draws.words()[g / 4]), unsigned(8 * (g % 4))),
-              low_byte);
-          keep = _mm512_mask_cmplt_epi32_mask(e, r, tt);
-          tie = _mm512_mask_cmpeq_epi32_mask(e, r, tt);
-        }
-        for (unsigned bits = tie; bits != 0; bits &= bits - 1) {  // one moderate entry in 256
-          const int l = count_trailing_zeros(bits);
-          const Index o = 16 * g + l;
-          if (keep_tie(rule.probability(double(src[o])), out.draws.fine(base + o))) keep |= 1u << l;
-        }
-        if (keep != 0) keep_lanes(out, base + 16 * g, x, q, __mmask16(keep));
-      }
+    switch (outputs_.size()) {
+      case 1:
+        return sweep_tile<1>(tile, src, 0, true);
+      case 2:
+        return sweep_tile<2>(tile, src, 0, true);
+      default:
+        for (std::size_t i = 0; i < outputs_.size(); ++i) sweep_tile<1>(tile, src, i, i == 0);
     }
-    expected_nnz_.lanes_done(base);
-    if (sum_squares_) squares_.lanes_done(base);
   }
 
-  // Appends the lanes `keep` of sixteen entries (flat indices first, first + 1, ...; values x,
-  // probabilities p, both as two halves) in lane order, each stored as a / p like keep(): the
-  // same division and rounding, so the two paths store the same bits. The lanes are packed in
-  // registers and stored whole into the room past the kept entries (a compressing store to
-  // memory is microcoded and slow on some cores).
-  static void keep_lanes(SampleOutput<Scalar>& out, Index first, const __m512d (&x)[2],
-                         const __m512d (&p)[2], __mmask16 keep) {
-    const __mmask8 k0 = __mmask8(keep & 0xFF), k1 = __mmask8(keep >> 8);
-    const __m512d v0 = _mm512_maskz_div_pd(k0, x[0], p[0]), v1 = _mm512_maskz_div_pd(k1, x[1], p[1]);
-    out.make_room(16);
+  // The sweep of sample_full_tile for the N outputs from outputs_[first] on (the count fixed at
+  // compile time, so their decisions stay in registers); sums: add to the expected nnz (and the
+  // sum of squares), which one sweep per tile does.
+  template <int N>
+  void sweep_tile(Index tile, const Scalar* src, std::size_t first, bool sums) {
+    const RuleLanes rule(rule_);
+    const Index base = tile * kDrawTile;
+    const __m512d levels = _mm512_set1_pd(kCoarseLevels);
+    const __m512i all = _mm512_set1_epi32(int(kCoarseLevels)), low_half = _mm512_set1_epi32(0xFFFF);
+    double* sum_p = expected_nnz_.lanes();
+    double* sum_a2 = squares_.lanes();
+    const bool squares = sums && sum_squares_;
+    SampleOutput<Scalar>* out[N];
+    for (int n = 0; n < N; ++n) out[n] = &outputs_[first + std::size_t(n)];
+    std::uint64_t keep_bits[N][4] = {}, tie_bits[N][4] = {};
+    bool drawn = false;
+    for (int w = 0; w < 4; ++w) {
+      for (int b = 0; b < 4; ++b) {  // entries 16 g .. 16 g + 15, bits 16 b .. 16 b + 15 of word w
+        const int g = 4 * w + b;
+        __m512d x[2], q[2];
+        __m256i t[2];
+        __mmask8 eligible[2];
+        for (int h = 0; h < 2; ++h) {
+          x[h] = load_lanes(src + 16 * g + 8 * h);
+          q[h] = rule.probability(x[h], eligible[h]);
+          if (sums) {
+            double* lane = sum_p + 16 * g + 8 * h;  // q is +0 where not eligible: adds nothing
+            _mm512_storeu_pd(lane, _mm512_add_pd(_mm512_loadu_pd(lane), q[h]));
+          }
+          if (squares) {
+            double* lane2 = sum_a2 + 16 * g + 8 * h;
+#if defined(__FMA__) || defined(__FP_FAST_FMA)
+            _mm512_storeu_pd(lane2, _mm512_fmadd_pd(x[h], x[h], _mm512_loadu_pd(lane2)));
+#else
+            _mm512_storeu_pd(lane2,
+                             _mm512_add_pd(_mm512_loadu_pd(lane2), _mm512_mul_pd(x[h], x[h])));
+#endif
+          }
+          t[h] = _mm512_cvttpd_epi32(_mm512_mul_pd(q[h], levels));
+        }
+        const __m512i tt = _mm512_inserti64x4(_mm512_castsi256_si512(t[0]), t[1], 1);
+        const __mmask16 e = __mmask16(eligible[0] | (unsigned(eligible[1]) << 8));
+        if (!drawn && _mm512_mask_cmplt_epi32_mask(e, tt, all) != 0) {  // some 0 < p < 1
+          for (int n = 0; n < N; ++n) out[n]->draws.load(tile);
+          drawn = true;
+        }
+        for (int n = 0; n < N; ++n) {
+          __mmask16 keep = e;  // without draws every eligible entry has p = 1
+          if (drawn) {
+            const __m512i r = _mm512_and_si512(
+                _mm512_srli_epi32(_mm512_load_si512(out[n]->draws.group_words(g)),
+                                  unsigned(kCoarseBits * (g % 2))),
+                low_half);
+            keep = _mm512_mask_cmplt_epi32_mask(e, r, tt);
+            tie_bits[n][w] |= std::uint64_t(_mm512_mask_cmpeq_epi32_mask(e, r, tt)) << (16 * b);
+          }
+          keep_bits[n][w] |= std::uint64_t(keep) << (16 * b);
+        }
+      }
+    }
+    if (sums) expected_nnz_.lanes_done(base);
+    if (squares) squares_.lanes_done(base);
+    for (int n = 0; n < N; ++n) {
+      typename SampleOutput<Scalar>::TileKeeps& k = out[n]->tile_keeps;
+      for (int w = 0; w < 4; ++w) {
+        k.bits[std::size_t(w)] = keep_bits[n][w];
+        k.ties[std::size_t(w)] = tie_bits[n][w];
+      }
+      keep_tile(*out[n], base, src, rule);
+    }
+  }
+
+  static __m512d load_lanes(const Scalar* src) {
+    if constexpr (std::is_same<Scalar, float>::value) {
+      return _mm512_cvtps_pd(_mm256_loadu_ps(src));
+    } else {
+      return _mm512_loadu_pd(src);
+    }
+  }
+
+  // Adds to k.bits the ties (k.ties) that their fine draws keep (one entry in 2^16 with
+  // 0 < p < 1).
+  void decide_ties(const SampleOutput<Scalar>& out, Index base, const Scalar* src,
+                   typename SampleOutput<Scalar>::TileKeeps& k) const {
+    for (int w = 0; w < 4; ++w) {
+      for (std::uint64_t bits = k.ties[std::size_t(w)]; bits != 0; bits &= bits - 1) {
+        const int o = 64 * w + count_trailing_zeros(bits);
+        if (keep_tie(rule_.probability(double(src[o])), out.draws.fine(base + o)))
+          k.bits[std::size_t(w)] |= std::uint64_t(1) << (o % 64);
+      }
+    }
+  }
+
+  // Appends the tile's kept entries (out.tile_keeps.bits; the tile's entries at src) as keep()
+  // does, eight at a time: the same probability, division and rounding, so the two paths store
+  // the same bits.
+  void keep_tile(SampleOutput<Scalar>& out, Index base, const Scalar* src,
+                 const RuleLanes& rule) const {
+    typename SampleOutput<Scalar>::TileKeeps& k = out.tile_keeps;
+    if ((k.ties[0] | k.ties[1] | k.ties[2] | k.ties[3]) != 0) decide_ties(out, base, src, k);
+    // The offsets of the kept bits, a byte of the mask at a time through a table (no branch per
+    // bit: the kept entries fall at random).
+    int count = 0;
+    for (int w = 0; w < 4; ++w) {
+      for (int b = 0; b < 8; ++b) {
+        const unsigned m = unsigned(k.bits[std::size_t(w)] >> (8 * b)) & 0xFFu;
+        const std::uint64_t at =
+            kSetBitPositions[m] + 0x0101010101010101ull * std::uint64_t(64 * w + 8 * b);
+        std::memcpy(k.offset + count, &at, sizeof at);
+        count += int(_mm_popcnt_u32(m));
+      }
+    }
+    k.count = count;
+    if (count == 0) return;
+    out.make_room(count);
     Index* index = out.indices.data() + out.kept;
     Scalar* value = out.values.data() + out.kept;
-    const int n0 = int(_mm_popcnt_u32(k0)), n1 = int(_mm_popcnt_u32(k1));
-    // a / p can leave the scalar type's range (|a| near its largest value, or a tiny p of a
-    // baseline rule): keep() reports the entry.
-    bool in_range;
-    if constexpr (std::is_same<Scalar, float>::value) {
-      const __m512 v = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(v0)),
-                                          _mm512_cvtpd_ps(v1), 1);
-      in_range = _mm512_mask_cmp_ps_mask(keep, _mm512_abs_ps(v),
-                                         _mm512_set1_ps(std::numeric_limits<float>::max()),
-                                         _CMP_LE_OQ) == keep;
-      _mm512_storeu_ps(value, _mm512_maskz_compress_ps(keep, v));
-    } else {
-      const __m512d big = _mm512_set1_pd(std::numeric_limits<double>::max());
-      in_range = _mm512_mask_cmp_pd_mask(k0, _mm512_abs_pd(v0), big, _CMP_LE_OQ) == k0 &&
-                 _mm512_mask_cmp_pd_mask(k1, _mm512_abs_pd(v1), big, _CMP_LE_OQ) == k1;
-      _mm512_storeu_pd(value, _mm512_maskz_compress_pd(k0, v0));
-      _mm512_storeu_pd(value + n0, _mm512_maskz_compress_pd(k1, v1));
-    }
-    if (!in_range) {
-      for (unsigned bits = keep; bits != 0; bits &= bits - 1) {
-        const int l = count_trailing_zeros(bits);
-        Sampler::keep(out, first + l, x[l / 8][l % 8], p[l / 8][l % 8]);
+    const __m512d big = _mm512_set1_pd(double(std::numeric_limits<Scalar>::max()));
+    const __m512i first = _mm512_set1_epi64(base);
+    for (int i = 0; i < count; i += 8) {
+      const __mmask8 m = __mmask8(count - i >= 8 ? 0xFF : (1u << (count - i)) - 1);
+      const __m512i o =
+          _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(k.offset + i)));
+      __m512d a;
+      if constexpr (std::is_same<Scalar, float>::value) {
+        a = _mm512_cvtps_pd(_mm512_mask_i64gather_ps(_mm256_setzero_ps(), m, o, src, 4));
+      } else {
+        a = _mm512_mask_i64gather_pd(_mm512_setzero_pd(), m, o, src, 8);
       }
-      return;
+      __mmask8 eligible;
+      const __m512d v = _mm512_maskz_div_pd(m, a, rule.probability(a, eligible));
+      if constexpr (std::is_same<Scalar, float>::value) {
+        // a / p can leave float's range (|a| near its largest value, or a tiny p of a
+        // baseline rule): keep() reports the entry.
+        const __m256 vf = _mm512_cvtpd_ps(v);
+        if (_mm256_mask_cmp_ps_mask(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), vf),
+                                    _mm256_set1_ps(std::numeric_limits<float>::max()),
+                                    _CMP_LE_OQ) != m)
+          return keep_from(out, base, src, i);
+        _mm256_mask_storeu_ps(value + i, m, vf);
+      } else {
+        if (_mm512_mask_cmp_pd_mask(m, _mm512_abs_pd(v), big, _CMP_LE_OQ) != m)
+          return keep_from(out, base, src, i);
+        _mm512_mask_storeu_pd(value + i, m, v);
+      }
+      _mm512_mask_storeu_epi64(index + i, m, _mm512_add_epi64(first, o));
     }
-    const __m512i i0 = _mm512_add_epi64(_mm512_set1_epi64(first),
-                                        _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0));
-    const __m512i i1 = _mm512_add_epi64(i0, _mm512_set1_epi64(8));
-    _mm512_storeu_si512(index, _mm512_maskz_compress_epi64(k0, i0));
-    _mm512_storeu_si512(index + n0, _mm512_maskz_compress_epi64(k1, i1));
-    out.kept += n0 + n1;
+    out.kept += count;
+  }
+
+  // Appends the tile's kept entries from the i-th on one at a time (keep() reports the one whose
+  // value overflows).
+  void keep_from(SampleOutput<Scalar>& out, Index base, const Scalar* src, int i) const {
+    const typename SampleOutput<Scalar>::TileKeeps& k = out.tile_keeps;
+    out.kept += i;
+    for (; i < k.count; ++i) {
+      const double a = double(src[k.offset[i]]);
+      keep(out, base + k.offset[i], a, rule_.probability(a));
+    }
   }
 #endif
 

@@ -178,6 +178,12 @@ struct ModeSplit {
   Index row(Index flat) const { return (flat / inner) % dim; }
   Index col(Index flat) const { return flat / (dim * inner) * inner + flat % inner; }
 
+  // flat / inner: the index of the run of `inner` entries (one outer index and one mode-j index)
+  // that holds the entry.
+  Index run(Index flat) const { return divide(flat, inner, inv_inner_); }
+  // flat / dim, for inner = 1: the unfolding column.
+  Index run_of_dim(Index flat) const { return divide(flat, dim, inv_dim_); }
+
   // row() and col() at once, for the hot loops of the unfoldings.
   void locate(Index flat, Index& row_index, Index& col_index) const {
     const Index q = divide(flat, inner, inv_inner_), r = flat - q * inner;

@@ -4,8 +4,10 @@
 // N_j = M_j(A1) M_j(A2)^T), plus the top eigenvectors of a symmetric matrix.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
+
 
 #include <Eigen/Core>
 #include <Eigen/Eigenvalues>
@@ -60,55 +62,132 @@ RowMatrix<Scalar> dense_mode_gram(const Scalar* data, const std::vector<Index>& 
   return g.template selfadjointView<Eigen::Lower>();
 }
 
-// The entries of a sparse tensor grouped by the column of its mode-j unfolding: column c holds
-// entries start[c] .. start[c + 1] - 1, with their rows (the mode-j index) and values, in flat
-// order within the column. A counting sort with 32-bit rows, into vectors of the thread's pool
-// (vector_pool.hpp) that go back to it afterwards: a grouping is a few MB built six times per
-// sketched HOSVD, and with its storage reused, keeping each entry's row and column from the
-// counting pass is cheaper than locating the entry again.
+// The entries of one sketch in a block of `width` unfolding columns (inner indices c0 .. c0 +
+// width - 1 of outer slab o), grouped by column: column c holds entries start[c] .. start[c +
+// 1] - 1, rows in increasing order. The sketch's flat order sorts a slab by row, then column, so
+// a counting sort in flat order keeps the rows increasing. A slab of at most kBlockColumns
+// columns is one block, sorted in one sweep over its entries; a wider slab is cut into blocks,
+// each row read from a cursor that the slab's blocks advance in turn, so the counters stay in
+// cache and a block costs its entries plus one step per row.
 template <typename Scalar>
-struct ColumnGroups {
-  std::vector<Index> start = VectorPool<Index>::take();
-  std::vector<std::int32_t> row = VectorPool<std::int32_t>::take();
-  std::vector<Scalar> value = VectorPool<Scalar>::take();
+struct ColumnBlock {
+  static constexpr Index kBlockColumns = 1024;
 
-  ColumnGroups(const SparseTensor<Scalar>& s, const ModeSplit& split) {
-    start.assign(std::size_t(split.cols()) + 1, 0);
-    row.resize(std::size_t(s.nnz()));
-    value.resize(std::size_t(s.nnz()));
-    const std::vector<Index>& flat = s.indices();
-    // Each entry's row and column, located once (the second pass reads them back).
-    std::vector<Index> rc = VectorPool<Index>::take(2 * std::size_t(s.nnz()));
-    rc.resize(2 * std::size_t(s.nnz()));
-    for (Index e = 0; e < s.nnz(); ++e) {
-      Index& r = rc[2 * std::size_t(e)];
-      Index& c = rc[2 * std::size_t(e) + 1];
-      split.locate(flat[std::size_t(e)], r, c);
-      ++start[std::size_t(c) + 1];
+  ColumnBlock(const SparseTensor<Scalar>& s, const ModeSplit& split)
+      : flat_(s.indices().data()), values_(s.values().data()), nnz_(s.nnz()), split_(split) {}
+
+  std::vector<Index> start;
+  std::vector<std::int32_t> row;
+  std::vector<Scalar> value;
+
+  // The first entry at or after flat index f.
+  Index first_at(Index f) const { return Index(std::lower_bound(flat_, flat_ + nnz_, f) - flat_); }
+
+  // The whole slab o (split.inner <= kBlockColumns).
+  void gather_slab(Index o) {
+    const Index e0 = first_at(o * split_.dim * split_.inner),
+                e1 = first_at((o + 1) * split_.dim * split_.inner);
+    prepare(split_.inner, e1 - e0);
+    Index* count = start.data() + 1;
+    for (Index e = e0; e < e1; ++e) {
+      const Index run = split_.run(flat_[e]), c = flat_[e] - run * split_.inner;
+      column_[std::size_t(e - e0)] = std::int32_t(c);
+      run_row_[std::size_t(e - e0)] = std::int32_t(run - o * split_.dim);
+      ++count[c];
     }
-    for (std::size_t k = 1; k < start.size(); ++k) start[k] += start[k - 1];
-    std::vector<Index> next = VectorPool<Index>::take(start.size() - 1);
-    next.assign(start.begin(), start.end() - 1);
-    for (Index e = 0; e < s.nnz(); ++e) {
-      const std::size_t slot = std::size_t(next[std::size_t(rc[2 * std::size_t(e) + 1])]++);
-      row[slot] = std::int32_t(rc[2 * std::size_t(e)]);
-      value[slot] = s.values()[std::size_t(e)];
+    place(e1 - e0, [&](Index t) { return std::pair<Index, Index>(run_row_[std::size_t(t)], e0 + t); });
+  }
+
+  // Moves the row cursors to the runs of slab o (split.inner > kBlockColumns).
+  void begin_slab(Index o) {
+    cursor_.resize(std::size_t(split_.dim) + 1);
+    for (Index i = 0; i <= split_.dim; ++i)
+      cursor_[std::size_t(i)] = first_at((o * split_.dim + i) * split_.inner);
+    run_end_.assign(cursor_.begin() + 1, cursor_.end());
+  }
+  // The block of columns c0 .. c0 + width - 1 of the slab begun last.
+  void gather_block(Index o, Index c0, Index width) {
+    start.assign(std::size_t(width) + 1, 0);
+    Index* count = start.data() + 1;
+    Index entries = 0;
+    stop_.resize(std::size_t(split_.dim));
+    for (Index i = 0; i < split_.dim; ++i) {
+      const Index first = (o * split_.dim + i) * split_.inner + c0, limit = first + width;
+      Index e = cursor_[std::size_t(i)];
+      for (; e < run_end_[std::size_t(i)] && flat_[e] < limit; ++e) ++count[flat_[e] - first];
+      stop_[std::size_t(i)] = e;
+      entries += e - cursor_[std::size_t(i)];
     }
-    VectorPool<Index>::give(std::move(next));
-    VectorPool<Index>::give(std::move(rc));
+    grow(entries);
+    finish_counts();
+    for (Index i = 0; i < split_.dim; ++i) {
+      const Index first = (o * split_.dim + i) * split_.inner + c0;
+      for (Index& e = cursor_[std::size_t(i)]; e < stop_[std::size_t(i)]; ++e) {
+        const std::size_t slot = std::size_t(next_[std::size_t(flat_[e] - first)]++);
+        row[slot] = std::int32_t(i);
+        value[slot] = values_[e];
+      }
+    }
   }
-  ~ColumnGroups() {
-    VectorPool<Index>::give(std::move(start));
-    VectorPool<std::int32_t>::give(std::move(row));
-    VectorPool<Scalar>::give(std::move(value));
+
+ private:
+  void prepare(Index width, Index entries) {
+    start.assign(std::size_t(width) + 1, 0);
+    grow(entries);
+    if (column_.size() < std::size_t(entries)) {
+      column_.resize(std::size_t(entries));
+      run_row_.resize(std::size_t(entries));
+    }
   }
-  ColumnGroups(const ColumnGroups&) = delete;
-  ColumnGroups& operator=(const ColumnGroups&) = delete;
+  void grow(Index entries) {
+    if (row.size() < std::size_t(entries)) {
+      row.resize(std::size_t(entries));
+      value.resize(std::size_t(entries));
+    }
+  }
+  // Counts to starts; next_ = the starts.
+  void finish_counts() {
+    for (std::size_t c = 1; c < start.size(); ++c) start[c] += start[c - 1];
+    next_.assign(start.begin(), start.end() - 1);
+  }
+  // Places the `entries` counted entries in order; at(t) gives the t-th one's (row, entry).
+  template <typename At>
+  void place(Index entries, At at) {
+    finish_counts();
+    for (Index t = 0; t < entries; ++t) {
+      const auto [r, e] = at(t);
+      const std::size_t slot = std::size_t(next_[std::size_t(column_[std::size_t(t)])]++);
+      row[slot] = std::int32_t(r);
+      value[slot] = values_[e];
+    }
+  }
+
+  const Index* flat_;
+  const Scalar* values_;
+  Index nnz_;
+  const ModeSplit& split_;
+  std::vector<Index> next_, cursor_, run_end_, stop_;
+  std::vector<std::int32_t> column_, run_row_;
 };
 
-// N = M_j(s1) M_j(s2)^T = sum over unfolding columns c of s1[:, c] s2[:, c]^T: both sketches
-// grouped by column, then for every pair of entries sharing a column one multiply-add into the
-// dense d x d result, row by row of s1. Cost O(nnz + columns + sum_c nnz_1(c) nnz_2(c)).
+// out[ra, rb] += x_a y_b (one fused multiply-add each) for the entries a (rows ra, values x) and
+// b of one unfolding column, whose rows are distinct. (A masked AVX-512 gather and scatter of
+// the b measured slower than this loop for the handful of entries a column holds.)
+template <typename Scalar>
+void add_column_product(Scalar* out, Index d, const std::int32_t* ra, const Scalar* xa, Index na,
+                        const std::int32_t* rb, const Scalar* yb, Index nb) {
+  for (Index a = 0; a < na; ++a) {
+    Scalar* row = out + Index(ra[a]) * d;
+    for (Index b = 0; b < nb; ++b) row[rb[b]] = std::fma(xa[a], yb[b], row[rb[b]]);
+  }
+}
+
+// N = M_j(s1) M_j(s2)^T = sum over unfolding columns c of s1[:, c] s2[:, c]^T, one multiply-add
+// per pair of entries sharing a column, the columns in increasing order (so every entry of N
+// sums its terms in the same order whatever the blocking). The sketches' flat order already
+// sorts each outer slab by row, then column: a slab is taken in blocks of columns, each block's
+// entries grouped in cache (ColumnBlock); for the last mode a column is a contiguous run of
+// entries. Cost O(nnz + outer * dim * blocks + sum_c nnz_1(c) nnz_2(c)).
 template <typename Scalar>
 RowMatrix<Scalar> sketch_mode_product(const SparseTensor<Scalar>& s1,
                                       const SparseTensor<Scalar>& s2, Index mode) {
@@ -117,17 +196,57 @@ RowMatrix<Scalar> sketch_mode_product(const SparseTensor<Scalar>& s1,
   const ModeSplit split(s1.dims(), mode);
   require(split.dim <= Index(INT32_MAX), "sketch_mode_product", "dimension ", split.dim,
           " of mode ", mode, " exceeds 2^31 - 1");
-  const ColumnGroups<Scalar> m1(s1, split), m2(s2, split);
   const Index d = split.dim;
   RowMatrix<Scalar> n = RowMatrix<Scalar>::Zero(d, d);
   Scalar* out = n.data();
-  for (Index c = 0; c < split.cols(); ++c) {
-    const Index b0 = m2.start[std::size_t(c)], b1 = m2.start[std::size_t(c) + 1];
-    if (b0 == b1) continue;
-    for (Index a = m1.start[std::size_t(c)]; a < m1.start[std::size_t(c) + 1]; ++a) {
-      Scalar* row = out + Index(m1.row[std::size_t(a)]) * d;
-      const Scalar x = m1.value[std::size_t(a)];
-      for (Index b = b0; b < b1; ++b) row[m2.row[std::size_t(b)]] += x * m2.value[std::size_t(b)];
+  if (split.inner == 1) {
+    // Column o holds the entries with flat / d = o, contiguous in both sketches.
+    const Index *f1 = s1.indices().data(), *f2 = s2.indices().data();
+    const Scalar *v1 = s1.values().data(), *v2 = s2.values().data();
+    const Index n1 = s1.nnz(), n2 = s2.nnz();
+    for (Index a = 0, b = 0; a < n1 && b < n2;) {
+      const Index ca = split.run_of_dim(f1[a]), cb = split.run_of_dim(f2[b]);
+      if (ca != cb) {
+        (ca < cb ? a : b) += 1;
+        continue;
+      }
+      const Index first = ca * d;
+      Index a1 = a, b1 = b;
+      while (a1 < n1 && f1[a1] < first + d) ++a1;
+      while (b1 < n2 && f2[b1] < first + d) ++b1;
+      for (; a < a1; ++a) {
+        Scalar* row = out + (f1[a] - first) * d;
+        for (Index e = b; e < b1; ++e) row[f2[e] - first] = std::fma(v1[a], v2[e], row[f2[e] - first]);
+      }
+      b = b1;
+    }
+    return n;
+  }
+  ColumnBlock<Scalar> g1(s1, split), g2(s2, split);
+  auto products = [&](Index width) {
+    for (Index c = 0; c < width; ++c) {
+      const Index a0 = g1.start[std::size_t(c)], a1 = g1.start[std::size_t(c) + 1];
+      const Index b0 = g2.start[std::size_t(c)], b1 = g2.start[std::size_t(c) + 1];
+      if (a0 == a1 || b0 == b1) continue;
+      add_column_product(out, d, g1.row.data() + a0, g1.value.data() + a0, a1 - a0,
+                         g2.row.data() + b0, g2.value.data() + b0, b1 - b0);
+    }
+  };
+  const Index block = ColumnBlock<Scalar>::kBlockColumns;
+  for (Index o = 0; o < split.outer; ++o) {
+    if (split.inner <= block) {
+      g1.gather_slab(o);
+      g2.gather_slab(o);
+      products(split.inner);
+      continue;
+    }
+    g1.begin_slab(o);
+    g2.begin_slab(o);
+    for (Index c0 = 0; c0 < split.inner; c0 += block) {
+      const Index width = std::min(block, split.inner - c0);
+      g1.gather_block(o, c0, width);
+      g2.gather_block(o, c0, width);
+      products(width);
     }
   }
   return n;

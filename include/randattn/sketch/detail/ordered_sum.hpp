@@ -41,8 +41,9 @@ class OrderedSum {
     for (Index l = 0; l < kLanes; ++l) lanes_[l] += x[l];
     lanes_done(omega0);
   }
-  void add_square_lanes(Index omega0, const double* a) {
-    for (Index l = 0; l < kLanes; ++l) lanes_[l] = square_plus(a[l], lanes_[l]);
+  template <typename Scalar>
+  void add_square_lanes(Index omega0, const Scalar* a) {
+    for (Index l = 0; l < kLanes; ++l) lanes_[l] = square_plus(double(a[l]), lanes_[l]);
     lanes_done(omega0);
   }
   // The same written by hand (vector code that updates lane l with the term of omega0 + l, as

@@ -106,9 +106,11 @@ SketchedHosvd<Scalar> sketched_hosvd(const SparseSketch<Scalar>& s1, const Spars
   SketchedHosvd<Scalar> out;
   out.nnz = {{s1.nnz(), s2.nnz()}};
   out.stats = s1.stats;
+  std::vector<Index> modes(s1.dims().size());
+  for (std::size_t j = 0; j < modes.size(); ++j) modes[j] = Index(j);
+  const std::vector<RowMatrix<Scalar>> n = detail::sketch_mode_products(s1, s2, modes);
   detail::hosvd_factors<Scalar>(out, ranks, [&](Index j) {
-    const RowMatrix<Scalar> n = detail::sketch_mode_product(s1, s2, j);
-    return RowMatrix<Scalar>((n + n.transpose()) / Scalar(2));
+    return RowMatrix<Scalar>((n[std::size_t(j)] + n[std::size_t(j)].transpose()) / Scalar(2));
   }, where);
   return out;
 }

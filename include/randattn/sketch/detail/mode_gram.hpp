@@ -1,7 +1,7 @@
 #pragma once
 // Gram matrices of mode unfoldings, G_j = M_j M_j^T (d_j x d_j), for dense tensors (exact HOSVD,
 // the unfolding bound of the spectral norm) and for pairs of sparse sketches (Algorithm 2's
-// N_j = M_j(A1) M_j(A2)^T), plus the top eigenvectors of a symmetric matrix.
+// N_j = M_j(A1) M_j(A2)^T).
 
 #include <algorithm>
 #include <cmath>
@@ -10,12 +10,13 @@
 
 
 #include <Eigen/Core>
-#include <Eigen/Eigenvalues>
 
 #include "../../core/types.hpp"
 #include "../../detail/gemm.hpp"
+#include "../../detail/parallel.hpp"
 #include "../../detail/validation.hpp"
 #include "../../detail/vector_pool.hpp"
+#include "../../linalg/symmetric_top_eigen.hpp"
 #include "../sparse_tensor.hpp"
 #include "../tensor_view.hpp"
 
@@ -98,12 +99,15 @@ struct ColumnBlock {
     place(e1 - e0, [&](Index t) { return std::pair<Index, Index>(run_row_[std::size_t(t)], e0 + t); });
   }
 
-  // Moves the row cursors to the runs of slab o (split.inner > kBlockColumns).
-  void begin_slab(Index o) {
-    cursor_.resize(std::size_t(split_.dim) + 1);
-    for (Index i = 0; i <= split_.dim; ++i)
-      cursor_[std::size_t(i)] = first_at((o * split_.dim + i) * split_.inner);
-    run_end_.assign(cursor_.begin() + 1, cursor_.end());
+  // Moves the row cursors to column c0 of slab o (split.inner > kBlockColumns).
+  void begin_slab(Index o, Index c0) {
+    cursor_.resize(std::size_t(split_.dim));
+    run_end_.resize(std::size_t(split_.dim));
+    for (Index i = 0; i < split_.dim; ++i) {
+      const Index first = (o * split_.dim + i) * split_.inner;
+      cursor_[std::size_t(i)] = first_at(first + c0);
+      run_end_[std::size_t(i)] = first_at(first + split_.inner);
+    }
   }
   // The block of columns c0 .. c0 + width - 1 of the slab begun last.
   void gather_block(Index o, Index c0, Index width) {
@@ -182,29 +186,31 @@ void add_column_product(Scalar* out, Index d, const std::int32_t* ra, const Scal
   }
 }
 
-// N = M_j(s1) M_j(s2)^T = sum over unfolding columns c of s1[:, c] s2[:, c]^T, one multiply-add
-// per pair of entries sharing a column, the columns in increasing order (so every entry of N
-// sums its terms in the same order whatever the blocking). The sketches' flat order already
-// sorts each outer slab by row, then column: a slab is taken in blocks of columns, each block's
-// entries grouped in cache (ColumnBlock); for the last mode a column is a contiguous run of
-// entries. Cost O(nnz + outer * dim * blocks + sum_c nnz_1(c) nnz_2(c)).
+// The columns of M_j cut into units of work: for the last mode (inner = 1) one column each, else
+// one outer slab each, or one block of kBlockColumns columns of a slab when a slab is wider.
+inline Index product_units(const ModeSplit& split, Index block) {
+  if (split.inner == 1 || split.inner <= block) return split.outer;
+  return split.outer * ((split.inner + block - 1) / block);
+}
+
+// out += sum over the columns c of units u0 .. u1 - 1 of s1[:, c] s2[:, c]^T (out: d x d,
+// row-major): one fused multiply-add per pair of entries sharing a column, the columns in
+// increasing order (so every entry of out sums its terms in the same order whatever the
+// blocking). The sketches' flat order already sorts each outer slab by row, then column: a slab
+// is taken in blocks of columns, each block's entries grouped in cache (ColumnBlock); for the
+// last mode a column is a contiguous run of entries.
 template <typename Scalar>
-RowMatrix<Scalar> sketch_mode_product(const SparseTensor<Scalar>& s1,
-                                      const SparseTensor<Scalar>& s2, Index mode) {
-  require(mode >= 0 && mode < s1.order() && s1.dims() == s2.dims(), "sketch_mode_product", "mode ",
-          mode, " of sketches of shapes ", dims_str(s1.dims()), " and ", dims_str(s2.dims()));
-  const ModeSplit split(s1.dims(), mode);
-  require(split.dim <= Index(INT32_MAX), "sketch_mode_product", "dimension ", split.dim,
-          " of mode ", mode, " exceeds 2^31 - 1");
+void add_mode_product(const SparseTensor<Scalar>& s1, const SparseTensor<Scalar>& s2,
+                      const ModeSplit& split, Index u0, Index u1, Scalar* out) {
   const Index d = split.dim;
-  RowMatrix<Scalar> n = RowMatrix<Scalar>::Zero(d, d);
-  Scalar* out = n.data();
   if (split.inner == 1) {
-    // Column o holds the entries with flat / d = o, contiguous in both sketches.
     const Index *f1 = s1.indices().data(), *f2 = s2.indices().data();
     const Scalar *v1 = s1.values().data(), *v2 = s2.values().data();
-    const Index n1 = s1.nnz(), n2 = s2.nnz();
-    for (Index a = 0, b = 0; a < n1 && b < n2;) {
+    const Index n1 = Index(std::lower_bound(f1, f1 + s1.nnz(), u1 * d) - f1),
+                n2 = Index(std::lower_bound(f2, f2 + s2.nnz(), u1 * d) - f2);
+    Index a = Index(std::lower_bound(f1, f1 + n1, u0 * d) - f1),
+          b = Index(std::lower_bound(f2, f2 + n2, u0 * d) - f2);
+    while (a < n1 && b < n2) {
       const Index ca = split.run_of_dim(f1[a]), cb = split.run_of_dim(f2[b]);
       if (ca != cb) {
         (ca < cb ? a : b) += 1;
@@ -216,11 +222,12 @@ RowMatrix<Scalar> sketch_mode_product(const SparseTensor<Scalar>& s1,
       while (b1 < n2 && f2[b1] < first + d) ++b1;
       for (; a < a1; ++a) {
         Scalar* row = out + (f1[a] - first) * d;
-        for (Index e = b; e < b1; ++e) row[f2[e] - first] = std::fma(v1[a], v2[e], row[f2[e] - first]);
+        for (Index e = b; e < b1; ++e)
+          row[f2[e] - first] = std::fma(v1[a], v2[e], row[f2[e] - first]);
       }
       b = b1;
     }
-    return n;
+    return;
   }
   ColumnBlock<Scalar> g1(s1, split), g2(s2, split);
   auto products = [&](Index width) {
@@ -233,45 +240,80 @@ RowMatrix<Scalar> sketch_mode_product(const SparseTensor<Scalar>& s1,
     }
   };
   const Index block = ColumnBlock<Scalar>::kBlockColumns;
-  for (Index o = 0; o < split.outer; ++o) {
-    if (split.inner <= block) {
+  if (split.inner <= block) {
+    for (Index o = u0; o < u1; ++o) {
       g1.gather_slab(o);
       g2.gather_slab(o);
       products(split.inner);
-      continue;
     }
-    g1.begin_slab(o);
-    g2.begin_slab(o);
-    for (Index c0 = 0; c0 < split.inner; c0 += block) {
-      const Index width = std::min(block, split.inner - c0);
-      g1.gather_block(o, c0, width);
-      g2.gather_block(o, c0, width);
-      products(width);
+    return;
+  }
+  const Index blocks = (split.inner + block - 1) / block;
+  for (Index u = u0; u < u1; ++u) {
+    const Index o = u / blocks, c0 = (u % blocks) * block, width = std::min(block, split.inner - c0);
+    if (u == u0 || c0 == 0) {
+      g1.begin_slab(o, c0);
+      g2.begin_slab(o, c0);
     }
+    g1.gather_block(o, c0, width);
+    g2.gather_block(o, c0, width);
+    products(width);
+  }
+}
+
+// Each mode product is summed over this many consecutive ranges of units, in order, whatever
+// the thread count; the ranges (of all the modes asked for) run in parallel.
+constexpr Index kProductParts = 4;
+
+// N_j = M_j(s1) M_j(s2)^T (d_j x d_j) for each mode j of `modes`. Cost O(nnz + sum_c nnz_1(c)
+// nnz_2(c)) per mode, plus the cursors of wide slabs.
+template <typename Scalar>
+std::vector<RowMatrix<Scalar>> sketch_mode_products(const SparseTensor<Scalar>& s1,
+                                                    const SparseTensor<Scalar>& s2,
+                                                    const std::vector<Index>& modes) {
+  std::vector<ModeSplit> splits;
+  for (const Index mode : modes) {
+    require(mode >= 0 && mode < s1.order() && s1.dims() == s2.dims(), "sketch_mode_product",
+            "mode ", mode, " of sketches of shapes ", dims_str(s1.dims()), " and ",
+            dims_str(s2.dims()));
+    splits.emplace_back(s1.dims(), mode);
+    require(splits.back().dim <= Index(INT32_MAX), "sketch_mode_product", "dimension ",
+            splits.back().dim, " of mode ", mode, " exceeds 2^31 - 1");
+  }
+  const Index k = Index(modes.size()), P = kProductParts;
+  std::vector<RowMatrix<Scalar>> n(static_cast<std::size_t>(k));
+  // Part 0 sums into n[j] itself, the others into storage of the calling thread's pool.
+  std::vector<std::vector<Scalar>> partial(static_cast<std::size_t>(k * P));
+  for (Index task = 0; task < k * P; ++task) {
+    const Index d = splits[std::size_t(task / P)].dim;
+    if (task % P == 0) {
+      n[std::size_t(task / P)] = RowMatrix<Scalar>::Zero(d, d);
+    } else {
+      partial[std::size_t(task)] = VectorPool<Scalar>::take(std::size_t(d * d));
+      partial[std::size_t(task)].assign(std::size_t(d * d), Scalar(0));
+    }
+  }
+  parallel_for(k * P, [&](Index task) {
+    const Index part = task % P;
+    const ModeSplit& split = splits[std::size_t(task / P)];
+    const Index units = product_units(split, ColumnBlock<Scalar>::kBlockColumns);
+    Scalar* out = part == 0 ? n[std::size_t(task / P)].data() : partial[std::size_t(task)].data();
+    add_mode_product(s1, s2, split, units * part / P, units * (part + 1) / P, out);
+  });
+  for (Index task = 0; task < k * P; ++task) {
+    if (task % P == 0) continue;
+    std::vector<Scalar>& p = partial[std::size_t(task)];
+    RowMatrix<Scalar>& sum = n[std::size_t(task / P)];
+    sum += Eigen::Map<const RowMatrix<Scalar>>(p.data(), sum.rows(), sum.cols());
+    VectorPool<Scalar>::give(std::move(p));
   }
   return n;
 }
 
-// The r eigenvectors of the symmetric matrix `sym` with the largest eigenvalues, as columns in
-// decreasing order of eigenvalue. Each is signed so that its entry of largest magnitude is
-// positive (eigenvectors are defined up to sign; this makes the output reproducible).
 template <typename Scalar>
-void top_eigenvectors(const RowMatrix<Scalar>& sym, Index r, RowMatrix<Scalar>& vectors,
-                      Vector<Scalar>& values) {
-  const Eigen::SelfAdjointEigenSolver<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>> eig(
-      sym);
-  require(eig.info() == Eigen::Success, "top_eigenvectors",
-          "the eigensolver did not converge on a ", shape_of(sym), " matrix");
-  const Index d = sym.rows();
-  vectors.resize(d, r);
-  values.resize(r);
-  for (Index t = 0; t < r; ++t) {  // eigenvalues come in increasing order
-    auto v = eig.eigenvectors().col(d - 1 - t);
-    Index big = 0;
-    v.cwiseAbs().maxCoeff(&big);
-    vectors.col(t) = v[big] < 0 ? Vector<Scalar>(-v) : Vector<Scalar>(v);
-    values(t) = eig.eigenvalues()(d - 1 - t);
-  }
+RowMatrix<Scalar> sketch_mode_product(const SparseTensor<Scalar>& s1,
+                                      const SparseTensor<Scalar>& s2, Index mode) {
+  return std::move(sketch_mode_products(s1, s2, {mode}).front());
 }
 
 }  // namespace randattn::detail

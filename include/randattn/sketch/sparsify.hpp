@@ -781,7 +781,7 @@ class InMemorySparsifier {
 }  // namespace detail
 
 // Frees the storage the sketches keep for reuse (detail/vector_pool.hpp: kept entries and the
-// HOSVD's column groupings) in the calling thread and, when OpenMP is on, in every thread of a
+// HOSVD's partial mode products) in the calling thread and, when OpenMP is on, in every thread of a
 // team of the current maximum size. Later calls allocate afresh; results do not change.
 inline void release_sketch_storage() {
   auto release = [] {

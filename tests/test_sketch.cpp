@@ -150,8 +150,8 @@ TEMPLATE_TEST_CASE("sketch: sparsify_into reuses a sketch's storage and gives th
                    "[sketch]", float, double) {
   using S = TestType;
   using Catch::Matchers::Contains;
-  const auto small = mixed_tensor<S>({6, 7, 8}, 3);      // partial tiles only
-  const auto large = mixed_tensor<S>({16, 20, 24}, 4);   // whole tiles, the vector path
+  const auto small = mixed_tensor<S>({6, 7, 8}, 3);     // partial tiles only
+  const auto large = mixed_tensor<S>({16, 20, 24}, 4);  // whole tiles, the vector path
   randattn::SparseSketch<S> out;
   for (int threads : {1, 2}) {
     set_threads(threads);
@@ -324,8 +324,8 @@ TEMPLATE_TEST_CASE("sketch: entry omega is kept when (r + v) / 2^16 < p, with th
   for (Index omega = 0; omega < t.data.size(); ++omega) {
     const double p = sk.stats.rule.probability(double(t.data(omega)));
     const Index o = omega % 256, g = o / 16;
-    const std::uint32_t word = rng.bits(std::uint64_t(32 * (omega / 256) + 16 * (g / 8) + o % 16))
-                                   [std::size_t((g / 2) % 4)];
+    const std::uint32_t word = rng.bits(
+        std::uint64_t(32 * (omega / 256) + 16 * (g / 8) + o % 16))[std::size_t((g / 2) % 4)];
     const double r = double((word >> (16 * (g % 2))) & 0xFFFFu), scaled = 65536 * p,
                  floor_scaled = std::floor(scaled);
     bool keep = r < floor_scaled;
@@ -728,11 +728,10 @@ TEMPLATE_TEST_CASE("sketch: sparse_score_attention_into equals sparse_score_atte
     INFO("causal " << causal);
     opt.causal = causal;
     const RowMatrix<S> expected = randattn::sparse_score_attention(q, k, v, opt);
-    testing::check_into_form<S>(expected, {q, k, v}, {"q", "k", "v"},
-                                [&](const Refs& in, Eigen::Ref<RowMatrix<S>> out) {
-                                  randattn::sparse_score_attention_into(in[0], in[1], in[2], out,
-                                                                        opt);
-                                });
+    testing::check_into_form<S>(
+        expected, {q, k, v}, {"q", "k", "v"}, [&](const Refs& in, Eigen::Ref<RowMatrix<S>> out) {
+          randattn::sparse_score_attention_into(in[0], in[1], in[2], out, opt);
+        });
   }
 }
 

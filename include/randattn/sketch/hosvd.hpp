@@ -88,9 +88,8 @@ auto exact_hosvd(const T& tensor, const std::vector<Index>& ranks) {
   detail::require((entries.array() != Scalar(0)).any(), where, "the tensor of shape ",
                   detail::dims_str(a.dims()), " is all zero: its subspaces are undefined");
   Hosvd<Scalar> out;
-  detail::hosvd_factors(out, ranks,
-                        [&](Index j) { return detail::dense_mode_gram(data, a.dims(), j); },
-                        where);
+  detail::hosvd_factors(
+      out, ranks, [&](Index j) { return detail::dense_mode_gram(data, a.dims(), j); }, where);
   return out;
 }
 
@@ -109,9 +108,12 @@ SketchedHosvd<Scalar> sketched_hosvd(const SparseSketch<Scalar>& s1, const Spars
   std::vector<Index> modes(s1.dims().size());
   for (std::size_t j = 0; j < modes.size(); ++j) modes[j] = Index(j);
   const std::vector<RowMatrix<Scalar>> n = detail::sketch_mode_products(s1, s2, modes);
-  detail::hosvd_factors<Scalar>(out, ranks, [&](Index j) {
-    return RowMatrix<Scalar>((n[std::size_t(j)] + n[std::size_t(j)].transpose()) / Scalar(2));
-  }, where);
+  detail::hosvd_factors<Scalar>(
+      out, ranks,
+      [&](Index j) {
+        return RowMatrix<Scalar>((n[std::size_t(j)] + n[std::size_t(j)].transpose()) / Scalar(2));
+      },
+      where);
   return out;
 }
 

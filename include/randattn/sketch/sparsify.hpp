@@ -484,10 +484,10 @@ class Sampler {
         for (int n = 0; n < N; ++n) {
           __mmask16 keep = e;  // without draws every eligible entry has p = 1
           if (drawn) {
-            const __m512i r = _mm512_and_si512(
-                _mm512_srli_epi32(_mm512_load_si512(out[n]->draws.group_words(g)),
-                                  unsigned(kCoarseBits * (g % 2))),
-                low_half);
+            const __m512i r =
+                _mm512_and_si512(_mm512_srli_epi32(_mm512_load_si512(out[n]->draws.group_words(g)),
+                                                   unsigned(kCoarseBits * (g % 2))),
+                                 low_half);
             keep = _mm512_mask_cmplt_epi32_mask(e, r, tt);
             tie_bits[n][w] |= std::uint64_t(_mm512_mask_cmpeq_epi32_mask(e, r, tt)) << (16 * b);
           }
@@ -679,8 +679,9 @@ class InMemorySparsifier {
   // order, so the result does not depend on the thread count. The sketches of `reuse` (one per
   // stream, when given) lend their storage; other storage comes from the calling thread's pool
   // (all of it taken and given back on this thread, so the pool serves the next call).
-  std::vector<SparseSketch<Scalar>> sample(const std::vector<std::uint32_t>& streams,
-                                           std::vector<SparseSketch<Scalar>>* reuse = nullptr) const {
+  std::vector<SparseSketch<Scalar>> sample(
+      const std::vector<std::uint32_t>& streams,
+      std::vector<SparseSketch<Scalar>>* reuse = nullptr) const {
     SketchStats stats = stats_;
     const Index chunks = (a_.size() + kSketchChunk - 1) / kSketchChunk;
     // One part per thread that will run them (results never depend on the count).

@@ -32,8 +32,8 @@
 
 namespace randattn::detail {
 
-constexpr Index kDrawTile = 256;  // entries per tile of coarse draws
-constexpr int kCoarseBits = 16;   // bits of r
+constexpr Index kDrawTile = 256;         // entries per tile of coarse draws
+constexpr int kCoarseBits = 16;          // bits of r
 constexpr double kCoarseLevels = 65536;  // 2^kCoarseBits
 
 // The coarse draws r of one tile, as the words of its 32 Philox blocks.
@@ -88,9 +88,10 @@ inline void tile_decisions(const double* p, const TileDraws* draws, Index o0, In
         const __m512i t = _mm512_inserti64x4(
             _mm512_castsi256_si512(_mm512_cvttpd_epi32(_mm512_mul_pd(lo, scale))),
             _mm512_cvttpd_epi32(_mm512_mul_pd(hi, scale)), 1);
-        const __m512i r = _mm512_and_si512(
-            _mm512_srli_epi32(_mm512_load_si512(draws->group_words(g)), unsigned(kCoarseBits * (g % 2))),
-            low_half);
+        const __m512i r =
+            _mm512_and_si512(_mm512_srli_epi32(_mm512_load_si512(draws->group_words(g)),
+                                               unsigned(kCoarseBits * (g % 2))),
+                             low_half);
         const __mmask16 positive = __mmask16(_mm512_cmp_pd_mask(lo, zero, _CMP_GT_OQ) |
                                              (_mm512_cmp_pd_mask(hi, zero, _CMP_GT_OQ) << 8));
         k = _mm512_cmplt_epi32_mask(r, t);

@@ -8,7 +8,6 @@
 #include <cstdint>
 #include <vector>
 
-
 #include <Eigen/Core>
 
 #include "../../core/types.hpp"
@@ -96,7 +95,8 @@ struct ColumnBlock {
       run_row_[std::size_t(e - e0)] = std::int32_t(run - o * split_.dim);
       ++count[c];
     }
-    place(e1 - e0, [&](Index t) { return std::pair<Index, Index>(run_row_[std::size_t(t)], e0 + t); });
+    place(e1 - e0,
+          [&](Index t) { return std::pair<Index, Index>(run_row_[std::size_t(t)], e0 + t); });
   }
 
   // Moves the row cursors to column c0 of slab o (split.inner > kBlockColumns).
@@ -250,7 +250,8 @@ void add_mode_product(const SparseTensor<Scalar>& s1, const SparseTensor<Scalar>
   }
   const Index blocks = (split.inner + block - 1) / block;
   for (Index u = u0; u < u1; ++u) {
-    const Index o = u / blocks, c0 = (u % blocks) * block, width = std::min(block, split.inner - c0);
+    const Index o = u / blocks, c0 = (u % blocks) * block,
+                width = std::min(block, split.inner - c0);
     if (u == u0 || c0 == 0) {
       g1.begin_slab(o, c0);
       g2.begin_slab(o, c0);

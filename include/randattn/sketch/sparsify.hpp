@@ -272,14 +272,6 @@ struct SampleOutput {
   std::vector<Index> indices;
   std::vector<Scalar> values;
   Index kept = 0;
-  // The entries of the current tile that the draws keep: bit o of bits[o / 64] for offset o
-  // (ties: the entries whose fine draw decides), then their offsets in order (count of them,
-  // with room for one more byte-wide store) before their values a / p are formed.
-  struct TileKeeps {
-    std::array<std::uint64_t, 4> bits, ties;
-    alignas(64) std::uint8_t offset[kDrawTile + 8];
-    int count = 0;
-  } tile_keeps;
 
   // Storage for `capacity` kept entries: the vectors held (a sketch's, handed over for reuse),
   // else vectors from the calling thread's pool.
@@ -421,9 +413,9 @@ class Sampler {
   // same arithmetic and decisions as the general path above (tile_decisions, SamplingRule), so
   // the two give identical sketches. The sweep only records which lanes are kept (about one
   // group of sixteen in four keeps something, at random, so packing them group by group would
-  // cost more than the decisions); the kept entries are then collected bit by bit and their
-  // values a / p formed eight at a time. A tile's draws are generated when its first entry with
-  // 0 < p < 1 appears.
+  // cost more than the decisions); the kept entries are then listed a byte of the mask at a time
+  // and their values a / p formed eight at a time. A tile's draws are generated when its first
+  // entry with 0 < p < 1 appears.
   void sample_full_tile(Index tile, const Scalar* src) {
     switch (outputs_.size()) {
       case 1:
@@ -497,14 +489,7 @@ class Sampler {
     }
     if (sums) expected_nnz_.lanes_done(base);
     if (squares) squares_.lanes_done(base);
-    for (int n = 0; n < N; ++n) {
-      typename SampleOutput<Scalar>::TileKeeps& k = out[n]->tile_keeps;
-      for (int w = 0; w < 4; ++w) {
-        k.bits[std::size_t(w)] = keep_bits[n][w];
-        k.ties[std::size_t(w)] = tie_bits[n][w];
-      }
-      keep_tile(*out[n], base, src, rule);
-    }
+    for (int n = 0; n < N; ++n) keep_tile(*out[n], base, src, rule, keep_bits[n], tie_bits[n]);
   }
 
   static __m512d load_lanes(const Scalar* src) {
@@ -515,39 +500,38 @@ class Sampler {
     }
   }
 
-  // Adds to k.bits the ties (k.ties) that their fine draws keep (one entry in 2^16 with
+  // Adds to `keep` the lanes of `tie` that their fine draws keep (one entry in 2^16 with
   // 0 < p < 1).
   void decide_ties(const SampleOutput<Scalar>& out, Index base, const Scalar* src,
-                   typename SampleOutput<Scalar>::TileKeeps& k) const {
+                   const std::uint64_t (&tie)[4], std::uint64_t (&keep)[4]) const {
     for (int w = 0; w < 4; ++w) {
-      for (std::uint64_t bits = k.ties[std::size_t(w)]; bits != 0; bits &= bits - 1) {
+      for (std::uint64_t bits = tie[w]; bits != 0; bits &= bits - 1) {
         const int o = 64 * w + count_trailing_zeros(bits);
         if (keep_tie(rule_.probability(double(src[o])), out.draws.fine(base + o)))
-          k.bits[std::size_t(w)] |= std::uint64_t(1) << (o % 64);
+          keep[w] |= std::uint64_t(1) << (o % 64);
       }
     }
   }
 
-  // Appends the tile's kept entries (out.tile_keeps.bits; the tile's entries at src) as keep()
-  // does, eight at a time: the same probability, division and rounding, so the two paths store
-  // the same bits.
-  void keep_tile(SampleOutput<Scalar>& out, Index base, const Scalar* src,
-                 const RuleLanes& rule) const {
-    typename SampleOutput<Scalar>::TileKeeps& k = out.tile_keeps;
-    if ((k.ties[0] | k.ties[1] | k.ties[2] | k.ties[3]) != 0) decide_ties(out, base, src, k);
-    // The offsets of the kept bits, a byte of the mask at a time through a table (no branch per
-    // bit: the kept entries fall at random).
+  // Appends the tile's kept entries (bit o of keep[o / 64] for offset o, ties still to decide;
+  // the tile's entries at src) as keep() does, eight at a time: the same probability, division
+  // and rounding, so the two paths store the same bits.
+  void keep_tile(SampleOutput<Scalar>& out, Index base, const Scalar* src, const RuleLanes& rule,
+                 std::uint64_t (&keep)[4], const std::uint64_t (&tie)[4]) const {
+    if ((tie[0] | tie[1] | tie[2] | tie[3]) != 0) decide_ties(out, base, src, tie, keep);
+    // The offsets of the kept bits in order, a byte of the mask at a time through a table (no
+    // branch per bit: the kept entries fall at random), with room for one more 8-byte store.
+    alignas(64) std::uint8_t offset[kDrawTile + 8];
     int count = 0;
     for (int w = 0; w < 4; ++w) {
       for (int b = 0; b < 8; ++b) {
-        const unsigned m = unsigned(k.bits[std::size_t(w)] >> (8 * b)) & 0xFFu;
+        const unsigned m = unsigned(keep[w] >> (8 * b)) & 0xFFu;
         const std::uint64_t at =
             kSetBitPositions[m] + 0x0101010101010101ull * std::uint64_t(64 * w + 8 * b);
-        std::memcpy(k.offset + count, &at, sizeof at);
+        std::memcpy(offset + count, &at, sizeof at);
         count += int(_mm_popcnt_u32(m));
       }
     }
-    k.count = count;
     if (count == 0) return;
     out.make_room(count);
     Index* index = out.indices.data() + out.kept;
@@ -557,7 +541,7 @@ class Sampler {
     for (int i = 0; i < count; i += 8) {
       const __mmask8 m = __mmask8(count - i >= 8 ? 0xFF : (1u << (count - i)) - 1);
       const __m512i o =
-          _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(k.offset + i)));
+          _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(offset + i)));
       __m512d a;
       if constexpr (std::is_same<Scalar, float>::value) {
         a = _mm512_cvtps_pd(_mm512_mask_i64gather_ps(_mm256_setzero_ps(), m, o, src, 4));
@@ -573,11 +557,11 @@ class Sampler {
         if (_mm256_mask_cmp_ps_mask(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), vf),
                                     _mm256_set1_ps(std::numeric_limits<float>::max()),
                                     _CMP_LE_OQ) != m)
-          return keep_from(out, base, src, i);
+          return keep_from(out, base, src, offset, count, i);
         _mm256_mask_storeu_ps(value + i, m, vf);
       } else {
         if (_mm512_mask_cmp_pd_mask(m, _mm512_abs_pd(v), big, _CMP_LE_OQ) != m)
-          return keep_from(out, base, src, i);
+          return keep_from(out, base, src, offset, count, i);
         _mm512_mask_storeu_pd(value + i, m, v);
       }
       _mm512_mask_storeu_epi64(index + i, m, _mm512_add_epi64(first, o));
@@ -587,12 +571,12 @@ class Sampler {
 
   // Appends the tile's kept entries from the i-th on one at a time (keep() reports the one whose
   // value overflows).
-  void keep_from(SampleOutput<Scalar>& out, Index base, const Scalar* src, int i) const {
-    const typename SampleOutput<Scalar>::TileKeeps& k = out.tile_keeps;
+  void keep_from(SampleOutput<Scalar>& out, Index base, const Scalar* src,
+                 const std::uint8_t* offset, int count, int i) const {
     out.kept += i;
-    for (; i < k.count; ++i) {
-      const double a = double(src[k.offset[i]]);
-      keep(out, base + k.offset[i], a, rule_.probability(a));
+    for (; i < count; ++i) {
+      const double a = double(src[offset[i]]);
+      keep(out, base + offset[i], a, rule_.probability(a));
     }
   }
 #endif

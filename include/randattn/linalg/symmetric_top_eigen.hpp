@@ -294,6 +294,11 @@ bool top_eigenvectors_by_inverse_iteration(const RowMatrix<Scalar>& sym, Index r
   using RealVector = Eigen::Matrix<Real, Eigen::Dynamic, 1>;
   using RealMatrix = Eigen::Matrix<Real, Eigen::Dynamic, Eigen::Dynamic>;
   const Index d = sym.rows();
+  if (r == 0) {  // nothing to compute (and no blocks of empty storage to take)
+    vectors.resize(d, 0);
+    values.resize(0);
+    return true;
+  }
 
   // Scaled to entries in [-1, 1] (as the full solver), so that neither T nor the squares in
   // the Householder vectors overflow or underflow for matrices of huge or tiny scale.

@@ -443,6 +443,59 @@ TEMPLATE_TEST_CASE("KvCache appending token by token equals one block, bit for b
   }
 }
 
+TEST_CASE("Bucket lists keep every entry, in order, across chunks and pages", "[kv_cache]") {
+  using randattn::detail::BucketLists;
+  // 300 buckets filled unevenly (bucket b receives about b / 10 of every 30 pushes), plus one
+  // bucket that outgrows several 2^21-int pages on its own and a reserve in between.
+  const std::size_t lists = 301, big = 300;
+  BucketLists buckets(lists);
+  std::vector<std::vector<std::int32_t>> expected(lists);
+  std::uint64_t state = 12345;
+  const auto next = [&] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return std::uint32_t(state >> 33);
+  };
+  const auto push = [&](std::size_t list, std::int32_t value) {
+    buckets.push_back(list, value);
+    expected[list].push_back(value);
+  };
+  for (std::int32_t i = 0; i < 200000; ++i) {
+    const std::size_t b = next() % 300;
+    if (next() % 300 < b) push(b, i);
+    if (i == 100000) buckets.reserve(50000);
+  }
+  for (std::int32_t i = 0; i < 5000000; ++i) push(big, i);
+  const auto contents = [&](const BucketLists& from, std::size_t list) {
+    std::vector<BucketLists::Run> runs;
+    std::vector<BucketLists::Cursor> walking;
+    from.collect_runs(1, [&](Index) { return list; }, runs, walking);
+    std::vector<std::int32_t> all;
+    for (const auto& r : runs) all.insert(all.end(), r.entries, r.entries + r.count);
+    return all;
+  };
+  const BucketLists copy = buckets;
+  for (std::size_t b = 0; b < lists; ++b) {
+    INFO("bucket " << b);
+    REQUIRE(buckets.size(b) == Index(expected[b].size()));
+    CHECK(contents(buckets, b) == expected[b]);
+    CHECK(contents(copy, b) == expected[b]);
+  }
+  CHECK(expected[0].empty());
+  // Several buckets walked side by side: the runs of each stay in order, none is lost.
+  std::vector<BucketLists::Run> runs;
+  std::vector<BucketLists::Cursor> walking;
+  const std::vector<std::size_t> some = {0, 7, 150, 299, big, 299};
+  buckets.collect_runs(Index(some.size()), [&](Index i) { return some[std::size_t(i)]; }, runs,
+                       walking);
+  std::multiset<std::int32_t> got, want;
+  for (const auto& r : runs) {
+    CHECK(std::is_sorted(r.entries, r.entries + r.count));
+    got.insert(r.entries, r.entries + r.count);
+  }
+  for (const std::size_t b : some) want.insert(expected[b].begin(), expected[b].end());
+  CHECK(got == want);
+}
+
 TEMPLATE_TEST_CASE("KvCache save/load round trip is bit-identical", "[kv_cache]", float,
                    double) {
   using S = TestType;

@@ -237,7 +237,7 @@ class KvCache {
       if (opt_.mode == DecodeMode::blocks) h.pages.reserve_tokens(tokens);
       if (opt_.mode == DecodeMode::lsh_sample) {
         h.centred_norm.reserve(static_cast<std::size_t>(tokens));
-        h.tables.reserve_buckets(static_cast<std::size_t>(tokens >> opt_.lsh_bits) + 1);
+        h.tables.reserve_keys(static_cast<std::size_t>(std::max<Index>(tokens - hashed_, 0)));
       }
       if (opt_.mode == DecodeMode::lsf)
         h.filters.reserve_buckets(static_cast<std::size_t>(tokens / opt_.lsf_filters) + 1);
@@ -529,6 +529,8 @@ class KvCache {
     std::vector<std::int32_t> touched;
     std::vector<std::uint8_t> counts;
     std::vector<std::uint32_t> codes;
+    std::vector<typename detail::SimHashTables<Scalar>::Run> bucket_runs;
+    std::vector<typename detail::SimHashTables<Scalar>::Cursor> walking;
     std::vector<std::pair<Scalar, std::int32_t>> ranked;
     RowMatrix<Scalar> bounds, bound_q, tile_nd;
     Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> scores;  // column per query head
@@ -736,16 +738,18 @@ class KvCache {
       s.idx.clear();
       head.tables.codes(q.data(), nullptr, s.hash, s.codes.data());
       rep.tables_probed += L;
-      for (int t = 0; t < L; ++t) {
-        const auto& bucket = head.tables.bucket(t, s.codes[t]);
-        rep.bucket_entries += Index(bucket.size());
-        for (const std::int32_t j : bucket) {
+      s.bucket_runs.clear();
+      rep.bucket_entries += head.tables.collect_buckets(s.codes.data(), s.bucket_runs, s.walking);
+      // A key joins at its second collision, whichever tables they are in.
+      for (const auto& run : s.bucket_runs) {
+        for (Index i = 0; i < run.count; ++i) {
+          const std::int32_t j = run.entries[i];
           std::uint8_t& c = s.counts[j];
           if (c < 2 && ++c == 2 && j >= first && j < last) s.idx.push_back(j);
         }
       }
-      for (int t = 0; t < L; ++t)
-        for (const std::int32_t j : head.tables.bucket(t, s.codes[t])) s.counts[j] = 0;
+      for (const auto& run : s.bucket_runs)
+        for (Index i = 0; i < run.count; ++i) s.counts[run.entries[i]] = 0;
       std::sort(s.idx.begin(), s.idx.end());
       const Scalar q_norm = q.norm();
       const Scalar q_centre = centred_ ? q.dot(head.centre.transpose()) : Scalar(0);

@@ -28,6 +28,7 @@
 #include "../random/fill.hpp"
 #include "../random/philox.hpp"
 #include "../random/streams.hpp"
+#include "detail/bucket_lists.hpp"
 
 namespace randattn {
 
@@ -82,7 +83,7 @@ class SimHashTables {
     RowMatrix<Scalar> rows(planes, dim);
     fill_gaussian(Philox(seed, streams::kv_cache_simhash), rows, head * planes, 0);
     planes_t_ = rows.transpose();
-    buckets_.resize(static_cast<std::size_t>(tables) << bits);
+    buckets_ = BucketLists(static_cast<std::size_t>(tables) << bits);
   }
 
   struct HashScratch {
@@ -98,7 +99,8 @@ class SimHashTables {
   // Codes of x − centre (centre may be null) into codes[0 .. tables). The projections are one
   // matrix-vector product of fixed shape on an aligned copy of x, so a vector's codes do not
   // depend on where it is stored or how many vectors were appended with it.
-  void codes(const Scalar* x, const Scalar* centre, HashScratch& scratch, std::uint32_t* codes) const {
+  void codes(const Scalar* x, const Scalar* centre, HashScratch& scratch,
+             std::uint32_t* codes) const {
     scratch.x.resize(dim_);
     scratch.proj.resize(planes());
     for (Index c = 0; c < dim_; ++c) scratch.x(c) = centre ? x[c] - centre[c] : x[c];
@@ -117,45 +119,47 @@ class SimHashTables {
       codes_of(scratch.block_proj.row(r).data(), scratch, codes + r * tables_);
   }
 
-  // Room for `per_bucket` entries in every bucket (a hint: buckets fill unevenly).
-  void reserve_buckets(std::size_t per_bucket) {
-    for (auto& b : buckets_) b.reserve(per_bucket);
-  }
+  // Room for `keys` more keys in every table.
+  void reserve_keys(std::size_t keys) { buckets_.reserve(keys * std::size_t(tables_)); }
 
   // Files keys first, first + 1, .., first + count − 1, whose codes are codes[r·tables + t]:
   // every bucket keeps its keys in increasing order, as key-by-key filing would leave it.
   // Each key lands in a bucket of its own per table, a cache miss apiece (the buckets span tens
   // of MB), so the misses are made to overlap: for up to kBatch keys, one table at a time, the
-  // buckets' headers are requested a table ahead and their ends before any key is written.
-  // One miss after another cost 1.5× as much (Zen 3).
+  // buckets' headers are requested a table ahead and their next slots before any key is
+  // written. One miss after another cost 1.5× as much (Zen 3).
   void insert_block(std::int32_t first, Index count, const std::uint32_t* codes) {
     for (Index r0 = 0; r0 < count; r0 += kBatch) {
       const Index rows = std::min(kBatch, count - r0);
       const std::uint32_t* c = codes + r0 * tables_;
-      const auto target = [&](int t, Index r) -> std::vector<std::int32_t>& {
-        return bucket_mut(t, c[r * tables_ + t]);
-      };
-      for (Index r = 0; r < rows; ++r) __builtin_prefetch(&target(0, r), 1);
+      const auto target = [&](int t, Index r) { return list(t, c[r * tables_ + t]); };
+      for (Index r = 0; r < rows; ++r) buckets_.prefetch_head(target(0, r));
       for (int t = 0; t < tables_; ++t) {
-        for (Index r = 0; r < rows; ++r) {
-          const auto& b = target(t, r);
-          __builtin_prefetch(b.data() + b.size(), 1);
-        }
+        for (Index r = 0; r < rows; ++r) buckets_.prefetch_next_slot(target(t, r));
         if (t + 1 < tables_)
-          for (Index r = 0; r < rows; ++r) __builtin_prefetch(&target(t + 1, r), 1);
-        for (Index r = 0; r < rows; ++r) target(t, r).push_back(first + std::int32_t(r0 + r));
+          for (Index r = 0; r < rows; ++r) buckets_.prefetch_head(target(t + 1, r));
+        for (Index r = 0; r < rows; ++r)
+          buckets_.push_back(target(t, r), first + std::int32_t(r0 + r));
       }
     }
   }
 
-  const std::vector<std::int32_t>& bucket(int table, std::uint32_t code) const {
-    return buckets_[(static_cast<std::size_t>(table) << bits_) + code];
+  using Run = BucketLists::Run;
+  using Cursor = BucketLists::Cursor;
+
+  // The keys filed under codes[t] in every table t, as runs appended to `runs`; returns their
+  // number.
+  Index collect_buckets(const std::uint32_t* codes, std::vector<Run>& runs,
+                        std::vector<Cursor>& walking) const {
+    Index entries = 0;
+    for (int t = 0; t < tables_; ++t) entries += buckets_.size(list(t, codes[t]));
+    buckets_.collect_runs(
+        tables_, [&](Index t) { return list(int(t), codes[t]); }, runs, walking);
+    return entries;
   }
 
   std::size_t bytes() const {
-    std::size_t b = sizeof(Scalar) * static_cast<std::size_t>(planes_t_.size());
-    for (const auto& v : buckets_) b += v.capacity() * sizeof(std::int32_t) + sizeof(v);
-    return b;
+    return sizeof(Scalar) * static_cast<std::size_t>(planes_t_.size()) + buckets_.bytes();
   }
 
  private:
@@ -181,8 +185,8 @@ class SimHashTables {
     }
   }
 
-  std::vector<std::int32_t>& bucket_mut(int table, std::uint32_t code) {
-    return buckets_[(static_cast<std::size_t>(table) << bits_) + code];
+  std::size_t list(int table, std::uint32_t code) const {
+    return (static_cast<std::size_t>(table) << bits_) + code;
   }
 
   static constexpr Index kBatch = 64;
@@ -191,7 +195,7 @@ class SimHashTables {
   // One hyperplane per column, table t owning columns [t·K, (t + 1)·K): stored d x L·K so that
   // a block's product runs in the library's row-panel tiles (detail/chunk_products.hpp).
   RowMatrix<Scalar> planes_t_;
-  std::vector<std::vector<std::int32_t>> buckets_;
+  BucketLists buckets_;  // bucket (t, code) is list t·2^K + code
 };
 
 }  // namespace detail

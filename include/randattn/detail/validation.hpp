@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <ostream>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -18,11 +19,19 @@
 
 namespace randattn::detail {
 
+// A matrix's shape as it appears in messages ("3x4"). Only streamed when a check fails: the
+// arguments of require() are evaluated on every call, and formatting a string there would cost
+// a stream construction per call on paths taken once per decoded token.
+struct Shape {
+  Eigen::Index rows, cols;
+  friend std::ostream& operator<<(std::ostream& os, const Shape& s) {
+    return os << s.rows << "x" << s.cols;
+  }
+};
+
 template <typename Derived>
-std::string shape_of(const Eigen::DenseBase<Derived>& m) {
-  std::ostringstream s;
-  s << m.rows() << "x" << m.cols();
-  return s.str();
+Shape shape_of(const Eigen::DenseBase<Derived>& m) {
+  return {m.rows(), m.cols()};
 }
 
 template <typename... Parts>

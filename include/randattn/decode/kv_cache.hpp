@@ -226,8 +226,8 @@ class KvCache {
   }
 
   // Allocates (and touches) storage for `tokens` cached tokens in total, so appends up to that
-  // size only copy; for lsh_sample every bucket gets room for its uniform share of them. Never
-  // needed for correctness.
+  // size only copy; for lsh_sample the hash index gets pages for the bucket entries of the keys
+  // still to be filed (twice their count: the bound of its chunks). Never needed for correctness.
   void reserve(Index tokens) {
     detail::require(tokens >= 0 && tokens <= kMaxTokens, "KvCache::reserve", "tokens must be in [0, ",
                     kMaxTokens, "], got ", tokens);

@@ -7,8 +7,8 @@
 // order, so a growing bucket never calls the allocator or copies its entries: with one
 // std::vector per bucket, the reallocations of the buckets that outgrew their share took about
 // a quarter of an append (n = 32768, 80 tables). The pages are left in 4 KiB pages: advised into
-// 2 MiB pages, appends at n = 131072 took 3.9-6.0 instead of 2.9-4.5 µs per key and kv head
-// (Zen 5 virtual machine).
+// 2 MiB pages, appends at n = 131072 took 4.7 instead of 3.6 µs per key and kv head on average
+// (Zen 5 virtual machine, eight runs each).
 //
 // Addresses are in 64-byte lines (32 bits: up to 256 GiB of entries); the chunk sizes are a
 // function of the bucket's size when each chunk was cut, so a reader walks the chain with

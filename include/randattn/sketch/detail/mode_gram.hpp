@@ -95,8 +95,9 @@ struct ColumnBlock {
       run_row_[std::size_t(e - e0)] = std::int32_t(run - o * split_.dim);
       ++count[c];
     }
-    place(e1 - e0,
-          [&](Index t) { return std::pair<Index, Index>(run_row_[std::size_t(t)], e0 + t); });
+    finish_counts();
+    for (Index t = 0; t < e1 - e0; ++t)
+      place(column_[std::size_t(t)], run_row_[std::size_t(t)], e0 + t);
   }
 
   // Moves the row cursors to column c0 of slab o (split.inner > kBlockColumns).
@@ -126,11 +127,8 @@ struct ColumnBlock {
     finish_counts();
     for (Index i = 0; i < split_.dim; ++i) {
       const Index first = (o * split_.dim + i) * split_.inner + c0;
-      for (Index& e = cursor_[std::size_t(i)]; e < stop_[std::size_t(i)]; ++e) {
-        const std::size_t slot = std::size_t(next_[std::size_t(flat_[e] - first)]++);
-        row[slot] = std::int32_t(i);
-        value[slot] = values_[e];
-      }
+      for (Index& e = cursor_[std::size_t(i)]; e < stop_[std::size_t(i)]; ++e)
+        place(flat_[e] - first, std::int32_t(i), e);
     }
   }
 
@@ -154,16 +152,11 @@ struct ColumnBlock {
     for (std::size_t c = 1; c < start.size(); ++c) start[c] += start[c - 1];
     next_.assign(start.begin(), start.end() - 1);
   }
-  // Places the `entries` counted entries in order; at(t) gives the t-th one's (row, entry).
-  template <typename At>
-  void place(Index entries, At at) {
-    finish_counts();
-    for (Index t = 0; t < entries; ++t) {
-      const auto [r, e] = at(t);
-      const std::size_t slot = std::size_t(next_[std::size_t(column_[std::size_t(t)])]++);
-      row[slot] = std::int32_t(r);
-      value[slot] = values_[e];
-    }
+  // Places entry e (row r of its slab) next in column c (after finish_counts).
+  void place(Index c, std::int32_t r, Index e) {
+    const std::size_t slot = std::size_t(next_[std::size_t(c)]++);
+    row[slot] = r;
+    value[slot] = values_[e];
   }
 
   const Index* flat_;

@@ -739,9 +739,10 @@ class KvCache {
       head.tables.codes(q.data(), nullptr, s.hash, s.codes.data());
       rep.tables_probed += L;
       s.bucket_runs.clear();
-      rep.bucket_entries += head.tables.collect_buckets(s.codes.data(), s.bucket_runs, s.walking);
+      head.tables.collect_buckets(s.codes.data(), s.bucket_runs, s.walking);
       // A key joins at its second collision, whichever tables they are in.
       for (const auto& run : s.bucket_runs) {
+        rep.bucket_entries += run.count;
         for (Index i = 0; i < run.count; ++i) {
           const std::int32_t j = run.entries[i];
           std::uint8_t& c = s.counts[j];

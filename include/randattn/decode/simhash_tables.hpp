@@ -147,15 +147,11 @@ class SimHashTables {
   using Run = BucketLists::Run;
   using Cursor = BucketLists::Cursor;
 
-  // The keys filed under codes[t] in every table t, as runs appended to `runs`; returns their
-  // number.
-  Index collect_buckets(const std::uint32_t* codes, std::vector<Run>& runs,
-                        std::vector<Cursor>& walking) const {
-    Index entries = 0;
-    for (int t = 0; t < tables_; ++t) entries += buckets_.size(list(t, codes[t]));
+  // The keys filed under codes[t] in every table t, as runs appended to `runs`.
+  void collect_buckets(const std::uint32_t* codes, std::vector<Run>& runs,
+                       std::vector<Cursor>& walking) const {
     buckets_.collect_runs(
         tables_, [&](Index t) { return list(int(t), codes[t]); }, runs, walking);
-    return entries;
   }
 
   std::size_t bytes() const {

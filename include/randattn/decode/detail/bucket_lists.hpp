@@ -18,7 +18,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <new>
 #include <vector>
 
 #include "../../core/allocation_error.hpp"
@@ -48,7 +47,6 @@ class BucketLists {
   BucketLists(BucketLists&&) noexcept = default;
   BucketLists& operator=(BucketLists&&) noexcept = default;
 
-  std::size_t lists() const { return heads_.size(); }
   Index size(std::size_t list) const { return heads_[list].size; }
 
   void push_back(std::size_t list, std::int32_t value) {

@@ -51,11 +51,11 @@ void check_concurrent_calls(F f) {
 // ---------------------------------------------------------------------------------------------
 
 #if defined(_OPENMP)
-// One thread runs the causal chunks in order with the state updated in place, several threads
-// scan each group's prefix states and finish its chunks in parallel: the same products in the
-// same order, so the same bits. Several groups of chunks, a ragged last chunk, signs and
-// log-scales on both sides.
-TEMPLATE_TEST_CASE("Causal linear attention gives the same bits on one thread and on two",
+// One thread runs the causal chunks in order with the state updated in place; on several
+// threads each takes a run of consecutive chunks after replaying the state updates before it:
+// the same products in the same order, so the same bits. Several groups of chunks, a ragged last
+// chunk, signs and log-scales on both sides, runs that start inside a group.
+TEMPLATE_TEST_CASE("Causal linear attention gives the same bits on one, two and three threads",
                    "[core][linear][causal][threads]", float, double) {
   using Scalar = TestType;
   const int saved = omp_get_max_threads();
@@ -72,9 +72,10 @@ TEMPLATE_TEST_CASE("Causal linear attention gives the same bits on one thread an
                                                            p.signs, opt)
           .finalize(Scalar(1e-6));
     };
-    const RowMatrix<Scalar> one = run(1), two = run(2);
+    const RowMatrix<Scalar> one = run(1), two = run(2), three = run(3);
     omp_set_num_threads(saved);
     CHECK(testing::rows_bit_identical(one, two, n));
+    CHECK(testing::rows_bit_identical(one, three, n));
   }
 }
 #endif

@@ -15,7 +15,6 @@
 #include <limits>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
 #include <Eigen/Core>
 
@@ -368,19 +367,15 @@ void advance_state(const Prev& prev, Scalar c_prev, const A& a, const W& w, Scal
 // where the runs of several threads are cut, never a result.
 constexpr double kCausalUpdateShare = 1.0 / 3;
 
-// The first chunk of each of `segments` consecutive runs of the `chunks` chunks, and `chunks`
-// at the end. A run that starts at chunk x first replays the x state updates before it, so later
+// The first chunk of run s of `segments` consecutive runs of the `chunks` chunks (s = segments:
+// chunks). A run that starts at chunk x first replays the x state updates before it, so later
 // runs are shorter: equal times t = r x_s + L_s (r = kCausalUpdateShare) give
 // x_s = t (1 − (1 − r)^s) / r.
-inline std::vector<Index> causal_segments(Index chunks, Index segments) {
+inline Index causal_segment_start(Index chunks, Index segments, Index s) {
+  if (s >= segments) return chunks;
   const double r = kCausalUpdateShare;
   const double t = double(chunks) * r / (1 - std::pow(1 - r, double(segments)));
-  std::vector<Index> first(std::size_t(segments) + 1, chunks);
-  for (Index s = 0; s < segments; ++s) {
-    const double x = t * (1 - std::pow(1 - r, double(s))) / r;
-    first[std::size_t(s)] = std::min(chunks, Index(std::llround(x)));
-  }
-  return first;
+  return std::min(chunks, Index(std::llround(t * (1 - std::pow(1 - r, double(s))) / r)));
 }
 
 // Causal linear attention. The sequence is cut into chunks of in.chunk rows. The chunks run in
@@ -390,7 +385,7 @@ inline std::vector<Index> causal_segments(Index chunks, Index segments) {
 // chunks. On several threads the chunks are cut into consecutive runs, one per thread; a run
 // that starts at chunk x first replays the state updates of chunks 0 … x − 1 (no rows), the same
 // products in the same order as one thread, so the result does not depend on the thread count.
-// The runs are cut so that the replays even out (causal_segments). Also returns the summary of
+// The runs are cut so that the replays even out (causal_segment_start). Also returns the summary of
 // all keys, the state after the last chunk (what attention of a later part of the sequence
 // reads).
 template <typename In>
@@ -404,12 +399,12 @@ linear_causal_with_summary(const In& in) {
   RowMatrix<Scalar> nd = MatrixPool<RowMatrix<Scalar>>::take(n, w);
   Vector<Scalar> log_scale = MatrixPool<Vector<Scalar>>::take(n);
   const Index segments = std::max<Index>(1, std::min(available_threads(), chunks));
-  const std::vector<Index> first = causal_segments(chunks, segments);
   RowMatrix<Scalar> carried = MatrixPool<RowMatrix<Scalar>>::take(m, w);
   carried.setZero();  // the summary of no keys
   Scalar carried_log = kNegInf;
   const auto run = [&](Index segment) {
-    const Index begin = first[std::size_t(segment)], end = first[std::size_t(segment) + 1];
+    const Index begin = causal_segment_start(chunks, segments, segment),
+                end = causal_segment_start(chunks, segments, segment + 1);
     const bool last = segment + 1 == segments;
     if (begin == end && !last) return;
     RowMatrix<Scalar> own_state;

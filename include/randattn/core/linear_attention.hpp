@@ -407,8 +407,8 @@ linear_causal_with_summary(const In& in) {
                 end = causal_segment_start(chunks, segments, segment + 1);
     const bool last = segment + 1 == segments;
     if (begin == end && !last) return;
-    RowMatrix<Scalar> own_state;
-    if (!last) own_state = MatrixPool<RowMatrix<Scalar>>::take(m, w);
+    Scratch<RowMatrix<Scalar>> own_state;  // the last run's state is the summary itself
+    if (!last) own_state = Scratch<RowMatrix<Scalar>>(m, w);
     RowMatrix<Scalar>& state = last ? carried : own_state;
     Scalar state_log = kNegInf;
     FeatureBlock<Scalar> q_rows(group_rows, m), k_rows(group_rows, m);
@@ -440,11 +440,7 @@ linear_causal_with_summary(const In& in) {
         state_log = c;
       }
     }
-    if (last) {
-      carried_log = state_log;
-    } else {
-      MatrixPool<RowMatrix<Scalar>>::give(std::move(own_state));
-    }
+    if (last) carried_log = state_log;
   };
   parallel_for(segments, run);
   return {SoftmaxAccumulator<Scalar>(std::move(nd), std::move(log_scale)),

@@ -234,9 +234,9 @@ std::unique_ptr<World>& world_for(Index n) {
 
 // The bandwidth anchor: a plain one-thread streaming read (a sum) of the keys and values that
 // the cache holds a copy of, as many bytes as exact decoding reads, alternated pass by pass with
-// exact decoding. This machine's one-thread read rate
-// drifts by half between minutes, so an anchor timed in a row of its own measured the drift more
-// than the kernel; alternated, both see the machine in the same state.
+// exact decoding. The machine's one-thread read rate drifts by half between minutes, so an
+// anchor timed in a row of its own measured the drift more than the kernel; alternated, both
+// see the machine in the same state.
 struct StreamAnchor {
   double stream_gbps, of_stream;
 };

@@ -12,6 +12,10 @@
 //  - LsfThreads/n/threads: Lsf at n = 65536, L = 2, eta = 2.5, Hadamard filters, on 1 and 2
 //    threads, written into one output reused across calls (lsf_attention_into); threads:1 /
 //    threads:2 is the two-thread speedup.
+//  - Backward/Lsf/n/L/eta_x100/causal: the backward at n = 4096, Hadamard filters, one thread.
+//    Each iteration times lsf_attention_into, then lsf_attention_forward + lsf_attention_backward
+//    on the same inputs; counters forward_ms, forward_backward_ms and ratio = their quotient (CPU
+//    times, one run).
 // Counters: speedup (TiledExact wall time / this wall time), speedup_cpu (the same with CPU
 // times, steadier on a shared machine), rel_error (Frobenius, against TiledExact's output) and,
 // for LSF, pairs_scored (fraction of the n^2 pairs in the union of opened filters).
@@ -154,7 +158,44 @@ void LsfThreads(benchmark::State& state) {
   }
 }
 
+void Backward(benchmark::State& state) {
+  bench::set_threads(1);
+  const Index n = state.range(0), tables = state.range(1);
+  const Inputs& in = inputs(n);
+  const RowMatrix<float> g = randattn::gaussian_matrix<float>(randattn::Philox(79), n, kValueDim);
+  const randattn::LocalitySensitiveFilters<float> filters(randattn::RotationKind::hadamard, kDim,
+                                                          n / 32, tables, 1234);
+  randattn::LsfOptions opt;
+  opt.eta = double(state.range(2)) / 100;
+  opt.scale = kScale;
+  opt.causal = state.range(3) != 0;
+  RowMatrix<float> out(n, kValueDim), dq(n, kDim), dk(n, kDim), dv(n, kValueDim);
+  double forward = 0, both = 0;
+  for (auto _ : state) {
+    std::clock_t c0 = std::clock();
+    randattn::lsf_attention_into(filters, in.q, in.k, in.v, out, opt);
+    benchmark::DoNotOptimize(out.data());
+    forward += double(std::clock() - c0) / CLOCKS_PER_SEC;
+    c0 = std::clock();
+    const auto saved = randattn::lsf_attention_forward<float>(filters, in.q, in.k, in.v, out, opt);
+    randattn::lsf_attention_backward<float>(saved, in.q, in.k, in.v, out, g, dq, dk, dv);
+    benchmark::DoNotOptimize(dq.data());
+    both += double(std::clock() - c0) / CLOCKS_PER_SEC;
+  }
+  const double iterations = double(state.iterations());
+  state.counters["forward_ms"] = 1e3 * forward / iterations;
+  state.counters["forward_backward_ms"] = 1e3 * both / iterations;
+  state.counters["ratio"] = both / forward;
+}
+
 void register_all() {
+  for (Index causal : {0, 1})
+    for (Index eta : {250, 200})
+      benchmark::RegisterBenchmark("Backward/Lsf", Backward)
+          ->ArgNames({"n", "L", "eta_x100", "causal"})
+          ->Args({4096, 2, eta, causal})
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
   benchmark::RegisterBenchmark("LsfThreads", LsfThreads)->Apply(bench::thread_rows);
   for (Index n : {16384, 65536}) {
     benchmark::RegisterBenchmark("TiledExact", TiledExact)

@@ -16,6 +16,11 @@
 //  - LshThreads/n/threads: Lsh at n = 65536, r = 4, dense rotation, on 1 and 2 threads, written
 //    into one output reused across calls (lsh_attention_into); threads:1 / threads:2 is the
 //    two-thread speedup.
+//  - Backward/Lsh/n/mode/causal: the backward at n = 4096, r = 4, c = 64, dense rotation, one
+//    thread; mode 0 = shared QK, 1 = separate keys, 2 = separate keys with exact buckets. Each
+//    iteration times lsh_attention_into, then lsh_attention_forward + lsh_attention_backward on
+//    the same inputs; counters forward_ms, forward_backward_ms and ratio = their quotient (CPU
+//    times, one run).
 
 #include <time.h>
 
@@ -135,7 +140,55 @@ void LshThreads(benchmark::State& state) {
   }
 }
 
+void Backward(benchmark::State& state) {
+  bench::set_threads(1);
+  const Index n = state.range(0), mode = state.range(1);
+  const bool shared = mode == 0;
+  const RowMatrix<float> q = gaussian_matrix<float>(Philox(1), n, kD),
+                         k = gaussian_matrix<float>(Philox(2), n, kD),
+                         v = gaussian_matrix<float>(Philox(3), n, kDv),
+                         g = gaussian_matrix<float>(Philox(4), n, kDv);
+  const randattn::CrossPolytopeHash<float> hash(randattn::RotationKind::dense, kD,
+                                                randattn::reformer_buckets(n, kChunk), 4, 7);
+  randattn::LshOptions opt;
+  opt.chunk = kChunk;
+  opt.exact_buckets = mode == 2;
+  opt.causal = state.range(2) != 0;
+  RowMatrix<float> out(n, kDv), dq(n, kD), dk(n, kD), dv(n, kDv);
+  double forward = 0, both = 0;
+  for (auto _ : state) {
+    double c0 = cpu_now();
+    if (shared)
+      randattn::lsh_attention_into(hash, q, v, out, opt);
+    else
+      randattn::lsh_attention_into(hash, q, k, v, out, opt);
+    benchmark::DoNotOptimize(out.data());
+    forward += cpu_now() - c0;
+    c0 = cpu_now();
+    if (shared) {
+      const auto saved = randattn::lsh_attention_forward<float>(hash, q, v, out, opt);
+      randattn::lsh_attention_backward<float>(saved, q, v, out, g, dq, dv);
+    } else {
+      const auto saved = randattn::lsh_attention_forward<float>(hash, q, k, v, out, opt);
+      randattn::lsh_attention_backward<float>(saved, q, k, v, out, g, dq, dk, dv);
+    }
+    benchmark::DoNotOptimize(dq.data());
+    both += cpu_now() - c0;
+  }
+  const double iterations = double(state.iterations());
+  state.counters["forward_ms"] = 1e3 * forward / iterations;
+  state.counters["forward_backward_ms"] = 1e3 * both / iterations;
+  state.counters["ratio"] = both / forward;
+}
+
 void register_all() {
+  for (Index mode : {0, 1, 2})
+    for (Index causal : {0, 1})
+      benchmark::RegisterBenchmark("Backward/Lsh", Backward)
+          ->ArgNames({"n", "mode", "causal"})
+          ->Args({4096, mode, causal})
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
   benchmark::RegisterBenchmark("LshThreads", LshThreads)->Apply(bench::thread_rows);
   for (int kind : {0, 1}) {
     for (Index b : {16, 128})

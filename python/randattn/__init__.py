@@ -20,17 +20,19 @@ import numpy as np
 
 from . import _core
 from ._arrays import as_numpy, dtype_name, is_tensor, like
+from ._autograd import attention_backward, attention_with_grad, needs_grad
 from ._kv_cache import KVCache
 from ._sketch import SparseSketch, hosvd, sparsify
 
 __version__ = _core.__version__
-__all__ = ["attention", "methods", "FeatureMap", "Decoder", "KVCache", "sparsify", "hosvd", "SparseSketch"]
+__all__ = ["attention", "attention_backward", "methods", "FeatureMap", "Decoder", "KVCache", "sparsify", "hosvd", "SparseSketch"]
 
 
 def methods():
-    """{name: {"summary", "shared_qk", "options": {option: default}}} for every method, from the
-    library's method registry (the command line's ``randattn-cli methods --json`` lists the same)."""
-    return {name: {"summary": m["summary"], "shared_qk": m["shared_qk"], "options": dict(m["options"])}
+    """{name: {"summary", "shared_qk", "options": {option: default}, "differentiable"}} for every
+    method, from the library's method registry ("differentiable": it has a backward pass) (the command line's ``randattn-cli methods --json`` lists the same)."""
+    return {name: {"summary": m["summary"], "shared_qk": m["shared_qk"], "options": dict(m["options"]),
+                   "differentiable": m["differentiable"]}
             for name, m in _core.methods.items()}
 
 
@@ -40,7 +42,9 @@ def attention(q, k, v, *, method="exact", causal=False, scale=None, seed=0, chec
 
     q: (n_q, d) or (batch, heads, n_q, d); k: (n_k, d) or (batch, heads, n_k, d), or None with
     shared_qk=True (methods that support it: lsh); v: (n_k, dv) or (batch, heads, n_k, dv).
-    Returns (n_q, dv) or (batch, heads, n_q, dv), as a NumPy array or a torch tensor like q; with
+    Returns (n_q, dv) or (batch, heads, n_q, dv), as a NumPy array or a torch tensor like q. On
+    torch tensors that require grad (grad enabled), the result is attached to the autograd graph
+    for the methods with a backward pass (see docs/gradients.md; ``out`` is then refused); with
     report=True, (out, report) where report is the command line's --report fields as a dict
     (method, scale, the method's effective parameters, feature_dim, pairs_scored,
     predicted_rel_mse where the method gives them, shared_qk, seconds).
@@ -90,11 +94,21 @@ def attention(q, k, v, *, method="exact", causal=False, scale=None, seed=0, chec
       grouped-query heads: k and v with kv_heads heads dividing the heads of q (query head h
                         reads key head h // (heads // kv_heads)); nothing is copied
     """
+    if needs_grad(q, k, v, *options.values()):
+        if out is not None:
+            raise ValueError("out cannot hold a result that needs a gradient (an input requires grad): "
+                             "drop out=, or call under torch.no_grad()")
+        return attention_with_grad(q, k, v, method=method, causal=causal, scale=scale, seed=seed,
+                                   check_finite=check_finite, threads=threads, shared_qk=shared_qk, report=report,
+                                   options=options)
     arrays = [as_numpy(q, "q"), None if k is None else as_numpy(k, "k"), as_numpy(v, "v")]
     for spec in _core.layout_inputs:  # arrays (or torch tensors) as NumPy; the library checks them
         name = spec["name"]
         if spec["type"] != "flag" and options.get(name) is not None:
             options[name] = as_numpy(options[name], name)
+    for name, value in options.items():  # array options given as tensors (a module's ω)
+        if is_tensor(value):
+            options[name] = as_numpy(value, name)
     out_array = None
     if out is not None:
         if not (isinstance(out, np.ndarray) or is_tensor(out)):

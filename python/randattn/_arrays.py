@@ -26,7 +26,7 @@ def as_numpy(x, name):
             raise ValueError(f"{name} is on device {x.device}; randattn runs on the CPU: move it with .cpu()")
         if x.requires_grad and _torch().is_grad_enabled():
             raise ValueError(
-                f"{name} requires grad: randattn computes no gradients; call it under "
+                f"{name} requires grad, and this call computes no gradients; call it under "
                 "torch.no_grad() or torch.inference_mode(), or pass tensor.detach()")
         x = x.detach()
         # A lazily negated or conjugated view has no NumPy equivalent: materialise it (one copy).

@@ -1,11 +1,16 @@
-"""randattn attention as a torch module, for inference on CPU tensors.
+"""randattn attention as a torch module on CPU tensors, for inference and training.
 
 ``Attention(method="favor", features=256)`` takes (batch, heads, n, d) query, key and value
 tensors, like ``torch.nn.functional.scaled_dot_product_attention``, and returns
 (batch, heads, n, dv). Keys and values may have fewer heads than the queries (grouped-query
-attention; their heads must divide the query heads). It computes no gradients: with grad enabled,
-an input that requires grad raises ValueError (run the model under ``torch.no_grad()`` or
-``torch.inference_mode()``).
+attention; their heads must divide the query heads). When an input requires grad (grad enabled),
+the result is attached to the autograd graph: the backward is the method's own (see
+docs/gradients.md), the gradient of the same seeded estimate. Double backward raises.
+
+``learn_projection=True`` (favor, favor-hyp, trig) holds the projection ω as an ``nn.Parameter``
+``omega`` of shape (m, d), initialised from the seed's draw (``head_dim`` gives d), float32 until
+``.double()`` or ``.to()``; its gradient is computed with the inputs'. ``redraw(seed)`` draws a new
+ω between steps (for a learned ω, it overwrites the parameter's values in place).
 
 ``attn_mask`` takes boolean masks as ``scaled_dot_product_attention`` does (True = takes part),
 in the shapes that function broadcasts to (batch, heads, n_q, n_k), when they are one of:
@@ -62,10 +67,14 @@ def _mask_layout(mask, batch, n_q, n_k):
                      "padding); accepted: " + _ACCEPTED)
 
 
+# The feature map kind of each method whose projection can be learned.
+_PROJECTION_KINDS = {"favor": "positive", "favor-hyp": "hyperbolic", "trig": "trig"}
+
+
 class Attention(torch.nn.Module):
     """Attention by randattn's ``method`` with fixed options (see :func:`randattn.attention`)."""
 
-    def __init__(self, method="exact", reuse_output=False, **options):
+    def __init__(self, method="exact", reuse_output=False, learn_projection=False, head_dim=None, **options):
         super().__init__()
         if method not in randattn.methods():
             raise ValueError(f"unknown method {method!r} (available: {', '.join(randattn.methods())})")
@@ -74,12 +83,37 @@ class Attention(torch.nn.Module):
         self.reuse_output = bool(reuse_output)
         self._output_key = None
         self._outputs = []
+        self.omega = None
+        if learn_projection:
+            if method not in _PROJECTION_KINDS:
+                raise ValueError(f"learn_projection needs one of {', '.join(_PROJECTION_KINDS)}, got method {method!r}")
+            if "omega" in self.options:
+                raise ValueError("learn_projection draws omega from the seed: do not pass omega too")
+            if head_dim is None or int(head_dim) < 1:
+                raise ValueError(f"learn_projection needs head_dim (the d of omega, >= 1), got {head_dim!r}")
+            self.head_dim = int(head_dim)
+            self.omega = torch.nn.Parameter(self._draw(self.options.get("seed", 0)))
+
+    def _draw(self, seed):
+        """The projection the method draws from ``seed``, as a float32 (m, d) tensor."""
+        drawn = {k: v for k, v in self.options.items() if k in ("features", "projection")}
+        feature_map = randattn.FeatureMap(_PROJECTION_KINDS[self.method], self.head_dim, seed=seed, **drawn)
+        return torch.from_numpy(feature_map.omega).to(torch.float32)
+
+    def redraw(self, seed):
+        """Draw a new projection from ``seed`` (between steps): a learned ω is re-initialised in
+        place, keeping its dtype and its place in optimizers; otherwise the next calls use ``seed``."""
+        self.options["seed"] = seed
+        if self.omega is not None:
+            with torch.no_grad():
+                self.omega.copy_(self._draw(seed).to(self.omega.dtype))
 
     def _output(self, query, key, value):
         """A kept buffer for the result, or None (allocate): see the module docstring."""
         if not self.reuse_output:
             return None
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value)):
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (query, key, value, self.omega)):
             return None
         shape = tuple(query.shape[:3]) + (value.shape[-1],)
         output_key = (shape, query.dtype, torch.is_inference_mode_enabled())
@@ -96,7 +130,7 @@ class Attention(torch.nn.Module):
     def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                 enable_gqa=False):
         if dropout_p != 0.0:
-            raise ValueError("randattn.torch.Attention is for inference: dropout_p must be 0")
+            raise ValueError("randattn.torch.Attention has no attention dropout: dropout_p must be 0")
         for name, t in (("query", query), ("key", key), ("value", value)):
             if t is not None and t.dim() != 4:
                 raise ValueError(f"{name}: expected a (batch, heads, n, d) tensor, got shape {tuple(t.shape)}")
@@ -111,6 +145,8 @@ class Attention(torch.nn.Module):
         options["causal"] = causal
         if scale is not None:
             options["scale"] = scale
+        if self.omega is not None:
+            options["omega"] = self.omega
         if query.dtype not in (torch.float32, torch.float64) or query.device.type != "cpu":
             out = None  # randattn.attention names what is wrong with the inputs
         else:
@@ -120,4 +156,5 @@ class Attention(torch.nn.Module):
     def extra_repr(self):
         opts = "".join(f", {k}={v!r}" for k, v in self.options.items())
         reuse = ", reuse_output=True" if self.reuse_output else ""
-        return f"method={self.method!r}{reuse}{opts}"
+        learned = f", learn_projection=True, head_dim={self.head_dim}" if self.omega is not None else ""
+        return f"method={self.method!r}{reuse}{learned}{opts}"

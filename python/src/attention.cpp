@@ -5,11 +5,14 @@
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <randattn/registry/layout.hpp>
 #include <randattn/registry/registry.hpp>
 
 #include <chrono>
+#include <cmath>
+#include <memory>
 #include <cstdint>
 #include <initializer_list>
 #include <utility>
@@ -223,12 +226,38 @@ py::object run_method(const reg::Method& method, const reg::Call& call, bool fou
   return py::make_tuple(out, report_dict(method, call, fields, seconds));
 }
 
-py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj,
-                     const std::string& method_name, py::handle causal, py::handle scale,
-                     py::handle seed, py::handle check_finite, py::handle threads,
-                     py::handle shared_qk, py::handle report, const py::dict& keywords,
-                     py::handle out) {
-  const reg::Method& method = reg::find_method(method_name, kPython);
+// A call's arguments, converted and checked: the method, its options and settings, the layout
+// and the arrays.
+struct Arguments {
+  const reg::Method* method = nullptr;
+  reg::Call call;
+  reg::Layout layout;
+  py::array q, v;
+  std::optional<py::array> k;
+  bool four_d = false;
+  Dtype dtype = Dtype::float32;
+  std::optional<int> threads;
+
+  const py::array* keys() const { return k ? &*k : nullptr; }
+  // The result's shape: (n_q, dv) or (batch, heads, n_q, dv).
+  std::vector<py::ssize_t> out_shape() const {
+    const BatchShape& s = call.shape;
+    std::vector<py::ssize_t> shape;
+    if (four_d) shape = {s.batch, s.heads};
+    shape.push_back(s.n_q);
+    shape.push_back(s.dv);
+    return shape;
+  }
+};
+
+Arguments arguments(py::handle q_obj, py::handle k_obj, py::handle v_obj,
+                    const std::string& method_name, py::handle causal, py::handle scale,
+                    py::handle seed, py::handle check_finite, py::handle threads,
+                    py::handle shared_qk, py::handle report, const py::dict& keywords,
+                    const std::vector<std::string>& option_gradients = {}) {
+  Arguments a;
+  a.method = &reg::find_method(method_name, kPython);
+  const reg::Method& method = *a.method;
   reg::Settings settings;
   py::dict options = py::reinterpret_steal<py::dict>(PyDict_Copy(keywords.ptr()));
   const std::map<std::string, reg::IndexArray> layout_given = take_layout(options, settings);
@@ -241,32 +270,145 @@ py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj,
   settings.check_finite = to_flag(check_finite, "check_finite");
   settings.shared_qk = to_flag(shared_qk, "shared_qk");
   settings.report = to_flag(report, "report");
-  const std::optional<int> thread_count = to_threads(threads);
+  settings.option_gradients = option_gradients;
+  a.threads = to_threads(threads);
 
-  const py::array q = as_float_array(q_obj, "q"), v = as_float_array(v_obj, "v");
-  std::optional<py::array> k;
-  if (!k_obj.is_none()) k = as_float_array(k_obj, "k");
-  const Dtype dtype = dtype_of(q);
-  if (dtype_of(v) != dtype || (k && dtype_of(*k) != dtype))
+  a.q = as_float_array(q_obj, "q");
+  a.v = as_float_array(v_obj, "v");
+  if (!k_obj.is_none()) a.k = as_float_array(k_obj, "k");
+  a.dtype = dtype_of(a.q);
+  if (dtype_of(a.v) != a.dtype || (a.k && dtype_of(*a.k) != a.dtype))
     throw py::type_error(std::string("q, k and v must have the same dtype, got q ") +
-                         dtype_name(dtype) + ", k " + (k ? dtype_name(dtype_of(*k)) : "None") +
-                         ", v " + dtype_name(dtype_of(v)));
-  reg::check_keys(method, k.has_value(), settings.shared_qk, kPython);
-  const std::vector<Index> k_shape = k ? shape_of(*k) : std::vector<Index>();
+                         dtype_name(a.dtype) + ", k " + (a.k ? dtype_name(dtype_of(*a.k)) : "None") +
+                         ", v " + dtype_name(dtype_of(a.v)));
+  reg::check_keys(method, a.k.has_value(), settings.shared_qk, kPython);
+  const std::vector<Index> k_shape = a.k ? shape_of(*a.k) : std::vector<Index>();
   const reg::CallShape call_shape =
-      reg::call_shape(shape_of(q), k ? &k_shape : nullptr, shape_of(v), kPython);
-  const BatchShape& shape = call_shape.shape;
-  settings.scale = reg::resolve_scale(scale_value, shape.d, kPython);
-  const py::array* kp = k ? &*k : nullptr;
-  const reg::Layout layout = reg::make_layout(method, layout_given, call_shape, settings, kPython);
-  const reg::Call call = reg::make_call(method, std::move(given), settings, shape, kPython);
-  const bool four_d = q.ndim() == 4;
-  return dtype == Dtype::float32
-             ? run_method<float>(method, call, four_d, layout, q, kp, v, thread_count,
-                                 settings.report, out)
-             : run_method<double>(method, call, four_d, layout, q, kp, v, thread_count,
-                                  settings.report, out);
+      reg::call_shape(shape_of(a.q), a.k ? &k_shape : nullptr, shape_of(a.v), kPython);
+  settings.scale = reg::resolve_scale(scale_value, call_shape.shape.d, kPython);
+  a.layout = reg::make_layout(method, layout_given, call_shape, settings, kPython);
+  a.call = reg::make_call(method, std::move(given), settings, call_shape.shape, kPython);
+  a.four_d = a.q.ndim() == 4;
+  return a;
 }
+
+py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj,
+                     const std::string& method_name, py::handle causal, py::handle scale,
+                     py::handle seed, py::handle check_finite, py::handle threads,
+                     py::handle shared_qk, py::handle report, const py::dict& keywords,
+                     py::handle out) {
+  const Arguments a = arguments(q_obj, k_obj, v_obj, method_name, causal, scale, seed,
+                                check_finite, threads, shared_qk, report, keywords);
+  const bool want_report = a.call.settings.report;
+  return a.dtype == Dtype::float32
+             ? run_method<float>(*a.method, a.call, a.four_d, a.layout, a.q, a.keys(), a.v,
+                                 a.threads, want_report, out)
+             : run_method<double>(*a.method, a.call, a.four_d, a.layout, a.q, a.keys(), a.v,
+                                  a.threads, want_report, out);
+}
+
+// A differentiable call (the registry's Gradient): forward() computes the output as attention()
+// does, bit for bit, and keeps the inputs (read in place, or the one converted copy) and what the
+// backward needs; backward(grad_out) returns (dq, dk or None, dv, {option: gradient}).
+class GradientCall {
+ public:
+  GradientCall(py::handle q, py::handle k, py::handle v, const std::string& method,
+               py::handle causal, py::handle scale, py::handle seed, py::handle check_finite,
+               py::handle threads, py::handle shared_qk, py::handle report,
+               const py::dict& options, const std::vector<std::string>& option_gradients)
+      : args_(arguments(q, k, v, method, causal, scale, seed, check_finite, threads, shared_qk,
+                        report, options, option_gradients)) {
+    if (args_.dtype == Dtype::float32)
+      state_ = std::make_unique<Typed<float>>(args_);
+    else
+      state_ = std::make_unique<Typed<double>>(args_);
+  }
+
+  py::object forward() {
+    if (done_forward_) throw py::value_error("forward() was already called on this call");
+    py::object result = std::visit([&](auto& typed) { return typed->forward(args_); }, state_);
+    done_forward_ = true;
+    return result;
+  }
+
+  py::tuple backward(py::handle grad_out) {
+    if (!done_forward_) throw py::value_error("backward() needs forward() first");
+    return std::visit([&](auto& typed) { return typed->backward(args_, grad_out); }, state_);
+  }
+
+ private:
+  template <typename Scalar>
+  struct Typed {
+    RowMajorInput<Scalar> q, k, v;
+    reg::GradientPtr<Scalar> gradient;
+
+    explicit Typed(const Arguments& a)
+        : q(a.q), k(a.k ? RowMajorInput<Scalar>(*a.k) : RowMajorInput<Scalar>()), v(a.v),
+          gradient(reg::build_gradient<Scalar>(*a.method, a.call, a.layout)) {}
+
+    py::object forward(const Arguments& a) {
+      py::array_t<Scalar> out(a.out_shape());
+      Scalar* o = out.mutable_data();
+      reg::Report fields;
+      double seconds = 0;
+      run_without_gil(a.threads, [&] {
+        const auto start = std::chrono::steady_clock::now();
+        fields = gradient->forward(q.data(), k.data(), v.data(), o);
+        seconds = reg::seconds_since(start);
+      });
+      if (!a.call.settings.report) return std::move(out);
+      return py::make_tuple(out, report_dict(*a.method, a.call, fields, seconds));
+    }
+
+    py::tuple backward(const Arguments& a, py::handle grad_out_obj) {
+      const std::vector<py::ssize_t> shape = a.out_shape();
+      if (!py::isinstance<py::array>(grad_out_obj))
+        throw py::type_error("grad_out must be an array, got " + type_name(grad_out_obj));
+      const auto g = py::reinterpret_borrow<py::array>(grad_out_obj);
+      const std::string want = py::str(py::handle(py::dtype::of<Scalar>()));
+      if (!py::array_t<Scalar>::check_(g))
+        throw py::value_error("grad_out has dtype " + std::string(py::str(py::handle(g.dtype()))) +
+                              ", expected " + want + " (the dtype of the output)");
+      if (shape_of(g) != std::vector<Index>(shape.begin(), shape.end()))
+        throw py::value_error("grad_out has shape " + shape_str(shape_of(g)) +
+                              ", expected the output's shape " +
+                              shape_str(std::vector<Index>(shape.begin(), shape.end())));
+      const RowMajorInput<Scalar> go(g);
+      const py::ssize_t count = g.size();
+      for (py::ssize_t i = 0; i < count; ++i)
+        if (!std::isfinite(go.data()[i]))
+          throw py::value_error("grad_out holds a non-finite value (" +
+                                std::to_string(double(go.data()[i])) + ") at flat index " +
+                                std::to_string(i));
+      py::array_t<Scalar> dq(shape_of(a.q)), dv(shape_of(a.v));
+      py::object dk = py::none();
+      Scalar* dk_data = nullptr;
+      if (a.k) {
+        py::array_t<Scalar> dk_array(shape_of(*a.k));
+        dk_data = dk_array.mutable_data();
+        dk = std::move(dk_array);
+      }
+      Scalar* dq_data = dq.mutable_data();
+      Scalar* dv_data = dv.mutable_data();
+      std::vector<std::pair<std::string, std::vector<double>>> options;
+      run_without_gil(a.threads, [&] {
+        gradient->backward(go.data(), dq_data, dk_data, dv_data);
+        options = gradient->option_gradients();
+      });
+      py::dict option_grads;
+      for (const auto& [name, values] : options) {
+        py::array_t<double> array(py::ssize_t(values.size()));
+        std::copy(values.begin(), values.end(), array.mutable_data());
+        option_grads[py::str(name)] = array;
+      }
+      return py::make_tuple(dq, dk, dv, option_grads);
+    }
+  };
+
+  Arguments args_;
+  std::variant<std::unique_ptr<Typed<float>>, std::unique_ptr<Typed<double>>> state_;
+  bool done_forward_ = false;
+};
 
 }  // namespace
 
@@ -275,6 +417,15 @@ void bind_attention(py::module_& m) {
   m.def("attention", &attention, "q"_a, "k"_a.none(true), "v"_a, "method"_a, "causal"_a,
         "scale"_a.none(true), "seed"_a, "check_finite"_a, "threads"_a.none(true), "shared_qk"_a,
         "report"_a, "options"_a, "out"_a.none(true) = py::none());
+  py::class_<GradientCall>(m, "GradientCall")
+      .def(py::init<py::handle, py::handle, py::handle, const std::string&, py::handle,
+                    py::handle, py::handle, py::handle, py::handle, py::handle, py::handle,
+                    const py::dict&, const std::vector<std::string>&>(),
+           "q"_a, "k"_a.none(true), "v"_a, "method"_a, "causal"_a, "scale"_a.none(true), "seed"_a,
+           "check_finite"_a, "threads"_a.none(true), "shared_qk"_a, "report"_a, "options"_a,
+           "option_gradients"_a)
+      .def("forward", &GradientCall::forward)
+      .def("backward", &GradientCall::backward, "grad_out"_a);
   // The layout keywords (key padding, packed sequences, self-exclusion), as the registry
   // declares them.
   py::list layout_inputs;
@@ -295,6 +446,8 @@ void bind_attention(py::module_& m) {
     py::dict entry, defaults;
     entry["summary"] = method->summary();
     entry["shared_qk"] = method->supports_shared_qk();
+    entry["differentiable"] = method->differentiable();
+    entry["differentiable_options"] = method->differentiable_options();
     for (const reg::OptionSpec& s : method->options())
       defaults[py::str(s.name)] = to_python(s.fallback);
     entry["options"] = defaults;

@@ -74,6 +74,12 @@ auto exact_input_scan(const char* where, const Eigen::Ref<const RowMatrix<Scalar
   return [=, &q, &k, &v] { check_attention_finite<Scalar>(where, q, k, v); };
 }
 
+// The leading rows of an exclude_self call that attend to their own key alone (the self rule's
+// fallback): row 0 under causal masking, every row when there is a single key, none otherwise.
+inline Index exact_rows_alone_with_self(Index n_q, Index n_k, bool causal) {
+  return n_k == 0 ? 0 : causal ? 1 : (n_k == 1 ? n_q : 0);
+}
+
 template <typename Scalar>
 SoftmaxAccumulator<Scalar> exact_tiled(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                                        const Eigen::Ref<const RowMatrix<Scalar>>& k,
@@ -101,7 +107,7 @@ SoftmaxAccumulator<Scalar> exact_tiled(const Eigen::Ref<const RowMatrix<Scalar>>
   if (exclude_self && n_k > 0) {
     // The self rule's fallback: a query whose own key is its only key attends to it.
     ExactTile<Scalar> self(1, 1, dv, false);
-    for (Index i = 0; i < (causal ? 1 : (n_k == 1 ? n_q : 0)); ++i)
+    for (Index i = 0; i < exact_rows_alone_with_self(n_q, n_k, causal); ++i)
       self.attend(qs.middleRows(i, 1), i, k.middleRows(i, 1), v.middleRows(i, 1), i, acc, i);
   }
   return acc;
@@ -126,20 +132,35 @@ SoftmaxAccumulator<Scalar> exact_attention_accumulate(const Eigen::Ref<const Row
   return acc;
 }
 
+namespace detail {
+
+// exact_attention_into's work: checks out, writes the output into it and returns the accumulator
+// (for the row log-sum-exps of the forward of a backward pass).
+template <typename DQ, typename DK, typename DV, typename DO>
+SoftmaxAccumulator<typename DQ::Scalar> exact_attention_finalized(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const Eigen::MatrixBase<DO>& out, const ExactOptions& opt) {
+  using Scalar = typename DQ::Scalar;
+  static_assert(std::is_same<Scalar, typename DK::Scalar>::value &&
+                    std::is_same<Scalar, typename DV::Scalar>::value,
+                "q, k, v and out must share the scalar type");
+  const Eigen::Ref<const RowMatrix<Scalar>> qr(q), kr(k), vr(v);
+  check_attention_output<Scalar>("exact_attention", out, qr, kr, vr);
+  // Every row of an exact accumulator has den >= 1 (its maximal term is exp(0)).
+  SoftmaxAccumulator<Scalar> acc = exact_attention_accumulate<Scalar>(qr, kr, vr, opt);
+  acc.finalize_into(out);
+  return acc;
+}
+
+}  // namespace detail
+
 // softmax(scale * Q K^T [masked]) V, tiled, written into `out` (n_q x dv; a matrix, block, Map
 // or Ref that shares no memory with q, k or v). A rejected `out` is not written.
 template <typename DQ, typename DK, typename DV, typename DO>
 void exact_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                           const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DO>& out,
                           const ExactOptions& opt = {}) {
-  using Scalar = typename DQ::Scalar;
-  static_assert(std::is_same<Scalar, typename DK::Scalar>::value &&
-                    std::is_same<Scalar, typename DV::Scalar>::value,
-                "q, k, v and out must share the scalar type");
-  const Eigen::Ref<const RowMatrix<Scalar>> qr(q), kr(k), vr(v);
-  detail::check_attention_output<Scalar>("exact_attention", out, qr, kr, vr);
-  // Every row of an exact accumulator has den >= 1 (its maximal term is exp(0)).
-  exact_attention_accumulate<Scalar>(qr, kr, vr, opt).finalize_into(out);
+  detail::exact_attention_finalized(q, k, v, out, opt);
 }
 
 // softmax(scale * Q K^T [masked]) V, tiled: q n_q x d, k n_k x d, v n_k x dv -> n_q x dv.
@@ -184,6 +205,34 @@ RowMatrix<typename DQ::Scalar> naive_attention(const Eigen::MatrixBase<DQ>& q,
   return out;
 }
 
+namespace detail {
+
+// The batched forward, with the row log-sum-exps written into lse (slices x n_q entries, sharing
+// no memory with the other buffers) unless it is null.
+template <typename Scalar>
+void exact_batched(const char* where, const Scalar* q, const Scalar* k, const Scalar* v,
+                   Scalar* out, Scalar* lse, const BatchShape& shape, const ExactOptions& opt) {
+  check_batch_qkv_output(where, shape, q, k, v, out);
+  for_each_slice(
+      where, shape, q && k && v && out,
+      [&](Index s) {
+        const auto qs = slice_of(q, s, shape.n_q, shape.d), ks = slice_of(k, s, shape.n_k, shape.d);
+        const auto vs = slice_of(v, s, shape.n_k, shape.dv);
+        check_exact_inputs<Scalar>(where, qs, ks, vs, opt);
+        if (opt.check_finite) exact_input_scan<Scalar>(where, qs, ks, vs)();
+      },
+      [&](Index s) {
+        auto o = slice_of(out, s, shape.n_q, shape.dv);
+        const auto acc = exact_attention_accumulate<Scalar>(slice_of(q, s, shape.n_q, shape.d),
+                                                            slice_of(k, s, shape.n_k, shape.d),
+                                                            slice_of(v, s, shape.n_k, shape.dv), opt);
+        acc.finalize_into(o);
+        if (lse) acc.log_sum_exp_into(Eigen::Map<Vector<Scalar>>(lse + s * shape.n_q, shape.n_q));
+      });
+}
+
+}  // namespace detail
+
 // Batched multi-head exact attention over contiguous row-major buffers:
 // q (batch, heads, n_q, d), k (batch, heads, n_k, d), v (batch, heads, n_k, dv) ->
 // out (batch, heads, n_q, dv). Slices run in parallel, each on one thread, so results do not
@@ -191,24 +240,7 @@ RowMatrix<typename DQ::Scalar> naive_attention(const Eigen::MatrixBase<DQ>& q,
 template <typename Scalar>
 void exact_attention_batched(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out,
                              const BatchShape& shape, const ExactOptions& opt = {}) {
-  const char* where = "exact_attention_batched";
-  detail::check_batch_qkv_output(where, shape, q, k, v, out);
-  using detail::slice_of;
-  detail::for_each_slice(
-      where, shape, q && k && v && out,
-      [&](Index s) {
-        const auto qs = slice_of(q, s, shape.n_q, shape.d), ks = slice_of(k, s, shape.n_k, shape.d);
-        const auto vs = slice_of(v, s, shape.n_k, shape.dv);
-        check_exact_inputs<Scalar>(where, qs, ks, vs, opt);
-        if (opt.check_finite) detail::exact_input_scan<Scalar>(where, qs, ks, vs)();
-      },
-      [&](Index s) {
-        auto o = slice_of(out, s, shape.n_q, shape.dv);
-        exact_attention_accumulate<Scalar>(slice_of(q, s, shape.n_q, shape.d),
-                                           slice_of(k, s, shape.n_k, shape.d),
-                                           slice_of(v, s, shape.n_k, shape.dv), opt)
-            .finalize_into(o);
-      });
+  detail::exact_batched<Scalar>("exact_attention_batched", q, k, v, out, nullptr, shape, opt);
 }
 
 }  // namespace randattn

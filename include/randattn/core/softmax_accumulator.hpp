@@ -175,6 +175,22 @@ class SoftmaxAccumulator {
     });
   }
 
+  // The row log-sum-exps L_i = c_i + log den_i of an accumulator of softmax weights (den >= 0),
+  // written into lse (rows entries): the log of each row's true denominator, what a backward pass
+  // needs to recompute the weights exp(s_ij − L_i). A row that finalize() outputs as zeros (den 0
+  // or subnormal) has L_i = −inf.
+  template <typename Derived>
+  void log_sum_exp_into(const Eigen::MatrixBase<Derived>& lse_) const {
+    auto& lse = const_cast<Eigen::MatrixBase<Derived>&>(lse_);
+    detail::require(lse.size() == rows(), "SoftmaxAccumulator::log_sum_exp_into", "lse has ",
+                    lse.size(), " entries, expected ", rows());
+    for (Index i = 0; i < rows(); ++i) {
+      const Scalar den = guarded_denominator(nd_(i, value_dim_), Scalar(0));
+      lse(i) = den > Scalar(0) ? log_scale_(i) + std::log(den)
+                               : -std::numeric_limits<Scalar>::infinity();
+    }
+  }
+
   // The guarded denominator, or 0 when it is 0 or subnormal: a sum of weights that underflowed
   // into the subnormal range has lost its relative precision, and dividing by it would leave
   // the hull of the values.

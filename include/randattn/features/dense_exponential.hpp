@@ -30,6 +30,14 @@
 // projection (structured projections lose their fast apply, since W is dense). Unbiased when
 // the projection's rows are marginally N(0, I_d) (i.i.d., or orthogonal with χ(d) norms).
 //
+// Gradients (features_vjp). Per row the map is the OPRF form on the dense W, so dx comes from
+// the shared backward of oprf.hpp. M — and with it V, a and b — is a constant of the call: with
+// M given (set_moment, or fit on calibration rows) the gradient equals finite differences; with
+// the map fitted to the sequence being attended (the registry's fit "queries+keys") it is the
+// gradient of the estimate at the fitted M held constant. *d_omega, when given, is the gradient
+// with respect to the source projection's matrix Ω (W = Ω diag(b) Vᵀ and quad_r = Σ_l a_l Ω_rl²):
+// dΩ = dW V diag(b) + 2 diag(∂L/∂quad) Ω diag(a).
+//
 // M is a statistic of the normalised inputs (rows times the data normaliser c = scale^{1/2} for
 // attention). pair_sum_second_moment computes it in O((n_x + n_y)·d²):
 // M = mean x xᵀ + mean y yᵀ + x̄ȳᵀ + ȳx̄ᵀ. As for OPRF, the map never looks at other rows
@@ -135,6 +143,40 @@ class DenseExponentialFeatures
   void redraw(std::uint64_t seed) {
     source_.redraw(seed);
     update();
+  }
+
+  // Backward: see the header comment.
+  template <typename Values, typename DValues, typename Du>
+  Scalar vjp_row(const Values& values, const DValues& d_values, Scalar d_log_scale, Scalar c,
+                 Du&& du) const {
+    return detail::quadratic_exponential_vjp_row(values, d_values, d_log_scale, this->slope_, c,
+                                                 du);
+  }
+  void features_vjp(const Eigen::Ref<const RowMatrix<Scalar>>& x, Scalar normaliser,
+                    const Eigen::Ref<const RowMatrix<Scalar>>& values,
+                    const Eigen::Ref<const Vector<Scalar>>& log_scale,
+                    const Eigen::Ref<const RowMatrix<Scalar>>& d_values,
+                    const Eigen::Ref<const Vector<Scalar>>& d_log_scale,
+                    Eigen::Ref<RowMatrix<Scalar>> dx, RowMatrix<Scalar>* d_omega = nullptr,
+                    FeatureSide side = FeatureSide::query) const {
+    if (!d_omega) {
+      Base::features_vjp(x, normaliser, values, log_scale, d_values, d_log_scale, dx, nullptr,
+                         side);
+      return;
+    }
+    detail::require(d_omega->rows() == this->projections() && d_omega->cols() == this->input_dim(),
+                    "feature map backward", "d_omega is ", detail::shape_of(*d_omega),
+                    ", expected ", this->projections(), "x", this->input_dim());
+    RowMatrix<Scalar> d_w = RowMatrix<Scalar>::Zero(this->projections(), this->input_dim());
+    Base::features_vjp(x, normaliser, values, log_scale, d_values, d_log_scale, dx, &d_w, side);
+    const Eigen::ArrayXd a = (1 - precisions_.array()) / 8;
+    const Eigen::ArrayXd b = (0.5 * (1 + precisions_.array())).sqrt();
+    const Eigen::VectorXd g =
+        detail::quadratic_term_gradient<Scalar>(values, d_values, d_log_scale).template cast<double>();
+    const RowMatrix<double> omega = source_.matrix().template cast<double>();
+    RowMatrix<double> d_source = d_w.template cast<double>() * basis_ * b.matrix().asDiagonal();
+    d_source += 2 * g.asDiagonal() * omega * a.matrix().asDiagonal();
+    *d_omega += d_source.template cast<Scalar>();
   }
 
   const Projection& source() const { return source_; }

@@ -59,6 +59,21 @@ class PositiveFeatures
     row = ((row.array() - top) * c).exp().matrix();
     return c * top - Scalar(0.5) * c * c * sq_norm - this->log_sqrt(this->projections());
   }
+
+  // Backward of finish_row (see ProjectedFeatureMap): φ_r ∝ exp(c u_r − ½c²‖x‖²), so
+  // du_r = c D_r F_r; the log-scale c·max u − ½c²‖x‖² adds c λ at the maximum.
+  template <typename Values, typename DValues, typename Du>
+  Scalar vjp_row(const Values& values, const DValues& d_values, Scalar d_log_scale, Scalar c,
+                 Du&& du) const {
+    du = (c * (d_values.array() * values.array())).matrix();
+    const Scalar through_log = d_values.dot(values) + d_log_scale;
+    if (d_log_scale != 0) {
+      Index top;
+      values.maxCoeff(&top);
+      du(top) += c * d_log_scale;
+    }
+    return Scalar(-0.5) * c * c * through_log;
+  }
 };
 
 // Hyperbolic positive features (2m of them): exp(±ω_iᵀx), half the positive map's variance
@@ -83,6 +98,25 @@ class HyperbolicFeatures
     u = ((u.array() - top) * c).exp().matrix();
     return c * top - Scalar(0.5) * c * c * sq_norm - this->log_sqrt(2 * m);
   }
+
+  // Backward of finish_row: du_r = c (D⁺_r F⁺_r − D⁻_r F⁻_r); the log-scale c·max|u| − ½c²‖x‖²
+  // adds ±c λ at the largest |u_r|.
+  template <typename Values, typename DValues, typename Du>
+  Scalar vjp_row(const Values& values, const DValues& d_values, Scalar d_log_scale, Scalar c,
+                 Du&& du) const {
+    const Index m = this->projections();
+    du = (c * (d_values.head(m).array() * values.head(m).array() -
+               d_values.tail(m).array() * values.tail(m).array()))
+             .matrix();
+    const Scalar through_log = d_values.dot(values) + d_log_scale;
+    if (d_log_scale != 0) {
+      Index top;
+      values.maxCoeff(&top);
+      if (top < m) du(top) += c * d_log_scale;
+      else du(top - m) -= c * d_log_scale;
+    }
+    return Scalar(-0.5) * c * c * through_log;
+  }
 };
 
 // Trigonometric features (2m of them): sin ⊕ cos. Not positive; see the header comment for
@@ -106,6 +140,18 @@ class TrigFeatures
     row.tail(m) = u.array().cos().matrix();
     u = u.array().sin().matrix();
     return Scalar(0.5) * c * c * sq_norm - this->log_sqrt(m);
+  }
+
+  // Backward of finish_row: du_r = c (D^sin_r cos(cu_r) − D^cos_r sin(cu_r)); the log-scale
+  // ½c²‖x‖² (the magnitude e^{‖cx‖²/2}) carries the rest.
+  template <typename Values, typename DValues, typename Du>
+  Scalar vjp_row(const Values& values, const DValues& d_values, Scalar d_log_scale, Scalar c,
+                 Du&& du) const {
+    const Index m = this->projections();
+    du = (c * (d_values.head(m).array() * values.tail(m).array() -
+               d_values.tail(m).array() * values.head(m).array()))
+             .matrix();
+    return Scalar(0.5) * c * c * (d_values.dot(values) + d_log_scale);
   }
 };
 

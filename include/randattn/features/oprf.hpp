@@ -34,6 +34,14 @@
 // from given values or from calibration data, never from the sequence itself. Any A gives an
 // unbiased estimate; ρ only steers the variance.
 //
+// Gradients (features_vjp, the interface of ProjectedFeatureMap). A feature is exp(A‖ω_r‖² +
+// B c ω_rᵀx − ½c²‖x‖²) up to constants, so ∂/∂x = (B c ω_r − c² x) times the feature, and
+// ∂/∂ω_r = (2A ω_r + B c x) times the feature. A and B are constants of the call: with ρ given
+// (set_rho, or fit on calibration rows) the gradient is that of the map and equals finite
+// differences; with the map fitted to the sequence being attended (fit(q, k, c), the registry's
+// fit "queries+keys") it is the gradient of the estimate at the fitted A held constant — the path
+// through ρ is not differentiated.
+//
 // Projections: unbiased when the rows of ω are marginally N(0, I_d) (i.i.d. Gaussian, or
 // orthogonal blocks with χ(d) row norms). Rows of fixed norm √d (RowNorm::sqrt_d) make A‖ω‖²
 // a constant and bias the estimate, as they do for FAVOR+. Any projection kind works (the map
@@ -91,6 +99,37 @@ void check_pair_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scala
   require_finite(y, where, "y");
 }
 
+// Backward of QuadraticExponentialMap::finish_row, the shared form of OPRF and SDERF: the
+// exponent of feature r is quad_r + slope·c·u_r − ½c²‖x‖² (u = ωᵀx of the raw row), and the
+// row's log-scale is its maximum plus constants. Writes du = slope·c·(∂L/∂exponent) and returns
+// ∂L/∂‖x‖² (see ProjectedFeatureMap::features_vjp).
+template <typename Scalar, typename Values, typename DValues, typename Du>
+Scalar quadratic_exponential_vjp_row(const Values& values, const DValues& d_values,
+                                     Scalar d_log_scale, Scalar slope, Scalar c, Du&& du) {
+  du = ((slope * c) * (d_values.array() * values.array())).matrix();
+  if (d_log_scale != 0) {
+    Index top;
+    values.maxCoeff(&top);  // the exponent's maximum is where the value is 1
+    du(top) += slope * c * d_log_scale;
+  }
+  return Scalar(-0.5) * c * c * (d_values.dot(values) + d_log_scale);
+}
+
+// Σ_i ∂L/∂quad_r over the rows: the cotangent of the exponents' ω-only terms (m entries).
+template <typename Scalar>
+Vector<Scalar> quadratic_term_gradient(const Eigen::Ref<const RowMatrix<Scalar>>& values,
+                                       const Eigen::Ref<const RowMatrix<Scalar>>& d_values,
+                                       const Eigen::Ref<const Vector<Scalar>>& d_log_scale) {
+  Vector<Scalar> g = (d_values.array() * values.array()).colwise().sum().transpose();
+  for (Index i = 0; i < d_log_scale.size(); ++i) {
+    if (d_log_scale(i) == 0) continue;
+    Index top;
+    values.row(i).maxCoeff(&top);
+    g(top) += d_log_scale(i);
+  }
+  return g;
+}
+
 }  // namespace detail
 
 // mean over all pairs (i, j) of ‖c(x_i + y_j)‖², in O((n_x + n_y)·d).
@@ -138,6 +177,28 @@ class OptimalPositiveFeatures
   void redraw(std::uint64_t seed) {
     this->projection_.redraw(seed);
     update();
+  }
+
+  // Backward: see the header comment (A and B held constant). *d_omega, when given, is the
+  // gradient with respect to projection().matrix(), the path through A‖ω_r‖² included.
+  template <typename Values, typename DValues, typename Du>
+  Scalar vjp_row(const Values& values, const DValues& d_values, Scalar d_log_scale, Scalar c,
+                 Du&& du) const {
+    return detail::quadratic_exponential_vjp_row(values, d_values, d_log_scale, this->slope_, c,
+                                                 du);
+  }
+  void features_vjp(const Eigen::Ref<const RowMatrix<Scalar>>& x, Scalar normaliser,
+                    const Eigen::Ref<const RowMatrix<Scalar>>& values,
+                    const Eigen::Ref<const Vector<Scalar>>& log_scale,
+                    const Eigen::Ref<const RowMatrix<Scalar>>& d_values,
+                    const Eigen::Ref<const Vector<Scalar>>& d_log_scale,
+                    Eigen::Ref<RowMatrix<Scalar>> dx, RowMatrix<Scalar>* d_omega = nullptr,
+                    FeatureSide side = FeatureSide::query) const {
+    Base::features_vjp(x, normaliser, values, log_scale, d_values, d_log_scale, dx, d_omega, side);
+    if (!d_omega || x.rows() == 0) return;
+    // quad_r = A‖ω_r‖²: ∂quad_r/∂ω_r = 2A ω_r.
+    const Vector<Scalar> g = detail::quadratic_term_gradient<Scalar>(values, d_values, d_log_scale);
+    *d_omega += (Scalar(2 * a()) * g).asDiagonal() * this->projection_.matrix();
   }
 
   double rho() const { return rho_; }

@@ -38,11 +38,15 @@
 // token change the tile's shape, and Eigen's products round differently for different shapes).
 // The price: causal tiles are single rows (matrix-vector products), slower than the bidirectional
 // (query tile) x (key tile) products.
+//
+// The backward (lsf_gradient.hpp) walks the same filters, masks and duplicate counts
+// (LsfSlice::backward).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <type_traits>
@@ -72,6 +76,7 @@
 #include "../hashing/detail/tiles.hpp"
 #include "../hashing/hash_codes.hpp"
 #include "../hashing/unit_rows.hpp"
+#include "../lsh/detail/tile_gradient.hpp"
 #include "filters.hpp"
 
 namespace randattn {
@@ -523,67 +528,31 @@ class LsfSlice {
     if (n_q == 0) return acc;
     Scratch<RowMatrix<Scalar>> queries(n_q, q.cols());
     queries = scale * q;
-    // Keys transposed (d x n_k, filter by filter): a filter's keys are a few dozen columns, the
-    // right operand of the tiles' register products as they lie.
-    Scratch<RowMatrix<Scalar>> keys_t(k.cols(), n_k), values(n_k, v.cols()),
-        gathered(kHashTile, k.cols());
+    Scratch<RowMatrix<Scalar>> keys_t(k.cols(), n_k), values(n_k, v.cols());
     Scratch<HashCodes> codes(n_k, L);
     const Index block = query_block(L * m), tasks = (n_q + block - 1) / block;
     for (Index t = 0; t < L; ++t) {
+      lay_out_table(t, k, v, keys_t, values, codes);
       const std::int32_t* perm = keys_.perm.data() + t * n_k;
-      const Index* start = keys_.start.data() + t * (m + 1);
-      for (Index s0 = 0; s0 < n_k; s0 += kHashTile) {
-        const Index count = std::min(kHashTile, n_k - s0);
-        for (Index s = s0; s < s0 + count; ++s) {
-          gathered.row(s - s0) = k.row(perm[s]);
-          values.row(s) = v.row(perm[s]);
-          codes.row(s) = keys_.codes.row(perm[s]);
-        }
-        transpose_scaled(gathered.data(), gathered.cols(), count, gathered.cols(),
-                         static_cast<const Scalar*>(nullptr), keys_t.data() + s0, n_k);
-      }
       // Each task owns the rows [b Q, (b + 1) Q): one thread merges a row, filter by filter.
       parallel_for(tasks, [&](Index b) {
-        const std::int32_t lo = static_cast<std::int32_t>(b * block);
-        const std::int32_t hi = static_cast<std::int32_t>(std::min(n_q, (b + 1) * block));
+        const Index lo = b * block, hi = std::min(n_q, (b + 1) * block);
         ScoreTile<Scalar> tile(kTargetRowTile, kTargetColTile, v.cols());
         Scratch<RowMatrix<Scalar>> q_tile(kTargetRowTile, q.cols());
         OpenedFilterCounter counter;
-        TileMask<OpenedFilterCounter> mask;
-        mask.causal = opt_.causal;
-        mask.exclude_self = opt_.exclude_self;
-        if (L > 1) {
-          counter.perm = perm;
-          counter.codes = &codes;
-          counter.filters = m;
-          counter.open(probes_, lo, hi - lo);
-          mask.dedupe = &counter;
-        }
-        for (Index f = 0; f < m; ++f) {
-          const Index k0 = start[f], k1 = start[f + 1], g = t * m + f;
-          if (k0 == k1) continue;
-          const std::int32_t* fq = probes_.filter_queries.data();
-          const std::int32_t* q0 =
-              std::lower_bound(fq + probes_.filter_start[g], fq + probes_.filter_start[g + 1], lo);
-          const std::int32_t* q1 = std::lower_bound(q0, fq + probes_.filter_start[g + 1], hi);
-          // Causal: one query per tile, against the filter's keys j <= i only (keys are in
-          // increasing position), so every tile shape, and with it every rounding, depends on
-          // tokens 0..i alone and output i is bit-identical whatever the later tokens.
-          const Index rows_per_tile = opt_.causal ? 1 : kTargetRowTile;
-          for (const std::int32_t* r = q0; r < q1; r += rows_per_tile) {
-            const Index br = std::min<Index>(rows_per_tile, q1 - r);
-            const Index end =
-                opt_.causal ? Index(std::upper_bound(perm + k0, perm + k1, r[0]) - perm) : k1;
-            for (Index u = 0; u < br; ++u) q_tile.row(u) = queries.row(r[u]);
-            const TileIndex rows = TileIndex::gathered(r, br);
-            for (Index c0 = k0; c0 < end; c0 += kTargetColTile) {
-              const Index bc = std::min(kTargetColTile, end - c0);
-              tile.attend_transposed(q_tile.topRows(br), keys_t.middleCols(c0, bc),
-                                     values.middleRows(c0, bc), rows,
-                                     TileIndex::gathered(perm + c0, bc), mask, acc);
-            }
-          }
-        }
+        const TileMask<OpenedFilterCounter> mask = table_mask(t, codes, lo, hi, counter);
+        // Causal: one query per tile, against the filter's keys j <= i only (keys are in
+        // increasing position), so every tile shape, and with it every rounding, depends on
+        // tokens 0..i alone and output i is bit-identical whatever the later tokens.
+        const Index rows_per_tile = opt_.causal ? 1 : kTargetRowTile;
+        for (Index f = 0; f < m; ++f)
+          for_each_filter_tile(t, f, lo, hi, rows_per_tile, [&](const TileIndex& rows, Index c0,
+                                                                Index bc) {
+            for (Index u = 0; u < rows.size; ++u) q_tile.row(u) = queries.row(rows[u]);
+            tile.attend_transposed(q_tile.topRows(rows.size), keys_t.middleCols(c0, bc),
+                                   values.middleRows(c0, bc), rows,
+                                   TileIndex::gathered(perm + c0, bc), mask, acc);
+          });
       });
     }
     // The self rule: a query with no other valid key (row 0 alone can be one) attends to its own.
@@ -594,9 +563,153 @@ class LsfSlice {
     return acc;
   }
 
+  // The backward of attend() (lsf_gradient.hpp) from the row log-sum-exp lse and D = dO · o of
+  // the finished rows: adds the gradients of the scaled queries to dqs, of the keys to dk and of
+  // the values to dv. The tiles are attend()'s filters and masks, with query tiles of up to
+  // kTargetRowTile rows also under causal masking (the backward need not be bitwise causal).
+  // With one query block a task owns every key and one pass gives all three; with several, the
+  // blocks give dqs in parallel and a second pass, block by block, gives dk and dv from tasks
+  // that own whole filters (a key lies in one filter per table), so no two tasks write one row.
+  void backward(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                const Eigen::Ref<const RowMatrix<Scalar>>& v, const RowMatrix<Scalar>& go,
+                const Vector<Scalar>& lse, const Vector<Scalar>& dot, Scalar scale,
+                RowMatrix<Scalar>& dqs, RowMatrix<Scalar>& dk, RowMatrix<Scalar>& dv) const {
+    const Index n_q = q.rows(), n_k = k.rows(), m = filters_.filters(), L = filters_.tables();
+    const Index d = q.cols(), dvs = v.cols();
+    if (n_q == 0) return;
+    Scratch<RowMatrix<Scalar>> queries(n_q, d);
+    queries = scale * q;
+    Scratch<RowMatrix<Scalar>> keys_t(d, n_k), values(n_k, dvs);
+    Scratch<HashCodes> codes(n_k, L);
+    const Index block = query_block(L * m), tasks = (n_q + block - 1) / block;
+    const bool one_pass = tasks == 1;
+    // Filters per task of the second pass.
+    constexpr Index kFiltersPerTask = 16;
+    for (Index t = 0; t < L; ++t) {
+      lay_out_table(t, k, v, keys_t, values, codes);
+      const std::int32_t* perm = keys_.perm.data() + t * n_k;
+      // The tiles of filters [f0, f1) for the queries [lo, hi): dqs when `queries`, dk and dv
+      // when `keys`.
+      const auto run = [&](Index lo, Index hi, Index f0, Index f1,
+                           const TileMask<OpenedFilterCounter>& mask, bool queries_wanted,
+                           bool keys_wanted) {
+        ScoreTile<Scalar> tile(kTargetRowTile, kTargetColTile, dvs);
+        ScoreTileGradient<Scalar> grad(kTargetRowTile, kTargetColTile, d, dvs);
+        Scratch<RowMatrix<Scalar>> q_tile(kTargetRowTile, d), go_tile(kTargetRowTile, dvs);
+        Scratch<Vector<Scalar>> lse_tile(kTargetRowTile), dot_tile(kTargetRowTile);
+        for (Index f = f0; f < f1; ++f)
+          for_each_filter_tile(t, f, lo, hi, kTargetRowTile, [&](const TileIndex& rows, Index c0,
+                                                                 Index bc) {
+            const Index br = rows.size;
+            for (Index u = 0; u < br; ++u) {
+              q_tile.row(u) = queries.row(rows[u]);
+              go_tile.row(u) = go.row(rows[u]);
+              lse_tile(u) = lse(rows[u]);
+              dot_tile(u) = dot(rows[u]);
+            }
+            tile.logits_transposed(q_tile.topRows(br), keys_t.middleCols(c0, bc));
+            tile.mask(rows, TileIndex::gathered(perm + c0, bc), mask);
+            grad.step(tile, lse_tile.head(br), dot_tile.head(br), q_tile.topRows(br),
+                      keys_t.middleCols(c0, bc).transpose(), values.middleRows(c0, bc),
+                      go_tile.topRows(br), queries_wanted, keys_wanted);
+            if (queries_wanted)
+              for (Index u = 0; u < br; ++u) dqs.row(rows[u]) += grad.dq().row(u);
+            if (keys_wanted)
+              for (Index u = 0; u < bc; ++u) {
+                dk.row(perm[c0 + u]) += grad.dk().row(u);
+                dv.row(perm[c0 + u]) += grad.dv().row(u);
+              }
+          });
+      };
+      parallel_for(tasks, [&](Index b) {
+        const Index lo = b * block, hi = std::min(n_q, (b + 1) * block);
+        OpenedFilterCounter counter;
+        run(lo, hi, 0, m, table_mask(t, codes, lo, hi, counter), true, one_pass);
+      });
+      if (one_pass) continue;
+      for (Index b = 0; b < tasks; ++b) {
+        const Index lo = b * block, hi = std::min(n_q, (b + 1) * block);
+        OpenedFilterCounter counter;
+        const TileMask<OpenedFilterCounter> mask = table_mask(t, codes, lo, hi, counter);
+        parallel_for((m + kFiltersPerTask - 1) / kFiltersPerTask, [&](Index g) {
+          run(lo, hi, g * kFiltersPerTask, std::min(m, (g + 1) * kFiltersPerTask), mask, false,
+              true);
+        });
+      }
+    }
+    // A query with no other valid key attended to its own: o_0 = v_0.
+    if (opt_.exclude_self && first_row_alone_with_self(n_q, opt_.causal)) dv.row(0) += go.row(0);
+  }
+
  private:
+  // Table t's keys in filter order: transposed (d x n_k; a filter's keys are a few dozen
+  // columns, the right operand of the tiles' register products as they lie), their values, and
+  // their filter codes in that order.
+  void lay_out_table(Index t, const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                     const Eigen::Ref<const RowMatrix<Scalar>>& v, RowMatrix<Scalar>& keys_t,
+                     RowMatrix<Scalar>& values, HashCodes& codes) const {
+    const Index n_k = k.rows();
+    const std::int32_t* perm = keys_.perm.data() + t * n_k;
+    Scratch<RowMatrix<Scalar>> gathered(kHashTile, k.cols());
+    for (Index s0 = 0; s0 < n_k; s0 += kHashTile) {
+      const Index count = std::min(kHashTile, n_k - s0);
+      for (Index s = s0; s < s0 + count; ++s) {
+        gathered.row(s - s0) = k.row(perm[s]);
+        values.row(s) = v.row(perm[s]);
+        codes.row(s) = keys_.codes.row(perm[s]);
+      }
+      transpose_scaled(gathered.data(), gathered.cols(), count, gathered.cols(),
+                       static_cast<const Scalar*>(nullptr), keys_t.data() + s0, n_k);
+    }
+  }
+
+  // The mask of table t's tiles for the queries [lo, hi): causal, self and, with several tables,
+  // the duplicate count from `counter` (opened here for those queries).
+  TileMask<OpenedFilterCounter> table_mask(Index t, const HashCodes& codes, Index lo, Index hi,
+                                           OpenedFilterCounter& counter) const {
+    TileMask<OpenedFilterCounter> mask;
+    mask.causal = opt_.causal;
+    mask.exclude_self = opt_.exclude_self;
+    if (filters_.tables() > 1) {
+      counter.perm = keys_.perm.data() + t * codes.rows();
+      counter.codes = &codes;
+      counter.filters = filters_.filters();
+      counter.open(probes_, lo, hi - lo);
+      mask.dedupe = &counter;
+    }
+    return mask;
+  }
+
+  // Calls fn(rows, c0, bc) for the tiles of filter f of table t: its queries in [lo, hi),
+  // rows_per_tile at a time (rows: their positions), against its keys at filter-order positions
+  // [c0, c0 + bc), kTargetColTile at a time; under causal masking only the keys up to the tile's
+  // last (largest) query.
+  template <typename Fn>
+  void for_each_filter_tile(Index t, Index f, Index lo, Index hi, Index rows_per_tile,
+                            Fn&& fn) const {
+    const Index m = filters_.filters(), n_k = keys_.codes.rows(), g = t * m + f;
+    const std::int32_t* perm = keys_.perm.data() + t * n_k;
+    const Index* start = keys_.start.data() + t * (m + 1);
+    const Index k0 = start[f], k1 = start[f + 1];
+    if (k0 == k1) return;
+    const std::int32_t* fq = probes_.filter_queries.data();
+    const std::int32_t* q0 = std::lower_bound(fq + probes_.filter_start[g],
+                                              fq + probes_.filter_start[g + 1], std::int32_t(lo));
+    const std::int32_t* q1 =
+        std::lower_bound(q0, fq + probes_.filter_start[g + 1], std::int32_t(hi));
+    for (const std::int32_t* r = q0; r < q1; r += rows_per_tile) {
+      const Index br = std::min<Index>(rows_per_tile, q1 - r);
+      const Index end =
+          opt_.causal ? Index(std::upper_bound(perm + k0, perm + k1, r[br - 1]) - perm) : k1;
+      const TileIndex rows = TileIndex::gathered(r, br);
+      for (Index c0 = k0; c0 < end; c0 += kTargetColTile)
+        fn(rows, c0, std::min(kTargetColTile, end - c0));
+    }
+  }
+
   const LocalitySensitiveFilters<Scalar>& filters_;
-  const LsfOptions& opt_;
+  LsfOptions opt_;
   double eta_;
   FilterBuckets keys_;
   FilterProbes probes_;
@@ -608,10 +721,14 @@ SoftmaxAccumulator<Scalar> lsf_slice(const Eigen::Ref<const RowMatrix<Scalar>>& 
                                      const Eigen::Ref<const RowMatrix<Scalar>>& v,
                                      const LocalitySensitiveFilters<Scalar>& filters,
                                      const LsfOptions& opt, Scalar scale,
-                                     int* value_exponent = nullptr) {
+                                     int* value_exponent = nullptr,
+                                     std::unique_ptr<LsfSlice<Scalar>>* keep = nullptr) {
   // A key is scored once per table it shares with the query: up to tables terms per key.
   const int e = value_headroom(v, double(v.rows()) * double(filters.tables()));
-  LsfSlice<Scalar> slice(q, k, filters, opt);
+  // keep: the filters' choices stay with the caller, for a backward.
+  std::unique_ptr<LsfSlice<Scalar>> kept = std::make_unique<LsfSlice<Scalar>>(q, k, filters, opt);
+  const LsfSlice<Scalar>& slice = *kept;
+  if (keep) *keep = std::move(kept);
   if (e == 0) {
     if (value_exponent) *value_exponent = 0;
     return slice.attend(q, k, v, scale);

@@ -44,6 +44,9 @@
 // changing a later token's hash can move earlier tokens (or keys) between chunks, and so change
 // earlier outputs, including whether the fallback runs. Exact-bucket mode has no such coupling:
 // its output i depends on tokens 0..i only, bit for bit.
+//
+// The backward (lsh_gradient.hpp) walks the same chunks and bucket tiles (for_each_chunk,
+// BucketTiles) through the same kernel (detail/target_gradient.hpp).
 
 #include <algorithm>
 #include <cmath>
@@ -154,6 +157,13 @@ struct LshChunks {
   const std::int32_t* key_chunk(Index rho, Index g) const { return key_plan().chunk(rho, g); }
   // The key chunks query chunk g attends to: g, and g - 1 when there are several.
   Index previous(Index g) const { return (g + chunks - 1) % chunks; }
+  // The round signatures of the duplicate correction (with the tabled counts, if any).
+  detail::RoundSignatures signatures() const {
+    detail::RoundSignatures sig{queries.chunk_of().data(), key_plan().chunk_of().data(), rounds,
+                                chunks > 1, static_cast<std::int32_t>(1 - chunks)};
+    sig.counts = has_counts() ? &counts : nullptr;
+    return sig;
+  }
   // Calls add(j) for every key of query i's chunks in every round (repeats included).
   template <typename Add>
   void for_each_target(Index i, Add&& add) const {
@@ -190,14 +200,142 @@ inline LshChunks chunk_layout(const HashCodes& qcodes, const HashCodes* kcodes, 
   return l;
 }
 
-// One (batch, head) slice. k == nullptr: shared QK.
+// The operands of the logits: the scaled queries scale·q, and the keys k, or under shared QK (k
+// null) the unit rows of q. Into queries and keys, of q's and the keys' shapes.
+template <typename Scalar>
+void lsh_operands(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                  const Eigen::Ref<const RowMatrix<Scalar>>* k, Scalar scale,
+                  RowMatrix<Scalar>& queries, RowMatrix<Scalar>& keys) {
+  queries = scale * q;
+  if (k) {
+    keys = *k;
+  } else {
+    unit_rows_into<Scalar>(q, keys);
+  }
+}
+
+// Round rho of the chunks `l` as parallel tasks of consecutive query chunks (a round's chunks
+// hold disjoint query rows and disjoint keys). Each task makes its kernel with make() and calls
+// visit(kernel, rows, nr, cols, nc, own) for each of its chunks g: the chunk's nr query rows and
+// its nc key columns, the own keys of key chunk g first, then those of key chunk g − 1 (with one
+// chunk, own = nc). The forward and the backward walk the same chunks.
+template <typename Make, typename Visit>
+void for_each_chunk(const LshChunks& l, Index rho, Make&& make, Visit&& visit) {
+  const LshChunkPlan& qplan = l.queries;
+  const LshChunkPlan& kplan = l.key_plan();
+  const Index per_task = std::max<Index>(1, kChunkTokensPerTask / l.c);
+  const Index tasks = (l.chunks + per_task - 1) / per_task;
+  parallel_for(tasks, [&](Index task) {
+    auto kernel = make();
+    PooledVector<std::int32_t> cols(static_cast<std::size_t>(2 * std::min(l.ck, l.n_k)));
+    for (Index g = task * per_task; g < std::min(l.chunks, (task + 1) * per_task); ++g) {
+      const std::int32_t* rows = qplan.chunk(rho, g);
+      const Index nr = qplan.chunk_size(g);
+      const std::int32_t* keys = kplan.chunk(rho, g);
+      const Index nk = kplan.chunk_size(g);
+      if (l.chunks == 1) {
+        visit(kernel, rows, nr, keys, nk, nk);
+        continue;
+      }
+      const std::int32_t* back = kplan.chunk(rho, l.previous(g));
+      const Index np = kplan.chunk_size(l.previous(g));
+      if (nk + np == 0) continue;
+      std::copy(keys, keys + nk, cols.begin());
+      std::copy(back, back + np, cols.begin() + nk);
+      visit(kernel, rows, nr, cols.data(), nk + np, nk);
+    }
+  });
+}
+
+// Exact buckets, one round at a time: the queries and the keys sorted by bucket, and the tiles of
+// at most kTargetRowTile query rows of one bucket against all the keys of that bucket, bucket by
+// bucket (a bucket without keys has none).
+class BucketTiles {
+ public:
+  struct Tile {
+    Index q0, nq, k0, nk;
+  };
+
+  BucketTiles(Index n_q, Index n_k, Index buckets)
+      : buckets_(buckets),
+        qperm_(static_cast<std::size_t>(n_q)),
+        kperm_(static_cast<std::size_t>(n_k)),
+        qstart_(std::size_t(buckets) + 1),
+        kstart_(std::size_t(buckets) + 1),
+        tiles_(0, std::size_t(buckets + n_q / kTargetRowTile + 1)) {}
+
+  // Sorts round rho of the codes (tokens x rounds; the keys' ignored under shared QK).
+  void sort(const HashCodes& qcodes, const HashCodes& kcodes, Index rho, bool shared) {
+    const Index r = qcodes.cols(), n_q = qcodes.rows(), b = buckets_;
+    sort_by_bucket(qcodes.data() + rho, r, n_q, b, qperm_.data(), qstart_);
+    if (shared) {
+      kperm_.assign(qperm_.begin(), qperm_.end());
+      kstart_.assign(qstart_.begin(), qstart_.end());
+    } else {
+      sort_by_bucket(kcodes.data() + rho, r, kcodes.rows(), b, kperm_.data(), kstart_);
+    }
+    tiles_.clear();
+    for (Index c = 0; c < b; ++c) {
+      const Index nk = kstart_[c + 1] - kstart_[c];
+      if (nk == 0) continue;
+      for (Index q0 = qstart_[c]; q0 < qstart_[c + 1]; q0 += kTargetRowTile)
+        tiles_.push_back({q0, std::min(kTargetRowTile, qstart_[c + 1] - q0), kstart_[c], nk});
+    }
+  }
+
+  Index size() const { return Index(tiles_.size()); }
+  const Tile& operator[](Index t) const { return tiles_[std::size_t(t)]; }
+  const std::int32_t* rows(const Tile& t) const { return qperm_.data() + t.q0; }
+  const std::int32_t* keys(const Tile& t) const { return kperm_.data() + t.k0; }
+
+ private:
+  Index buckets_;
+  PooledVector<std::int32_t> qperm_, kperm_;
+  PooledVector<Index> qstart_, kstart_;
+  PooledVector<Tile> tiles_;
+};
+
+// The pair counts of exact-bucket rounds (codes tokens x rounds, b buckets): query i targets the
+// keys of its bucket in every round.
+inline TargetCounts bucket_target_counts(const HashCodes& qc, const HashCodes& kc, Index b) {
+  const Index n_q = qc.rows(), n_k = kc.rows(), r = qc.cols();
+  // Per round the keys sorted by bucket; query i's targets are the run of its own bucket.
+  std::vector<std::int32_t> sorted(static_cast<std::size_t>(r * n_k));
+  std::vector<Index> start;
+  for (Index rho = 0; rho < r; ++rho)
+    sort_by_bucket(kc.data() + rho, r, n_k, b, sorted.data() + rho * n_k, start);
+  return count_targets(n_q, [&](Index i, std::vector<std::int32_t>& list) {
+    for (Index rho = 0; rho < r; ++rho) {
+      const std::int32_t* kr = sorted.data() + rho * n_k;
+      const std::int32_t code = qc(i, rho);
+      const std::int32_t* first = std::partition_point(
+          kr, kr + n_k, [&](std::int32_t j) { return kc(j, rho) < code; });
+      const std::int32_t* last = std::partition_point(
+          first, kr + n_k, [&](std::int32_t j) { return kc(j, rho) == code; });
+      list.insert(list.end(), first, last);
+    }
+  });
+}
+
+// The discrete choices of one slice's forward, kept for its backward: the chunks (sort-and-
+// chunk) or the hash codes (exact buckets), and the rows the rounds left without a target.
+struct LshChoices {
+  LshChunks chunks;
+  HashCodes query_codes, key_codes;         // exact buckets; key_codes empty under shared QK
+  std::vector<std::int32_t> fallback_rows;  // separate keys: attended to all their valid keys
+  std::vector<std::int32_t> self_rows;      // attended to their own key alone (self rule)
+};
+
+// One (batch, head) slice. k == nullptr: shared QK. `chunks`: the sort-and-chunk layout, cut by
+// the caller; `keep`: where the forward leaves its discrete choices for a backward.
 template <typename Scalar>
 class LshSlice {
  public:
   LshSlice(const Eigen::Ref<const RowMatrix<Scalar>>& q,
            const Eigen::Ref<const RowMatrix<Scalar>>* k,
            const Eigen::Ref<const RowMatrix<Scalar>>& v, const CrossPolytopeHash<Scalar>& hash,
-           const LshOptions& opt, Scalar scale, const LshChunks* chunks = nullptr)
+           const LshOptions& opt, Scalar scale, const LshChunks* chunks = nullptr,
+           LshChoices* keep = nullptr)
       : hash_(hash),
         opt_(opt),
         shared_(k == nullptr),
@@ -208,12 +346,7 @@ class LshSlice {
         query_codes_(hashes_here(q.rows(), chunks, opt) ? q.rows() : 0, hash.rounds()),
         key_codes_(hashes_here(q.rows(), chunks, opt) && k ? k->rows() : 0, hash.rounds()) {
     if (q.rows() == 0) return;
-    queries_ = scale * q;
-    if (shared_) {
-      unit_rows_into<Scalar>(q, keys_);
-    } else {
-      keys_ = *k;
-    }
+    lsh_operands(q, k, scale, queries_, keys_);
     values_ = v;
     // Up to rounds terms per key in a numerator (the multiset counts each round).
     value_exponent_ = value_headroom(values_, double(v.rows()) * double(hash.rounds()));
@@ -227,14 +360,21 @@ class LshSlice {
     problem_.values = &values_;
     problem_.exclude_self = shared_ || opt.exclude_self;
     problem_.causal = opt.causal;
-    if (opt.exact_buckets)
+    if (opt.exact_buckets) {
       bucket_rounds();
-    else if (chunks)
+      if (keep) {
+        keep->query_codes = query_codes_;
+        if (!shared_) keep->key_codes = key_codes_;
+      }
+    } else if (chunks) {
       chunk_rounds(*chunks);
-    else
-      chunk_rounds(chunk_layout(query_codes_, shared_ ? nullptr : &key_codes_, hash.buckets(),
-                                opt.chunk, opt.dedupe));
-    rows_without_targets();
+    } else {
+      LshChunks cut = chunk_layout(query_codes_, shared_ ? nullptr : &key_codes_, hash.buckets(),
+                                   opt.chunk, opt.dedupe);
+      chunk_rounds(cut);
+      if (keep) keep->chunks = std::move(cut);
+    }
+    rows_without_targets(keep);
   }
 
   SoftmaxAccumulator<Scalar>& accumulator() { return acc_; }
@@ -253,41 +393,16 @@ class LshSlice {
   // chunks are the query chunks. Separate keys: queries and keys sorted separately, key chunk g
   // holds sorted keys [g c_k, (g + 1) c_k) (see the top of this file).
   void chunk_rounds(const LshChunks& l) {
-    const Index n_k = keys_.rows(), r = hash_.rounds();
-    const Index c = l.c, chunks = l.chunks, ck = l.ck;
-    const LshChunkPlan& qplan = l.queries;
-    const LshChunkPlan& kplan = l.key_plan();
-    RoundSignatures sig{qplan.chunk_of().data(), kplan.chunk_of().data(), r, chunks > 1,
-                        static_cast<std::int32_t>(1 - chunks)};
-    sig.counts = l.has_counts() ? &l.counts : nullptr;
+    const RoundSignatures sig = l.signatures();
     problem_.dedupe = opt_.dedupe ? &sig : nullptr;
-
-    const Index per_task = std::max<Index>(1, kChunkTokensPerTask / c);
-    const Index tasks = (chunks + per_task - 1) / per_task;
-    for (Index rho = 0; rho < r; ++rho) {
-      // Chunks write disjoint rows; each round completes before the next merges.
-      parallel_for(tasks, [&](Index task) {
-        TargetBlockKernel<Scalar> kernel(problem_);
-        PooledVector<std::int32_t> cols(static_cast<std::size_t>(2 * std::min(ck, n_k)));
-        for (Index g = task * per_task; g < std::min(chunks, (task + 1) * per_task); ++g) {
-          const std::int32_t* rows = qplan.chunk(rho, g);
-          const Index nr = qplan.chunk_size(g);
-          const std::int32_t* keys = kplan.chunk(rho, g);
-          const Index nk = kplan.chunk_size(g);
-          if (chunks == 1) {
-            kernel.attend(rows, nr, keys, nk, acc_);
-            continue;
-          }
-          const Index prev = (g + chunks - 1) % chunks;
-          const std::int32_t* back = kplan.chunk(rho, prev);
-          const Index np = kplan.chunk_size(prev);
-          if (nk + np == 0) continue;
-          std::copy(keys, keys + nk, cols.begin());
-          std::copy(back, back + np, cols.begin() + nk);
-          kernel.attend(rows, nr, cols.data(), nk + np, acc_);
-        }
-      });
-    }
+    // Chunks write disjoint rows; each round completes before the next merges.
+    for (Index rho = 0; rho < l.rounds; ++rho)
+      for_each_chunk(
+          l, rho, [&] { return TargetBlockKernel<Scalar>(problem_); },
+          [&](TargetBlockKernel<Scalar>& kernel, const std::int32_t* rows, Index nr,
+              const std::int32_t* cols, Index nc, Index) {
+            kernel.attend(rows, nr, cols, nc, acc_);
+          });
     problem_.dedupe = nullptr;
   }
 
@@ -298,56 +413,19 @@ class LshSlice {
     problem_.dedupe = opt_.dedupe ? &sig : nullptr;
     TargetCounts counts;
     if (opt_.dedupe && r > kCountTableRounds) {
-      // Per round the keys sorted by bucket; query i's targets are the run of its own bucket.
-      const HashCodes& kc = key_codes();
-      std::vector<std::int32_t> sorted(static_cast<std::size_t>(r * n_k));
-      std::vector<Index> start;
-      for (Index rho = 0; rho < r; ++rho)
-        sort_by_bucket(kc.data() + rho, r, n_k, b, sorted.data() + rho * n_k, start);
-      counts = count_targets(n_q, [&](Index i, std::vector<std::int32_t>& list) {
-        for (Index rho = 0; rho < r; ++rho) {
-          const std::int32_t* kr = sorted.data() + rho * n_k;
-          const std::int32_t code = query_codes_(i, rho);
-          const std::int32_t* first = std::partition_point(
-              kr, kr + n_k, [&](std::int32_t j) { return kc(j, rho) < code; });
-          const std::int32_t* last = std::partition_point(
-              first, kr + n_k, [&](std::int32_t j) { return kc(j, rho) == code; });
-          list.insert(list.end(), first, last);
-        }
-      });
+      counts = bucket_target_counts(query_codes_, key_codes(), b);
       sig.counts = &counts;
     }
-    PooledVector<std::int32_t> qperm(static_cast<std::size_t>(n_q)),
-        kperm(static_cast<std::size_t>(n_k));
-    PooledVector<Index> qstart(std::size_t(b) + 1), kstart(std::size_t(b) + 1);
-    struct Task {
-      Index q0, nq, k0, nk;
-    };
-    // At most one task per bucket plus one per full row tile.
-    PooledVector<Task> tasks(0, std::size_t(b + n_q / kTargetRowTile + 1));
+    BucketTiles tiles(n_q, n_k, b);
     for (Index rho = 0; rho < r; ++rho) {
-      sort_by_bucket(query_codes_.data() + rho, r, n_q, b, qperm.data(), qstart);
-      if (shared_) {
-        kperm.assign(qperm.begin(), qperm.end());
-        kstart.assign(qstart.begin(), qstart.end());
-      } else {
-        sort_by_bucket(key_codes_.data() + rho, r, n_k, b, kperm.data(), kstart);
-      }
+      tiles.sort(query_codes_, key_codes_, rho, shared_);
       // A bucket's queries are cut into row tiles; each task writes its own rows.
-      tasks.clear();
-      for (Index c = 0; c < b; ++c) {
-        const Index nk = kstart[c + 1] - kstart[c];
-        if (nk == 0) continue;
-        for (Index q0 = qstart[c]; q0 < qstart[c + 1]; q0 += kTargetRowTile)
-          tasks.push_back({q0, std::min(kTargetRowTile, qstart[c + 1] - q0), kstart[c], nk});
-      }
       const Index per_task = std::max<Index>(1, kChunkTokensPerTask / kTargetRowTile);
-      parallel_for((Index(tasks.size()) + per_task - 1) / per_task, [&](Index group) {
+      parallel_for((tiles.size() + per_task - 1) / per_task, [&](Index group) {
         TargetBlockKernel<Scalar> kernel(problem_);
-        const Index end = std::min(Index(tasks.size()), (group + 1) * per_task);
+        const Index end = std::min(tiles.size(), (group + 1) * per_task);
         for (Index t = group * per_task; t < end; ++t)
-          kernel.attend(qperm.data() + tasks[t].q0, tasks[t].nq, kperm.data() + tasks[t].k0,
-                        tasks[t].nk, acc_);
+          kernel.attend(tiles.rows(tiles[t]), tiles[t].nq, tiles.keys(tiles[t]), tiles[t].nk, acc_);
       });
     }
     problem_.dedupe = nullptr;
@@ -355,7 +433,7 @@ class LshSlice {
 
   // Rows whose target set is empty after all rounds: shared QK attends to itself (self rule),
   // separate keys fall back to all valid keys.
-  void rows_without_targets() {
+  void rows_without_targets(LshChoices* keep) {
     PooledVector<std::int32_t> empty(0, std::size_t(acc_.rows()));
     for (Index i = 0; i < acc_.rows(); ++i)
       if (acc_.log_scale()(i) == -std::numeric_limits<Scalar>::infinity())
@@ -363,8 +441,10 @@ class LshSlice {
     if (empty.empty()) return;
     if (shared_) {
       attend_to_self(acc_, empty, queries_, keys_, values_);
+      if (keep) keep->self_rows.assign(empty.begin(), empty.end());
       return;
     }
+    if (keep) keep->fallback_rows.assign(empty.begin(), empty.end());
     PooledVector<std::int32_t> all(static_cast<std::size_t>(keys_.rows()));
     std::iota(all.begin(), all.end(), 0);
     const Index tiles = (Index(empty.size()) + kTargetRowTile - 1) / kTargetRowTile;
@@ -380,6 +460,7 @@ class LshSlice {
     for (std::int32_t i : empty)
       if (acc_.log_scale()(i) == -std::numeric_limits<Scalar>::infinity()) alone.push_back(i);
     if (!alone.empty()) attend_to_self(acc_, alone, queries_, keys_, values_);
+    if (keep) keep->self_rows.assign(alone.begin(), alone.end());
   }
 
   const CrossPolytopeHash<Scalar>& hash_;
@@ -400,9 +481,10 @@ SoftmaxAccumulator<Scalar> lsh_accumulate(const Eigen::Ref<const RowMatrix<Scala
                                           const Eigen::Ref<const RowMatrix<Scalar>>& v,
                                           const CrossPolytopeHash<Scalar>& hash,
                                           const LshOptions& opt, int* value_exponent = nullptr,
-                                          const LshChunks* chunks = nullptr) {
+                                          const LshChunks* chunks = nullptr,
+                                          LshChoices* keep = nullptr) {
   const Scalar scale = check_lsh_inputs<Scalar>("lsh_attention", q, k, v, hash, opt);
-  LshSlice<Scalar> slice(q, k, v, hash, opt, scale, chunks);
+  LshSlice<Scalar> slice(q, k, v, hash, opt, scale, chunks, keep);
   // value_exponent given: the caller finalizes and scales the output back itself.
   SoftmaxAccumulator<Scalar> acc =
       value_exponent ? std::move(slice.accumulator())

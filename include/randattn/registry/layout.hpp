@@ -31,7 +31,11 @@
 // after the other and each sub-call uses the threads itself.
 //
 // A method added to the registry gets every layout with no code of its own: front ends build jobs
-// with build_job(), never Method::build() directly.
+// with build_job(), never Method::build() directly, and differentiable calls with
+// build_gradient(), never Method::build_gradient(). A layout's backward runs each piece's own
+// backward: a query row's gradient comes from the one piece that read it, and a key's (and its
+// value's) gradients are the sum over the pieces and query heads that read it, summed per key
+// slice in slice order (the same bits for every thread count); masked keys get zero gradients.
 
 #include <algorithm>
 #include <cstdint>
@@ -39,6 +43,7 @@
 #include <exception>
 #include <map>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -304,190 +309,101 @@ inline Layout make_layout(const Method& method, const std::map<std::string, Inde
 
 namespace detail {
 
-// One sub-call: rows of queries against rows of keys, by pointers into the inputs or gathered
-// buffers; `out` receives n_q rows.
-template <typename Scalar>
-struct Piece {
-  const Scalar* q;
-  const Scalar* k;  // null under shared QK
-  const Scalar* v;
-  Scalar* out;
-  Index n_q, n_k;
-  bool causal;
-  bool exclude_self;  // the queries are the first n_q of the keys' positions
+// One sub-call of a slice: which of the slice's query rows attend to how many of its valid keys.
+struct PiecePlan {
+  Index q0 = 0, n_q = 0;  // the slice's query rows [q0, q0 + n_q), unless gathered
+  bool gathered = false;  // the queries are the slice's valid (unpadded) positions, in order
+  Index n_k = 0;          // the first n_k of the slice's valid keys
+  bool causal = false;
+  bool exclude_self = false;  // the queries are the first n_q of the keys' positions
 };
 
-// Runs a layout call slice by slice, each slice as one or more sub-calls (pieces) of one plain
-// job per distinct (n_q, n_k, causal, exclude_self) and, with per-head array options, per query
-// head. The jobs are built first, in slice order; the slices then run in parallel, and their
-// reports are merged in slice order.
+// The sub-calls of a layout call. Each (batch, query head, sequence) is one slice against its key
+// slice (batch, key head, sequence), whose valid keys are read in place when they are a prefix
+// and gathered otherwise; a slice runs as the pieces of pieces(), in order.
 template <typename Scalar>
-class LayoutRunner {
+class LayoutPlan {
  public:
-  LayoutRunner(const Method& method, const Call& call, const Layout& layout)
-      : method_(&method), call_(call), layout_(layout) {
-    for (const OptionSpec& spec : method.options())
-      if (spec.per_head && call.options.given(spec.name) &&
-          call.options.array(spec.name).shape.size() == 3)
-        per_head_.push_back(spec.name);
-  }
-
-  Report operator()(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out) {
-    const BatchShape& s = call_.shape;
-    const Index kv_heads = layout_.kv_heads ? layout_.kv_heads : s.heads;
-    const Index group = s.heads / kv_heads;
-    std::vector<std::pair<Index, Index>> sequences;  // [begin, end) along n
-    if (layout_.cu_seqlens.empty())
-      sequences.push_back({0, -1});
-    else
-      for (std::size_t i = 0; i + 1 < layout_.cu_seqlens.size(); ++i)
-        sequences.push_back({layout_.cu_seqlens[i], layout_.cu_seqlens[i + 1]});
-    const Index per_batch = kv_heads * Index(sequences.size());
-
-    // The valid keys of every (batch item, key head, sequence), gathered in parallel.
-    std::vector<Keys> keys(std::size_t(s.batch * per_batch));
-    randattn::detail::parallel_for(Index(keys.size()), [&](Index ks) {
-      const Index b = ks / per_batch, kh = ks % per_batch / Index(sequences.size());
-      const auto [begin, end_or_all] = sequences[std::size_t(ks % Index(sequences.size()))];
-      const Index k0 = end_or_all < 0 ? 0 : begin, nk = end_or_all < 0 ? s.n_k : end_or_all - begin;
-      const Index row = (b * kv_heads + kh) * s.n_k + k0;
-      keys[std::size_t(ks)] = valid_keys(padding_of(b), nk, k ? k + row * s.d : nullptr,
-                                         v + row * s.dv);
-    });
-
-    // The query slices, in order: batch item, key head, sequence, query head of the group.
-    std::vector<Slice> slices;
-    for (Index b = 0; b < s.batch; ++b)
-      for (Index kh = 0; kh < kv_heads; ++kh)
-        for (std::size_t sq = 0; sq < sequences.size(); ++sq) {
-          const auto [begin, end_or_all] = sequences[sq];
-          const Index q0 = end_or_all < 0 ? 0 : begin;
-          const Index nq = end_or_all < 0 ? s.n_q : end_or_all - begin;
-          const Keys& slice_keys =
-              keys[std::size_t(b * per_batch + kh * Index(sequences.size()) + Index(sq))];
-          for (Index g = 0; g < group; ++g) {
-            const Index qs = b * s.heads + kh * group + g;
-            slices.push_back({q + (qs * s.n_q + q0) * s.d, out + (qs * s.n_q + q0) * s.dv, nq,
-                              &slice_keys, padding_of(b), kh * group + g});
-          }
-        }
-
-    // Every job, built before anything runs: the runs below only read the table.
-    for (const Slice& slice : slices)
-      for_each_piece(slice, true, [&](const Piece<Scalar>& p) {
-        if (p.n_q > 0 && p.n_k > 0) job_for(p, slice.head, true);
-      });
-
-    std::vector<std::vector<std::pair<Report, double>>> reports(slices.size());
-    std::vector<std::exception_ptr> errors(slices.size());
-    const auto run_slice = [&](Index i) {
-      try {
-        const Slice& slice = slices[std::size_t(i)];
-        for_each_piece(slice, false, [&](const Piece<Scalar>& p) {
-          if (p.n_q == 0) return;
-          if (p.n_k == 0) {  // no valid key: zeros, documented
-            std::fill(p.out, p.out + p.n_q * s.dv, Scalar(0));
-            return;
-          }
-          Report r = job_for(p, slice.head, false)(p.q, p.k, p.v, p.out);
-          reports[std::size_t(i)].emplace_back(std::move(r), double(p.n_q) * double(p.n_k));
-        });
-      } catch (...) {
-        errors[std::size_t(i)] = std::current_exception();
-      }
-    };
-    const Index count = Index(slices.size());
-    if (count >= randattn::detail::available_threads()) {
-      randattn::detail::parallel_for(count, run_slice);
-    } else {  // each sub-call uses the threads itself
-      for (Index i = 0; i < count && !(i > 0 && errors[std::size_t(i - 1)]); ++i) run_slice(i);
-    }
-    // The error of the first failing slice, whatever the thread count.
-    for (const std::exception_ptr& e : errors)
-      if (e) std::rethrow_exception(e);
-    return merged(reports);
-  }
-
- private:
-  // The valid keys of one key slice: in place when they are a prefix, else gathered.
+  // The valid keys of one key slice.
   struct Keys {
-    const Scalar* k = nullptr;
+    const Scalar* k = nullptr;  // null under shared QK
     const Scalar* v = nullptr;
-    Index count = 0;
-    bool prefix = true;
-    std::shared_ptr<std::vector<Scalar>> k_rows, v_rows;  // gathered rows
+    Index count = 0;             // valid keys
+    Index row0 = 0, rows = 0;    // the key slice's rows [row0, row0 + rows) of the inputs
+    std::shared_ptr<std::vector<Scalar>> k_rows, v_rows;  // gathered rows (null: a prefix)
+    std::shared_ptr<std::vector<Index>> positions;        // their positions in the key slice
   };
 
   // One query slice of nq rows against its keys.
   struct Slice {
-    const Scalar* q;
-    Scalar* out;
+    Index q_row0;  // its first row of q (and of out)
     Index nq;
-    const Keys* keys;
+    Index keys;    // its key slice
     const std::uint8_t* padding;  // of the slice's batch item; null: none
     Index head;                   // the query head
   };
 
-  const std::uint8_t* padding_of(Index b) const {
-    return layout_.key_padding.empty() ? nullptr : layout_.key_padding.data() + b * call_.shape.n_k;
+  // Gathers the valid keys of every key slice (in parallel) and lists the query slices.
+  LayoutPlan(const Method& method, const Call& call, const Layout& layout, const Scalar* k,
+             const Scalar* v)
+      : call_(call), layout_(layout) {
+    for (const OptionSpec& spec : method.options())
+      if (spec.per_head && call.options.given(spec.name) &&
+          call.options.array(spec.name).shape.size() == 3)
+        per_head_.push_back(spec.name);
+    const BatchShape& s = call.shape;
+    const Index kv_heads = layout.kv_heads ? layout.kv_heads : s.heads;
+    const Index group = s.heads / kv_heads;
+    std::vector<std::pair<Index, Index>> sequences;  // [begin, end) along n
+    if (layout.cu_seqlens.empty())
+      sequences.push_back({0, -1});
+    else
+      for (std::size_t i = 0; i + 1 < layout.cu_seqlens.size(); ++i)
+        sequences.push_back({layout.cu_seqlens[i], layout.cu_seqlens[i + 1]});
+    const Index S = Index(sequences.size()), per_batch = kv_heads * S;
+
+    keys_.resize(std::size_t(s.batch * per_batch));
+    randattn::detail::parallel_for(Index(keys_.size()), [&](Index ks) {
+      const Index b = ks / per_batch, kh = ks % per_batch / S;
+      const auto [begin, end_or_all] = sequences[std::size_t(ks % S)];
+      const Index k0 = end_or_all < 0 ? 0 : begin, nk = end_or_all < 0 ? s.n_k : end_or_all - begin;
+      const Index row = (b * kv_heads + kh) * s.n_k + k0;
+      keys_[std::size_t(ks)] = valid_keys(padding_of(b), row, nk, k ? k + row * s.d : nullptr,
+                                          v + row * s.dv);
+    });
+    // In order: batch item, key head, sequence, query head of the group.
+    for (Index b = 0; b < s.batch; ++b)
+      for (Index kh = 0; kh < kv_heads; ++kh)
+        for (Index sq = 0; sq < S; ++sq) {
+          const auto [begin, end_or_all] = sequences[std::size_t(sq)];
+          const Index q0 = end_or_all < 0 ? 0 : begin;
+          const Index nq = end_or_all < 0 ? s.n_q : end_or_all - begin;
+          for (Index g = 0; g < group; ++g) {
+            const Index qs = b * s.heads + kh * group + g;
+            slices_.push_back(
+                {qs * s.n_q + q0, nq, b * per_batch + kh * S + sq, padding_of(b), kh * group + g});
+          }
+        }
   }
 
-  Keys valid_keys(const std::uint8_t* padding, Index n_k, const Scalar* k, const Scalar* v) const {
-    const BatchShape& s = call_.shape;
-    if (!padding) return {k, v, n_k, true, nullptr, nullptr};
-    Index count = 0;
-    while (count < n_k && !padding[count]) ++count;
-    Index valid = count;
-    for (Index j = count; j < n_k; ++j) valid += padding[j] ? 0 : 1;
-    if (valid == count) return {k, v, count, true, nullptr, nullptr};
-    auto kr = k ? std::make_shared<std::vector<Scalar>>(std::size_t(valid * s.d)) : nullptr;
-    auto vr = std::make_shared<std::vector<Scalar>>(std::size_t(valid * s.dv));
-    for (Index j = 0, t = 0; j < n_k; ++j) {
-      if (padding[j]) continue;
-      if (k) std::copy(k + j * s.d, k + (j + 1) * s.d, kr->data() + t * s.d);
-      std::copy(v + j * s.dv, v + (j + 1) * s.dv, vr->data() + t * s.dv);
-      ++t;
-    }
-    return {kr ? kr->data() : nullptr, vr->data(), valid, false, kr, vr};
-  }
+  const std::vector<Slice>& slices() const { return slices_; }
+  const std::vector<Keys>& keys() const { return keys_; }
+  const Keys& keys_of(const Slice& slice) const { return keys_[std::size_t(slice.keys)]; }
 
-  // Calls fn(piece) for every sub-call of a slice, in order. plan: only the pieces' shapes
-  // matter (no rows are gathered or scattered).
-  template <typename Fn>
-  void for_each_piece(const Slice& slice, bool plan, Fn&& fn) const {
-    const BatchShape& s = call_.shape;
+  // The pieces of a slice, in order.
+  std::vector<PiecePlan> pieces(const Slice& slice) const {
     const bool causal = call_.settings.causal, self = call_.settings.exclude_self;
-    const Keys& keys = *slice.keys;
-    const Scalar* q = slice.q;
-    Scalar* out = slice.out;
+    const Keys& keys = keys_of(slice);
     const Index nq = slice.nq;
     const std::uint8_t* padding = slice.padding;
-    if (!padding || (!causal && !self)) {
-      fn(Piece<Scalar>{q, keys.k, keys.v, out, nq, keys.count, causal, self});
-      return;
-    }
+    if (!padding || (!causal && !self)) return {{0, nq, false, keys.count, causal, self}};
     // Queries and keys share positions: the queries at valid positions attend to the valid keys
     // (causally, or excluding their own); a padded position's own key is already masked.
-    if (keys.prefix) {  // valid positions [0, L); the rest sees all L keys
+    if (!keys.positions) {  // valid positions [0, L); the rest sees all L keys
       const Index L = keys.count;
-      fn(Piece<Scalar>{q, keys.k, keys.v, out, L, L, causal, self});
-      fn(Piece<Scalar>{q + L * s.d, keys.k, keys.v, out + L * s.dv, nq - L, L, false, false});
-      return;
+      return {{0, L, false, L, causal, self}, {L, nq - L, false, L, false, false}};
     }
-    // Queries at valid positions: gathered, run against the gathered keys, scattered back.
-    std::vector<Scalar> q_rows, o_rows;
-    if (!plan) {
-      q_rows.resize(std::size_t(keys.count * s.d));
-      o_rows.resize(std::size_t(keys.count * s.dv));
-      for (Index i = 0, t = 0; i < nq; ++i)
-        if (!padding[i]) std::copy(q + i * s.d, q + (i + 1) * s.d, q_rows.data() + (t++) * s.d);
-    }
-    fn(Piece<Scalar>{q_rows.data(), keys.k, keys.v, o_rows.data(), keys.count, keys.count, causal,
-                     self});
-    if (!plan)
-      for (Index i = 0, t = 0; i < nq; ++i)
-        if (!padding[i])
-          std::copy(o_rows.data() + t * s.dv, o_rows.data() + (t + 1) * s.dv, out + i * s.dv), ++t;
+    std::vector<PiecePlan> out{{0, keys.count, true, keys.count, causal, self}};
     // Each run of padded positions [a, e) sees the valid keys before a (causal), or all of them.
     Index before = 0;
     for (Index a = 0; a < nq;) {
@@ -497,19 +413,14 @@ class LayoutRunner {
       }
       Index e = a;
       while (e < nq && padding[e]) ++e;
-      fn(Piece<Scalar>{q + a * s.d, keys.k, keys.v, out + a * s.dv, e - a,
-                       causal ? before : keys.count, false, false});
+      out.push_back({a, e - a, false, causal ? before : keys.count, false, false});
       a = e;
     }
+    return out;
   }
 
-  // The job of a piece of query head `head`; build: made when missing (serially, before the runs).
-  const Job<Scalar>& job_for(const Piece<Scalar>& p, Index head, bool build) {
-    // Per-head arrays make one job per query head, each with its head's entry.
-    const auto key =
-        std::make_tuple(p.n_q, p.n_k, p.causal, p.exclude_self, per_head_.empty() ? -1 : head);
-    auto found = jobs_.find(key);
-    if (found != jobs_.end() || !build) return found->second;
+  // The sub-call of a piece of query head `head`.
+  Call sub_call(const PiecePlan& p, Index head) const {
     Call sub = call_;
     sub.shape = BatchShape{1, 1, p.n_q, p.n_k, call_.shape.d, call_.shape.dv};
     sub.settings.causal = p.causal;
@@ -517,27 +428,56 @@ class LayoutRunner {
     sub.settings.compare = false;  // front ends compare the whole call
     for (const std::string& name : per_head_)
       sub.options = sub.options.with(name, head_entry(call_.options.array(name), head));
-    return jobs_.emplace(key, method_->build(sub, Scalar())).first->second;
+    return sub;
   }
 
-  // The first sub-call's fields, real ones averaged over the sub-calls weighted by their
-  // (query, key) pairs (so pairs_scored is the fraction of all valid pairs scored).
-  static Report merged(const std::vector<std::vector<std::pair<Report, double>>>& reports) {
-    Report first;
-    std::map<std::string, double> sums;
-    double weight = 0;
-    std::int64_t count = 0;
-    for (const auto& slice : reports)
-      for (const auto& [r, pairs] : slice) {
-        if (count++ == 0) first = r;
-        for (const auto& [name, value] : r)
-          if (const double* x = std::get_if<double>(&value)) sums[name] += pairs * *x;
-        weight += pairs;
-      }
-    for (auto& [name, value] : first)
-      if (std::holds_alternative<double>(value) && weight > 0) value = sums.at(name) / weight;
-    first.emplace_back("sub_calls", count);
-    return first;
+  // The given per-head array options of the method: one sub-call per query head.
+  const std::vector<std::string>& per_head_options() const { return per_head_; }
+  const BatchShape& shape() const { return call_.shape; }
+
+  // Copies the rows of a gathered piece (the slice's valid positions) from a slice's rows into
+  // `to` (count x cols), or back (scatter).
+  void gather(const Slice& slice, const Scalar* from, Index cols, Scalar* to) const {
+    for (Index i = 0, t = 0; i < slice.nq; ++i)
+      if (!slice.padding[i]) std::copy(from + i * cols, from + (i + 1) * cols, to + (t++) * cols);
+  }
+  void scatter(const Slice& slice, const Scalar* from, Index cols, Scalar* to) const {
+    for (Index i = 0, t = 0; i < slice.nq; ++i)
+      if (!slice.padding[i])
+        std::copy(from + t * cols, from + (t + 1) * cols, to + i * cols), ++t;
+  }
+
+ private:
+  const std::uint8_t* padding_of(Index b) const {
+    return layout_.key_padding.empty() ? nullptr : layout_.key_padding.data() + b * call_.shape.n_k;
+  }
+
+  Keys valid_keys(const std::uint8_t* padding, Index row0, Index n_k, const Scalar* k,
+                  const Scalar* v) const {
+    const BatchShape& s = call_.shape;
+    Keys keys{k, v, n_k, row0, n_k, nullptr, nullptr, nullptr};
+    if (!padding) return keys;
+    Index count = 0;
+    while (count < n_k && !padding[count]) ++count;
+    Index valid = count;
+    for (Index j = count; j < n_k; ++j) valid += padding[j] ? 0 : 1;
+    keys.count = count;
+    if (valid == count) return keys;
+    keys.count = valid;
+    keys.k_rows = k ? std::make_shared<std::vector<Scalar>>(std::size_t(valid * s.d)) : nullptr;
+    keys.v_rows = std::make_shared<std::vector<Scalar>>(std::size_t(valid * s.dv));
+    keys.positions = std::make_shared<std::vector<Index>>();
+    keys.positions->reserve(std::size_t(valid));
+    for (Index j = 0; j < n_k; ++j) {
+      if (padding[j]) continue;
+      const Index t = Index(keys.positions->size());
+      if (k) std::copy(k + j * s.d, k + (j + 1) * s.d, keys.k_rows->data() + t * s.d);
+      std::copy(v + j * s.dv, v + (j + 1) * s.dv, keys.v_rows->data() + t * s.dv);
+      keys.positions->push_back(j);
+    }
+    keys.k = keys.k_rows ? keys.k_rows->data() : nullptr;
+    keys.v = keys.v_rows->data();
+    return keys;
   }
 
   // Entry h of a (heads, r, c) array as an (r, c) array.
@@ -551,11 +491,263 @@ class LayoutRunner {
     return e;
   }
 
+  Call call_;
+  Layout layout_;
+  std::vector<std::string> per_head_;
+  std::vector<Keys> keys_;
+  std::vector<Slice> slices_;
+};
+
+// Runs run_slice(i) for every slice: in parallel when there are at least as many slices as
+// threads, else one after the other (each sub-call then uses the threads itself). Rethrows the
+// error of the first failing slice, whatever the thread count.
+template <typename RunSlice>
+void for_each_slice(Index count, RunSlice&& run_slice) {
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(count));
+  const auto guarded = [&](Index i) {
+    try {
+      run_slice(i);
+    } catch (...) {
+      errors[std::size_t(i)] = std::current_exception();
+    }
+  };
+  if (count >= randattn::detail::available_threads()) {
+    randattn::detail::parallel_for(count, guarded);
+  } else {
+    for (Index i = 0; i < count && !(i > 0 && errors[std::size_t(i - 1)]); ++i) guarded(i);
+  }
+  for (const std::exception_ptr& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+// The first sub-call's fields, real ones averaged over the sub-calls weighted by their
+// (query, key) pairs (so pairs_scored is the fraction of all valid pairs scored).
+inline Report merged_reports(const std::vector<std::vector<std::pair<Report, double>>>& reports) {
+  Report first;
+  std::map<std::string, double> sums;
+  double weight = 0;
+  std::int64_t count = 0;
+  for (const auto& slice : reports)
+    for (const auto& [r, pairs] : slice) {
+      if (count++ == 0) first = r;
+      for (const auto& [name, value] : r)
+        if (const double* x = std::get_if<double>(&value)) sums[name] += pairs * *x;
+      weight += pairs;
+    }
+  for (auto& [name, value] : first)
+    if (std::holds_alternative<double>(value) && weight > 0) value = sums.at(name) / weight;
+  first.emplace_back("sub_calls", count);
+  return first;
+}
+
+// Runs one piece's forward: its queries in place or gathered, its output rows in place or
+// scattered back; a piece with no valid key outputs zeros. run(q, k, v, out) returns the report.
+// `q_rows` holds a gathered piece's queries (kept by the caller when a backward needs them).
+template <typename Scalar, typename Run>
+std::optional<Report> run_piece_forward(const LayoutPlan<Scalar>& plan,
+                                        const typename LayoutPlan<Scalar>::Slice& slice,
+                                        const PiecePlan& p, const Scalar* q, Scalar* out,
+                                        std::vector<Scalar>& q_rows, Run&& run) {
+  const BatchShape& s = plan.shape();
+  if (p.n_q == 0) return std::nullopt;
+  const auto& keys = plan.keys_of(slice);
+  const Scalar* slice_q = q + slice.q_row0 * s.d;
+  Scalar* slice_out = out + slice.q_row0 * s.dv;
+  if (p.n_k == 0) {  // no valid key: zeros, documented
+    std::fill(slice_out + p.q0 * s.dv, slice_out + (p.q0 + p.n_q) * s.dv, Scalar(0));
+    return std::nullopt;
+  }
+  if (!p.gathered) return run(slice_q + p.q0 * s.d, keys.k, keys.v, slice_out + p.q0 * s.dv);
+  q_rows.resize(std::size_t(p.n_q * s.d));
+  plan.gather(slice, slice_q, s.d, q_rows.data());
+  std::vector<Scalar> o_rows(std::size_t(p.n_q * s.dv));
+  Report r = run(q_rows.data(), keys.k, keys.v, o_rows.data());
+  plan.scatter(slice, o_rows.data(), s.dv, slice_out);
+  return r;
+}
+
+// The job of a layout call: each piece runs the plain job of its (n_q, n_k, causal,
+// exclude_self) and, with per-head array options, its query head. The jobs are built first, in
+// slice order; the slices then run in parallel, and their reports are merged in slice order.
+template <typename Scalar>
+class LayoutRunner {
+ public:
+  LayoutRunner(const Method& method, const Call& call, const Layout& layout)
+      : method_(&method), call_(call), layout_(layout) {}
+
+  Report operator()(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out) {
+    const LayoutPlan<Scalar> plan(*method_, call_, layout_, k, v);
+    const bool per_head = !plan.per_head_options().empty();
+    const auto key_of = [&](const PiecePlan& p, Index head) {
+      return std::make_tuple(p.n_q, p.n_k, p.causal, p.exclude_self, per_head ? head : -1);
+    };
+    const auto& slices = plan.slices();
+    // Every job, built before anything runs: the runs below only read the table.
+    for (const auto& slice : slices)
+      for (const PiecePlan& p : plan.pieces(slice))
+        if (p.n_q > 0 && p.n_k > 0 && !jobs_.count(key_of(p, slice.head)))
+          jobs_.emplace(key_of(p, slice.head), method_->build(plan.sub_call(p, slice.head), Scalar()));
+
+    std::vector<std::vector<std::pair<Report, double>>> reports(slices.size());
+    for_each_slice(Index(slices.size()), [&](Index i) {
+      const auto& slice = slices[std::size_t(i)];
+      std::vector<Scalar> q_rows;
+      for (const PiecePlan& p : plan.pieces(slice)) {
+        const Job<Scalar>& job = p.n_q > 0 && p.n_k > 0 ? jobs_.at(key_of(p, slice.head)) : none_;
+        std::optional<Report> r = run_piece_forward(
+            plan, slice, p, q, out, q_rows,
+            [&](const Scalar* pq, const Scalar* pk, const Scalar* pv, Scalar* po) {
+              return job(pq, pk, pv, po);
+            });
+        if (r) reports[std::size_t(i)].emplace_back(std::move(*r), double(p.n_q) * double(p.n_k));
+      }
+    });
+    return merged_reports(reports);
+  }
+
+ private:
   const Method* method_;
   Call call_;
-  std::vector<std::string> per_head_;  // given per-head array options
   Layout layout_;
   std::map<std::tuple<Index, Index, bool, bool, Index>, Job<Scalar>> jobs_;
+  Job<Scalar> none_;
+};
+
+// The gradient of a layout call: every piece gets a differentiable sub-call of its own (it keeps
+// its forward's state). The backward runs the pieces' backwards slice by slice (in parallel),
+// writes each query row's gradient where its forward read it, and sums the key and value
+// gradients of every piece that read a key, per key slice in slice order, so the result does
+// not depend on the thread count. Masked keys get zero gradients.
+template <typename Scalar>
+class LayoutGradient final : public Gradient<Scalar> {
+ public:
+  LayoutGradient(const Method& method, const Call& call, const Layout& layout)
+      : method_(&method), call_(call), layout_(layout) {}
+
+  Report forward(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out) override {
+    plan_.emplace(*method_, call_, layout_, k, v);
+    has_keys_ = k != nullptr;
+    const auto& slices = plan_->slices();
+    pieces_.assign(slices.size(), {});
+    for (std::size_t i = 0; i < slices.size(); ++i)
+      for (const PiecePlan& p : plan_->pieces(slices[i])) {
+        PieceState state{p, nullptr, {}};
+        if (p.n_q > 0 && p.n_k > 0)
+          state.gradient = method_->build_gradient(plan_->sub_call(p, slices[i].head), Scalar());
+        pieces_[i].push_back(std::move(state));
+      }
+    std::vector<std::vector<std::pair<Report, double>>> reports(slices.size());
+    for_each_slice(Index(slices.size()), [&](Index i) {
+      for (PieceState& piece : pieces_[std::size_t(i)]) {
+        std::optional<Report> r = run_piece_forward(
+            *plan_, slices[std::size_t(i)], piece.plan, q, out, piece.q_rows,
+            [&](const Scalar* pq, const Scalar* pk, const Scalar* pv, Scalar* po) {
+              return piece.gradient->forward(pq, pk, pv, po);
+            });
+        if (r)
+          reports[std::size_t(i)].emplace_back(std::move(*r),
+                                               double(piece.plan.n_q) * double(piece.plan.n_k));
+      }
+    });
+    return merged_reports(reports);
+  }
+
+  void backward(const Scalar* grad_out, Scalar* dq, Scalar* dk, Scalar* dv) override {
+    if (!plan_) throw std::logic_error("randattn::registry: Gradient::backward() before forward()");
+    const BatchShape& s = call_.shape;
+    const auto& slices = plan_->slices();
+    // Each slice's key and value gradients, over its key slice's valid keys.
+    std::vector<std::vector<Scalar>> dk_slice(slices.size()), dv_slice(slices.size());
+    for_each_slice(Index(slices.size()), [&](Index i) {
+      const auto& slice = slices[std::size_t(i)];
+      const Index count = plan_->keys_of(slice).count;
+      std::vector<Scalar>& dks = dk_slice[std::size_t(i)];
+      std::vector<Scalar>& dvs = dv_slice[std::size_t(i)];
+      if (has_keys_) dks.assign(std::size_t(count * s.d), Scalar(0));
+      dvs.assign(std::size_t(count * s.dv), Scalar(0));
+      const Scalar* go = grad_out + slice.q_row0 * s.dv;
+      Scalar* dq_slice = dq + slice.q_row0 * s.d;
+      std::vector<Scalar> go_rows, dq_rows, dk_piece, dv_piece;
+      for (PieceState& piece : pieces_[std::size_t(i)]) {
+        const PiecePlan& p = piece.plan;
+        if (p.n_q == 0) continue;
+        if (p.n_k == 0) {
+          std::fill(dq_slice + p.q0 * s.d, dq_slice + (p.q0 + p.n_q) * s.d, Scalar(0));
+          continue;
+        }
+        const Scalar* piece_go = go + p.q0 * s.dv;
+        Scalar* piece_dq = dq_slice + p.q0 * s.d;
+        if (p.gathered) {
+          go_rows.resize(std::size_t(p.n_q * s.dv));
+          dq_rows.resize(std::size_t(p.n_q * s.d));
+          plan_->gather(slice, go, s.dv, go_rows.data());
+          piece_go = go_rows.data();
+          piece_dq = dq_rows.data();
+        }
+        dk_piece.resize(std::size_t(p.n_k * s.d));
+        dv_piece.resize(std::size_t(p.n_k * s.dv));
+        piece.gradient->backward(piece_go, piece_dq, has_keys_ ? dk_piece.data() : nullptr,
+                                 dv_piece.data());
+        if (p.gathered) plan_->scatter(slice, dq_rows.data(), s.d, dq_slice);
+        if (has_keys_)
+          for (std::size_t t = 0; t < dk_piece.size(); ++t) dks[t] += dk_piece[t];
+        for (std::size_t t = 0; t < dv_piece.size(); ++t) dvs[t] += dv_piece[t];
+      }
+    });
+    // Per key slice: zeros, then the sum over its query slices (consecutive, in order).
+    const auto& keys = plan_->keys();
+    const Index group = Index(slices.size()) / Index(keys.size());
+    randattn::detail::parallel_for(Index(keys.size()), [&](Index ks) {
+      const auto& key = keys[std::size_t(ks)];
+      const auto add = [&](Scalar* grad, Index cols, const std::vector<Scalar>& from) {
+        Scalar* rows = grad + key.row0 * cols;
+        for (Index t = 0; t < key.count; ++t) {
+          Scalar* row = rows + (key.positions ? (*key.positions)[std::size_t(t)] : t) * cols;
+          for (Index c = 0; c < cols; ++c) row[c] += from[std::size_t(t * cols + c)];
+        }
+      };
+      if (has_keys_) std::fill(dk + key.row0 * s.d, dk + (key.row0 + key.rows) * s.d, Scalar(0));
+      std::fill(dv + key.row0 * s.dv, dv + (key.row0 + key.rows) * s.dv, Scalar(0));
+      for (Index g = 0; g < group; ++g) {
+        const std::size_t i = std::size_t(ks * group + g);
+        if (has_keys_) add(dk, s.d, dk_slice[i]);
+        add(dv, s.dv, dv_slice[i]);
+      }
+    });
+  }
+
+  // Sums each option's gradient over the pieces, in slice order.
+  std::vector<std::pair<std::string, std::vector<double>>> option_gradients() const override {
+    std::vector<std::pair<std::string, std::vector<double>>> total;
+    for (const auto& slice : pieces_)
+      for (const PieceState& piece : slice) {
+        if (!piece.gradient) continue;
+        for (auto& [name, g] : piece.gradient->option_gradients()) {
+          auto found = std::find_if(total.begin(), total.end(),
+                                    [&](const auto& e) { return e.first == name; });
+          if (found == total.end()) {
+            total.emplace_back(name, g);
+          } else {
+            for (std::size_t t = 0; t < g.size(); ++t) found->second[t] += g[t];
+          }
+        }
+      }
+    return total;
+  }
+
+ private:
+  struct PieceState {
+    PiecePlan plan;
+    GradientPtr<Scalar> gradient;  // null for a piece with no queries or no keys
+    std::vector<Scalar> q_rows;    // a gathered piece's queries, read by its backward
+  };
+
+  const Method* method_;
+  Call call_;
+  Layout layout_;
+  std::optional<LayoutPlan<Scalar>> plan_;
+  std::vector<std::vector<PieceState>> pieces_;  // per slice
+  bool has_keys_ = true;
 };
 
 }  // namespace detail
@@ -571,6 +763,15 @@ Job<Scalar> build_job(const Method& method, const Call& call, const Layout& layo
     detail::LayoutRunner<Scalar> runner(method, call, layout);
     return runner(q, k, v, out);
   };
+}
+
+// A differentiable call of `method` under `layout` (see Gradient): the method's own when the
+// layout is plain, else one per piece as for build_job().
+template <typename Scalar>
+GradientPtr<Scalar> build_gradient(const Method& method, const Call& call, const Layout& layout) {
+  GradientPtr<Scalar> whole = method.build_gradient(call, Scalar());  // checks every option
+  if (layout.plain(call.shape)) return whole;
+  return std::make_unique<detail::LayoutGradient<Scalar>>(method, call, layout);
 }
 
 }  // namespace randattn::registry

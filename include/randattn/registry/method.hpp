@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <new>
 #include <string>
 #include <utility>
@@ -42,6 +43,9 @@ struct Settings {
   // Queries and keys are the same positions: query i never attends to key i unless it has no
   // other valid key (methods with supports_exclude_self(); implied by shared QK).
   bool exclude_self = false;
+  // Array options whose gradient Gradient::option_gradients() returns (methods that declare them
+  // in Method::differentiable_options()).
+  std::vector<std::string> option_gradients;
 };
 
 // What a builder sees.
@@ -56,6 +60,30 @@ struct Call {
 // everything it needs: it may run on another thread or without Python's GIL.
 template <typename Scalar>
 using Job = std::function<Report(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out)>;
+
+// One differentiable call: a forward that keeps what its backward needs, then the backward.
+// The random numbers (projections, hashes, filters, samples) and the discrete choices they make
+// (buckets, supports) are fixed by the call's seed and the forward, so the backward is the
+// gradient of that same estimate.
+template <typename Scalar>
+class Gradient {
+ public:
+  virtual ~Gradient() = default;
+  // Writes the same bits into out as the method's job and keeps what backward() needs. The
+  // inputs must stay alive and unchanged until backward() returns.
+  virtual Report forward(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out) = 0;
+  // The gradients of <grad_out, out> with respect to q, k and v (overwritten; dk is null under
+  // shared QK, where dq includes the path through the keys). Call after forward().
+  virtual void backward(const Scalar* grad_out, Scalar* dq, Scalar* dk, Scalar* dv) = 0;
+  // Gradients with respect to array options named in Settings::option_gradients ("omega"), in
+  // the option's row-major shape, after backward(); summed over every slice of the call.
+  virtual std::vector<std::pair<std::string, std::vector<double>>> option_gradients() const {
+    return {};
+  }
+};
+
+template <typename Scalar>
+using GradientPtr = std::unique_ptr<Gradient<Scalar>>;
 
 class Method {
  public:
@@ -77,6 +105,13 @@ class Method {
   // Checks the options against the shape and returns the job; throws OptionError.
   virtual Job<float> build(const Call& call, float) const = 0;
   virtual Job<double> build(const Call& call, double) const = 0;
+  // True when the method has a backward pass (build_gradient()).
+  virtual bool differentiable() const { return false; }
+  // The array options the method can differentiate with respect to ("omega").
+  virtual std::vector<std::string> differentiable_options() const { return {}; }
+  // A differentiable call (see Gradient); throws OptionError for a method without a backward.
+  virtual GradientPtr<float> build_gradient(const Call& call, float) const = 0;
+  virtual GradientPtr<double> build_gradient(const Call& call, double) const = 0;
   // About how many bytes a call allocates besides its inputs and output (named in the error
   // when an allocation fails).
   virtual double working_bytes(const Call& call, std::size_t scalar_bytes) const {
@@ -109,18 +144,31 @@ auto with_allocation_message(const Method& method, const Call& call, Fn&& fn) ->
 
 }  // namespace detail
 
-// Implements both build() overloads from Derived::build<Scalar>(call).
-// Both refuse a scale the input's type cannot represent, and report failed allocations with
-// the size the call needs.
+// Implements both build() overloads from Derived::make<Scalar>(call), and both
+// build_gradient() overloads from Derived::make_gradient<Scalar>(call) when Derived declares
+// itself differentiable(). All refuse a scale the input's type cannot represent, and report
+// failed allocations with the size the call needs.
 template <typename Derived>
 class TypedMethod : public Method {
  public:
   Job<float> build(const Call& call, float) const final { return typed<float>(call); }
   Job<double> build(const Call& call, double) const final { return typed<double>(call); }
+  GradientPtr<float> build_gradient(const Call& call, float) const final {
+    return typed_gradient<float>(call);
+  }
+  GradientPtr<double> build_gradient(const Call& call, double) const final {
+    return typed_gradient<double>(call);
+  }
+
+  // The default of a method without a backward; differentiable methods define their own.
+  template <typename Scalar>
+  GradientPtr<Scalar> make_gradient(const Call&) const {
+    throw OptionError(std::string("method '") + name() + "' has no backward pass");
+  }
 
  private:
   template <typename Scalar>
-  Job<Scalar> typed(const Call& call) const {
+  void check_scale(const Call& call) const {
     const double scale = call.settings.scale;
     if (!(std::abs(scale) <= double(std::numeric_limits<Scalar>::max()))) {
       char text[32];
@@ -128,6 +176,28 @@ class TypedMethod : public Method {
       throw OptionError(call.spelling().option("scale") + " = " + text +
                         " is not representable in " + detail::scalar_name<Scalar>());
     }
+  }
+
+  template <typename Scalar>
+  GradientPtr<Scalar> typed_gradient(const Call& call) const {
+    check_scale<Scalar>(call);
+    if (!differentiable())
+      throw OptionError(std::string("method '") + name() + "' has no backward pass");
+    for (const std::string& option : call.settings.option_gradients) {
+      bool known = false;
+      for (const std::string& o : differentiable_options()) known = known || o == option;
+      if (!known)
+        throw OptionError(std::string("method '") + name() + "' has no gradient with respect to " +
+                          call.spelling().option(option));
+    }
+    return detail::with_allocation_message<Scalar>(*this, call, [&] {
+      return static_cast<const Derived&>(*this).template make_gradient<Scalar>(call);
+    });
+  }
+
+  template <typename Scalar>
+  Job<Scalar> typed(const Call& call) const {
+    check_scale<Scalar>(call);
     Job<Scalar> job = detail::with_allocation_message<Scalar>(
         *this, call, [&] { return static_cast<const Derived&>(*this).template make<Scalar>(call); });
     const Method* self = this;

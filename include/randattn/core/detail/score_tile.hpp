@@ -128,11 +128,24 @@ class ScoreTile {
   // Row maxima c_r of the (masked) logits, then S ← exp(S − c_r). A row with every entry
   // removed keeps c_r = −inf and is shifted by 0, so its weights are exactly 0, never NaN.
   void exponentiate() {
-    auto s = scores();
-    row_max_.head(br_) = s.rowwise().maxCoeff();
+    row_max_.head(br_) = scores().rowwise().maxCoeff();
     for (Index t = 0; t < br_; ++t) {
       const Scalar c = row_max_(t);
-      s.row(t).array() = (s.row(t).array() - (c == kNegInf ? Scalar(0) : c)).exp();
+      shift_and_exponentiate(t, c == kNegInf ? Scalar(0) : c);
+    }
+  }
+
+  // The weights of a finished softmax: S ← exp(S − L_r) for the rows' log-sum-exps L (a backward
+  // pass recomputing probabilities). A row with L_r = −inf had no weight: its weights are 0.
+  template <typename L>
+  void exponentiate_from(const L& log_sum_exp) {
+    for (Index t = 0; t < br_; ++t) {
+      const Scalar c = log_sum_exp(t);
+      if (c == kNegInf) {
+        scores().row(t).setZero();
+      } else {
+        shift_and_exponentiate(t, c);
+      }
     }
   }
 
@@ -190,6 +203,11 @@ class ScoreTile {
     this->mask(rows, cols, mask);
     exponentiate();
     merge_into(acc, rows, v, panels);
+  }
+
+  void shift_and_exponentiate(Index t, Scalar c) {
+    auto s = scores();
+    s.row(t).array() = (s.row(t).array() - c).exp();
   }
 
   template <typename Count>

@@ -196,12 +196,28 @@ class TargetBlockKernel {
   // Merges into `acc` the softmax partials of query rows rows[0..nr) over key rows cols[0..nc).
   void attend(const std::int32_t* rows, Index nr, const std::int32_t* cols, Index nc,
               SoftmaxAccumulator<Scalar>& acc) {
+    for_each_tile(
+        rows, nr, cols, nc, [](const TileIndex&) {},
+        [&](const TileIndex& row_index, const TileIndex& col_index) {
+          tile_.exponentiate();
+          tile_.merge_into(acc, row_index, values(col_index.size));
+        });
+  }
+
+  // The tiles of attend(rows, nr, cols, nc), in its order: per row tile, gathers the queries and
+  // calls begin_rows(row_index); per column tile with a valid key, gathers the keys and values,
+  // leaves the masked logits in tile().scores() and calls step(row_index, col_index). The indices
+  // are stored rows (rows + r0, cols + c0).
+  template <typename BeginRows, typename Step>
+  void for_each_tile(const std::int32_t* rows, Index nr, const std::int32_t* cols, Index nc,
+                     BeginRows&& begin_rows, Step&& step) {
     for (Index r0 = 0; r0 < nr; r0 += kTargetRowTile) {
       const Index br = std::min(kTargetRowTile, nr - r0);
       for (Index t = 0; t < br; ++t) q_.row(t) = p_.queries->row(rows[r0 + t]);
       const TileIndex row_index = TileIndex::gathered(rows + r0, br);
       const TileIndex row_pos = positions(row_index, row_pos_);
       const Index max_row = row_pos.max();
+      begin_rows(row_index);
       for (Index c0 = 0; c0 < nc; c0 += kTargetColTile) {
         const TileIndex col_index =
             TileIndex::gathered(cols + c0, std::min(kTargetColTile, nc - c0));
@@ -209,13 +225,18 @@ class TargetBlockKernel {
         if (p_.causal && col_pos.min() > max_row) continue;
         gather_keys(col_index, col_pos);
         const Index bc = col_index.size;
-        tile_.logits(q_.topRows(br), k_.topRows(bc));
+        tile_.logits(queries(br), keys(bc));
         tile_.mask(row_pos, col_pos, mask_);
-        tile_.exponentiate();
-        tile_.merge_into(acc, row_index, v_.topRows(bc));
+        step(row_index, col_index);
       }
     }
   }
+
+  // The current tile and its gathered rows: br queries (scaled), bc keys and values.
+  ScoreTile<Scalar>& tile() { return tile_; }
+  auto queries(Index br) const { return q_.topRows(br); }
+  auto keys(Index bc) const { return k_.topRows(bc); }
+  auto values(Index bc) const { return v_.topRows(bc); }
 
  private:
   // The positions of stored rows `ids` (the ids themselves without a position map).

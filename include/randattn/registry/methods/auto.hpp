@@ -6,6 +6,7 @@
 // A call may give the options of its approximation; the report starts with "method" (the path
 // that ran) and "auto_reason".
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -74,8 +75,69 @@ class AutoMethod final : public TypedMethod<AutoMethod> {
     return out;
   }
 
+  // Differentiable when the path it picks is (make_gradient refuses one without a backward).
+  bool differentiable() const override { return true; }
+  std::vector<std::string> differentiable_options() const override {
+    std::vector<std::string> out;
+    for (const auto& m : methods())
+      if (std::string(m->name()) != name())
+        for (const std::string& o : m->differentiable_options())
+          if (std::find(out.begin(), out.end(), o) == out.end()) out.push_back(o);
+    return out;
+  }
+
   template <typename Scalar>
   Job<Scalar> make(const Call& call) const {
+    const Route r = route<Scalar>(call);
+    const Job<Scalar> job = r.path->build(r.sub, Scalar());
+    return [job, report = r.report()](const Scalar* q, const Scalar* k, const Scalar* v,
+                                      Scalar* out) {
+      Report fields = report;
+      const Report own = job(q, k, v, out);
+      fields.insert(fields.end(), own.begin(), own.end());
+      return fields;
+    };
+  }
+
+  template <typename Scalar>
+  GradientPtr<Scalar> make_gradient(const Call& call) const {
+    // The picked path's gradient, with the path in the report.
+    class Routed final : public Gradient<Scalar> {
+     public:
+      Routed(GradientPtr<Scalar> path, Report report)
+          : path_(std::move(path)), report_(std::move(report)) {}
+      Report forward(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out) override {
+        Report fields = report_;
+        const Report own = path_->forward(q, k, v, out);
+        fields.insert(fields.end(), own.begin(), own.end());
+        return fields;
+      }
+      void backward(const Scalar* grad_out, Scalar* dq, Scalar* dk, Scalar* dv) override {
+        path_->backward(grad_out, dq, dk, dv);
+      }
+      std::vector<std::pair<std::string, std::vector<double>>> option_gradients() const override {
+        return path_->option_gradients();
+      }
+
+     private:
+      GradientPtr<Scalar> path_;
+      Report report_;
+    };
+    const Route r = route<Scalar>(call);
+    return std::make_unique<Routed>(r.path->build_gradient(r.sub, Scalar()), r.report());
+  }
+
+ private:
+  // The path a call takes, its sub-call and why.
+  struct Route {
+    const Method* path;
+    Call sub;
+    std::string reason;
+    Report report() const { return {{"method", std::string(path->name())}, {"auto_reason", reason}}; }
+  };
+
+  template <typename Scalar>
+  Route route(const Call& call) const {
     const Options& o = call.options;
     const Spelling& spell = o.spelling();
     const Method& approx = find_method(o.text("approximation"), spell);
@@ -106,18 +168,12 @@ class AutoMethod final : public TypedMethod<AutoMethod> {
         if (o.given(a.name)) approx_given[a.name] = o.value(a.name);
       (void)approx.build(Call{Options(approx.options(), approx_given, spell), settings, call.shape},
                          Scalar());
+      settings.option_gradients.clear();  // exact attention has no options to differentiate
     }
-    const Call sub{Options(path.options(), std::move(given), spell), settings, call.shape};
-    const Job<Scalar> job = path.build(sub, Scalar());
     const std::string reason = "n_k " + std::to_string(call.shape.n_k) + (exact ? " < " : " >= ") +
                                "crossover " + std::to_string(crossover) + " (" + from + ")";
-    return [job, ran = std::string(path.name()), reason](const Scalar* q, const Scalar* k,
-                                                         const Scalar* v, Scalar* out) {
-      Report r = {{"method", ran}, {"auto_reason", reason}};
-      const Report fields = job(q, k, v, out);
-      r.insert(r.end(), fields.begin(), fields.end());
-      return r;
-    };
+    return {&path, Call{Options(path.options(), std::move(given), spell), settings, call.shape},
+            reason};
   }
 };
 

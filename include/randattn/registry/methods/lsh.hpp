@@ -3,14 +3,17 @@
 // exact buckets, r rounds. Under shared QK the keys are the normalised queries, each query's own
 // key excluded; separate keys are sorted by bucket apart from the queries, and each query chunk
 // attends to the key chunk at its sorted position and the one before (lsh/lsh_attention.hpp).
-// Every (batch, head) slice uses the same rotations.
+// Every (batch, head) slice uses the same rotations. Differentiable (lsh/lsh_gradient.hpp): the
+// hashes and chunks are held constant; under shared QK dq carries the key path too.
 
 #include <randattn/core/exact_attention.hpp>
 #include <randattn/lsh/lsh_attention.hpp>
+#include <randattn/lsh/lsh_gradient.hpp>
 
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -82,17 +85,10 @@ class LshMethod final : public TypedMethod<LshMethod> {
 
   template <typename Scalar>
   Job<Scalar> make(const Call& call) const {
-    const Options& o = call.options;
     const Settings& s = call.settings;
     auto hash = std::make_shared<const CrossPolytopeHash<Scalar>>(make_hash<Scalar>(call));
     const LshOptions opt = make_options(call);
-    Report report = {{"buckets", std::int64_t(hash->buckets())},
-                     {"chunk", opt.chunk},
-                     {"rounds", std::int64_t(hash->rounds())},
-                     {"rotation", o.given("rotations") ? std::string("file") : o.text("rotation")},
-                     {"dedupe", opt.dedupe},
-                     {"exact_buckets", opt.exact_buckets},
-                     {"seed", s.seed}};
+    const Report report = head_report(call, *hash, opt);
     return [hash, opt, report, s, shape = call.shape](const Scalar* q, const Scalar* k,
                                                       const Scalar* v, Scalar* out) {
       const auto start = std::chrono::steady_clock::now();
@@ -100,14 +96,16 @@ class LshMethod final : public TypedMethod<LshMethod> {
         lsh_attention_batched(*hash, q, v, out, shape, opt);
       else
         lsh_attention_batched(*hash, q, k, v, out, shape, opt);
-      const double lsh_seconds = seconds_since(start);
-      Report r = report;
-      if (s.report)
-        r.emplace_back("pairs_scored", pairs_scored(*hash, q, k, shape, opt, s.shared_qk));
-      if (s.compare) add_comparison(r, q, k, v, out, shape, opt, s.shared_qk, lsh_seconds);
-      return r;
+      return full_report(report, *hash, q, k, v, out, shape, opt, s, seconds_since(start));
     };
   }
+
+  bool differentiable() const override { return true; }
+
+  // Per (batch, head) slice, lsh_attention_forward and lsh_attention_backward (lsh_gradient.hpp)
+  // with the job's hash and options: the forward writes the job's bits.
+  template <typename Scalar>
+  GradientPtr<Scalar> make_gradient(const Call& call) const;
 
   // The options of lsh_attention the call selects (public: sparse-lowrank's lsh support).
   static LshOptions make_options(const Call& call) {
@@ -156,6 +154,33 @@ class LshMethod final : public TypedMethod<LshMethod> {
     return CrossPolytopeHash<Scalar>(std::move(m), r.shape[1]);
   }
 
+  // The report's entries known before the call.
+  template <typename Scalar>
+  static Report head_report(const Call& call, const CrossPolytopeHash<Scalar>& hash,
+                            const LshOptions& opt) {
+    const Options& o = call.options;
+    return {{"buckets", std::int64_t(hash.buckets())},
+            {"chunk", opt.chunk},
+            {"rounds", std::int64_t(hash.rounds())},
+            {"rotation", o.given("rotations") ? std::string("file") : o.text("rotation")},
+            {"dedupe", opt.dedupe},
+            {"exact_buckets", opt.exact_buckets},
+            {"seed", call.settings.seed}};
+  }
+
+  // The whole report of a call that took lsh_seconds and wrote out (the pairs scored and the
+  // comparison with exact attention when the settings ask, outside the timed call).
+  template <typename Scalar>
+  static Report full_report(Report r, const CrossPolytopeHash<Scalar>& hash, const Scalar* q,
+                            const Scalar* k, const Scalar* v, const Scalar* out,
+                            const BatchShape& shape, const LshOptions& opt, const Settings& s,
+                            double lsh_seconds) {
+    if (s.report)
+      r.emplace_back("pairs_scored", pairs_scored(hash, q, k, shape, opt, s.shared_qk));
+    if (s.compare) add_comparison(r, q, k, v, out, shape, opt, s.shared_qk, lsh_seconds);
+    return r;
+  }
+
  private:
   // The fraction of all (query, key) pairs the call scored (outside the timed call).
   template <typename Scalar>
@@ -202,5 +227,107 @@ class LshMethod final : public TypedMethod<LshMethod> {
     r.emplace_back("rel_error", relative_error(out, exact.data(), exact.size()));
   }
 };
+
+// The differentiable call of "lsh" on a plain (batch, heads, n, d) layout.
+template <typename Scalar>
+class LshGradient final : public Gradient<Scalar> {
+ public:
+  LshGradient(std::shared_ptr<const CrossPolytopeHash<Scalar>> hash, const LshOptions& opt,
+              const Settings& settings, const BatchShape& shape, Report report)
+      : hash_(std::move(hash)), opt_(opt), settings_(settings), shape_(shape),
+        report_(std::move(report)) {}
+
+  Report forward(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out) override {
+    const char* where = "lsh_attention_batched";
+    const bool shared = settings_.shared_qk;
+    const BatchShape& s = shape_;
+    randattn::detail::check_batch_qkv_output(where, s, q, shared ? nullptr : k, v, out,
+                                             shared ? "qk" : "q");
+    saved_.clear();
+    saved_.resize(std::size_t(s.slices()));
+    const auto start = std::chrono::steady_clock::now();
+    randattn::detail::for_each_slice(
+        where, s, q && v && out && (shared || k),
+        [&](Index i) {
+          const auto qs = slice_of(q, i, s.n_q, s.d);
+          const auto vs = slice_of(v, i, s.n_k, s.dv);
+          if (shared)
+            check_lsh_inputs<Scalar>(where, qs, vs, *hash_, opt_);
+          else
+            check_lsh_inputs<Scalar>(where, qs, slice_of(k, i, s.n_k, s.d), vs, *hash_, opt_);
+        },
+        [&](Index i) {
+          auto o = randattn::detail::slice_of(out, i, s.n_q, s.dv);
+          saved_[std::size_t(i)] =
+              shared ? lsh_attention_forward<Scalar>(*hash_, slice_of(q, i, s.n_q, s.d),
+                                                     slice_of(v, i, s.n_k, s.dv), o, opt_)
+                     : lsh_attention_forward<Scalar>(*hash_, slice_of(q, i, s.n_q, s.d),
+                                                     slice_of(k, i, s.n_k, s.d),
+                                                     slice_of(v, i, s.n_k, s.dv), o, opt_);
+        });
+    const double seconds = seconds_since(start);
+    q_ = q;
+    k_ = k;
+    v_ = v;
+    out_.assign(out, out + s.slices() * s.n_q * s.dv);
+    return LshMethod::full_report(report_, *hash_, q, k, v, out, s, opt_, settings_, seconds);
+  }
+
+  void backward(const Scalar* grad_out, Scalar* dq, Scalar* dk, Scalar* dv) override {
+    const BatchShape& s = shape_;
+    const bool shared = settings_.shared_qk;
+    if (Index(saved_.size()) != s.slices())
+      throw std::logic_error("randattn::registry: Gradient::backward() before forward()");
+    const char* where = "lsh_attention_backward";
+    randattn::detail::require(s.slices() * s.n_q == 0 || (grad_out && dq && dv && (shared || dk)),
+                              where, "null gradient pointer");
+    randattn::detail::require_finite(grad_out, s.slices() * s.n_q * s.dv, where, "grad_out");
+    randattn::detail::parallel_for(s.slices(), [&](Index i) {
+      auto dqs = slice_of(dq, i, s.n_q, s.d);
+      auto dvs = slice_of(dv, i, s.n_k, s.dv);
+      const auto os = slice_of(out_.data(), i, s.n_q, s.dv);
+      const auto gs = slice_of(grad_out, i, s.n_q, s.dv);
+      if (shared) {
+        if (s.n_q == 0) return;
+        lsh_attention_backward<Scalar>(saved_[std::size_t(i)], slice_of(q_, i, s.n_q, s.d),
+                                       slice_of(v_, i, s.n_k, s.dv), os, gs, dqs, dvs);
+      } else {
+        auto dks = slice_of(dk, i, s.n_k, s.d);
+        if (s.n_q == 0) {
+          dks.setZero();
+          dvs.setZero();
+          return;
+        }
+        lsh_attention_backward<Scalar>(saved_[std::size_t(i)], slice_of(q_, i, s.n_q, s.d),
+                                       slice_of(k_, i, s.n_k, s.d), slice_of(v_, i, s.n_k, s.dv),
+                                       os, gs, dqs, dks, dvs);
+      }
+    });
+  }
+
+ private:
+  template <typename T>
+  static auto slice_of(T* base, Index i, Index rows, Index cols) {
+    return randattn::detail::slice_of(base, i, rows, cols);
+  }
+
+  std::shared_ptr<const CrossPolytopeHash<Scalar>> hash_;
+  LshOptions opt_;
+  Settings settings_;
+  BatchShape shape_;
+  Report report_;
+  std::vector<LshResiduals<Scalar>> saved_;
+  const Scalar *q_ = nullptr, *k_ = nullptr, *v_ = nullptr;
+  std::vector<Scalar> out_;  // the forward's output (D = dO · o)
+};
+
+template <typename Scalar>
+GradientPtr<Scalar> LshMethod::make_gradient(const Call& call) const {
+  auto hash = std::make_shared<const CrossPolytopeHash<Scalar>>(make_hash<Scalar>(call));
+  const LshOptions opt = make_options(call);
+  Report report = head_report(call, *hash, opt);
+  return std::make_unique<LshGradient<Scalar>>(std::move(hash), opt, call.settings, call.shape,
+                                               std::move(report));
+}
 
 }  // namespace randattn::registry

@@ -1,0 +1,126 @@
+"""Attention attached to torch's autograd graph, and the NumPy backward.
+
+Every method whose registry entry declares a backward (``methods()[name]["differentiable"]``)
+runs its forward through ``_core.GradientCall``: the same bits as ``attention()``, keeping what the
+backward needs (row statistics, buckets, feature rows). The backward is the gradient of that same
+estimate: projections, hashes, filters and samples are fixed by the seed and the forward.
+"""
+
+import numpy as np
+
+from . import _core
+from ._arrays import _torch, is_tensor
+
+
+def _numpy(x):
+    """A tensor's values as NumPy (detached), or x itself."""
+    if is_tensor(x):
+        x = x.detach()
+        if x.is_neg():
+            x = x.resolve_neg()
+        if x.is_conj():
+            x = x.resolve_conj()
+        return x.numpy()
+    return x
+
+
+def _check_differentiable(method, option_gradients):
+    entry = _core.methods.get(method)
+    if entry is None:
+        return  # the registry names the unknown method
+    if not entry["differentiable"]:
+        able = ", ".join(name for name, m in _core.methods.items() if m["differentiable"])
+        raise ValueError(f"method {method!r} has no backward pass (methods with one: {able})")
+    for name in option_gradients:
+        if name not in entry["differentiable_options"]:
+            raise ValueError(f"method {method!r} has no gradient with respect to {name!r}")
+
+
+def gradient_call(q, k, v, method, causal, scale, seed, check_finite, threads, shared_qk, report, options,
+                  option_gradients=()):
+    """A ``_core.GradientCall`` on the values of q, k, v and the options (tensors detached)."""
+    _check_differentiable(method, option_gradients)
+    plain = {name: _numpy(value) for name, value in options.items()}
+    return _core.GradientCall(_numpy(q), None if k is None else _numpy(k), _numpy(v), method, causal, scale, seed,
+                              check_finite, threads, shared_qk, report, plain, list(option_gradients))
+
+
+def _function_class():
+    torch = _torch()
+    from torch.autograd.function import once_differentiable
+
+    class AttentionFunction(torch.autograd.Function):
+        """forward(call, report_box, option_name, q, k, v, option) -> out; the option tensor (a
+        learned ω) takes part only for its gradient."""
+
+        @staticmethod
+        def forward(ctx, call, report_box, option_name, q, k, v, option):
+            result = call.forward()
+            if isinstance(result, tuple):
+                result, report_box[0] = result
+            ctx.call, ctx.option_name = call, option_name
+            ctx.shapes = [None if t is None else (t.shape, t.dtype) for t in (q, k, v, option)]
+            ctx.save_for_backward(q, k, v, option)
+            return torch.from_numpy(result)
+
+        @staticmethod
+        @once_differentiable
+        def backward(ctx, grad_out):
+            ctx.saved_tensors  # raises if an input was changed in place since the forward
+            dq, dk, dv, options = ctx.call.backward(grad_out.detach().contiguous().numpy())
+            grads = [torch.from_numpy(dq), None if dk is None else torch.from_numpy(dk), torch.from_numpy(dv)]
+            option_grad = None
+            if ctx.option_name is not None and ctx.option_name in options:
+                shape, dtype = ctx.shapes[3]
+                option_grad = torch.from_numpy(options[ctx.option_name].reshape(tuple(shape))).to(dtype)
+            needs = ctx.needs_input_grad
+            return (None, None, None, grads[0] if needs[3] else None, grads[1] if needs[4] else None,
+                    grads[2] if needs[5] else None, option_grad if needs[6] else None)
+
+    return AttentionFunction
+
+
+_FUNCTION = []
+
+
+def attention_with_grad(q, k, v, *, method, causal, scale, seed, check_finite, threads, shared_qk, report, options):
+    """``attention()`` on torch tensors, attached to the autograd graph."""
+    torch = _torch()
+    learned = [name for name, value in options.items()
+               if isinstance(value, torch.Tensor) and value.requires_grad]
+    if len(learned) > 1:
+        raise ValueError(f"at most one option can require grad, got {', '.join(learned)}")
+    option_name = learned[0] if learned else None
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: a differentiable call takes torch tensors for q, k and v, got "
+                            f"{type(t).__name__}")
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"{name} is on device {t.device}; randattn runs on the CPU: move it with .cpu()")
+    call = gradient_call(q, k, v, method, causal, scale, seed, check_finite, threads, shared_qk, report, options,
+                         [option_name] if option_name else [])
+    if not _FUNCTION:
+        _FUNCTION.append(_function_class())
+    report_box = [None]
+    out = _FUNCTION[0].apply(call, report_box, option_name, q, k, v, options.get(option_name) if option_name
+                             else None)
+    return (out, report_box[0]) if report else out
+
+
+def needs_grad(*tensors):
+    """True when grad is enabled and a torch tensor among ``tensors`` requires grad."""
+    torch = _torch()
+    return (torch is not None and torch.is_grad_enabled()
+            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors))
+
+
+def attention_backward(q, k, v, grad_out, *, method="exact", causal=False, scale=None, seed=0, check_finite=True,
+                       threads=None, shared_qk=False, **options):
+    """(dq, dk, dv): the gradients of sum(grad_out * attention(q, k, v, ...)) with respect to
+    q, k and v, for NumPy arrays (dk is None under shared_qk, where dq includes the path through
+    the keys). Same arguments as ``attention()``; grad_out has the output's shape and dtype and
+    must be finite (ValueError otherwise)."""
+    call = gradient_call(q, k, v, method, causal, scale, seed, check_finite, threads, shared_qk, False, options)
+    call.forward()
+    dq, dk, dv, _ = call.backward(np.asarray(_numpy(grad_out)))
+    return dq, dk, dv

@@ -1,0 +1,160 @@
+"""Gradients through torch autograd and randattn.attention_backward: torch.autograd.gradcheck
+(central finite differences in float64, atol 1e-5, rtol 1e-3) for every method with a backward,
+2-D and 4-D, causal and not, with grouped-query heads and key padding; the forward's bits with
+grad enabled; learned projections; and the errors of bad gradients and misuse."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import randattn  # noqa: E402
+import randattn.torch  # noqa: E402
+
+# Small options of every method: enough features, rounds and filters to exercise the paths at
+# n = 37 (no multiple of any chunk or block, spanning several).
+OPTIONS = {
+    "exact": {},
+    "favor": {"features": 16},
+    "favor-hyp": {"features": 8},
+    "trig": {"features": 8},
+    "oprf": {"features": 16, "fit": "given", "rho": 1.0},
+    "sderf": {"features": 16, "fit": "given", "rho": 1.0},
+    "hybrid": {"features": 8, "lambda_features": 4},
+    "hybrid-gaussian": {"features": 8, "lambda_features": 4},
+    "lsh": {"chunk": 8, "rounds": 2},
+    "lsf": {"filters": 16, "tables": 2, "eta": 0.3},
+    "sparse-lowrank": {"support": "window", "window": 8, "remainder": "favor", "features": 16},
+    "auto": {"approximation": "favor", "crossover": 0, "features": 16},
+}
+DIFFERENTIABLE = [name for name, m in randattn.methods().items() if m["differentiable"]]
+
+
+def inputs(shape_q, shape_kv, dv, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q = (0.5 * torch.randn(*shape_q, generator=g, dtype=dtype)).requires_grad_()
+    k = (0.5 * torch.randn(*shape_kv, generator=g, dtype=dtype)).requires_grad_()
+    v = torch.randn(*shape_kv[:-1], dv, generator=g, dtype=dtype).requires_grad_()
+    return q, k, v
+
+
+@pytest.mark.parametrize("method", DIFFERENTIABLE)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck_2d(method, causal):
+    q, k, v = inputs((37, 4), (37, 4), 3, seed=1)
+    options = dict(OPTIONS[method])
+    torch.autograd.gradcheck(
+        lambda q, k, v: randattn.attention(q, k, v, method=method, causal=causal, seed=2, **options),
+        (q, k, v), eps=1e-6, atol=1e-5, rtol=1e-3)
+
+
+@pytest.mark.parametrize("method", DIFFERENTIABLE)
+def test_gradcheck_grouped_heads_and_key_padding(method):
+    # 4 query heads over 2 key/value heads; batch item 1 has two padded keys in the middle.
+    q, k, v = inputs((2, 4, 13, 3), (2, 2, 13, 3), 2, seed=3)
+    mask = np.zeros((2, 13), dtype=bool)
+    mask[1, 5:7] = True
+    options = dict(OPTIONS[method])
+    torch.autograd.gradcheck(
+        lambda q, k, v: randattn.attention(q, k, v, method=method, causal=True, seed=4, key_padding_mask=mask,
+                                           **options),
+        (q, k, v), eps=1e-6, atol=1e-5, rtol=1e-3)
+
+
+@pytest.mark.parametrize("method", DIFFERENTIABLE)
+def test_forward_bits_do_not_change_with_grad(method):
+    q, k, v = inputs((1, 2, 37, 4), (1, 2, 37, 4), 3, seed=5, dtype=torch.float32)
+    options = dict(OPTIONS[method])
+    with_grad, report = randattn.attention(q, k, v, method=method, seed=6, report=True, **options)
+    assert with_grad.requires_grad and with_grad.grad_fn is not None
+    assert report["method"] in (method, "favor")
+    plain = randattn.attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), method=method, seed=6,
+                               **options)
+    np.testing.assert_array_equal(with_grad.detach().numpy(), plain)
+
+
+@pytest.mark.parametrize("method", DIFFERENTIABLE)
+def test_numpy_backward_is_the_autograd_backward(method):
+    q, k, v = inputs((37, 4), (37, 4), 3, seed=7)
+    g = torch.randn(37, 3, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    options = dict(OPTIONS[method])
+    out = randattn.attention(q, k, v, method=method, causal=True, seed=9, **options)
+    out.backward(g)
+    dq, dk, dv = randattn.attention_backward(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(),
+                                             g.numpy(), method=method, causal=True, seed=9, **options)
+    np.testing.assert_array_equal(dq, q.grad.numpy())
+    np.testing.assert_array_equal(dk, k.grad.numpy())
+    np.testing.assert_array_equal(dv, v.grad.numpy())
+
+
+def test_float32_gradients_are_close_to_float64():
+    # Exact attention at n = 300: every gradient is a sum over at most n terms of products of
+    # O(1) factors and exponentials, so float32's relative error is at most ~n·eps32 ≈ 3.6e-5
+    # per sum; 1e-3 of the gradient's norm leaves room for the three chained products.
+    q, k, v = inputs((300, 8), (300, 8), 4, seed=10)
+    g = torch.randn(300, 4, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    grads = {}
+    for dtype in (torch.float32, torch.float64):
+        args = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        randattn.attention(*args, method="exact", causal=True).backward(g.to(dtype))
+        grads[dtype] = [a.grad.double() for a in args]
+    for g32, g64 in zip(grads[torch.float32], grads[torch.float64]):
+        assert float((g32 - g64).norm() / g64.norm()) < 300 * np.finfo(np.float32).eps * 4
+
+
+def test_module_trains_and_learns_its_projection():
+    torch.manual_seed(0)
+    attn = randattn.torch.Attention("favor", features=16, learn_projection=True, head_dim=8, seed=1)
+    assert isinstance(attn.omega, torch.nn.Parameter) and attn.omega.shape == (16, 8)
+    assert attn.omega.dtype == torch.float32
+    drawn = randattn.FeatureMap("positive", 8, seed=1, features=16).omega
+    np.testing.assert_array_equal(attn.omega.detach().numpy(), drawn.astype(np.float32))
+    attn.double()
+    assert attn.omega.dtype == torch.float64
+    q, k, v = inputs((1, 2, 21, 8), (1, 2, 21, 8), 4, seed=12)
+    w = attn.omega.detach().clone().requires_grad_()
+    torch.autograd.gradcheck(
+        lambda q, k, v, w: randattn.attention(q, k, v, method="favor", causal=True, omega=w),
+        (q, k, v, w), eps=1e-6, atol=1e-5, rtol=1e-3)
+    out = attn(q, k, v, is_causal=True)
+    out.square().sum().backward()
+    assert attn.omega.grad is not None and torch.isfinite(attn.omega.grad).all()
+    before = attn.omega.detach().clone()
+    attn.redraw(5)
+    assert not torch.equal(before, attn.omega.detach())
+    redrawn = randattn.FeatureMap("positive", 8, seed=5, features=16).omega.astype(np.float32)
+    np.testing.assert_array_equal(attn.omega.detach().numpy(), redrawn.astype(np.float64))
+
+
+def test_errors():
+    q, k, v = inputs((9, 4), (9, 4), 3, seed=13)
+    with pytest.raises(ValueError, match="out cannot hold a result that needs a gradient"):
+        randattn.attention(q, k, v, out=torch.empty(9, 3, dtype=torch.float64))
+    # A backward after an input changed in place.
+    base = q * 1
+    out = randattn.attention(base, k, v)
+    with torch.no_grad():
+        base.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    # Double backward.
+    out = randattn.attention(q, k, v)
+    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|differentiate twice"):
+        dq.sum().backward()
+    # grad_out: wrong shape, dtype, non-finite.
+    qn, kn, vn = (t.detach().numpy() for t in (q, k, v))
+    with pytest.raises(ValueError, match="shape"):
+        randattn.attention_backward(qn, kn, vn, np.ones((9, 4)))
+    with pytest.raises(ValueError, match="dtype"):
+        randattn.attention_backward(qn, kn, vn, np.ones((9, 3), dtype=np.float32))
+    bad = np.ones((9, 3))
+    bad[2, 1] = np.nan
+    with pytest.raises(ValueError, match="non-finite"):
+        randattn.attention_backward(qn, kn, vn, bad)
+    with pytest.raises(ValueError, match="learn_projection"):
+        randattn.torch.Attention("exact", learn_projection=True, head_dim=4)
+    for name, m in randattn.methods().items():
+        if not m["differentiable"]:
+            with pytest.raises(ValueError, match="has no backward pass"):
+                randattn.attention(q, k, v, method=name, **OPTIONS.get(name, {}))

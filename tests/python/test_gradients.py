@@ -27,7 +27,7 @@ OPTIONS = {
     "sparse-lowrank": {"support": "window", "window": 8, "remainder": "favor", "features": 16},
     "auto": {"approximation": "favor", "crossover": 0, "features": 16},
 }
-DIFFERENTIABLE = [name for name, m in randattn.methods().items() if m["differentiable"]]
+DIFFERENTIABLE = [name for name, m in randattn.methods().items() if m["differentiable"] and name != "auto"]
 
 
 def inputs(shape_q, shape_kv, dv, seed, dtype=torch.float64):

@@ -725,10 +725,14 @@ SoftmaxAccumulator<Scalar> lsf_slice(const Eigen::Ref<const RowMatrix<Scalar>>& 
                                      std::unique_ptr<LsfSlice<Scalar>>* keep = nullptr) {
   // A key is scored once per table it shares with the query: up to tables terms per key.
   const int e = value_headroom(v, double(v.rows()) * double(filters.tables()));
-  // keep: the filters' choices stay with the caller, for a backward.
-  std::unique_ptr<LsfSlice<Scalar>> kept = std::make_unique<LsfSlice<Scalar>>(q, k, filters, opt);
-  const LsfSlice<Scalar>& slice = *kept;
-  if (keep) *keep = std::move(kept);
+  // keep: the filters' choices stay with the caller, for a backward; without it the slice lives
+  // on the stack (a forward allocates nothing its pools do not give back).
+  std::optional<LsfSlice<Scalar>> local;
+  if (keep)
+    *keep = std::make_unique<LsfSlice<Scalar>>(q, k, filters, opt);
+  else
+    local.emplace(q, k, filters, opt);
+  const LsfSlice<Scalar>& slice = keep ? **keep : *local;
   if (e == 0) {
     if (value_exponent) *value_exponent = 0;
     return slice.attend(q, k, v, scale);

@@ -628,7 +628,8 @@ class LayoutGradient final : public Gradient<Scalar> {
     plan_.emplace(*method_, call_, layout_, k, v);
     has_keys_ = k != nullptr;
     const auto& slices = plan_->slices();
-    pieces_.assign(slices.size(), {});
+    pieces_.clear();
+    pieces_.resize(slices.size());
     for (std::size_t i = 0; i < slices.size(); ++i)
       for (const PiecePlan& p : plan_->pieces(slices[i])) {
         PieceState state{p, nullptr, {}};

@@ -7,9 +7,11 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "gradient_check.hpp"
@@ -22,7 +24,7 @@ using randattn::RowMatrix;
 
 namespace {
 
-const reg::Spelling kPython{false};
+const reg::Spelling kPythonSpelling{false};
 
 // One registered call on (batch, heads, n, d) queries and (batch, kv_heads, n, ·) keys and
 // values, under a layout: its job, and its differentiable form.
@@ -33,9 +35,11 @@ struct LayoutCall {
   Index kv_heads;
   std::map<std::string, reg::IndexArray> given;
   bool causal = false, exclude_self = false;
+  std::vector<std::string> option_gradients;  // array options whose gradient is checked
 
   reg::Call call(const reg::Method& m, reg::Layout& layout) const {
     reg::Settings settings;
+    settings.option_gradients = option_gradients;
     settings.causal = causal;
     settings.exclude_self = exclude_self;
     settings.seed = 3;
@@ -43,14 +47,14 @@ struct LayoutCall {
     const std::vector<std::int64_t> qs{shape.batch, shape.heads, shape.n_q, shape.d},
         ks{shape.batch, kv_heads, shape.n_k, shape.d},
         vs{shape.batch, kv_heads, shape.n_k, shape.dv};
-    layout = reg::make_layout(m, given, reg::call_shape(qs, &ks, vs, kPython), settings, kPython);
-    return reg::make_call(m, options, settings, shape, kPython);
+    layout = reg::make_layout(m, given, reg::call_shape(qs, &ks, vs, kPythonSpelling), settings, kPythonSpelling);
+    return reg::make_call(m, options, settings, shape, kPythonSpelling);
   }
 
   template <typename Scalar>
   RowMatrix<Scalar> forward(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k,
                             const RowMatrix<Scalar>& v) const {
-    const reg::Method& m = reg::find_method(method, kPython);
+    const reg::Method& m = reg::find_method(method, kPythonSpelling);
     reg::Layout layout;
     const reg::Call c = call(m, layout);
     RowMatrix<Scalar> out(q.rows(), v.cols());
@@ -59,15 +63,16 @@ struct LayoutCall {
   }
 };
 
-// Inputs stored as (rows, cols) matrices of the flattened (batch, heads, n, ·) arrays.
-void check_layout_gradients(const LayoutCall& lc) {
+// Inputs stored as (rows, cols) matrices of the flattened (batch, heads, n, ·) arrays; the
+// gradients of the array options lc.option_gradients names are checked too.
+void check_layout_gradients(LayoutCall lc) {
   const BatchShape& s = lc.shape;
   RowMatrix<double> q = testing::gaussian<double>(11, s.batch * s.heads * s.n_q, s.d);
   RowMatrix<double> k = testing::gaussian<double>(12, s.batch * lc.kv_heads * s.n_k, s.d);
   RowMatrix<double> v = testing::gaussian<double>(13, s.batch * lc.kv_heads * s.n_k, s.dv);
   const RowMatrix<double> g = testing::gaussian<double>(14, q.rows(), s.dv);
 
-  const reg::Method& m = reg::find_method(lc.method, kPython);
+  const reg::Method& m = reg::find_method(lc.method, kPythonSpelling);
   reg::Layout layout;
   const reg::Call c = lc.call(m, layout);
   reg::GradientPtr<double> grad = reg::build_gradient<double>(m, c, layout);
@@ -81,6 +86,23 @@ void check_layout_gradients(const LayoutCall& lc) {
   testing::check_gradient("dq", q, dq, f);
   testing::check_gradient("dk", k, dk, f);
   testing::check_gradient("dv", v, dv, f);
+
+  const auto option_grads = grad->option_gradients();
+  REQUIRE(option_grads.size() == lc.option_gradients.size());
+  for (const auto& [name, values] : option_grads) {
+    auto& array = std::get<reg::ArrayValue>(lc.options.at(name));
+    REQUIRE(array.shape.size() == 2);
+    REQUIRE(values.size() == array.data.size());
+    RowMatrix<double> x = Eigen::Map<const RowMatrix<double>>(array.data.data(), array.shape[0],
+                                                              array.shape[1]);
+    const RowMatrix<double> gx = Eigen::Map<const RowMatrix<double>>(values.data(), x.rows(),
+                                                                     x.cols());
+    const auto f_option = [&] {
+      std::copy(x.data(), x.data() + x.size(), array.data.begin());
+      return testing::contract(g, lc.forward(q, k, v));
+    };
+    testing::check_gradient(name, x, gx, f_option);
+  }
 }
 
 reg::IndexArray array(std::vector<std::int64_t> shape, std::vector<std::int64_t> data,
@@ -91,26 +113,34 @@ reg::IndexArray array(std::vector<std::int64_t> shape, std::vector<std::int64_t>
 }  // namespace
 
 TEST_CASE("Gradients under key layouts equal finite differences", "[gradients][layout]") {
-  const std::string method = GENERATE(as<std::string>{}, "exact", "lsf");
+  const std::string method = GENERATE(as<std::string>{}, "exact", "lsf", "favor");
   std::map<std::string, reg::Value> options;
   if (method == "lsf") options = {{"filters", std::int64_t(8)}, {"tables", std::int64_t(2)}, {"eta", 0.3}};
+  if (method == "favor") {  // a given projection, summed over every piece that used it
+    const RowMatrix<double> omega = testing::gaussian<double>(15, 6, 3);
+    options = {{"omega", reg::ArrayValue{{6, 3}, {omega.data(), omega.data() + omega.size()}, "omega"}}};
+  }
+  const std::vector<std::string> option_gradients =
+      method == "favor" ? std::vector<std::string>{"omega"} : std::vector<std::string>{};
   const BatchShape shape{2, 4, 9, 9, 3, 2};
   const bool causal = GENERATE(false, true);
   CAPTURE(method, causal);
   SECTION("grouped heads with key lengths (a prefix)") {
-    check_layout_gradients(
-        {method, options, shape, 2, {{"key_lengths", array({2}, {6, 9})}}, causal});
+    check_layout_gradients({method, options, shape, 2, {{"key_lengths", array({2}, {6, 9})}},
+                            causal, false, option_gradients});
   }
   SECTION("scattered key padding") {
     std::vector<std::int64_t> mask(2 * 9, 0);
     mask[2] = mask[3] = mask[7] = 1;      // batch item 0: two runs of padding
     mask[9 + 0] = mask[9 + 8] = 1;        // batch item 1: first and last
-    check_layout_gradients(
-        {method, options, shape, 4, {{"key_padding_mask", array({2, 9}, mask, true)}}, causal});
+    check_layout_gradients({method, options, shape, 4,
+                            {{"key_padding_mask", array({2, 9}, mask, true)}}, causal, false,
+                            option_gradients});
   }
   SECTION("packed sequences") {
-    check_layout_gradients(
-        {method, options, shape, 1, {{"cu_seqlens", array({4}, {0, 4, 5, 9})}}, causal});
+    check_layout_gradients({method, options, shape, 1,
+                            {{"cu_seqlens", array({4}, {0, 4, 5, 9})}}, causal, false,
+                            option_gradients});
   }
   if (method == "exact") {
     SECTION("self-exclusion with scattered padding") {
@@ -132,7 +162,7 @@ TEST_CASE("Masked keys get zero gradients and a key read by several heads sums t
   const RowMatrix<double> k = testing::gaussian<double>(2, 7, 3);
   const RowMatrix<double> v = testing::gaussian<double>(3, 7, 2);
   const RowMatrix<double> g = testing::gaussian<double>(4, 4 * 7, 2);
-  const reg::Method& m = reg::find_method("exact", kPython);
+  const reg::Method& m = reg::find_method("exact", kPythonSpelling);
   reg::Layout layout;
   const reg::Call c = lc.call(m, layout);
   reg::GradientPtr<double> grad = reg::build_gradient<double>(m, c, layout);

@@ -27,6 +27,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <stdexcept>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -153,12 +156,32 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
     return [call](const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out) {
       const detail::SliceView<Scalar> data{q, k, call.shape};
       return with_map<Scalar>(call, &data, [&](const auto& maps, const RandomFeatureOptions& opt) {
-        if (maps.size() == 1)
-          random_feature_attention_batched(maps.front(), q, k, v, out, call.shape, opt);
-        else
-          detail::per_slice_feature_attention(maps, q, k, v, out, call.shape, opt);
+        attend(maps, q, k, v, out, call.shape, opt);
       });
     };
+  }
+
+  // Every family's map has a vector–Jacobian product (features_vjp); the families on a given
+  // projection also differentiate it ("omega").
+  bool differentiable() const override { return has_features_vjp<FamilyMap<double>>::value; }
+  std::vector<std::string> differentiable_options() const override {
+    if (Family::uses_omega && differentiable()) return {"omega"};
+    return {};
+  }
+
+  template <typename Scalar>
+  GradientPtr<Scalar> make_gradient(const Call& call) const;
+
+  // The forward of one call on its maps: one map for every slice, or each slice its own.
+  template <typename Map>
+  static void attend(const detail::SliceMaps<Map>& maps, const typename Map::Scalar* q,
+                     const typename Map::Scalar* k, const typename Map::Scalar* v,
+                     typename Map::Scalar* out, const BatchShape& shape,
+                     const RandomFeatureOptions& opt) {
+    if (maps.size() == 1)
+      random_feature_attention_batched(maps.front(), q, k, v, out, shape, opt);
+    else
+      detail::per_slice_feature_attention(maps, q, k, v, out, shape, opt);
   }
 
   // Checks the options against the shape before anything runs.
@@ -268,6 +291,12 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
   }
 
  private:
+  // The map type a family builds (on an orthogonal projection; hybrids draw their own).
+  template <typename Scalar>
+  using FamilyMap = decltype(Family::template make<Scalar>(
+      std::declval<OrthogonalProjection<Scalar>>(), std::declval<const Options&>(),
+      std::uint64_t(), std::int64_t()));
+
   // Maps with a fit(q, k, normaliser) step (oprf, sderf).
   template <typename Map, typename = void>
   struct is_fitted : std::false_type {};
@@ -341,6 +370,125 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
     return sum / double(std::max<Index>(1, data.shape.slices()));
   }
 };
+
+namespace detail {
+
+// The gradient of a feature-method call. The forward builds the call's maps exactly as its job
+// does (drawn from the seed, fitted maps fitted to this call's rows) and keeps them; the backward
+// differentiates each slice with its map held fixed (attention/random_feature_backward.hpp), so
+// a fitted map's parameters count as constants. The gradient of "omega" is summed over the
+// slices in slice order, independent of the thread count.
+template <typename Family, typename Scalar>
+class FeatureGradient final : public Gradient<Scalar> {
+  using Method = FeatureMethod<Family>;
+
+ public:
+  explicit FeatureGradient(const Call& call)
+      : call_(call),
+        want_omega_(std::find(call.settings.option_gradients.begin(),
+                              call.settings.option_gradients.end(),
+                              "omega") != call.settings.option_gradients.end()) {}
+
+  Report forward(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out) override {
+    const BatchShape& shape = call_.shape;
+    const SliceView<Scalar> data{q, k, shape};
+    return Method::template with_map<Scalar>(
+        call_, &data, [&](const auto& maps, const RandomFeatureOptions& opt) {
+          Method::attend(maps, q, k, v, out, shape, opt);
+          // The caller's out may change before the backward: keep a copy.
+          std::vector<Scalar> kept(out, out + shape.slices() * shape.n_q * shape.dv);
+          backward_ = [this, maps, opt, q, k, v, kept = std::move(kept)](
+                          const Scalar* grad_out, Scalar* dq, Scalar* dk, Scalar* dv) {
+            run_backward(maps, opt, q, k, v, kept.data(), grad_out, dq, dk, dv);
+          };
+        });
+  }
+
+  void backward(const Scalar* grad_out, Scalar* dq, Scalar* dk, Scalar* dv) override {
+    if (!backward_)
+      throw std::logic_error("randattn::registry: Gradient::backward() before forward()");
+    backward_(grad_out, dq, dk, dv);
+  }
+
+  std::vector<std::pair<std::string, std::vector<double>>> option_gradients() const override {
+    if (!want_omega_) return {};
+    return {{"omega", d_omega_}};
+  }
+
+ private:
+  template <typename Map>
+  void run_backward(const SliceMaps<Map>& maps, const RandomFeatureOptions& opt, const Scalar* q,
+                    const Scalar* k, const Scalar* v, const Scalar* out, const Scalar* grad_out,
+                    Scalar* dq, Scalar* dk, Scalar* dv) {
+    namespace rd = randattn::detail;
+    const char* where = "random_feature_attention_backward";
+    const BatchShape& s = call_.shape;
+    const auto slice = [&](auto* base, Index i, Index rows, Index cols) {
+      return rd::slice_of(base, i, rows, cols);
+    };
+    const Index m = want_omega_ ? omega_rows(maps.front()) : 0;
+    std::vector<RowMatrix<Scalar>> d_omega(want_omega_ ? std::size_t(s.slices()) : 0,
+                                           RowMatrix<Scalar>::Zero(m, s.d));
+    if (s.n_q == 0) {  // no output: nothing flows back
+      std::fill(dk, dk + s.slices() * s.n_k * s.d, Scalar(0));
+      std::fill(dv, dv + s.slices() * s.n_k * s.dv, Scalar(0));
+    }
+    rd::for_each_slice(
+        where, s, grad_out && dq && dk && dv,
+        [&](Index i) {
+          const Map& map = maps.of_slice(i);
+          rd::check_feature_backward_slice(
+              where, map, slice(q, i, s.n_q, s.d), slice(k, i, s.n_k, s.d),
+              slice(v, i, s.n_k, s.dv), slice(out, i, s.n_q, s.dv),
+              slice(grad_out, i, s.n_q, s.dv), rd::feature_attention_settings(where, map, opt),
+              opt.check_finite);
+        },
+        [&](Index i) {
+          const Map& map = maps.of_slice(i);
+          rd::feature_attention_backward_slice(
+              where, map, slice(q, i, s.n_q, s.d), slice(k, i, s.n_k, s.d),
+              slice(v, i, s.n_k, s.dv), slice(out, i, s.n_q, s.dv),
+              slice(grad_out, i, s.n_q, s.dv), rd::feature_attention_settings(where, map, opt),
+              slice(dq, i, s.n_q, s.d), slice(dk, i, s.n_k, s.d), slice(dv, i, s.n_k, s.dv),
+              want_omega_ ? &d_omega[std::size_t(i)] : nullptr);
+        });
+    if (!want_omega_) return;
+    RowMatrix<double> total = RowMatrix<double>::Zero(m, s.d);
+    for (const RowMatrix<Scalar>& part : d_omega) total += part.template cast<double>();
+    d_omega_.assign(total.data(), total.data() + total.size());
+  }
+
+  // The rows of the dense projection a map's ω gradient has (maps on a given projection).
+  template <typename Map>
+  static Index omega_rows(const Map& map) {
+    if constexpr (Family::uses_omega)
+      return map.projection().features();
+    else
+      return 0;
+  }
+
+  Call call_;
+  bool want_omega_;
+  std::function<void(const Scalar*, Scalar*, Scalar*, Scalar*)> backward_;
+  std::vector<double> d_omega_;
+};
+
+}  // namespace detail
+
+template <typename Family>
+template <typename Scalar>
+GradientPtr<Scalar> FeatureMethod<Family>::make_gradient(const Call& call) const {
+  check(call);
+  const Options& o = call.options;
+  if (call.settings.exclude_self)
+    throw OptionError(std::string("method '") + Family::name +
+                      "' has no backward pass with exclude_self");
+  for (const std::string& option : call.settings.option_gradients)
+    if (option == "omega" && !o.given("omega"))
+      throw OptionError("the gradient of " + o.spelled("omega") + " needs " + o.spelled("omega") +
+                        " given");
+  return std::make_unique<detail::FeatureGradient<Family, Scalar>>(call);
+}
 
 // One map on the given projection.
 template <template <typename, typename> class Map>

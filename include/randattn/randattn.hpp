@@ -36,6 +36,7 @@
 #include "random/philox.hpp"
 #include "random/streams.hpp"
 #include "sparse/sparse_lowrank_attention.hpp"
+#include "sparse/sparse_lowrank_backward.hpp"
 #include "sketch/hosvd.hpp"
 #include "sketch/sparse_attention.hpp"
 #include "sketch/sparse_tensor.hpp"

@@ -43,9 +43,45 @@ struct SampledRemainder {
   Index block_size = 64;   // key blocks of the bound
 };
 
+namespace detail {
+
+// What sampled_remainder_merge drew, kept for a backward pass (sparse_lowrank_backward.hpp): per
+// query its drawn keys with their weights 1/p, the blocks it sampled (the others' keys were taken
+// with p = 1), and per sampled block the inclusion probability p and the keys it held outside
+// the support. Each row is written by the thread that draws it.
+template <typename Scalar>
+struct SampledDraws {
+  std::vector<std::vector<std::int32_t>> keys;
+  std::vector<std::vector<Scalar>> weights;
+  std::vector<Index> sampled_blocks;
+  RowMatrix<double> probability;  // n_q x blocks
+  Eigen::Matrix<Index, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> outside;  // n_q x blocks
+
+  void start(Index n_q, Index blocks) {
+    keys.assign(std::size_t(n_q), {});
+    weights.assign(std::size_t(n_q), {});
+    sampled_blocks.assign(std::size_t(n_q), 0);
+    probability.setZero(n_q, blocks);
+    outside.setZero(n_q, blocks);
+  }
+  void keep(Index i, const std::vector<std::int32_t>& cols, const Scalar* weight,
+            const double* prob, const std::vector<Index>& outside_keys, Index sampled) {
+    keys[std::size_t(i)].assign(cols.begin(), cols.end());
+    weights[std::size_t(i)].assign(weight, weight + cols.size());
+    sampled_blocks[std::size_t(i)] = sampled;
+    for (Index b = 0; b < sampled; ++b) {
+      probability(i, b) = prob[b];
+      outside(i, b) = outside_keys[std::size_t(b)];
+    }
+  }
+};
+
+}  // namespace detail
+
 // Merges the sampled remainder of every query into acc: q n_q x d (raw), k n_k x d (raw, for the
 // logits), bound_keys n_k x d (the keys the bounds see, centred or not), v n_k x dv. `rng` and
-// row_offset + i key the draws of query i. Returns the number of keys drawn.
+// row_offset + i key the draws of query i. Returns the number of keys drawn. `draws` (if given)
+// receives what was drawn, for a backward pass.
 template <typename Scalar>
 Index sampled_remainder_merge(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                               const Eigen::Ref<const RowMatrix<Scalar>>& k,
@@ -53,7 +89,8 @@ Index sampled_remainder_merge(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                               const Eigen::Ref<const RowMatrix<Scalar>>& v, const TargetSets& sets,
                               const SampledRemainder& rule, Scalar scale, bool causal,
                               const Philox& rng, std::uint64_t row_offset,
-                              SoftmaxAccumulator<Scalar>& acc) {
+                              SoftmaxAccumulator<Scalar>& acc,
+                              detail::SampledDraws<Scalar>* draws = nullptr) {
   const char* where = "sampled_remainder";
   detail::require(rule.samples > 0 && std::isfinite(rule.samples), where,
                   "samples must be positive and finite, got ", rule.samples);
@@ -66,6 +103,7 @@ Index sampled_remainder_merge(const Eigen::Ref<const RowMatrix<Scalar>>& q,
   constexpr Index kRows = 64;
   const Index tasks = (n_q + kRows - 1) / kRows;
   std::atomic<Index> drawn{0};
+  if (draws) draws->start(n_q, blocks);
   detail::parallel_for(tasks, [&](Index t) {
     const Index i0 = t * kRows, rows = std::min(kRows, n_q - i0);
     // From the thread's pool. A query draws each valid key at most once.
@@ -123,6 +161,7 @@ Index sampled_remainder_merge(const Eigen::Ref<const RowMatrix<Scalar>>& q,
             weight(Index(cols.size())) = Scalar(1);
             cols.push_back(static_cast<std::int32_t>(j));
           }
+      if (draws) draws->keep(i, cols, weight.data(), prob.data(), outside, sampled);
       drawn += Index(cols.size());
       kernel.attend(q, k, v, scale, i, cols.data(), weight.data(), Index(cols.size()), acc);
     }

@@ -31,6 +31,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -134,16 +135,45 @@ TargetSets support_sets(const Eigen::Ref<const RowMatrix<Scalar>>& q,
   return union_of(ptrs, count);
 }
 
+// The discrete choices of one call, kept by sparse_lowrank_forward for its backward
+// (sparse_lowrank_backward.hpp).
+template <typename Scalar>
+struct SparseLowRankChoices {
+  TargetSets exact;             // the keys E scores (after the self rule); see below
+  TargetSets left_out;          // exclude_self: the keys the remainder leaves out, S_i ∪ {i}
+  Eigen::RowVectorXd key_mean;  // centre_keys: the mean the supports and the sampling bounds saw
+  // E by sort-and-chunk LSH's own kernel: its chunks and the rows its rounds left without a target
+  // (the fallback), so that the backward walks the same tiles, and the LSH options it ran with.
+  // `exact` is then kept only if the call built it.
+  std::optional<LshChoices> lsh_kernel;
+  LshOptions lsh_options;
+  bool multiset = false;                 // E by LSH's own exact-bucket kernel over multiset rounds
+  SampledDraws<Scalar> draws;            // sampled remainder: what was drawn
+  RandomFeatureOptions feature_options;  // feature remainder: the options it ran with
+  std::vector<char> remainder_kept;      // feature remainder: rows whose estimate was kept
+
+  // Keeps the feature remainder's rows that the denominator rule (and a full support) left, and
+  // hands the remainder on.
+  const SoftmaxAccumulator<Scalar>& note_remainder(const SoftmaxAccumulator<Scalar>& r) {
+    constexpr Scalar kNone = -std::numeric_limits<Scalar>::infinity();
+    remainder_kept.resize(std::size_t(r.rows()));
+    for (Index i = 0; i < r.rows(); ++i) remainder_kept[std::size_t(i)] = r.log_scale()(i) != kNone;
+    return r;
+  }
+};
+
 }  // namespace detail
 
 // Unnormalised result as an accumulator: q n_q x d, k n_k x d, v n_k x dv. `stats` (if given)
 // receives what the call did; pairs are counted only then or when the remainder needs them.
+// `keep` (if given; sparse_lowrank_forward) receives the call's discrete choices for a backward,
+// the result unchanged.
 template <typename Scalar, typename Remainder = NoRemainder>
 SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
     const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
     const Eigen::Ref<const RowMatrix<Scalar>>& v, const SupportSpec<Scalar>& support,
     const Remainder& remainder = {}, const SparseLowRankOptions& opt = {},
-    SparseLowRankStats* stats = nullptr) {
+    SparseLowRankStats* stats = nullptr, detail::SparseLowRankChoices<Scalar>* keep = nullptr) {
   const char* where = "sparse_lowrank_attention";
   using Clock = std::chrono::steady_clock;
   detail::require(support.parts() >= 1, where, "the support needs at least one part");
@@ -257,24 +287,50 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
   if constexpr (sampled) {
     st.samples += sampled_remainder_merge<Scalar>(
         q, k, hash_keys, v, remainder_sets, remainder, scale, opt.causal,
-        Philox(opt.seed, streams::sparse_remainder_draws), opt.row_offset, acc);
+        Philox(opt.seed, streams::sparse_remainder_draws), opt.row_offset, acc,
+        keep ? &keep->draws : nullptr);
   } else if constexpr (features) {
     RandomFeatureOptions fopt;
     fopt.causal = opt.causal;
     fopt.scale = double(scale);
     fopt.check_finite = false;
     fopt.denominator_epsilon = remainder.denominator_epsilon;
+    if (keep) keep->feature_options = fopt;
     if (sizes_only) {
-      acc.merge(
-          feature_remainder_accumulate(remainder.map, q, k, v, *chunks, fopt, &st.clamped_rows,
-                                       &sizes));
+      const auto r = feature_remainder_accumulate(remainder.map, q, k, v, *chunks, fopt,
+                                                  &st.clamped_rows, &sizes);
+      acc.merge(keep ? keep->note_remainder(r) : r);
       for (Index s : sizes) st.pairs_scored += s;
     } else {
-      acc.merge(feature_remainder_accumulate(remainder.map, q, k, v, remainder_sets, fopt,
-                                             &st.clamped_rows));
+      const auto r = feature_remainder_accumulate(remainder.map, q, k, v, remainder_sets, fopt,
+                                                  &st.clamped_rows);
+      acc.merge(keep ? keep->note_remainder(r) : r);
     }
   }
   st.remainder_seconds += detail::seconds_since(start);
+  if (keep) {
+    if (opt.exclude_self) keep->left_out = std::move(left_out);
+    if (opt.centre_keys) keep->key_mean = mean;
+    keep->multiset = own_kernel && support.lsh && !lsh_opt.dedupe && !chunks;
+    if (own_kernel && chunks) {
+      keep->lsh_kernel.emplace();
+      keep->lsh_kernel->chunks = *chunks;
+      // The fallback rows: no valid key in any of their chunks.
+      const auto found = gather_target_sizes(
+          q.rows(), k.rows(), detail::chunk_targets(*chunks, opt.causal), false, opt.causal);
+      for (Index i = 0; i < q.rows(); ++i)
+        if (found[std::size_t(i)] == 0)
+          keep->lsh_kernel->fallback_rows.push_back(static_cast<std::int32_t>(i));
+      keep->lsh_options = lsh_opt;
+    }
+    // The sets, built here if the call did not need them (E by a hashing kernel; none for LSH
+    // chunks, whose backward walks the chunks).
+    if (need_sets)
+      keep->exact = std::move(sets);
+    else if (!keep->lsh_kernel)
+      keep->exact = detail::support_sets<Scalar>(q, hash_keys, support, lsh_opt, lsf_opt,
+                                                 opt.causal, chunks ? &*chunks : nullptr);
+  }
   // The parts ran unchecked (inputs were checked above): their overflow is reported here.
   detail::check_accumulator_finite(where, acc, opt.check_finite, [] {}, true);
   return acc;

@@ -9,8 +9,10 @@
 // slice's rows.
 
 #include <randattn/sparse/sparse_lowrank_attention.hpp>
+#include <randattn/sparse/sparse_lowrank_backward.hpp>
 
 #include <algorithm>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -74,8 +76,20 @@ class SparseLowRankMethod final : public TypedMethod<SparseLowRankMethod> {
     return out;
   }
 
+  // What every slice of a call shares: the support (with the hash or filters it points to), the
+  // options, the remainder's name and the report's fixed entries.
   template <typename Scalar>
-  Job<Scalar> make(const Call& call) const {
+  struct Setup {
+    std::shared_ptr<SupportSpec<Scalar>> spec;
+    std::shared_ptr<const CrossPolytopeHash<Scalar>> hash;
+    std::shared_ptr<const LocalitySensitiveFilters<Scalar>> filters;
+    SparseLowRankOptions opt;
+    Report report;
+    std::string remainder;
+  };
+
+  template <typename Scalar>
+  static Setup<Scalar> setup(const Call& call) {
     const Options& o = call.options;
     const Spelling& spell = o.spelling();
     const std::vector<std::string> parts = support_parts(o);
@@ -141,59 +155,87 @@ class SparseLowRankMethod final : public TypedMethod<SparseLowRankMethod> {
     // Feature remainders report the seed with their projection.
     if (remainder == "none" || remainder == "sample")
       report.emplace_back("seed", call.settings.seed);
-    return [call, spec, hash, filters, opt, report, remainder](const Scalar* q, const Scalar* k,
-                                                              const Scalar* v, Scalar* out) {
-      SparseLowRankStats st;
-      Report r = report;
-      const auto run = [&](const auto& make_remainder) {
-        const BatchShape& shape = call.shape;
-        for (Index s = 0; s < shape.slices(); ++s) {
-          SparseLowRankOptions slice_opt = opt;
-          slice_opt.row_offset = std::uint64_t(s * shape.n_q);
-          slice_opt.key_mean = causal_key_mean(call, s);
-          auto o_s = randattn::detail::slice_of(out, s, shape.n_q, shape.dv);
-          sparse_lowrank_accumulate<Scalar>(randattn::detail::slice_of(q, s, shape.n_q, shape.d),
-                                            randattn::detail::slice_of(k, s, shape.n_k, shape.d),
-                                            randattn::detail::slice_of(v, s, shape.n_k, shape.dv),
-                                            *spec, make_remainder(s), slice_opt, &st)
-              .finalize_into(o_s);
-        }
-      };
-      if (remainder == "none") {
-        run([](Index) { return NoRemainder{}; });
-      } else if (remainder == "sample") {
-        SampledRemainder rule;
-        rule.samples = double(call.options.integer("samples"));
-        rule.uniform = call.options.text("sampling") == "uniform";
-        rule.block_size = call.options.integer("block_size");
-        run([&](Index) { return rule; });
-      } else {
-        const detail::SliceView<Scalar> data{q, k, call.shape};
-        const auto with_maps = [&](const auto& maps, const RandomFeatureOptions&) {
-          using Map = std::decay_t<decltype(maps.front())>;
-          run([&](Index s) { return FeatureRemainder<Map>{maps.of_slice(s), {}}; });
-        };
-        Report features;
-        if (remainder == "favor")
-          features = FeatureMethod<FavorFamily>::with_map<Scalar>(call, &data, with_maps);
-        else if (remainder == "oprf")
-          features = FeatureMethod<OprfFamily>::with_map<Scalar>(call, &data, with_maps);
-        else
-          features = FeatureMethod<SderfFamily>::with_map<Scalar>(call, &data, with_maps);
-        r.insert(r.end(), features.begin(), features.end());
-      }
-      const double pairs = double(call.shape.slices()) * double(call.shape.n_q) *
-                           double(call.shape.n_k);
-      r.emplace_back("pairs_scored", pairs > 0 ? double(st.pairs_scored) / pairs : 0.0);
-      if (remainder == "sample")
-        r.emplace_back("samples", double(st.samples) /
-                                      double(std::max<Index>(1, call.shape.slices() * call.shape.n_q)));
-      r.emplace_back("clamped_rows", std::int64_t(st.clamped_rows));
-      r.emplace_back("support_seconds", st.support_seconds);
-      r.emplace_back("exact_seconds", st.exact_seconds);
-      r.emplace_back("remainder_seconds", st.remainder_seconds);
-      return r;
+    return {spec, hash, filters, opt, report, remainder};
+  }
+
+  template <typename Scalar>
+  Job<Scalar> make(const Call& call) const {
+    return [call, plan = setup<Scalar>(call)](const Scalar* q, const Scalar* k, const Scalar* v,
+                                              Scalar* out) {
+      return attend<Scalar>(call, plan, q, k, v, out,
+                            [&](auto&& qs, auto&& ks, auto&& vs, auto&& os, const auto& remainder,
+                                const SparseLowRankOptions& opt, SparseLowRankStats* st,
+                                const std::shared_ptr<const void>&) {
+                              sparse_lowrank_accumulate<Scalar>(qs, ks, vs, *plan.spec, remainder,
+                                                                opt, st)
+                                  .finalize_into(os);
+                            });
     };
+  }
+
+  bool differentiable() const override { return true; }
+
+  template <typename Scalar>
+  GradientPtr<Scalar> make_gradient(const Call& call) const;
+
+  // Runs slice(q_s, k_s, v_s, out_s, remainder, options, stats, keep) on every (batch, head)
+  // slice in order, `keep` holding what a feature remainder's map needs alive, and returns the
+  // call's report.
+  template <typename Scalar, typename Slice>
+  static Report attend(const Call& call, const Setup<Scalar>& plan, const Scalar* q,
+                       const Scalar* k, const Scalar* v, Scalar* out, Slice&& slice) {
+    const std::string& remainder = plan.remainder;
+    SparseLowRankStats st;
+    Report r = plan.report;
+    const auto run = [&](const auto& make_remainder, const std::shared_ptr<const void>& keep) {
+      const BatchShape& shape = call.shape;
+      for (Index s = 0; s < shape.slices(); ++s) {
+        SparseLowRankOptions slice_opt = plan.opt;
+        slice_opt.row_offset = std::uint64_t(s * shape.n_q);
+        slice_opt.key_mean = causal_key_mean(call, s);
+        slice(randattn::detail::slice_of(q, s, shape.n_q, shape.d),
+              randattn::detail::slice_of(k, s, shape.n_k, shape.d),
+              randattn::detail::slice_of(v, s, shape.n_k, shape.dv),
+              randattn::detail::slice_of(out, s, shape.n_q, shape.dv), make_remainder(s),
+              slice_opt, &st, keep);
+      }
+    };
+    if (remainder == "none") {
+      run([](Index) { return NoRemainder{}; }, nullptr);
+    } else if (remainder == "sample") {
+      SampledRemainder rule;
+      rule.samples = double(call.options.integer("samples"));
+      rule.uniform = call.options.text("sampling") == "uniform";
+      rule.block_size = call.options.integer("block_size");
+      run([&](Index) { return rule; }, nullptr);
+    } else {
+      const detail::SliceView<Scalar> data{q, k, call.shape};
+      const auto with_maps = [&](const auto& maps, const RandomFeatureOptions&) {
+        using Maps = std::decay_t<decltype(maps)>;
+        using Map = std::decay_t<decltype(maps.front())>;
+        const auto kept = std::make_shared<const Maps>(maps);
+        run([&](Index s) { return FeatureRemainder<Map>{kept->of_slice(s), {}}; }, kept);
+      };
+      Report features;
+      if (remainder == "favor")
+        features = FeatureMethod<FavorFamily>::with_map<Scalar>(call, &data, with_maps);
+      else if (remainder == "oprf")
+        features = FeatureMethod<OprfFamily>::with_map<Scalar>(call, &data, with_maps);
+      else
+        features = FeatureMethod<SderfFamily>::with_map<Scalar>(call, &data, with_maps);
+      r.insert(r.end(), features.begin(), features.end());
+    }
+    const double pairs = double(call.shape.slices()) * double(call.shape.n_q) *
+                         double(call.shape.n_k);
+    r.emplace_back("pairs_scored", pairs > 0 ? double(st.pairs_scored) / pairs : 0.0);
+    if (remainder == "sample")
+      r.emplace_back("samples", double(st.samples) /
+                                    double(std::max<Index>(1, call.shape.slices() * call.shape.n_q)));
+    r.emplace_back("clamped_rows", std::int64_t(st.clamped_rows));
+    r.emplace_back("support_seconds", st.support_seconds);
+    r.emplace_back("exact_seconds", st.exact_seconds);
+    r.emplace_back("remainder_seconds", st.remainder_seconds);
+    return r;
   }
 
  private:
@@ -246,5 +288,73 @@ class SparseLowRankMethod final : public TypedMethod<SparseLowRankMethod> {
     return Eigen::RowVectorXd(rows.colwise().mean());
   }
 };
+
+namespace detail {
+
+// The differentiable call of "sparse-lowrank": each slice's forward keeps its discrete choices
+// (sparse/sparse_lowrank_backward.hpp), and its backward is that slice's.
+template <typename Scalar>
+class SparseLowRankGradient final : public Gradient<Scalar> {
+ public:
+  SparseLowRankGradient(const Call& call, SparseLowRankMethod::Setup<Scalar> plan)
+      : call_(call), plan_(std::move(plan)) {}
+
+  Report forward(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out) override {
+    const BatchShape& shape = call_.shape;
+    randattn::detail::check_batch_qkv_output("sparse_lowrank_attention", shape, q, k, v, out);
+    backwards_.clear();
+    Report r = SparseLowRankMethod::attend<Scalar>(
+        call_, plan_, q, k, v, out,
+        [&](auto&& qs, auto&& ks, auto&& vs, auto&& os, const auto& remainder,
+            const SparseLowRankOptions& opt, SparseLowRankStats* st,
+            const std::shared_ptr<const void>& keep) {
+          using Remainder = std::decay_t<decltype(remainder)>;
+          auto saved = std::make_shared<const SparseLowRankSaved<Scalar, Remainder>>(
+              sparse_lowrank_forward<Scalar, Remainder>(qs, ks, vs, *plan_.spec, os, remainder,
+                                                        opt, st));
+          const Index s = Index(backwards_.size());
+          backwards_.push_back([this, saved, keep, s](const Scalar* grad_out, Scalar* dq,
+                                                      Scalar* dk, Scalar* dv) {
+            const BatchShape& b = call_.shape;
+            namespace rd = randattn::detail;
+            sparse_lowrank_backward<Scalar, Remainder>(
+                *saved, rd::slice_of(q_, s, b.n_q, b.d), rd::slice_of(k_, s, b.n_k, b.d),
+                rd::slice_of(v_, s, b.n_k, b.dv), rd::slice_of(out_.data(), s, b.n_q, b.dv),
+                rd::slice_of(grad_out, s, b.n_q, b.dv), rd::slice_of(dq, s, b.n_q, b.d),
+                rd::slice_of(dk, s, b.n_k, b.d), rd::slice_of(dv, s, b.n_k, b.dv));
+          });
+        });
+    q_ = q, k_ = k, v_ = v;
+    out_.assign(out, out + shape.slices() * shape.n_q * shape.dv);  // the caller's may change
+    forwarded_ = true;
+    return r;
+  }
+
+  void backward(const Scalar* grad_out, Scalar* dq, Scalar* dk, Scalar* dv) override {
+    if (!forwarded_)
+      throw std::logic_error("randattn::registry: Gradient::backward() before forward()");
+    const BatchShape& s = call_.shape;
+    if (s.n_q == 0) {  // no output: nothing flows back
+      std::fill(dk, dk + s.slices() * s.n_k * s.d, Scalar(0));
+      std::fill(dv, dv + s.slices() * s.n_k * s.dv, Scalar(0));
+    }
+    for (auto& slice_backward : backwards_) slice_backward(grad_out, dq, dk, dv);
+  }
+
+ private:
+  Call call_;
+  SparseLowRankMethod::Setup<Scalar> plan_;
+  std::vector<std::function<void(const Scalar*, Scalar*, Scalar*, Scalar*)>> backwards_;
+  const Scalar *q_ = nullptr, *k_ = nullptr, *v_ = nullptr;
+  std::vector<Scalar> out_;
+  bool forwarded_ = false;
+};
+
+}  // namespace detail
+
+template <typename Scalar>
+GradientPtr<Scalar> SparseLowRankMethod::make_gradient(const Call& call) const {
+  return std::make_unique<detail::SparseLowRankGradient<Scalar>>(call, setup<Scalar>(call));
+}
 
 }  // namespace randattn::registry

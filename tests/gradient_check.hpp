@@ -9,15 +9,22 @@
 // ε·|f|/h; h = 1e-5 makes both far below the tolerance 1e-5 + 1e-3·|g| asked of every method.
 
 #include <cmath>
+#include <cstdint>
 #include <functional>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include <catch2/catch.hpp>
 
 #include <Eigen/Core>
 
 #include <randattn/core/types.hpp>
+#include <randattn/random/fill.hpp>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 namespace testing {
 
@@ -64,5 +71,50 @@ inline void check_gradient(const std::string& what, randattn::RowMatrix<double>&
                      << worst);
   CHECK(failures == 0);
 }
+
+// The directional form of check_gradient, for long sequences: for `directions` random directions
+// u (one per input, drawn from `seed`), (f(x + h u) − f(x − h u)) / 2h against Σ <grad_x, u_x>,
+// at check_gradient's default tolerance. Two calls of f per direction.
+inline void check_directions(const std::string& what,
+                             const std::vector<randattn::RowMatrix<double>*>& xs,
+                             const std::vector<randattn::RowMatrix<double>>& grads,
+                             const std::function<double()>& f, int directions,
+                             std::uint64_t seed, double h = 1e-5) {
+  const GradientTolerance tol;
+  for (int t = 0; t < directions; ++t) {
+    std::vector<randattn::RowMatrix<double>> u;
+    double analytic = 0;
+    for (std::size_t a = 0; a < xs.size(); ++a) {
+      u.push_back(randattn::gaussian_matrix<double>(randattn::Philox(seed + 10 * t + a),
+                                                    xs[a]->rows(), xs[a]->cols()));
+      analytic += (grads[a].array() * u[a].array()).sum();
+    }
+    const auto shift = [&](double by) {
+      for (std::size_t a = 0; a < xs.size(); ++a) *xs[a] += by * u[a];
+    };
+    shift(h);
+    const double plus = f();
+    shift(-2 * h);
+    const double minus = f();
+    shift(h);
+    const double numeric = (plus - minus) / (2 * h);
+    INFO(what << " direction " << t << ": backward " << analytic << ", finite difference "
+              << numeric);
+    CHECK(std::abs(numeric - analytic) <= tol.absolute + tol.relative * std::abs(numeric));
+  }
+}
+
+// One thread while it lives: finite differences run thousands of small forwards, where starting
+// a parallel region costs more than the work.
+class OneThread {
+ public:
+#if defined(_OPENMP)
+  OneThread() : threads_(omp_get_max_threads()) { omp_set_num_threads(1); }
+  ~OneThread() { omp_set_num_threads(threads_); }
+
+ private:
+  int threads_;
+#endif
+};
 
 }  // namespace testing

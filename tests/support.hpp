@@ -12,6 +12,7 @@
 #include <catch2/catch.hpp>
 
 #include <Eigen/Core>
+#include <Eigen/QR>
 
 #include <randattn/randattn.hpp>
 
@@ -230,5 +231,12 @@ bool allocations_counted();
 void start_counting_allocations();
 long stop_counting_allocations();
 long counted_bytes();  // bytes requested by the allocations of the last counted stretch
+
+// A second moment with distinct eigenvalues (2.5, 1, 0.3, 0) in a rotated basis (d = 4).
+inline Eigen::MatrixXd anisotropic_moment() {
+  const Eigen::MatrixXd g = gaussian<double>(7, 4, 4);
+  const Eigen::MatrixXd basis = Eigen::HouseholderQR<Eigen::MatrixXd>(g).householderQ();
+  return basis * Eigen::Vector4d(2.5, 1.0, 0.3, 0.0).asDiagonal() * basis.transpose();
+}
 
 }  // namespace testing

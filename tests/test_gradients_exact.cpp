@@ -29,12 +29,12 @@ using randattn::RowMatrix;
 using randattn::Vector;
 
 template <typename Scalar>
-struct Problem {
+struct ExactProblem {
   RowMatrix<Scalar> q, k, v, grad_out;
 };
 
 template <typename Scalar>
-Problem<Scalar> problem(Index n_q, Index n_k, Index d, Index dv, std::uint64_t seed = 1) {
+ExactProblem<Scalar> problem(Index n_q, Index n_k, Index d, Index dv, std::uint64_t seed = 1) {
   return {testing::gaussian<Scalar>(seed, n_q, d), testing::gaussian<Scalar>(seed + 1, n_k, d),
           testing::gaussian<Scalar>(seed + 2, n_k, dv),
           testing::gaussian<Scalar>(seed + 3, n_q, dv)};
@@ -47,7 +47,7 @@ struct Gradients {
 
 // The forward that keeps the row log-sum-exps, then the backward.
 template <typename Scalar>
-Gradients<Scalar> backward(const Problem<Scalar>& p, const ExactOptions& opt) {
+Gradients<Scalar> backward(const ExactProblem<Scalar>& p, const ExactOptions& opt) {
   RowMatrix<Scalar> out(p.q.rows(), p.v.cols());
   const Vector<Scalar> lse = randattn::exact_attention_forward_into(p.q, p.k, p.v, out, opt);
   Gradients<Scalar> g{RowMatrix<Scalar>(p.q.rows(), p.q.cols()),
@@ -65,24 +65,11 @@ RowMatrix<double> rows_of(const RowMatrix<double>& m, const std::vector<Index>& 
   return out;
 }
 
-// One thread while it lives: the finite differences run thousands of forwards of a few blocks
-// each, where starting a parallel region costs more than the work.
-class OneThread {
- public:
-#if defined(_OPENMP)
-  OneThread() : threads_(omp_get_max_threads()) { omp_set_num_threads(1); }
-  ~OneThread() { omp_set_num_threads(threads_); }
-
- private:
-  int threads_;
-#endif
-};
-
 // Central differences of <grad_out, exact_attention(q, k, v)> against the backward, for every
 // entry of the given rows of q, k and v (all rows when a list is empty).
-void check_against_differences(Problem<double>& p, const ExactOptions& opt,
+void check_against_differences(ExactProblem<double>& p, const ExactOptions& opt,
                                std::vector<Index> q_rows = {}, std::vector<Index> k_rows = {}) {
-  const OneThread one_thread;
+  const testing::OneThread one_thread;
   const auto all = [](Index n) {
     std::vector<Index> r(static_cast<std::size_t>(n));
     for (Index i = 0; i < n; ++i) r[std::size_t(i)] = i;
@@ -135,13 +122,13 @@ TEST_CASE("Exact backward equals finite differences at n = 37 with blocks of 8",
   for (const bool causal : {false, true})
     for (const bool exclude_self : {false, true}) {
       CAPTURE(causal, exclude_self);
-      Problem<double> p = problem<double>(37, 37, 3, 2);
+      ExactProblem<double> p = problem<double>(37, 37, 3, 2);
       check_against_differences(p, options(causal, exclude_self, 8));
     }
   // More queries than keys, and fewer.
   for (const auto& [n_q, n_k] : {std::pair<Index, Index>{37, 21}, {21, 37}}) {
     CAPTURE(n_q, n_k);
-    Problem<double> p = problem<double>(n_q, n_k, 3, 2, 7);
+    ExactProblem<double> p = problem<double>(n_q, n_k, 3, 2, 7);
     check_against_differences(p, options(false, false, 8));
   }
 }
@@ -152,14 +139,14 @@ TEST_CASE("Exact backward equals finite differences at n = 300 with the default 
   const std::vector<Index> rows{0, 1, 127, 128, 200, 255, 256, 299};
   for (const bool causal : {false, true}) {
     CAPTURE(causal);
-    Problem<double> p = problem<double>(300, 300, 4, 3, 11);
+    ExactProblem<double> p = problem<double>(300, 300, 4, 3, 11);
     check_against_differences(p, options(causal, false, 0), rows, rows);
   }
   // exclude_self, causal.
-  Problem<double> self = problem<double>(300, 300, 4, 3, 13);
+  ExactProblem<double> self = problem<double>(300, 300, 4, 3, 13);
   check_against_differences(self, options(true, true, 0), rows, rows);
   // n_q != n_k.
-  Problem<double> wide = problem<double>(300, 259, 4, 3, 17);
+  ExactProblem<double> wide = problem<double>(300, 259, 4, 3, 17);
   check_against_differences(wide, options(false, false, 0), rows, {0, 127, 128, 258});
 }
 
@@ -167,14 +154,14 @@ TEST_CASE("Exact backward at the edges: one key, d = 1, no queries, large logits
           "[gradients][exact]") {
   SECTION("one key, and d = dv = 1") {
     for (const bool exclude_self : {false, true}) {
-      Problem<double> one = problem<double>(exclude_self ? 1 : 5, 1, 2, 2, 3);
+      ExactProblem<double> one = problem<double>(exclude_self ? 1 : 5, 1, 2, 2, 3);
       check_against_differences(one, options(false, exclude_self, 0));
     }
-    Problem<double> narrow = problem<double>(19, 19, 1, 1, 5);
+    ExactProblem<double> narrow = problem<double>(19, 19, 1, 1, 5);
     check_against_differences(narrow, options(true, false, 4));
   }
   SECTION("no queries: zero key and value gradients") {
-    const Problem<double> p = problem<double>(0, 6, 3, 2);
+    const ExactProblem<double> p = problem<double>(0, 6, 3, 2);
     const Gradients<double> g = backward(p, ExactOptions{});
     CHECK(g.dq.size() == 0);
     CHECK(g.dk.isZero(0));
@@ -182,7 +169,7 @@ TEST_CASE("Exact backward at the edges: one key, d = 1, no queries, large logits
   }
   SECTION("logits of a thousand: finite, and the dense gradient") {
     // Rows of norm ~ 100 with the scale 1/sqrt(d): logits up to ~1e4, far beyond exp's range.
-    Problem<double> p = problem<double>(41, 41, 4, 3, 23);
+    ExactProblem<double> p = problem<double>(41, 41, 4, 3, 23);
     p.q *= 100;
     p.k *= 100;
     const ExactOptions opt = options(true, false, 8);
@@ -215,7 +202,7 @@ TEST_CASE("Exact backward at the edges: one key, d = 1, no queries, large logits
           1e-10 * (scale * ds.cwiseAbs().transpose() * p.q.cwiseAbs()).norm() + floor);
   }
   SECTION("a row without weight (lse = -inf) contributes nothing") {
-    const Problem<double> p = problem<double>(20, 20, 3, 2, 29);
+    const ExactProblem<double> p = problem<double>(20, 20, 3, 2, 29);
     const ExactOptions opt = options(false, false, 8);
     RowMatrix<double> out(20, 2);
     Vector<double> lse = randattn::exact_attention_forward_into(p.q, p.k, p.v, out, opt);
@@ -225,7 +212,7 @@ TEST_CASE("Exact backward at the edges: one key, d = 1, no queries, large logits
     randattn::exact_attention_backward<double>(p.q, p.k, p.v, out, lse, p.grad_out, g.dq, g.dk,
                                                g.dv, opt);
     // The same as the gradients with row 6's incoming gradient zero.
-    Problem<double> without = p;
+    ExactProblem<double> without = p;
     without.grad_out.row(6).setZero();
     const Gradients<double> expected = backward(without, opt);
     CHECK(g.dq.row(6).isZero(0));
@@ -246,8 +233,8 @@ TEST_CASE("Exact backward in float is within its rounding bound of double", "[gr
   // κ is a few: the bound is about 1e-4 here, a worst case; rounding errors of random sign give
   // about sqrt(n)·u in practice.
   const Index n = 300, d = 16, dv = 16;
-  const Problem<float> pf = problem<float>(n, n, d, dv, 31);
-  const Problem<double> pd{pf.q.cast<double>(), pf.k.cast<double>(), pf.v.cast<double>(),
+  const ExactProblem<float> pf = problem<float>(n, n, d, dv, 31);
+  const ExactProblem<double> pd{pf.q.cast<double>(), pf.k.cast<double>(), pf.v.cast<double>(),
                            pf.grad_out.cast<double>()};
   const double u = std::ldexp(1.0, -24);
   for (const bool causal : {false, true}) {
@@ -284,7 +271,7 @@ TEST_CASE("Exact backward in float is within its rounding bound of double", "[gr
 }
 
 TEST_CASE("Exact backward does not depend on the thread count", "[gradients][exact]") {
-  const Problem<float> p = problem<float>(200, 200, 8, 8, 37);
+  const ExactProblem<float> p = problem<float>(200, 200, 8, 8, 37);
   for (const bool causal : {false, true}) {
     const ExactOptions opt = options(causal, false, 16);
     const Gradients<float> one = [&] {
@@ -313,7 +300,7 @@ TEST_CASE("Exact backward does not depend on the thread count", "[gradients][exa
 }
 
 TEST_CASE("Exact backward rejects bad input before writing", "[gradients][exact]") {
-  const Problem<double> p = problem<double>(12, 12, 3, 2);
+  const ExactProblem<double> p = problem<double>(12, 12, 3, 2);
   const ExactOptions opt;
   RowMatrix<double> out(12, 2);
   const Vector<double> lse = randattn::exact_attention_forward_into(p.q, p.k, p.v, out, opt);
@@ -391,7 +378,7 @@ TEST_CASE("Registry: exact is differentiable, with the job's bits and the librar
     opt.causal = causal;
     for (Index s = 0; s < slices; ++s) {
       using Map = Eigen::Map<const RowMatrix<double>>;
-      Problem<double> p{Map(q.data() + s * n * 3, n, 3), Map(k.data() + s * n * 3, n, 3),
+      ExactProblem<double> p{Map(q.data() + s * n * 3, n, 3), Map(k.data() + s * n * 3, n, 3),
                         Map(v.data() + s * n * 2, n, 2), Map(go.data() + s * n * 2, n, 2)};
       const Gradients<double> g = backward(p, opt);
       CHECK(std::memcmp(g.dq.data(), dq.data() + s * n * 3, sizeof(double) * n * 3) == 0);

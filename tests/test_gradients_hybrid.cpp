@@ -74,13 +74,6 @@ void check_map_vjp(const std::string& what, const std::function<Map(const RowMat
     });
 }
 
-// A second moment with distinct eigenvalues (d = 4).
-Eigen::MatrixXd anisotropic_moment() {
-  const Eigen::MatrixXd g = testing::gaussian<double>(7, 4, 4);
-  const Eigen::MatrixXd basis = Eigen::HouseholderQR<Eigen::MatrixXd>(g).householderQ();
-  return basis * Eigen::Vector4d(2.5, 1.0, 0.3, 0.0).asDiagonal() * basis.transpose();
-}
-
 template <typename Scalar>
 struct AttentionGradient {
   RowMatrix<Scalar> dq, dk, dv;
@@ -284,7 +277,7 @@ TEST_CASE("oprf backward: OPRF and SDERF VJPs to the rows and to ω equal finite
   const RowMatrix<double> omega = testing::gaussian<double>(8, m, d);
   using O = OptimalPositiveFeatures<double, User<double>>;
   using S = DenseExponentialFeatures<double, User<double>>;
-  const Eigen::MatrixXd moment = anisotropic_moment();
+  const Eigen::MatrixXd moment = testing::anisotropic_moment();
   for (const bool log_cotangent : {false, true}) {
     CAPTURE(log_cotangent);
     check_map_vjp<O>(

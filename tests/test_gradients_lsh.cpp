@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include <randattn/registry/methods/lsf.hpp>
+#include <randattn/registry/methods/lsh.hpp>
 #include <randattn/registry/registry.hpp>
 
 #include "gradient_check.hpp"
@@ -61,34 +63,6 @@ std::vector<Index> spread_rows(Index n, Index step) {
   for (Index i = 0; i < n; i += step) rows.push_back(i);
   if (rows.back() != n - 1) rows.push_back(n - 1);
   return rows;
-}
-
-// The directional form of the finite-difference check, for long sequences: for a few random
-// directions u (one per input, drawn from `seed`), (f(x + h u) − f(x − h u)) / 2h against
-// Σ <grad_x, u_x>, at the tolerance of check_gradient. Two calls of f per direction.
-void check_directions(const std::string& what, const std::vector<Mat*>& xs,
-                      const std::vector<Mat>& grads, const std::function<double()>& f,
-                      int directions, std::uint64_t seed, double h = 1e-5) {
-  for (int t = 0; t < directions; ++t) {
-    std::vector<Mat> u;
-    double analytic = 0;
-    for (std::size_t a = 0; a < xs.size(); ++a) {
-      u.push_back(testing::gaussian<double>(seed + 10 * t + a, xs[a]->rows(), xs[a]->cols()));
-      analytic += (grads[a].array() * u[a].array()).sum();
-    }
-    const auto shift = [&](double by) {
-      for (std::size_t a = 0; a < xs.size(); ++a) *xs[a] += by * u[a];
-    };
-    shift(h);
-    const double plus = f();
-    shift(-2 * h);
-    const double minus = f();
-    shift(h);
-    const double numeric = (plus - minus) / (2 * h);
-    INFO(what << " direction " << t << ": backward " << analytic << ", finite difference "
-              << numeric);
-    CHECK(std::abs(numeric - analytic) <= 1e-5 + 1e-3 * std::abs(numeric));
-  }
 }
 
 struct LshCase {
@@ -312,7 +286,7 @@ std::vector<Mat> check_lsf(const LsfCase& c) {
     return testing::contract(g, randattn::lsf_attention(filters, q, k, v, opt));
   };
   if (c.directions > 0) {
-    check_directions("lsf", {&q, &k, &v}, {dq, dk, dv}, f, c.directions, 35);
+    testing::check_directions("lsf", {&q, &k, &v}, {dq, dk, dv}, f, c.directions, 35);
   } else {
     check_rows("dq", q, dq, spread_rows(c.n, c.row_step), f);
     check_rows("dk", k, dk, spread_rows(c.n_k, c.row_step), f);

@@ -27,13 +27,6 @@ namespace {
 template <typename Scalar>
 using Iid = GaussianProjection<Scalar>;
 
-// A second moment with distinct eigenvalues (2.5, 1, 0.3, 0) in a rotated basis (d = 4).
-Eigen::MatrixXd anisotropic_moment() {
-  const Eigen::MatrixXd g = testing::gaussian<double>(7, 4, 4);
-  const Eigen::MatrixXd basis = Eigen::HouseholderQR<Eigen::MatrixXd>(g).householderQ();
-  return basis * Eigen::Vector4d(2.5, 1.0, 0.3, 0.0).asDiagonal() * basis.transpose();
-}
-
 // ratio[map][pair][draw]: the estimate of exp(x_iᵀy_i) over the kernel, for every row pair
 // (x_i, y_i), over `draws` redraws (seeds 1..draws). Every map is redrawn with the same seed, so
 // maps on the same projection kind see the same ω (paired comparisons).
@@ -217,7 +210,7 @@ TEMPLATE_TEST_CASE("oprf: unbiased, closed-form MSE, never above FAVOR+", "[oprf
                                                                 (xv + yv).squaredNorm());
     const PositiveFeatures<TestType, Iid<TestType>> favor(Iid<TestType>(m, d));
     const DenseExponentialFeatures<TestType, Iid<TestType>> sderf(Iid<TestType>(m, d),
-                                                                  anisotropic_moment());
+                                                                  testing::anisotropic_moment());
     const auto ratio = relative_estimates<TestType>(xp, yp, draws, oprf, favor, sderf);
     const double closed[3] = {randattn::kernel_relative_mse(oprf, xv, yv),
                               randattn::kernel_relative_mse(favor, xv, yv),

@@ -47,7 +47,6 @@ def gradient_call(q, k, v, method, causal, scale, seed, check_finite, threads, s
 
 def _function_class():
     torch = _torch()
-    from torch.autograd.function import once_differentiable
 
     class AttentionFunction(torch.autograd.Function):
         """forward(call, report_box, option_name, q, k, v, option) -> out; the option tensor (a
@@ -64,8 +63,10 @@ def _function_class():
             return torch.from_numpy(result)
 
         @staticmethod
-        @once_differentiable
         def backward(ctx, grad_out):
+            if torch.is_grad_enabled():  # create_graph=True: a graph of the backward is asked for
+                raise RuntimeError("randattn attention cannot differentiate twice: its backward is not "
+                                   "differentiable (do not pass create_graph=True through it)")
             ctx.saved_tensors  # raises if an input was changed in place since the forward
             dq, dk, dv, options = ctx.call.backward(grad_out.detach().contiguous().numpy())
             grads = [torch.from_numpy(dq), None if dk is None else torch.from_numpy(dk), torch.from_numpy(dv)]

@@ -27,7 +27,7 @@ OPTIONS = {
     "sparse-lowrank": {"support": "window", "window": 8, "remainder": "favor", "features": 16},
     "auto": {"approximation": "favor", "crossover": 0, "features": 16},
 }
-DIFFERENTIABLE = [name for name, m in randattn.methods().items() if m["differentiable"] and name != "auto"]
+DIFFERENTIABLE = [name for name, m in randattn.methods().items() if m["differentiable"]]
 
 
 def inputs(shape_q, shape_kv, dv, seed, dtype=torch.float64):
@@ -102,7 +102,6 @@ def test_float32_gradients_are_close_to_float64():
         assert float((g32 - g64).norm() / g64.norm()) < 300 * np.finfo(np.float32).eps * 4
 
 
-@pytest.mark.skipif("favor" not in DIFFERENTIABLE, reason="favor has no registry backward yet")
 def test_module_trains_and_learns_its_projection():
     torch.manual_seed(0)
     attn = randattn.torch.Attention("favor", features=16, learn_projection=True, head_dim=8, seed=1)
@@ -140,9 +139,8 @@ def test_errors():
         out.sum().backward()
     # Double backward.
     out = randattn.attention(q, k, v)
-    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable|differentiate twice"):
-        dq.sum().backward()
+    with pytest.raises(RuntimeError, match="cannot differentiate twice"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
     # grad_out: wrong shape, dtype, non-finite.
     qn, kn, vn = (t.detach().numpy() for t in (q, k, v))
     with pytest.raises(ValueError, match="shape"):

@@ -42,10 +42,12 @@ def test_favor_module_is_the_function():
     assert "favor" in repr(module)
 
 
-def test_gradients_are_refused_with_a_clear_message():
+def test_a_result_is_attached_to_the_graph():
     q = torch.randn(1, 1, 4, 2, requires_grad=True)
-    with pytest.raises(ValueError, match=r"torch.no_grad\(\) or torch.inference_mode\(\)"):
-        randattn.torch.Attention()(q, q, q)
+    out = randattn.torch.Attention()(q, q, q)
+    assert out.requires_grad
+    out.sum().backward()
+    assert q.grad.shape == q.shape and torch.isfinite(q.grad).all()
 
 
 def test_unsupported_arguments():

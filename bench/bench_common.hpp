@@ -1,6 +1,8 @@
 #pragma once
 // Shared set-up for the benchmarks: thread control and GFLOP/s counters.
 
+#include <time.h>
+
 #include <chrono>
 
 #include <benchmark/benchmark.h>
@@ -78,6 +80,46 @@ inline void PeakSgemm(benchmark::State& state) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   peak_gflops() = flops * double(state.iterations()) * 1e-9 / seconds;
   report_gflops(state, flops);
+}
+
+// The calling thread's CPU time in seconds: on a shared machine, a one-thread row timed on its
+// own clock does not count the time other programs held the core.
+inline double thread_cpu_seconds() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
+}
+
+// A Backward/... row: each iteration times the forward alone, then forward + backward (the
+// forward that keeps what the backward needs, then the backward), and the row reports both and
+// their ratio, so the ratio comes from one run. One thread: the thread's CPU clock; more: wall
+// time (a thread's clock would miss the other threads' work).
+template <typename Forward, typename ForwardBackward>
+void time_backward(benchmark::State& state, int threads, Forward&& forward,
+                   ForwardBackward&& forward_backward) {
+  set_threads(threads);
+  const auto now = [threads] {
+    return threads == 1 ? thread_cpu_seconds()
+                        : std::chrono::duration<double>(
+                              std::chrono::steady_clock::now().time_since_epoch())
+                              .count();
+  };
+  double alone = 0, both = 0;
+  for (auto _ : state) {
+    const double t0 = now();
+    forward();
+    benchmark::ClobberMemory();
+    const double t1 = now();
+    forward_backward();
+    benchmark::ClobberMemory();
+    const double t2 = now();
+    alone += t1 - t0;
+    both += t2 - t1;
+  }
+  const double iterations = double(state.iterations());
+  state.counters["forward_ms"] = 1e3 * alone / iterations;
+  state.counters["forward_backward_ms"] = 1e3 * both / iterations;
+  state.counters["ratio"] = both / alone;
 }
 
 }  // namespace bench

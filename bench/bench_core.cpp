@@ -13,8 +13,6 @@
 //    the thread's CPU clock (the machine may be shared), so "ratio" = (forward + backward) /
 //    forward comes from one run. A recomputing backward has five products to the forward's two.
 
-#include <time.h>
-
 #include "bench_common.hpp"
 
 namespace {
@@ -112,42 +110,25 @@ void Linear(benchmark::State& state) {
   bench::report_gflops(state, linear_flops(n));
 }
 
-// The calling thread's CPU time in seconds.
-double thread_seconds() {
-  timespec t;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
-}
-
 void BackwardExact(benchmark::State& state) {
   const Index n = state.range(0);
-  const bool causal = state.range(2) != 0;
-  bench::set_threads(int(state.range(1)));
   const bench::AttentionInputs in(n, kD, kDv);
   const RowMatrix<float> grad_out = gaussian_matrix<float>(Philox(4), n, kDv);
   randattn::ExactOptions opt;
-  opt.causal = causal;
+  opt.causal = state.range(2) != 0;
   RowMatrix<float> out(n, kDv), dq(n, kD), dk(n, kD), dv(n, kDv);
-  double forward = 0, both = 0;
-  for (auto _ : state) {
-    const double t0 = thread_seconds();
-    randattn::exact_attention_forward_into(in.q, in.k, in.v, out, opt);
-    const double t1 = thread_seconds();
-    const randattn::Vector<float> lse =
-        randattn::exact_attention_forward_into(in.q, in.k, in.v, out, opt);
-    randattn::exact_attention_backward<float>(in.q, in.k, in.v, out, lse, grad_out, dq, dk, dv,
-                                              opt);
-    const double t2 = thread_seconds();
-    benchmark::DoNotOptimize(dq.data());
-    forward += t1 - t0;
-    both += t2 - t1;
-  }
-  const double iterations = double(state.iterations());
-  state.counters["forward_ms"] = 1e3 * forward / iterations;
-  state.counters["fwd_bwd_ms"] = 1e3 * both / iterations;
-  state.counters["ratio"] = both / forward;
+  bench::time_backward(
+      state, int(state.range(1)),
+      [&] { randattn::exact_attention_forward_into(in.q, in.k, in.v, out, opt); },
+      [&] {
+        const randattn::Vector<float> lse =
+            randattn::exact_attention_forward_into(in.q, in.k, in.v, out, opt);
+        randattn::exact_attention_backward<float>(in.q, in.k, in.v, out, lse, grad_out, dq, dk,
+                                                  dv, opt);
+      });
   // Products of forward + backward: 2 + 5 of n x n x 64 (half of them under causal masking).
-  state.counters["GFLOPs"] = 7.0 * 0.5 * exact_flops(n, causal) * iterations * 1e-9 / both;
+  state.counters["GFLOPs"] = 7.0 * 0.5 * exact_flops(n, opt.causal) * 1e-6 /
+                             state.counters["forward_backward_ms"];
 }
 
 }  // namespace

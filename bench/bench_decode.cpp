@@ -40,8 +40,6 @@
 #include <string>
 #include <vector>
 
-#include <time.h>
-
 #include "bench_common.hpp"
 
 namespace {
@@ -59,12 +57,6 @@ constexpr Index kNeedles = 64, kSinks = 4, kWindow = 256;
 
 // CPU time of the calling thread: on a machine shared with other jobs it is much less noisy
 // than wall time (the scheduler's share of the core does not enter it).
-double thread_seconds() {
-  timespec t;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
-}
-
 struct Config {
   const char* name;
   KvCacheOptions options;
@@ -213,12 +205,12 @@ struct World {
     // one head's length apart). The loop is timed as a whole: the thread's CPU clock costs about
     // as much as an append to read (a system call, ~0.6 µs here).
     using Rows = Eigen::Map<const RowMatrix<float>, 0, Eigen::OuterStride<>>;
-    const double start = thread_seconds();
+    const double start = bench::thread_cpu_seconds();
     for (Index j = 0; j < n; ++j) {
       cache->append(Rows(k.row(j).data(), kKvHeads, kD, Eigen::OuterStride<>(n * kD)),
                     Rows(v.row(j).data(), kKvHeads, kDv, Eigen::OuterStride<>(n * kDv)));
     }
-    append_us[c.name] = (thread_seconds() - start) * 1e6 / double(n * kKvHeads);
+    append_us[c.name] = (bench::thread_cpu_seconds() - start) * 1e6 / double(n * kKvHeads);
     return *caches.emplace(c.name, std::move(cache)).first->second;
   }
 };
@@ -245,13 +237,13 @@ StreamAnchor stream_anchor(const KvCache<float>& cache, const World& w) {
   constexpr int kPairs = 16;
   double stream = 0, decode = 0;
   for (int r = 0; r < kPairs; ++r) {
-    const double t0 = thread_seconds();
+    const double t0 = bench::thread_cpu_seconds();
     float sum = w.k.sum() + w.v.sum();
     benchmark::DoNotOptimize(sum);
-    const double t1 = thread_seconds();
+    const double t1 = bench::thread_cpu_seconds();
     RowMatrix<float> out = cache.attend(w.queries[r % kTokens]);
     benchmark::DoNotOptimize(out.data());
-    decode += thread_seconds() - t1;
+    decode += bench::thread_cpu_seconds() - t1;
     stream += t1 - t0;
   }
   const double bytes = double(w.k.size() + w.v.size()) * sizeof(float) * kPairs;
@@ -264,12 +256,12 @@ void BM_Decode(benchmark::State& state, Config config) {
   World& w = *world_for(n);
   KvCache<float>& cache = w.cache(config);
   Index it = 0;
-  const double start = thread_seconds();
+  const double start = bench::thread_cpu_seconds();
   for (auto _ : state) {
     RowMatrix<float> out = cache.attend(w.queries[it++ % kTokens]);
     benchmark::DoNotOptimize(out.data());
   }
-  const double per_token = (thread_seconds() - start) / double(state.iterations());
+  const double per_token = (bench::thread_cpu_seconds() - start) / double(state.iterations());
   if (config.options.mode == DecodeMode::exact) w.exact_seconds = per_token;
 
   // Accuracy, outside the timed loop.

@@ -16,6 +16,9 @@
 //    n = 65536 on 1 and 2 threads, written into one output reused across calls (the _into forms),
 //    so that the rows time the computation and not the first touch of a fresh result. Their
 //    ratio threads:1 / threads:2 is the two-thread speedup (OPRF's fit included).
+//  - Backward/Favor (arguments n, threads, causal): the forward alone, then forward + backward,
+//    their times and ratio from one run (bench_common.hpp); at n = 8192 on one thread and, causal,
+//    at n = 65536 on 1 and 2 threads (compare their forward_backward_ms for the speedup).
 // Arguments: n, causal (0/1); these rows run on one thread.
 
 #include <cmath>
@@ -200,6 +203,28 @@ void OprfThreads(benchmark::State& state) {
               [c](auto& map, const Inputs& in) { map.fit(in.q, in.k, c); });
 }
 
+// FAVOR+ (orthogonal projection) forward, then forward + backward (the gradients with respect
+// to q, k and v); arguments n, threads, causal. The forward alone is the _into form, the one
+// the IntoThreads rows time.
+void BackwardFavor(benchmark::State& state) {
+  const Index n = state.range(0);
+  const Inputs in(n);
+  const randattn::PositiveFeatures<OrthogonalProjection<float>> map(
+      OrthogonalProjection<float>(kM, kD, 1));
+  const RowMatrix<float> g = gaussian_matrix<float>(Philox(4), n, kDv);
+  randattn::RandomFeatureOptions opt;
+  opt.causal = state.range(2) != 0;
+  RowMatrix<float> out(n, kDv), dq(n, kD), dk(n, kD), dv(n, kDv);
+  bench::time_backward(
+      state, int(state.range(1)),
+      [&] { randattn::random_feature_attention_into(map, in.q, in.k, in.v, out, opt); },
+      [&] {
+        randattn::random_feature_attention_into(map, in.q, in.k, in.v, out, opt);
+        randattn::random_feature_attention_backward(map, in.q, in.k, in.v, out, g, dq, dk, dv,
+                                                    opt);
+      });
+}
+
 void fitted_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"n", "causal"});
   for (int causal : {0, 1})
@@ -260,3 +285,12 @@ BENCHMARK(Sderf)->Apply(fitted_args);
 BENCHMARK(ExactThreads)->Apply(bench::thread_rows);
 BENCHMARK(FavorThreads)->Apply(bench::thread_rows);
 BENCHMARK(OprfThreads)->Apply(bench::thread_rows);
+BENCHMARK(BackwardFavor)
+    ->Name("Backward/Favor")
+    ->ArgNames({"n", "threads", "causal"})
+    ->Args({8192, 1, 0})
+    ->Args({8192, 1, 1})
+    ->Args({65536, 1, 1})
+    ->Args({65536, 2, 1})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();

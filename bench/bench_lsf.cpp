@@ -159,7 +159,6 @@ void LsfThreads(benchmark::State& state) {
 }
 
 void Backward(benchmark::State& state) {
-  bench::set_threads(1);
   const Index n = state.range(0), tables = state.range(1);
   const Inputs& in = inputs(n);
   const RowMatrix<float> g = randattn::gaussian_matrix<float>(randattn::Philox(79), n, kValueDim);
@@ -170,22 +169,13 @@ void Backward(benchmark::State& state) {
   opt.scale = kScale;
   opt.causal = state.range(3) != 0;
   RowMatrix<float> out(n, kValueDim), dq(n, kDim), dk(n, kDim), dv(n, kValueDim);
-  double forward = 0, both = 0;
-  for (auto _ : state) {
-    std::clock_t c0 = std::clock();
-    randattn::lsf_attention_into(filters, in.q, in.k, in.v, out, opt);
-    benchmark::DoNotOptimize(out.data());
-    forward += double(std::clock() - c0) / CLOCKS_PER_SEC;
-    c0 = std::clock();
-    const auto saved = randattn::lsf_attention_forward<float>(filters, in.q, in.k, in.v, out, opt);
-    randattn::lsf_attention_backward<float>(saved, in.q, in.k, in.v, out, g, dq, dk, dv);
-    benchmark::DoNotOptimize(dq.data());
-    both += double(std::clock() - c0) / CLOCKS_PER_SEC;
-  }
-  const double iterations = double(state.iterations());
-  state.counters["forward_ms"] = 1e3 * forward / iterations;
-  state.counters["forward_backward_ms"] = 1e3 * both / iterations;
-  state.counters["ratio"] = both / forward;
+  bench::time_backward(
+      state, 1, [&] { randattn::lsf_attention_into(filters, in.q, in.k, in.v, out, opt); },
+      [&] {
+        const auto saved =
+            randattn::lsf_attention_forward<float>(filters, in.q, in.k, in.v, out, opt);
+        randattn::lsf_attention_backward<float>(saved, in.q, in.k, in.v, out, g, dq, dk, dv);
+      });
 }
 
 void register_all() {

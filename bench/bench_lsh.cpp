@@ -22,8 +22,6 @@
 //    the same inputs; counters forward_ms, forward_backward_ms and ratio = their quotient (CPU
 //    times, one run).
 
-#include <time.h>
-
 #include <chrono>
 #include <map>
 
@@ -43,21 +41,15 @@ struct Seconds {
   double wall = 0, cpu = 0;
 };
 
-double cpu_now() {
-  timespec ts;
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
-}
-
 template <typename Call>
 Seconds timed_loop(benchmark::State& state, Call&& call) {
   Seconds total;
   for (auto _ : state) {
     const auto t0 = std::chrono::steady_clock::now();
-    const double c0 = cpu_now();
+    const double c0 = bench::thread_cpu_seconds();
     auto out = call();
     benchmark::DoNotOptimize(out.data());
-    total.cpu += cpu_now() - c0;
+    total.cpu += bench::thread_cpu_seconds() - c0;
     total.wall += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   const double iterations = double(state.iterations());
@@ -141,7 +133,6 @@ void LshThreads(benchmark::State& state) {
 }
 
 void Backward(benchmark::State& state) {
-  bench::set_threads(1);
   const Index n = state.range(0), mode = state.range(1);
   const bool shared = mode == 0;
   const RowMatrix<float> q = gaussian_matrix<float>(Philox(1), n, kD),
@@ -155,30 +146,23 @@ void Backward(benchmark::State& state) {
   opt.exact_buckets = mode == 2;
   opt.causal = state.range(2) != 0;
   RowMatrix<float> out(n, kDv), dq(n, kD), dk(n, kD), dv(n, kDv);
-  double forward = 0, both = 0;
-  for (auto _ : state) {
-    double c0 = cpu_now();
-    if (shared)
-      randattn::lsh_attention_into(hash, q, v, out, opt);
-    else
-      randattn::lsh_attention_into(hash, q, k, v, out, opt);
-    benchmark::DoNotOptimize(out.data());
-    forward += cpu_now() - c0;
-    c0 = cpu_now();
-    if (shared) {
-      const auto saved = randattn::lsh_attention_forward<float>(hash, q, v, out, opt);
-      randattn::lsh_attention_backward<float>(saved, q, v, out, g, dq, dv);
-    } else {
-      const auto saved = randattn::lsh_attention_forward<float>(hash, q, k, v, out, opt);
-      randattn::lsh_attention_backward<float>(saved, q, k, v, out, g, dq, dk, dv);
-    }
-    benchmark::DoNotOptimize(dq.data());
-    both += cpu_now() - c0;
-  }
-  const double iterations = double(state.iterations());
-  state.counters["forward_ms"] = 1e3 * forward / iterations;
-  state.counters["forward_backward_ms"] = 1e3 * both / iterations;
-  state.counters["ratio"] = both / forward;
+  bench::time_backward(
+      state, 1,
+      [&] {
+        if (shared)
+          randattn::lsh_attention_into(hash, q, v, out, opt);
+        else
+          randattn::lsh_attention_into(hash, q, k, v, out, opt);
+      },
+      [&] {
+        if (shared) {
+          const auto saved = randattn::lsh_attention_forward<float>(hash, q, v, out, opt);
+          randattn::lsh_attention_backward<float>(saved, q, v, out, g, dq, dv);
+        } else {
+          const auto saved = randattn::lsh_attention_forward<float>(hash, q, k, v, out, opt);
+          randattn::lsh_attention_backward<float>(saved, q, k, v, out, g, dq, dk, dv);
+        }
+      });
 }
 
 void register_all() {

@@ -147,8 +147,7 @@ TEST_CASE("Gradients under key layouts equal finite differences", "[gradients][l
       std::vector<std::int64_t> mask(2 * 9, 0);
       mask[4] = mask[9 + 1] = 1;
       LayoutCall lc{method, options, shape, 2, {{"key_padding_mask", array({2, 9}, mask, true)}},
-                    causal};
-      lc.exclude_self = true;
+                    causal, true, {}};
       check_layout_gradients(lc);
     }
   }
@@ -157,7 +156,7 @@ TEST_CASE("Gradients under key layouts equal finite differences", "[gradients][l
 TEST_CASE("Masked keys get zero gradients and a key read by several heads sums them",
           "[gradients][layout]") {
   const BatchShape shape{1, 4, 7, 7, 3, 2};
-  LayoutCall lc{"exact", {}, shape, 1, {{"key_lengths", array({1}, {5})}}, false};
+  LayoutCall lc{"exact", {}, shape, 1, {{"key_lengths", array({1}, {5})}}, false, false, {}};
   const RowMatrix<double> q = testing::gaussian<double>(1, 4 * 7, 3);
   const RowMatrix<double> k = testing::gaussian<double>(2, 7, 3);
   const RowMatrix<double> v = testing::gaussian<double>(3, 7, 2);

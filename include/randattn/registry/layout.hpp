@@ -723,11 +723,12 @@ class LayoutGradient final : public Gradient<Scalar> {
     for (const auto& slice : pieces_)
       for (const PieceState& piece : slice) {
         if (!piece.gradient) continue;
-        for (auto& [name, g] : piece.gradient->option_gradients()) {
+        for (auto& option : piece.gradient->option_gradients()) {
+          const std::vector<double>& g = option.second;
           auto found = std::find_if(total.begin(), total.end(),
-                                    [&](const auto& e) { return e.first == name; });
+                                    [&](const auto& e) { return e.first == option.first; });
           if (found == total.end()) {
-            total.emplace_back(name, g);
+            total.push_back(std::move(option));
           } else {
             for (std::size_t t = 0; t < g.size(); ++t) found->second[t] += g[t];
           }

@@ -90,6 +90,18 @@ inline double thread_cpu_seconds() {
   return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
 }
 
+// The buffers of a Backward/... row: a fixed incoming gradient (entries N(0, 1)), the output and
+// the three gradients.
+struct BackwardBuffers {
+  RowMatrix<float> grad_out, out, dq, dk, dv;
+  BackwardBuffers(Index n, Index d, Index dv_cols)
+      : grad_out(randattn::gaussian_matrix<float>(randattn::Philox(4), n, dv_cols)),
+        out(n, dv_cols),
+        dq(n, d),
+        dk(n, d),
+        dv(n, dv_cols) {}
+};
+
 // A Backward/... row: each iteration times the forward alone, then forward + backward (the
 // forward that keeps what the backward needs, then the backward), and the row reports both and
 // their ratio, so the ratio comes from one run. One thread: the thread's CPU clock; more: wall

@@ -113,18 +113,17 @@ void Linear(benchmark::State& state) {
 void BackwardExact(benchmark::State& state) {
   const Index n = state.range(0);
   const bench::AttentionInputs in(n, kD, kDv);
-  const RowMatrix<float> grad_out = gaussian_matrix<float>(Philox(4), n, kDv);
   randattn::ExactOptions opt;
   opt.causal = state.range(2) != 0;
-  RowMatrix<float> out(n, kDv), dq(n, kD), dk(n, kD), dv(n, kDv);
+  bench::BackwardBuffers b(n, kD, kDv);
   bench::time_backward(
       state, int(state.range(1)),
-      [&] { randattn::exact_attention_forward_into(in.q, in.k, in.v, out, opt); },
+      [&] { randattn::exact_attention_forward_into(in.q, in.k, in.v, b.out, opt); },
       [&] {
         const randattn::Vector<float> lse =
-            randattn::exact_attention_forward_into(in.q, in.k, in.v, out, opt);
-        randattn::exact_attention_backward<float>(in.q, in.k, in.v, out, lse, grad_out, dq, dk,
-                                                  dv, opt);
+            randattn::exact_attention_forward_into(in.q, in.k, in.v, b.out, opt);
+        randattn::exact_attention_backward<float>(in.q, in.k, in.v, b.out, lse, b.grad_out, b.dq,
+                                                  b.dk, b.dv, opt);
       });
   // Products of forward + backward: 2 + 5 of n x n x 64 (half of them under causal masking).
   state.counters["GFLOPs"] = 7.0 * 0.5 * exact_flops(n, opt.causal) * 1e-6 /

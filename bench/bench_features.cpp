@@ -211,17 +211,16 @@ void BackwardFavor(benchmark::State& state) {
   const Inputs in(n);
   const randattn::PositiveFeatures<OrthogonalProjection<float>> map(
       OrthogonalProjection<float>(kM, kD, 1));
-  const RowMatrix<float> g = gaussian_matrix<float>(Philox(4), n, kDv);
   randattn::RandomFeatureOptions opt;
   opt.causal = state.range(2) != 0;
-  RowMatrix<float> out(n, kDv), dq(n, kD), dk(n, kD), dv(n, kDv);
+  bench::BackwardBuffers b(n, kD, kDv);
   bench::time_backward(
       state, int(state.range(1)),
-      [&] { randattn::random_feature_attention_into(map, in.q, in.k, in.v, out, opt); },
+      [&] { randattn::random_feature_attention_into(map, in.q, in.k, in.v, b.out, opt); },
       [&] {
-        randattn::random_feature_attention_into(map, in.q, in.k, in.v, out, opt);
-        randattn::random_feature_attention_backward(map, in.q, in.k, in.v, out, g, dq, dk, dv,
-                                                    opt);
+        randattn::random_feature_attention_into(map, in.q, in.k, in.v, b.out, opt);
+        randattn::random_feature_attention_backward(map, in.q, in.k, in.v, b.out, b.grad_out,
+                                                    b.dq, b.dk, b.dv, opt);
       });
 }
 

@@ -161,20 +161,20 @@ void LsfThreads(benchmark::State& state) {
 void Backward(benchmark::State& state) {
   const Index n = state.range(0), tables = state.range(1);
   const Inputs& in = inputs(n);
-  const RowMatrix<float> g = randattn::gaussian_matrix<float>(randattn::Philox(79), n, kValueDim);
   const randattn::LocalitySensitiveFilters<float> filters(randattn::RotationKind::hadamard, kDim,
                                                           n / 32, tables, 1234);
   randattn::LsfOptions opt;
   opt.eta = double(state.range(2)) / 100;
   opt.scale = kScale;
   opt.causal = state.range(3) != 0;
-  RowMatrix<float> out(n, kValueDim), dq(n, kDim), dk(n, kDim), dv(n, kValueDim);
+  bench::BackwardBuffers b(n, kDim, kValueDim);
   bench::time_backward(
-      state, 1, [&] { randattn::lsf_attention_into(filters, in.q, in.k, in.v, out, opt); },
+      state, 1, [&] { randattn::lsf_attention_into(filters, in.q, in.k, in.v, b.out, opt); },
       [&] {
         const auto saved =
-            randattn::lsf_attention_forward<float>(filters, in.q, in.k, in.v, out, opt);
-        randattn::lsf_attention_backward<float>(saved, in.q, in.k, in.v, out, g, dq, dk, dv);
+            randattn::lsf_attention_forward<float>(filters, in.q, in.k, in.v, b.out, opt);
+        randattn::lsf_attention_backward<float>(saved, in.q, in.k, in.v, b.out, b.grad_out, b.dq,
+                                                b.dk, b.dv);
       });
 }
 

@@ -137,30 +137,30 @@ void Backward(benchmark::State& state) {
   const bool shared = mode == 0;
   const RowMatrix<float> q = gaussian_matrix<float>(Philox(1), n, kD),
                          k = gaussian_matrix<float>(Philox(2), n, kD),
-                         v = gaussian_matrix<float>(Philox(3), n, kDv),
-                         g = gaussian_matrix<float>(Philox(4), n, kDv);
+                         v = gaussian_matrix<float>(Philox(3), n, kDv);
   const randattn::CrossPolytopeHash<float> hash(randattn::RotationKind::dense, kD,
                                                 randattn::reformer_buckets(n, kChunk), 4, 7);
   randattn::LshOptions opt;
   opt.chunk = kChunk;
   opt.exact_buckets = mode == 2;
   opt.causal = state.range(2) != 0;
-  RowMatrix<float> out(n, kDv), dq(n, kD), dk(n, kD), dv(n, kDv);
+  bench::BackwardBuffers b(n, kD, kDv);
   bench::time_backward(
       state, 1,
       [&] {
         if (shared)
-          randattn::lsh_attention_into(hash, q, v, out, opt);
+          randattn::lsh_attention_into(hash, q, v, b.out, opt);
         else
-          randattn::lsh_attention_into(hash, q, k, v, out, opt);
+          randattn::lsh_attention_into(hash, q, k, v, b.out, opt);
       },
       [&] {
         if (shared) {
-          const auto saved = randattn::lsh_attention_forward<float>(hash, q, v, out, opt);
-          randattn::lsh_attention_backward<float>(saved, q, v, out, g, dq, dv);
+          const auto saved = randattn::lsh_attention_forward<float>(hash, q, v, b.out, opt);
+          randattn::lsh_attention_backward<float>(saved, q, v, b.out, b.grad_out, b.dq, b.dv);
         } else {
-          const auto saved = randattn::lsh_attention_forward<float>(hash, q, k, v, out, opt);
-          randattn::lsh_attention_backward<float>(saved, q, k, v, out, g, dq, dk, dv);
+          const auto saved = randattn::lsh_attention_forward<float>(hash, q, k, v, b.out, opt);
+          randattn::lsh_attention_backward<float>(saved, q, k, v, b.out, b.grad_out, b.dq, b.dk,
+                                                  b.dv);
         }
       });
 }

@@ -209,8 +209,7 @@ void OprfThreads(benchmark::State& state) {
 void BackwardFavor(benchmark::State& state) {
   const Index n = state.range(0);
   const Inputs in(n);
-  const randattn::PositiveFeatures<OrthogonalProjection<float>> map(
-      OrthogonalProjection<float>(kM, kD, 1));
+  const randattn::PositiveFeatures map(OrthogonalProjection<float>(kM, kD, 1));
   randattn::RandomFeatureOptions opt;
   opt.causal = state.range(2) != 0;
   bench::BackwardBuffers b(n, kD, kDv);

@@ -16,8 +16,8 @@
 //    n = 65536 on 1 and 2 threads, written into one output reused across calls (the _into forms),
 //    so that the rows time the computation and not the first touch of a fresh result. Their
 //    ratio threads:1 / threads:2 is the two-thread speedup (OPRF's fit included).
-//  - Backward/Favor (arguments n, threads, causal): the forward alone, then forward + backward,
-//    their times and ratio from one run (bench_common.hpp); at n = 8192 on one thread and, causal,
+//  - Backward/Favor (arguments n, threads, causal): the forward alone, then the forward keeping
+//    its features + the backward from them, their times and ratio from one run (bench_common.hpp); at n = 8192 on one thread and, causal,
 //    at n = 65536 on 1 and 2 threads (compare their forward_backward_ms for the speedup).
 // Arguments: n, causal (0/1); these rows run on one thread.
 
@@ -204,8 +204,8 @@ void OprfThreads(benchmark::State& state) {
 }
 
 // FAVOR+ (orthogonal projection) forward, then forward + backward (the gradients with respect
-// to q, k and v); arguments n, threads, causal. The forward alone is the _into form, the one
-// the IntoThreads rows time.
+// to q, k and v, from the features the forward kept, as a training step runs them); arguments
+// n, threads, causal. The forward alone is the _into form, the one the IntoThreads rows time.
 void BackwardFavor(benchmark::State& state) {
   const Index n = state.range(0);
   const Inputs in(n);
@@ -213,13 +213,14 @@ void BackwardFavor(benchmark::State& state) {
   randattn::RandomFeatureOptions opt;
   opt.causal = state.range(2) != 0;
   bench::BackwardBuffers b(n, kD, kDv);
+  randattn::SavedFeatures<float> saved;
   bench::time_backward(
       state, int(state.range(1)),
       [&] { randattn::random_feature_attention_into(map, in.q, in.k, in.v, b.out, opt); },
       [&] {
-        randattn::random_feature_attention_into(map, in.q, in.k, in.v, b.out, opt);
+        randattn::random_feature_attention_into(map, in.q, in.k, in.v, b.out, saved, opt);
         randattn::random_feature_attention_backward(map, in.q, in.k, in.v, b.out, b.grad_out,
-                                                    b.dq, b.dk, b.dv, opt);
+                                                    b.dq, b.dk, b.dv, saved, opt);
       });
 }
 

@@ -86,6 +86,20 @@ void check_attention_gradients(Index n, Index chunk, bool causal, std::uint64_t 
                                               RowMatrix<double>(), g, dq2, dk2, dv2, opt);
   CHECK((dq2 - dq).cwiseAbs().maxCoeff() <= 1e-12 * (1 + dq.cwiseAbs().maxCoeff()));
   CHECK((dk2 - dk).cwiseAbs().maxCoeff() <= 1e-12 * (1 + dk.cwiseAbs().maxCoeff()));
+  // A forward that keeps its features: the same output and, from them, the same gradients, bit
+  // for bit (the features are the ones the backward would map, chunk by chunk).
+  randattn::SavedFeatures<double> saved;
+  RowMatrix<double> out_saved(n, dv);
+  randattn::random_feature_attention_into(Map<double, Proj>(Proj(omega)), q, k, v, out_saved,
+                                          saved, opt);
+  CHECK(out_saved == out);
+  RowMatrix<double> dq3(n, d), dk3(n, d), dv3(n, dv), domega3 = RowMatrix<double>::Zero(m, d);
+  randattn::random_feature_attention_backward(Map<double, Proj>(Proj(omega)), q, k, v, out, g,
+                                              dq3, dk3, dv3, saved, opt, &domega3);
+  CHECK(dq3 == dq);
+  CHECK(dk3 == dk);
+  CHECK(dv3 == dvv);
+  CHECK(domega3 == domega);
 }
 
 }  // namespace
@@ -95,6 +109,37 @@ TEST_CASE("favor backward: dq, dk, dv, domega equal finite differences", "[gradi
     check_attention_gradients<randattn::PositiveFeatures>(37, 8, causal, 10);
     check_attention_gradients<randattn::PositiveFeatures>(300, 0, causal, 20);
   }
+}
+
+TEST_CASE("favor backward: saved features of another call and overlapping gradients are refused",
+          "[gradients][features]") {
+  const Index n = 40, d = 8, dv = 4;
+  const randattn::PositiveFeatures map(randattn::OrthogonalProjection<float>(16, d, 3));
+  const RowMatrix<float> q = testing::gaussian<float>(1, n, d), k = testing::gaussian<float>(2, n, d);
+  const RowMatrix<float> v = testing::gaussian<float>(3, n, dv), g = testing::gaussian<float>(4, n, dv);
+  randattn::RandomFeatureOptions opt;
+  opt.causal = true;
+  randattn::SavedFeatures<float> saved;
+  RowMatrix<float> out(n, dv), dq(n, d), dk(n, d), dvv(n, dv);
+  randattn::random_feature_attention_into(map, q.topRows(n - 1), k.topRows(n - 1),
+                                          v.topRows(n - 1), out.topRows(n - 1), saved, opt);
+  const auto backward = [&] {
+    randattn::random_feature_attention_backward(map, q, k, v, out, g, dq, dk, dvv, saved, opt);
+  };
+  CHECK_THROWS_WITH(backward(), Catch::Contains("are not this call's"));
+  randattn::random_feature_attention_into(map, q, k, v, out, saved, opt);
+  opt.scale = 0.5;  // another data normaliser
+  CHECK_THROWS_WITH(backward(), Catch::Contains("are not this call's"));
+  opt.scale.reset();
+  backward();
+  RowMatrix<float> both(n, d + d);
+  CHECK_THROWS_WITH(randattn::random_feature_attention_backward(
+                        map, q, k, v, out, g, both.leftCols(d), both.rightCols(d), dvv, opt),
+                    Catch::Contains("dq and dk share memory"));
+  RowMatrix<float> q_copy = q;
+  CHECK_THROWS_WITH(randattn::random_feature_attention_backward(map, q_copy, k, v, out, g, q_copy,
+                                                                dk, dvv, opt),
+                    Catch::Contains("dq shares memory with the input q"));
 }
 
 TEST_CASE("favor-hyp backward: dq, dk, dv, domega equal finite differences",

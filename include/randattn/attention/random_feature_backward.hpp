@@ -4,9 +4,11 @@
 // vector–Jacobian product (has_features_vjp: positive, hyperbolic, trig). The projection is the
 // map's (fixed by its seed), so this is the gradient of the same estimate the forward computed.
 //
-// The features of q and k are computed once (n × M each) and kept for the linear core's backward
-// (core/linear_backward.hpp), which hands each side the cotangent of its features relative to
-// each row's log-scale; the map's features_vjp then turns that into dq or dk (and dω). The
+// The features of q and k (n × M each) feed the linear core's backward (core/linear_backward.hpp),
+// which hands each side the cotangent of its features relative to each row's log-scale; the map's
+// features_vjp then turns that into dq or dk (and dω). A forward that keeps its features
+// (SavedFeatures, random_feature_attention_into with a SavedFeatures) spares the backward mapping
+// q and k again; otherwise it maps them itself, in the forward's pieces of rows. The
 // stabilisers (a map's per-row maximum, the causal core's running maximum of key log-scales) are
 // never differentiated through except where the denominator guard makes the output depend on
 // them, and there only through the rows' own keys (j ≤ i under causal): dq_i and dk_j receive
@@ -14,10 +16,13 @@
 // cotangents (4·n·M) plus O(n·(dv + C)); never n·M·dv.
 
 #include <type_traits>
+#include <utility>
 
 #include <Eigen/Core>
 
+#include "../core/detail/output_check.hpp"
 #include "../core/linear_backward.hpp"
+#include "../core/scaled_features.hpp"
 #include "../core/types.hpp"
 #include "../detail/matrix_pool.hpp"
 #include "../detail/validation.hpp"
@@ -26,10 +31,80 @@
 
 namespace randattn {
 
+// The features of one call's queries and keys as its forward computed them, kept for the
+// backward: filled by random_feature_attention_into(map, q, k, v, out, saved, opt) and read by
+// random_feature_attention_backward(..., saved, opt). They belong to that call's map, q, k and
+// options: the backward checks their shapes and data normaliser, not their values.
+// (n_q + n_k) × (feature_dim + 1) entries; refilling for the same shapes reuses the storage.
+template <typename Scalar>
+struct SavedFeatures {
+  ScaledFeatures<Scalar> q, k;
+  Scalar normaliser = 0;  // the data normaliser they were computed with
+};
+
 namespace detail {
 
-// Checks one slice of a backward call (the forward's checks, grad_out and out) before anything is
-// written. out may be empty (0 × 0): recomputed.
+template <typename Scalar, typename... Matrices>
+constexpr bool shares_scalar = (std::is_same<Scalar, typename Matrices::Scalar>::value && ...);
+
+// x's features as the linear core's forward maps them, in the same pieces of rows
+// (feature_mapping_rows), so the same bits.
+template <typename Map>
+void forward_features(const Map& map, const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& x,
+                      typename Map::Scalar normaliser, FeatureSide side, const LinearOptions& opt,
+                      Eigen::Ref<RowMatrix<typename Map::Scalar>> values,
+                      Eigen::Ref<Vector<typename Map::Scalar>> log_scale) {
+  const Index n = x.rows(), piece = feature_mapping_rows(linear_chunk(opt), opt.causal);
+  parallel_for((n + piece - 1) / piece, [&](Index t) {
+    const Index i0 = t * piece, len = std::min(piece, n - i0);
+    map.features_into(x.middleRows(i0, len), normaliser, values.middleRows(i0, len),
+                      log_scale.segment(i0, len), side);
+  });
+}
+
+// The linear core's accumulator on given features: what feature_attention_slice accumulates
+// when these are the features it maps.
+template <typename Scalar>
+SoftmaxAccumulator<Scalar> given_features_accumulate(
+    const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& qf,
+    const Eigen::Ref<const Vector<Scalar>>& q_log, const Eigen::Ref<const RowMatrix<Scalar>>& kf,
+    const Eigen::Ref<const Vector<Scalar>>& k_log, const Eigen::Ref<const RowMatrix<Scalar>>& v,
+    const Eigen::Ref<const Vector<Scalar>>& signs, const LinearOptions& opt) {
+  const GivenFeatureRows<Scalar> q_rows(qf, q_log), k_rows(kf, k_log);
+  const LinearOperands<GivenFeatureRows<Scalar>, GivenFeatureRows<Scalar>> in{
+      q_rows, k_rows, v, signs, linear_chunk(opt)};
+  return linear_accumulate(where, in, opt.causal, opt.check_finite);
+}
+
+// The forward of one checked slice (feature_attention_slice's result, bit for bit), keeping its
+// features in `saved`.
+template <typename Map>
+SoftmaxAccumulator<typename Map::Scalar> feature_attention_saving_slice(
+    const char* where, const Map& map, const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
+    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
+    const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
+    const FeatureAttentionSettings<typename Map::Scalar>& s,
+    SavedFeatures<typename Map::Scalar>& saved) {
+  using Scalar = typename Map::Scalar;
+  require(!s.exclude_self, where, "exclude_self has no backward pass: its features are not kept");
+  const Index dim = map.feature_dim();
+  saved.normaliser = s.normaliser;
+  saved.q.values.resize(q.rows(), dim);
+  saved.q.log_scale.resize(q.rows());
+  saved.k.values.resize(q.rows() > 0 ? k.rows() : 0, dim);
+  saved.k.log_scale.resize(saved.k.values.rows());
+  if (q.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
+  forward_features(map, q, s.normaliser, FeatureSide::query, s.linear, saved.q.values,
+                   saved.q.log_scale);
+  forward_features(map, k, s.normaliser, FeatureSide::key, s.linear, saved.k.values,
+                   saved.k.log_scale);
+  const Scratch<Vector<Scalar>> signs = pooled_copy(map.signs());
+  return given_features_accumulate<Scalar>(where, saved.q.values, saved.q.log_scale,
+                                           saved.k.values, saved.k.log_scale, v, signs, s.linear);
+}
+
+// Checks one slice of a backward call (the forward's checks, grad_out, out and the saved
+// features when given) before anything is written. out may be empty (0 × 0): recomputed.
 template <typename Map>
 void check_feature_backward_slice(const char* where, const Map& map,
                                   const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
@@ -38,7 +113,8 @@ void check_feature_backward_slice(const char* where, const Map& map,
                                   const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& out,
                                   const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& grad_out,
                                   const FeatureAttentionSettings<typename Map::Scalar>& s,
-                                  bool check_finite) {
+                                  bool check_finite,
+                                  const SavedFeatures<typename Map::Scalar>* saved = nullptr) {
   check_feature_slice(where, map, q, k, v, s, check_finite);
   require(!s.exclude_self, where, "exclude_self has no backward pass");
   if (out.size() == 0 && q.rows() > 0) {
@@ -49,9 +125,20 @@ void check_feature_backward_slice(const char* where, const Map& map,
     check_linear_grad_out<typename Map::Scalar>(where, out, grad_out, q.rows(), v.cols(),
                                                 check_finite);
   }
+  if (!saved || q.rows() == 0) return;
+  const Index dim = map.feature_dim();
+  require(saved->q.values.rows() == q.rows() && saved->q.values.cols() == dim &&
+              saved->q.log_scale.size() == q.rows() && saved->k.values.rows() == k.rows() &&
+              saved->k.values.cols() == dim && saved->k.log_scale.size() == k.rows() &&
+              saved->normaliser == s.normaliser,
+          where, "the saved features (queries ", shape_of(saved->q.values), ", keys ",
+          shape_of(saved->k.values), ", normaliser ", saved->normaliser,
+          ") are not this call's (", q.rows(), "x", dim, ", ", k.rows(), "x", dim, ", ",
+          s.normaliser, "): keep them from the forward on the same map, q, k and options");
 }
 
 // The backward of one checked slice: dq, dk, dv overwritten, *d_omega (unless null) added to.
+// saved: the forward's features, or null to map q and k here.
 template <typename Map>
 void feature_attention_backward_slice(
     const char* where, const Map& map, const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
@@ -61,8 +148,11 @@ void feature_attention_backward_slice(
     const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& grad_out,
     const FeatureAttentionSettings<typename Map::Scalar>& s,
     Eigen::Ref<RowMatrix<typename Map::Scalar>> dq, Eigen::Ref<RowMatrix<typename Map::Scalar>> dk,
-    Eigen::Ref<RowMatrix<typename Map::Scalar>> dv, RowMatrix<typename Map::Scalar>* d_omega) {
+    Eigen::Ref<RowMatrix<typename Map::Scalar>> dv, RowMatrix<typename Map::Scalar>* d_omega,
+    const SavedFeatures<typename Map::Scalar>* saved = nullptr) {
   using Scalar = typename Map::Scalar;
+  using Features = Eigen::Ref<const RowMatrix<Scalar>>;
+  using LogScales = Eigen::Ref<const Vector<Scalar>>;
   static_assert(has_features_vjp<Map>::value, "this feature map has no backward (features_vjp)");
   const Index n_q = q.rows(), n_k = k.rows(), dim = map.feature_dim();
   dq.setZero();
@@ -71,10 +161,21 @@ void feature_attention_backward_slice(
     dv.setZero();
     return;
   }
-  Scratch<RowMatrix<Scalar>> qf(n_q, dim), kf(n_k, dim), dqf(n_q, dim), dkf(n_k, dim);
-  Scratch<Vector<Scalar>> q_log(n_q), k_log(n_k), dq_log(n_q), dk_log(n_k);
-  map.features_into(q, s.normaliser, qf, q_log, FeatureSide::query);
-  map.features_into(k, s.normaliser, kf, k_log, FeatureSide::key);
+  // Without saved features: mapped here as the forward mapped them.
+  const Index own_q = saved ? 0 : n_q, own_k = saved ? 0 : n_k;
+  Scratch<RowMatrix<Scalar>> qf_own(own_q, dim), kf_own(own_k, dim);
+  Scratch<Vector<Scalar>> q_log_own(own_q), k_log_own(own_k);
+  if (!saved) {
+    forward_features(map, q, s.normaliser, FeatureSide::query, s.linear, qf_own, q_log_own);
+    forward_features(map, k, s.normaliser, FeatureSide::key, s.linear, kf_own, k_log_own);
+  }
+  const Features qf = saved ? Features(saved->q.values) : Features(qf_own);
+  const Features kf = saved ? Features(saved->k.values) : Features(kf_own);
+  const LogScales q_log = saved ? LogScales(saved->q.log_scale) : LogScales(q_log_own);
+  const LogScales k_log = saved ? LogScales(saved->k.log_scale) : LogScales(k_log_own);
+
+  Scratch<RowMatrix<Scalar>> dqf(n_q, dim), dkf(n_k, dim);
+  Scratch<Vector<Scalar>> dq_log(n_q), dk_log(n_k);
   const Scratch<Vector<Scalar>> signs = pooled_copy(map.signs());
   const auto core = [&](const Eigen::Ref<const RowMatrix<Scalar>>& o) {
     linear_backward_impl<Scalar>(qf, q_log, kf, k_log, v, signs, o, grad_out, s.linear,
@@ -83,10 +184,7 @@ void feature_attention_backward_slice(
   if (out.size() == 0) {
     // The forward on the same features: the output random_feature_attention returns.
     Scratch<RowMatrix<Scalar>> forward_out(n_q, v.cols());
-    const GivenFeatureRows<Scalar> q_rows(qf, q_log), k_rows(kf, k_log);
-    const LinearOperands<GivenFeatureRows<Scalar>, GivenFeatureRows<Scalar>> in{
-        q_rows, k_rows, v, signs, linear_chunk(s.linear)};
-    linear_accumulate(where, in, s.linear.causal, false)
+    given_features_accumulate<Scalar>(where, qf, q_log, kf, k_log, v, signs, s.linear)
         .finalize_into(forward_out, static_cast<Scalar>(s.linear.denominator_epsilon));
     core(forward_out);
   } else {
@@ -96,52 +194,104 @@ void feature_attention_backward_slice(
   map.features_vjp(k, s.normaliser, kf, k_log, dkf, dk_log, dk, d_omega, FeatureSide::key);
 }
 
+// The checks and the backward of one 2-D call (both overloads of the public backward).
+template <typename Map>
+void feature_attention_backward_2d(const Map& map,
+                                   const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
+                                   const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
+                                   const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
+                                   const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& out,
+                                   const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& grad_out,
+                                   Eigen::Ref<RowMatrix<typename Map::Scalar>> dq,
+                                   Eigen::Ref<RowMatrix<typename Map::Scalar>> dk,
+                                   Eigen::Ref<RowMatrix<typename Map::Scalar>> dv,
+                                   const RandomFeatureOptions& opt,
+                                   RowMatrix<typename Map::Scalar>* d_omega,
+                                   const SavedFeatures<typename Map::Scalar>* saved) {
+  const char* where = "random_feature_attention_backward";
+  require(dq.rows() == q.rows() && dq.cols() == q.cols() && dk.rows() == k.rows() &&
+              dk.cols() == k.cols() && dv.rows() == v.rows() && dv.cols() == v.cols(),
+          where, "dq (", shape_of(dq), "), dk (", shape_of(dk), ") and dv (", shape_of(dv),
+          ") must have the shapes of q, k and v");
+  check_written_apart(
+      where, {named_input("dq", dq), named_input("dk", dk), named_input("dv", dv)},
+      {named_input("q", q), named_input("k", k), named_input("v", v), named_input("out", out),
+       named_input("grad_out", grad_out)});
+  require(!d_omega || (d_omega->rows() == map.projection().features() &&
+                       d_omega->cols() == map.input_dim()),
+          where, "d_omega must be ", map.projection().features(), "x", map.input_dim());
+  const auto s = feature_attention_settings(where, map, opt);
+  check_feature_backward_slice(where, map, q, k, v, out, grad_out, s, opt.check_finite, saved);
+  feature_attention_backward_slice(where, map, q, k, v, out, grad_out, s, dq, dk, dv, d_omega,
+                                   saved);
+}
+
 }  // namespace detail
 
-// Gradients of <grad_out, out> for out = random_feature_attention(map, q, k, v, opt): written
-// into dq (n_q × d), dk (n_k × d) and dv (n_k × dv); with d_omega (m × d, the map's projections ×
-// input dimension) the gradient with respect to the dense ω the map's projection stands for is
-// ADDED to *d_omega. out is that forward's result, or an empty (0 × 0) matrix to have it
-// recomputed. Every argument is checked before anything is written; a non-finite grad_out is
-// rejected. exclude_self has no backward.
-template <typename Map, typename DQ, typename DK, typename DV, typename DO, typename DG,
-          typename GQ, typename GK, typename GV>
-void random_feature_attention_backward(const Map& map, const Eigen::MatrixBase<DQ>& q,
-                                       const Eigen::MatrixBase<DK>& k,
-                                       const Eigen::MatrixBase<DV>& v,
-                                       const Eigen::MatrixBase<DO>& out,
-                                       const Eigen::MatrixBase<DG>& grad_out,
-                                       const Eigen::MatrixBase<GQ>& dq,
-                                       const Eigen::MatrixBase<GK>& dk,
-                                       const Eigen::MatrixBase<GV>& dv,
-                                       const RandomFeatureOptions& opt = {},
-                                       RowMatrix<typename Map::Scalar>* d_omega = nullptr) {
+// random_feature_attention_into that also keeps the features of q and k in `saved`, for
+// random_feature_attention_backward: `out` is the same, bit for bit. exclude_self is refused
+// (it has no backward).
+template <typename Map, typename DQ, typename DK, typename DV, typename DO>
+void random_feature_attention_into(const Map& map, const Eigen::MatrixBase<DQ>& q,
+                                   const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+                                   const Eigen::MatrixBase<DO>& out,
+                                   SavedFeatures<typename Map::Scalar>& saved,
+                                   const RandomFeatureOptions& opt = {}) {
   using Scalar = typename Map::Scalar;
-  static_assert(std::is_same<Scalar, typename DQ::Scalar>::value &&
-                    std::is_same<Scalar, typename DK::Scalar>::value &&
-                    std::is_same<Scalar, typename DV::Scalar>::value &&
-                    std::is_same<Scalar, typename DO::Scalar>::value &&
-                    std::is_same<Scalar, typename DG::Scalar>::value,
-                "the feature map, q, k, v, out and grad_out must share the scalar type");
-  const char* where = "random_feature_attention_backward";
-  const Eigen::Ref<const RowMatrix<Scalar>> qr(q), kr(k), vr(v), outr(out), gr(grad_out);
-  auto &gq = detail::writable(dq), &gk = detail::writable(dk);
-  auto& gv = detail::writable(dv);
-  detail::require(gq.rows() == qr.rows() && gq.cols() == qr.cols() && gk.rows() == kr.rows() &&
-                      gk.cols() == kr.cols() && gv.rows() == vr.rows() && gv.cols() == vr.cols(),
-                  where, "dq (", detail::shape_of(gq), "), dk (", detail::shape_of(gk),
-                  ") and dv (", detail::shape_of(gv), ") must have the shapes of q, k and v");
-  detail::require(!d_omega || (d_omega->rows() == map.projection().features() &&
-                               d_omega->cols() == map.input_dim()),
-                  where, "d_omega must be ", map.projection().features(), "x", map.input_dim());
+  static_assert(detail::shares_scalar<Scalar, DQ, DK, DV, DO>,
+                "the feature map, q, k, v and out must share the scalar type");
+  const char* where = "random_feature_attention";
+  const Eigen::Ref<const RowMatrix<Scalar>> qr(q), kr(k), vr(v);
+  detail::check_output(where, out, qr.rows(), vr.cols(),
+                       {detail::named_input("q", qr), detail::named_input("k", kr),
+                        detail::named_input("v", vr)});
   const auto s = detail::feature_attention_settings(where, map, opt);
-  detail::check_feature_backward_slice(where, map, qr, kr, vr, outr, gr, s, opt.check_finite);
-  RowMatrix<Scalar> dqr(qr.rows(), qr.cols()), dkr(kr.rows(), kr.cols()), dvr(vr.rows(), vr.cols());
-  detail::feature_attention_backward_slice(where, map, qr, kr, vr, outr, gr, s, dqr, dkr, dvr,
-                                           d_omega);
-  gq = dqr;
-  gk = dkr;
-  gv = dvr;
+  detail::check_feature_slice(where, map, qr, kr, vr, s, opt.check_finite);
+  detail::feature_attention_saving_slice(where, map, qr, kr, vr, s, saved)
+      .finalize_into(out, static_cast<Scalar>(s.linear.denominator_epsilon));
+}
+
+// Gradients of <grad_out, out> for out = random_feature_attention(map, q, k, v, opt): written
+// into dq (n_q × d), dk (n_k × d) and dv (n_k × dv), which share no memory with the inputs or
+// each other; with d_omega (m × d, the map's projections × input dimension) the gradient with
+// respect to the dense ω the map's projection stands for is ADDED to *d_omega. out is that
+// forward's result, or an empty (0 × 0) matrix to have it recomputed. Every argument is checked
+// before anything is written; a non-finite grad_out is rejected. exclude_self has no backward.
+template <typename Map, typename DQ, typename DK, typename DV, typename DO, typename DG>
+void random_feature_attention_backward(
+    const Map& map, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+    const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DO>& out,
+    const Eigen::MatrixBase<DG>& grad_out, Eigen::Ref<RowMatrix<typename Map::Scalar>> dq,
+    Eigen::Ref<RowMatrix<typename Map::Scalar>> dk, Eigen::Ref<RowMatrix<typename Map::Scalar>> dv,
+    const RandomFeatureOptions& opt = {}, RowMatrix<typename Map::Scalar>* d_omega = nullptr) {
+  using Scalar = typename Map::Scalar;
+  static_assert(detail::shares_scalar<Scalar, DQ, DK, DV, DO, DG>,
+                "the feature map, q, k, v, out and grad_out must share the scalar type");
+  detail::feature_attention_backward_2d<Map>(
+      map, Eigen::Ref<const RowMatrix<Scalar>>(q), Eigen::Ref<const RowMatrix<Scalar>>(k),
+      Eigen::Ref<const RowMatrix<Scalar>>(v), Eigen::Ref<const RowMatrix<Scalar>>(out),
+      Eigen::Ref<const RowMatrix<Scalar>>(grad_out), dq, dk, dv, opt, d_omega, nullptr);
+}
+
+// The same from the features the forward kept (random_feature_attention_into with `saved`):
+// q and k are not mapped again. out must be that forward's result.
+template <typename Map, typename DQ, typename DK, typename DV, typename DO, typename DG>
+void random_feature_attention_backward(
+    const Map& map, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+    const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DO>& out,
+    const Eigen::MatrixBase<DG>& grad_out, Eigen::Ref<RowMatrix<typename Map::Scalar>> dq,
+    Eigen::Ref<RowMatrix<typename Map::Scalar>> dk, Eigen::Ref<RowMatrix<typename Map::Scalar>> dv,
+    const SavedFeatures<typename Map::Scalar>& saved, const RandomFeatureOptions& opt = {},
+    RowMatrix<typename Map::Scalar>* d_omega = nullptr) {
+  using Scalar = typename Map::Scalar;
+  static_assert(detail::shares_scalar<Scalar, DQ, DK, DV, DO, DG>,
+                "the feature map, q, k, v, out and grad_out must share the scalar type");
+  detail::require(out.size() > 0 || q.rows() == 0, "random_feature_attention_backward",
+                  "with saved features, out must be the forward's result (it is empty)");
+  detail::feature_attention_backward_2d<Map>(
+      map, Eigen::Ref<const RowMatrix<Scalar>>(q), Eigen::Ref<const RowMatrix<Scalar>>(k),
+      Eigen::Ref<const RowMatrix<Scalar>>(v), Eigen::Ref<const RowMatrix<Scalar>>(out),
+      Eigen::Ref<const RowMatrix<Scalar>>(grad_out), dq, dk, dv, opt, d_omega, &saved);
 }
 
 }  // namespace randattn

@@ -41,20 +41,6 @@ Vector<typename DQ::Scalar> exact_attention_forward_into(const Eigen::MatrixBase
 
 namespace detail {
 
-// Throws unless no buffer of `written` shares storage with an input or with another of `written`
-// (the kernels read the inputs while they write the gradients, block by block).
-inline void check_written_apart(const char* where, std::initializer_list<NamedInput> written,
-                                std::initializer_list<NamedInput> inputs) {
-  for (const NamedInput* w = written.begin(); w != written.end(); ++w) {
-    for (const NamedInput& in : inputs)
-      require(!w->span.overlaps(in.span), where, w->name, " shares memory with the input ", in.name,
-              "; write the gradients into storage of their own");
-    for (const NamedInput* o = w + 1; o != written.end(); ++o)
-      require(!w->span.overlaps(o->span), where, w->name, " and ", o->name,
-              " share memory; write each gradient into storage of its own");
-  }
-}
-
 // No NaN or +inf among the row log-sum-exps (−inf marks a row without weight).
 template <typename Derived>
 void require_log_sum_exps(const Eigen::DenseBase<Derived>& lse, const char* where) {

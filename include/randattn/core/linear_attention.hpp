@@ -59,6 +59,13 @@ constexpr Index kDefaultKeyPanel = kMaxGemmDepth;
 constexpr Index kKeyGroup = 16;
 constexpr Index kMergeRows = 64;  // rows of the key state per merge task
 
+// The rows the forward maps to features in one call of a row source (its view): a group of
+// kCausalGroup chunks when causal, one panel otherwise. Features mapped in these pieces are the
+// forward's, bit for bit.
+inline Index feature_mapping_rows(Index chunk, bool causal) {
+  return causal ? kCausalGroup * chunk : chunk;
+}
+
 template <typename Scalar>
 void check_linear_inputs(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& qf,
                          const Eigen::Ref<const Vector<Scalar>>& q_log,
@@ -395,7 +402,7 @@ linear_causal_with_summary(const In& in) {
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   const Index n = in.q.rows(), m = in.features(), w = in.width(), chunk = in.chunk;
   const Index chunks = (n + chunk - 1) / chunk;
-  const Index group_rows = std::min(n, kCausalGroup * chunk);
+  const Index group_rows = std::min(n, feature_mapping_rows(chunk, true));
   RowMatrix<Scalar> nd = MatrixPool<RowMatrix<Scalar>>::take(n, w);
   Vector<Scalar> log_scale = MatrixPool<Vector<Scalar>>::take(n);
   const Index segments = std::max<Index>(1, std::min(available_threads(), chunks));

@@ -67,6 +67,21 @@ inline void check_no_overlap(const char* where, const AddressSpan& out,
   }
 }
 
+// Throws unless no buffer of `written` shares storage with an input or with another of `written`
+// (the kernels read the inputs while they write the gradients, block by block): the
+// output check of the backward passes.
+inline void check_written_apart(const char* where, std::initializer_list<NamedInput> written,
+                                std::initializer_list<NamedInput> inputs) {
+  for (const NamedInput* w = written.begin(); w != written.end(); ++w) {
+    for (const NamedInput& in : inputs)
+      require(!w->span.overlaps(in.span), where, w->name, " shares memory with the input ", in.name,
+              "; write the gradients into storage of their own");
+    for (const NamedInput* o = w + 1; o != written.end(); ++o)
+      require(!w->span.overlaps(o->span), where, w->name, " and ", o->name,
+              " share memory; write each gradient into storage of its own");
+  }
+}
+
 // Throws randattn::invalid_argument naming `where` unless `out` is rows x cols and its span
 // overlaps none of the inputs' spans. Overlap is judged on spans, so two interleaved blocks of
 // one matrix (e.g. column blocks of a row-major matrix) count as overlapping even when they share

@@ -374,7 +374,8 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
 namespace detail {
 
 // The gradient of a feature-method call. The forward builds the call's maps exactly as its job
-// does (drawn from the seed, fitted maps fitted to this call's rows) and keeps them; the backward
+// does (drawn from the seed, fitted maps fitted to this call's rows) and keeps them, with each
+// slice's query and key features (SavedFeatures: the same output, no second mapping); the backward
 // differentiates each slice with its map held fixed (attention/random_feature_backward.hpp), so
 // a fitted map's parameters count as constants. The gradient of "omega" is summed over the
 // slices in slice order, independent of the thread count.
@@ -394,12 +395,14 @@ class FeatureGradient final : public Gradient<Scalar> {
     const SliceView<Scalar> data{q, k, shape};
     return Method::template with_map<Scalar>(
         call_, &data, [&](const auto& maps, const RandomFeatureOptions& opt) {
-          Method::attend(maps, q, k, v, out, shape, opt);
+          std::vector<SavedFeatures<Scalar>> saved(std::size_t(shape.slices()));
+          run_forward(maps, opt, q, k, v, out, saved);
           // The caller's out may change before the backward: keep a copy.
           std::vector<Scalar> kept(out, out + shape.slices() * shape.n_q * shape.dv);
-          backward_ = [this, maps, opt, q, k, v, kept = std::move(kept)](
-                          const Scalar* grad_out, Scalar* dq, Scalar* dk, Scalar* dv) {
-            run_backward(maps, opt, q, k, v, kept.data(), grad_out, dq, dk, dv);
+          backward_ = [this, maps, opt, q, k, v, kept = std::move(kept),
+                       saved = std::move(saved)](const Scalar* grad_out, Scalar* dq, Scalar* dk,
+                                                 Scalar* dv) {
+            run_backward(maps, opt, q, k, v, kept.data(), saved, grad_out, dq, dk, dv);
           };
         });
   }
@@ -416,9 +419,41 @@ class FeatureGradient final : public Gradient<Scalar> {
   }
 
  private:
+  // The forward of FeatureMethod's job (the same bits), keeping each slice's features.
+  template <typename Map>
+  void run_forward(const SliceMaps<Map>& maps, const RandomFeatureOptions& opt, const Scalar* q,
+                   const Scalar* k, const Scalar* v, Scalar* out,
+                   std::vector<SavedFeatures<Scalar>>& saved) {
+    namespace rd = randattn::detail;
+    const char* where = "random_feature_attention";
+    const BatchShape& s = call_.shape;
+    const auto slice = [&](auto* base, Index i, Index rows, Index cols) {
+      return rd::slice_of(base, i, rows, cols);
+    };
+    rd::for_each_slice(
+        where, s, q && k && v && out,
+        [&](Index i) {
+          const Map& map = maps.of_slice(i);
+          rd::check_feature_slice(where, map, slice(q, i, s.n_q, s.d), slice(k, i, s.n_k, s.d),
+                                  slice(v, i, s.n_k, s.dv),
+                                  rd::feature_attention_settings(where, map, opt),
+                                  opt.check_finite);
+        },
+        [&](Index i) {
+          const Map& map = maps.of_slice(i);
+          const auto settings = rd::feature_attention_settings(where, map, opt);
+          rd::feature_attention_saving_slice(where, map, slice(q, i, s.n_q, s.d),
+                                             slice(k, i, s.n_k, s.d), slice(v, i, s.n_k, s.dv),
+                                             settings, saved[std::size_t(i)])
+              .finalize_into(slice(out, i, s.n_q, s.dv),
+                             static_cast<Scalar>(settings.linear.denominator_epsilon));
+        });
+  }
+
   template <typename Map>
   void run_backward(const SliceMaps<Map>& maps, const RandomFeatureOptions& opt, const Scalar* q,
-                    const Scalar* k, const Scalar* v, const Scalar* out, const Scalar* grad_out,
+                    const Scalar* k, const Scalar* v, const Scalar* out,
+                    const std::vector<SavedFeatures<Scalar>>& saved, const Scalar* grad_out,
                     Scalar* dq, Scalar* dk, Scalar* dv) {
     namespace rd = randattn::detail;
     const char* where = "random_feature_attention_backward";
@@ -441,7 +476,7 @@ class FeatureGradient final : public Gradient<Scalar> {
               where, map, slice(q, i, s.n_q, s.d), slice(k, i, s.n_k, s.d),
               slice(v, i, s.n_k, s.dv), slice(out, i, s.n_q, s.dv),
               slice(grad_out, i, s.n_q, s.dv), rd::feature_attention_settings(where, map, opt),
-              opt.check_finite);
+              opt.check_finite, &saved[std::size_t(i)]);
         },
         [&](Index i) {
           const Map& map = maps.of_slice(i);
@@ -450,7 +485,7 @@ class FeatureGradient final : public Gradient<Scalar> {
               slice(v, i, s.n_k, s.dv), slice(out, i, s.n_q, s.dv),
               slice(grad_out, i, s.n_q, s.dv), rd::feature_attention_settings(where, map, opt),
               slice(dq, i, s.n_q, s.d), slice(dk, i, s.n_k, s.d), slice(dv, i, s.n_k, s.dv),
-              want_omega_ ? &d_omega[std::size_t(i)] : nullptr);
+              want_omega_ ? &d_omega[std::size_t(i)] : nullptr, &saved[std::size_t(i)]);
         });
     if (!want_omega_) return;
     RowMatrix<double> total = RowMatrix<double>::Zero(m, s.d);

@@ -113,15 +113,21 @@ reg::IndexArray array(std::vector<std::int64_t> shape, std::vector<std::int64_t>
 }  // namespace
 
 TEST_CASE("Gradients under key layouts equal finite differences", "[gradients][layout]") {
-  const std::string method = GENERATE(as<std::string>{}, "exact", "lsf", "favor");
+  const std::string method =
+      GENERATE(as<std::string>{}, "exact", "lsf", "favor", "hybrid-gaussian");
   std::map<std::string, reg::Value> options;
   if (method == "lsf") options = {{"filters", std::int64_t(8)}, {"tables", std::int64_t(2)}, {"eta", 0.3}};
-  if (method == "favor") {  // a given projection, summed over every piece that used it
-    const RowMatrix<double> omega = testing::gaussian<double>(15, 6, 3);
-    options = {{"omega", reg::ArrayValue{{6, 3}, {omega.data(), omega.data() + omega.size()}, "omega"}}};
+  // A given projection, summed over every piece that used it; the hybrid's stacks its weight
+  // estimator's 2 rows and its two bases' 3 rows each.
+  const bool learned = method == "favor" || method == "hybrid-gaussian";
+  if (learned) {
+    const Index rows = method == "favor" ? 6 : 8;
+    const RowMatrix<double> omega = testing::gaussian<double>(15, rows, 3);
+    options = {{"omega", reg::ArrayValue{{rows, 3}, {omega.data(), omega.data() + omega.size()}, "omega"}}};
+    if (method == "hybrid-gaussian") options["lambda_features"] = std::int64_t(2);
   }
   const std::vector<std::string> option_gradients =
-      method == "favor" ? std::vector<std::string>{"omega"} : std::vector<std::string>{};
+      learned ? std::vector<std::string>{"omega"} : std::vector<std::string>{};
   const BatchShape shape{2, 4, 9, 9, 3, 2};
   const bool causal = GENERATE(false, true);
   CAPTURE(method, causal);

@@ -73,7 +73,9 @@ def attention(q, k, v, *, method="exact", causal=False, scale=None, seed=0, chec
                               calibration_q with calibration_k (sample queries and sample
                               keys). Calibration arrays are (r, d), one fit for every slice, or
                               (heads, r, d), head h's rows for every slice (b, h).
-      hybrid:                 features=256, projection="orthogonal", lambda_features=16
+      hybrid:                 features=256, projection="orthogonal", lambda_features=16,
+                              omega=None (a (lambda_features + 2m, d) array: the weight
+                              estimator's projections, then each base's m, used as given)
       hybrid-gaussian:        as hybrid, and bandwidth=1.0
       lsh:                    buckets=None (2*ceil(n/chunk)), chunk=64, rounds=4,
                               rotation="dense" ("hadamard"), rotations=None ((d, r, b/2) array),
@@ -157,7 +159,9 @@ class FeatureMap:
     projections = property(lambda self: self._map.projections, doc="m, the number of projections")
     seed = property(lambda self: self._map.seed)
     signs = property(lambda self: self._map.signs, doc="±1 per feature (all +1 but for hybrids)")
-    omega = property(lambda self: self._map.omega, doc="the (m, d) projections (float64); None for hybrids")
+    omega = property(lambda self: self._map.omega,
+                     doc="the projections (float64): (m, d), or for hybrids (lambda_features + 2m, d), "
+                         "the weight estimator's then each base's (the hybrid methods' omega)")
 
     def __repr__(self):
         return (f"FeatureMap({self.kind!r}, d={self.input_dim}, projections={self.projections}, "

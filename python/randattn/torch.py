@@ -7,9 +7,10 @@ attention; their heads must divide the query heads). When an input requires grad
 the result is attached to the autograd graph: the backward is the method's own (see
 docs/gradients.md), the gradient of the same seeded estimate. Double backward raises.
 
-``learn_projection=True`` (favor, favor-hyp, trig) holds the projection ω as an ``nn.Parameter``
-``omega`` of shape (m, d), initialised from the seed's draw (``head_dim`` gives d), float32 until
-``.double()`` or ``.to()``; its gradient is computed with the inputs'. ``redraw(seed)`` draws a new
+``learn_projection=True`` (favor, favor-hyp, trig, hybrid, hybrid-gaussian) holds the projection ω
+as an ``nn.Parameter`` ``omega``, initialised from the seed's draw (``head_dim`` gives d), float32
+until ``.double()`` or ``.to()``; its gradient is computed with the inputs'. Its shape is (m, d),
+or for the hybrids (lambda_features + 2m, d): the weight estimator's projections, then each base's. ``redraw(seed)`` draws a new
 ω between steps (for a learned ω, it overwrites the parameter's values in place).
 
 ``attn_mask`` takes boolean masks as ``scaled_dot_product_attention`` does (True = takes part),
@@ -68,7 +69,8 @@ def _mask_layout(mask, batch, n_q, n_k):
 
 
 # The feature map kind of each method whose projection can be learned.
-_PROJECTION_KINDS = {"favor": "positive", "favor-hyp": "hyperbolic", "trig": "trig"}
+_PROJECTION_KINDS = {"favor": "positive", "favor-hyp": "hyperbolic", "trig": "trig", "hybrid": "hybrid",
+                     "hybrid-gaussian": "hybrid-gaussian"}
 
 
 class Attention(torch.nn.Module):
@@ -95,8 +97,9 @@ class Attention(torch.nn.Module):
             self.omega = torch.nn.Parameter(self._draw(self.options.get("seed", 0)))
 
     def _draw(self, seed):
-        """The projection the method draws from ``seed``, as a float32 (m, d) tensor."""
-        drawn = {k: v for k, v in self.options.items() if k in ("features", "projection")}
+        """The projection the method draws from ``seed``, as a float32 tensor."""
+        drawn = {k: v for k, v in self.options.items()
+                 if k in ("features", "projection", "lambda_features", "bandwidth")}
         feature_map = randattn.FeatureMap(_PROJECTION_KINDS[self.method], self.head_dim, seed=seed, **drawn)
         return torch.from_numpy(feature_map.omega).to(torch.float32)
 

@@ -278,21 +278,21 @@ class FeatureMap {
     return out;
   }
 
-  // The (m, d) projections of the plain kinds (float64); None for hybrids.
-  py::object omega() const {
-    return std::visit(
-        [](const auto& m) -> py::object {
+  // The projections (float64): (m, d) for the plain kinds; for hybrids every part's stacked,
+  // (lambda_features + 2m, d), the omega option of the hybrid attention methods.
+  py::array_t<double> omega() const {
+    const randattn::RowMatrix<double> w = std::visit(
+        [](const auto& m) -> randattn::RowMatrix<double> {
           using Map = std::decay_t<decltype(m)>;
-          if constexpr (std::is_same<Map, randattn::HybridFeatures<double>>::value) {
-            return py::none();
-          } else {
-            const randattn::RowMatrix<double> w = m.projection().matrix();
-            py::array_t<double> out({w.rows(), w.cols()});
-            std::copy(w.data(), w.data() + w.size(), out.mutable_data());
-            return std::move(out);
-          }
+          if constexpr (std::is_same<Map, randattn::HybridFeatures<double>>::value)
+            return m.projection_matrix();
+          else
+            return m.projection().matrix();
         },
         maps_->dual);
+    py::array_t<double> out({w.rows(), w.cols()});
+    std::copy(w.data(), w.data() + w.size(), out.mutable_data());
+    return out;
   }
 
  private:

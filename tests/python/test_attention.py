@@ -164,9 +164,10 @@ def test_method_table_defaults_are_the_cli_defaults():
     assert m["auto"]["options"] == {"approximation": "favor", "crossover": None}
     for name in ("favor", "favor-hyp", "trig"):
         assert m[name]["options"] == {"features": 256, "projection": "orthogonal", "omega": None}
-    assert m["hybrid"]["options"] == {"features": 256, "projection": "orthogonal", "lambda_features": 16}
+    assert m["hybrid"]["options"] == {"features": 256, "projection": "orthogonal", "lambda_features": 16,
+                                      "omega": None}
     assert m["hybrid-gaussian"]["options"] == {"features": 256, "projection": "orthogonal",
-                                               "lambda_features": 16, "bandwidth": 1.0}
+                                               "lambda_features": 16, "bandwidth": 1.0, "omega": None}
     assert m["lsh"]["options"] == {"buckets": None, "chunk": 64, "rounds": 4, "rotation": "dense",
                                    "rotations": None, "dedupe": True, "exact_buckets": False}
     for name in ("oprf", "sderf"):

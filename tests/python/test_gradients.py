@@ -126,6 +126,29 @@ def test_module_trains_and_learns_its_projection():
     np.testing.assert_array_equal(attn.omega.detach().numpy(), redrawn.astype(np.float64))
 
 
+@pytest.mark.parametrize("method,kind", [("hybrid", "hybrid"), ("hybrid-gaussian", "hybrid-gaussian")])
+def test_hybrid_learns_its_stacked_projections(method, kind):
+    # Weight estimator (4 rows) then the two bases (6 rows each): one parameter of 16 rows.
+    attn = randattn.torch.Attention(method, features=6, lambda_features=4, learn_projection=True,
+                                    head_dim=5, seed=3)
+    assert attn.omega.shape == (16, 5)
+    drawn = randattn.FeatureMap(kind, 5, seed=3, features=6, lambda_features=4).omega
+    np.testing.assert_array_equal(attn.omega.detach().numpy(), drawn.astype(np.float32))
+    q, k, v = inputs((1, 2, 13, 5), (1, 2, 13, 5), 3, seed=14)
+    w = torch.from_numpy(drawn).requires_grad_()
+    # The angular weight estimator's sign features are piecewise constant, so its τ rows get a
+    # zero gradient; finite differences agree away from sign changes (small eps).
+    torch.autograd.gradcheck(
+        lambda q, k, v, w: randattn.attention(q, k, v, method=method, causal=True, lambda_features=4,
+                                              omega=w),
+        (q, k, v, w), eps=1e-7, atol=1e-5, rtol=1e-3)
+    attn.double()
+    attn(q, k, v, is_causal=True).square().sum().backward()
+    assert attn.omega.grad.shape == (16, 5) and torch.isfinite(attn.omega.grad).all()
+    with pytest.raises(ValueError, match="lambda_features = 4 rows"):
+        randattn.attention(q, k, v, method=method, lambda_features=4, omega=drawn[:15])
+
+
 def test_errors():
     q, k, v = inputs((9, 4), (9, 4), 3, seed=13)
     with pytest.raises(ValueError, match="out cannot hold a result that needs a gradient"):

@@ -217,9 +217,8 @@ void feature_attention_backward_2d(const Map& map,
       where, {named_input("dq", dq), named_input("dk", dk), named_input("dv", dv)},
       {named_input("q", q), named_input("k", k), named_input("v", v), named_input("out", out),
        named_input("grad_out", grad_out)});
-  require(!d_omega || (d_omega->rows() == map.projection().features() &&
-                       d_omega->cols() == map.input_dim()),
-          where, "d_omega must be ", map.projection().features(), "x", map.input_dim());
+  require(!d_omega || (d_omega->rows() == map.projections() && d_omega->cols() == map.input_dim()),
+          where, "d_omega must be ", map.projections(), "x", map.input_dim());
   const auto s = feature_attention_settings(where, map, opt);
   check_feature_backward_slice(where, map, q, k, v, out, grad_out, s, opt.check_finite, saved);
   feature_attention_backward_slice(where, map, q, k, v, out, grad_out, s, dq, dk, dv, d_omega,
@@ -253,8 +252,8 @@ void random_feature_attention_into(const Map& map, const Eigen::MatrixBase<DQ>& 
 
 // Gradients of <grad_out, out> for out = random_feature_attention(map, q, k, v, opt): written
 // into dq (n_q × d), dk (n_k × d) and dv (n_k × dv), which share no memory with the inputs or
-// each other; with d_omega (m × d, the map's projections × input dimension) the gradient with
-// respect to the dense ω the map's projection stands for is ADDED to *d_omega. out is that
+// each other; with d_omega (map.projections() × d) the gradient with respect to the dense ω the
+// map's projection stands for (a hybrid's: every part's, stacked) is ADDED to *d_omega. out is that
 // forward's result, or an empty (0 × 0) matrix to have it recomputed. Every argument is checked
 // before anything is written; a non-finite grad_out is rejected. exclude_self has no backward.
 template <typename Map, typename DQ, typename DK, typename DV, typename DO, typename DG>

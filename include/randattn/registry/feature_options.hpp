@@ -28,7 +28,8 @@ inline OptionSpec projection() {
 }
 inline OptionSpec omega() {
   return {"omega", OptionType::array, std::monostate{},
-          "(m, d) array whose rows are the projections omega_i (m = its rows)"};
+          "(r, d) array of the projections: omega_i (m = r), or for hybrids tau then each "
+          "base's omega (r = lambda_features + 2m)"};
 }
 inline OptionSpec lambda_features() {
   OptionSpec s{"lambda_features", OptionType::integer, std::int64_t(16),

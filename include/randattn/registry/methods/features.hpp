@@ -144,7 +144,7 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
     const Options& o = call.options;
     const double m = o.given("omega") ? double(o.array("omega").shape[0])
                      : o.has("features") ? double(o.integer("features"))
-                                         : 0.0;
+                                         : 0.0;  // a hybrid's omega rows bound its 2m + n_lambda
     const BatchShape& s = call.shape;
     return 8.0 * m * double(s.d) +
            double(scalar_bytes) * m * (double(s.n_q + s.n_k) + double(s.dv + 1));
@@ -161,11 +161,11 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
     };
   }
 
-  // Every family's map has a vector–Jacobian product (features_vjp); the families on a given
-  // projection also differentiate it ("omega").
+  // Every family's map has a vector–Jacobian product (features_vjp), also with respect to its
+  // projections ("omega").
   bool differentiable() const override { return has_features_vjp<FamilyMap<double>>::value; }
   std::vector<std::string> differentiable_options() const override {
-    if (Family::uses_omega && differentiable()) return {"omega"};
+    if (differentiable()) return {"omega"};
     return {};
   }
 
@@ -194,12 +194,13 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
         throw OptionError(o.spelled("omega") + " and " + o.spelled("projection") +
                           " cannot be combined");
       if (w.shape.size() != 2 || w.shape[1] != d || w.shape[0] < 1)
-        throw OptionError(o.spelled("omega") + ": expected an (m, " + std::to_string(d) +
-                          ") array with m >= 1, got shape " + detail::shape_text(w.shape));
-      if (o.given("features") && w.shape[0] != o.integer("features"))
+        throw OptionError(o.spelled("omega") + ": expected an (r, " + std::to_string(d) +
+                          ") array with r >= 1, got shape " + detail::shape_text(w.shape));
+      const std::int64_t m = Family::omega_features(o, w.shape[0]);
+      if (o.given("features") && m != o.integer("features"))
         throw OptionError(o.spelling().setting("features", std::to_string(o.integer("features"))) +
                           " disagrees with the " + std::to_string(w.shape[0]) + " rows of " +
-                          o.spelled("omega"));
+                          o.spelled("omega") + " (" + std::to_string(m) + " features)");
     }
     if (!Family::fitted) return;
     const std::string pair = o.spelled("calibration_q") + " and " + o.spelled("calibration_k");
@@ -267,7 +268,7 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
       fn(std::as_const(maps), opt);
     };
     const std::string& projection = o.text("projection");
-    if (o.given("omega") && Family::uses_omega)
+    if (o.given("omega"))
       run(UserProjection<Scalar>(detail::as_matrix<double>(o.array("omega"))));
     else if (projection == "iid")
       run(GaussianProjection<Scalar>(o.integer("features"), d, seed));
@@ -276,8 +277,8 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
     else
       run(OrthogonalProjection<Scalar>(o.integer("features"), d, seed));
 
-    if (o.given("omega") && Family::uses_omega)
-      report = {{"features", std::int64_t(o.array("omega").shape[0])},
+    if (o.given("omega"))
+      report = {{"features", Family::omega_features(o, o.array("omega").shape[0])},
                 {"projection", std::string("user")},
                 {"omega", o.array("omega").source}};
     else
@@ -493,13 +494,10 @@ class FeatureGradient final : public Gradient<Scalar> {
     d_omega_.assign(total.data(), total.data() + total.size());
   }
 
-  // The rows of the dense projection a map's ω gradient has (maps on a given projection).
+  // The rows of the dense projection a map's ω gradient has (a hybrid's: every part's).
   template <typename Map>
   static Index omega_rows(const Map& map) {
-    if constexpr (Family::uses_omega)
-      return map.projection().features();
-    else
-      return 0;
+    return map.projections();
   }
 
   Call call_;
@@ -529,11 +527,12 @@ GradientPtr<Scalar> FeatureMethod<Family>::make_gradient(const Call& call) const
 template <template <typename, typename> class Map>
 struct SingleMap {
   static constexpr bool fitted = false;
-  static constexpr bool uses_omega = true;
   static std::vector<OptionSpec> options() {
     namespace f = feature_options;
     return {f::features(), f::projection(), f::omega()};
   }
+  // The features m of a given omega of `rows` rows: one projection per row.
+  static std::int64_t omega_features(const Options&, std::int64_t rows) { return rows; }
   template <typename Scalar, typename Projection>
   static Map<Scalar, Projection> make(Projection projection, const Options&, std::uint64_t,
                                       std::int64_t) {
@@ -597,48 +596,65 @@ struct SderfFamily : FittedMap<DenseExponentialFeatures> {
   }
 };
 
-// Hybrids draw their own projections of the selected kind; omega is not among their options.
-template <typename Scalar, typename P>
-using DrawnProjection = std::conditional_t<std::is_same<P, UserProjection<Scalar>>::value,
-                                           OrthogonalProjection<Scalar>, P>;
+// Hybrids draw their own projections of the selected kind, or take them all stacked in omega:
+// τ of the weight estimator (lambda_features rows), then each base's ω (m rows each), as
+// HybridFeatures::projection_matrix() stacks them and its features_vjp differentiates them.
+struct HybridProjections {
+  static std::int64_t omega_features(const Options& o, std::int64_t rows) {
+    const std::int64_t lambda = o.integer("lambda_features");
+    if (rows <= lambda || (rows - lambda) % 2 != 0)
+      throw OptionError(o.spelled("omega") + ": a hybrid's omega stacks the " +
+                        o.spelled("lambda_features") + " = " + std::to_string(lambda) +
+                        " rows of its weight estimator and the m rows of each of its two bases (" +
+                        std::to_string(lambda) + " + 2m rows, m >= 1), got " +
+                        std::to_string(rows) + " rows");
+    return (rows - lambda) / 2;
+  }
+};
 
-struct HybridFamily {
+struct HybridFamily : HybridProjections {
   static constexpr const char* name = "hybrid";
   static constexpr const char* summary =
       "angular hybrid lambda*hyperbolic + (1-lambda)*trig, lambda = angle/pi (guarded denominator)";
   static constexpr bool fitted = false;
-  static constexpr bool uses_omega = false;
   static std::vector<OptionSpec> options() {
     namespace f = feature_options;
-    return {f::features(), f::projection(), f::lambda_features()};
+    return {f::features(), f::projection(), f::lambda_features(), f::omega()};
   }
   template <typename Scalar, typename Projection>
-  static HybridFeatures<Scalar> make(Projection, const Options& o, std::uint64_t seed,
+  static HybridFeatures<Scalar> make(Projection projection, const Options& o, std::uint64_t seed,
                                      std::int64_t d) {
-    return angular_hybrid<Scalar, DrawnProjection<Scalar, Projection>>(
-        o.integer("features"), o.integer("lambda_features"), d, seed);
+    if constexpr (std::is_same<Projection, UserProjection<Scalar>>::value)
+      return angular_hybrid_on<Scalar>(projection.matrix(), o.integer("lambda_features"));
+    else
+      return angular_hybrid<Scalar, Projection>(o.integer("features"),
+                                                o.integer("lambda_features"), d, seed);
   }
   static void report(const Options& o, Report& r) {
     r.emplace_back("lambda_features", o.integer("lambda_features"));
   }
 };
 
-struct HybridGaussianFamily {
+struct HybridGaussianFamily : HybridProjections {
   static constexpr const char* name = "hybrid-gaussian";
   static constexpr const char* summary =
       "Gaussian hybrid lambda*trig + (1-lambda)*positive, lambda = exp(-s^2|x-y|^2/2) (guarded "
       "denominator)";
   static constexpr bool fitted = false;
-  static constexpr bool uses_omega = false;
   static std::vector<OptionSpec> options() {
     namespace f = feature_options;
-    return {f::features(), f::projection(), f::lambda_features(), f::bandwidth()};
+    return {f::features(), f::projection(), f::lambda_features(), f::bandwidth(), f::omega()};
   }
   template <typename Scalar, typename Projection>
-  static HybridFeatures<Scalar> make(Projection, const Options& o, std::uint64_t seed,
+  static HybridFeatures<Scalar> make(Projection projection, const Options& o, std::uint64_t seed,
                                      std::int64_t d) {
-    return gaussian_hybrid<Scalar, DrawnProjection<Scalar, Projection>>(
-        o.integer("features"), o.integer("lambda_features"), d, o.real("bandwidth"), seed);
+    if constexpr (std::is_same<Projection, UserProjection<Scalar>>::value)
+      return gaussian_hybrid_on<Scalar>(projection.matrix(), o.integer("lambda_features"),
+                                        o.real("bandwidth"));
+    else
+      return gaussian_hybrid<Scalar, Projection>(o.integer("features"),
+                                                 o.integer("lambda_features"), d,
+                                                 o.real("bandwidth"), seed);
   }
   static void report(const Options& o, Report& r) {
     r.emplace_back("lambda_features", o.integer("lambda_features"));

@@ -281,6 +281,32 @@ SoftmaxAccumulator<typename Map::Scalar> random_feature_attention_accumulate(
   return detail::feature_attention_slice(where, map, q, k, v, s, opt.check_finite);
 }
 
+namespace detail {
+
+template <typename Scalar, typename... Matrices>
+constexpr bool shares_scalar = (std::is_same<Scalar, typename Matrices::Scalar>::value && ...);
+
+// The 2-D _into forms: checks `out`, then finalises into it the accumulator
+// accumulate(where, q, k, v, settings) returns (which checks the slice itself).
+template <typename Map, typename DQ, typename DK, typename DV, typename DO, typename Accumulate>
+void feature_attention_into(const Map& map, const Eigen::MatrixBase<DQ>& q,
+                            const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+                            const Eigen::MatrixBase<DO>& out, const RandomFeatureOptions& opt,
+                            Accumulate&& accumulate) {
+  using Scalar = typename Map::Scalar;
+  static_assert(shares_scalar<Scalar, DQ, DK, DV, DO>,
+                "the feature map, q, k, v and out must share the scalar type");
+  const char* where = "random_feature_attention";
+  const Eigen::Ref<const RowMatrix<Scalar>> qr(q), kr(k), vr(v);
+  check_output(where, out, qr.rows(), vr.cols(),
+               {named_input("q", qr), named_input("k", kr), named_input("v", vr)});
+  const auto s = feature_attention_settings(where, map, opt);
+  accumulate(where, qr, kr, vr, s)
+      .finalize_into(out, static_cast<Scalar>(s.linear.denominator_epsilon));
+}
+
+}  // namespace detail
+
 // softmax(scale · Q Kᵀ [masked]) V estimated with the map, written into `out` (n_q×dv, sharing
 // no memory with q, k or v). A rejected `out` is not written.
 template <typename Map, typename DQ, typename DK, typename DV, typename DO>
@@ -288,20 +314,11 @@ void random_feature_attention_into(const Map& map, const Eigen::MatrixBase<DQ>& 
                                    const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
                                    const Eigen::MatrixBase<DO>& out,
                                    const RandomFeatureOptions& opt = {}) {
-  using Scalar = typename Map::Scalar;
-  static_assert(std::is_same<Scalar, typename DQ::Scalar>::value &&
-                    std::is_same<Scalar, typename DK::Scalar>::value &&
-                    std::is_same<Scalar, typename DV::Scalar>::value &&
-                    std::is_same<Scalar, typename DO::Scalar>::value,
-                "the feature map, q, k, v and out must share the scalar type");
-  const char* where = "random_feature_attention";
-  const Eigen::Ref<const RowMatrix<Scalar>> qr(q), kr(k), vr(v);
-  detail::check_output(where, out, qr.rows(), vr.cols(),
-                       {detail::named_input("q", qr), detail::named_input("k", kr),
-                        detail::named_input("v", vr)});
-  const auto s = detail::feature_attention_settings(where, map, opt);
-  detail::feature_attention_slice(where, map, qr, kr, vr, s, opt.check_finite)
-      .finalize_into(out, static_cast<Scalar>(s.linear.denominator_epsilon));
+  detail::feature_attention_into(
+      map, q, k, v, out, opt, [&](const char* where, const auto& qr, const auto& kr,
+                                  const auto& vr, const auto& s) {
+        return detail::feature_attention_slice(where, map, qr, kr, vr, s, opt.check_finite);
+      });
 }
 
 // softmax(scale · Q Kᵀ [masked]) V estimated with the map: q n_q×d, k n_k×d, v n_k×dv.
@@ -361,9 +378,7 @@ RowMatrix<typename Map::Scalar> random_feature_attention_clipped(
     const Map& map, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
     const Eigen::MatrixBase<DV>& v, const RandomFeatureOptions& opt = {}) {
   using Scalar = typename Map::Scalar;
-  static_assert(std::is_same<Scalar, typename DQ::Scalar>::value &&
-                    std::is_same<Scalar, typename DK::Scalar>::value &&
-                    std::is_same<Scalar, typename DV::Scalar>::value,
+  static_assert(detail::shares_scalar<Scalar, DQ, DK, DV>,
                 "the feature map, q, k and v must share the scalar type");
   const char* where = "random_feature_attention_clipped";
   const auto s = detail::feature_attention_settings(where, map, opt);

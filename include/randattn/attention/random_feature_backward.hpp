@@ -44,9 +44,6 @@ struct SavedFeatures {
 
 namespace detail {
 
-template <typename Scalar, typename... Matrices>
-constexpr bool shares_scalar = (std::is_same<Scalar, typename Matrices::Scalar>::value && ...);
-
 // x's features as the linear core's forward maps them, in the same pieces of rows
 // (feature_mapping_rows), so the same bits.
 template <typename Map>
@@ -195,20 +192,26 @@ void feature_attention_backward_slice(
 }
 
 // The checks and the backward of one 2-D call (both overloads of the public backward).
-template <typename Map>
-void feature_attention_backward_2d(const Map& map,
-                                   const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& q,
-                                   const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& k,
-                                   const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& v,
-                                   const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& out,
-                                   const Eigen::Ref<const RowMatrix<typename Map::Scalar>>& grad_out,
+template <typename Map, typename DQ, typename DK, typename DV, typename DO, typename DG>
+void feature_attention_backward_2d(const Map& map, const Eigen::MatrixBase<DQ>& q_in,
+                                   const Eigen::MatrixBase<DK>& k_in,
+                                   const Eigen::MatrixBase<DV>& v_in,
+                                   const Eigen::MatrixBase<DO>& out_in,
+                                   const Eigen::MatrixBase<DG>& grad_out_in,
                                    Eigen::Ref<RowMatrix<typename Map::Scalar>> dq,
                                    Eigen::Ref<RowMatrix<typename Map::Scalar>> dk,
                                    Eigen::Ref<RowMatrix<typename Map::Scalar>> dv,
                                    const RandomFeatureOptions& opt,
                                    RowMatrix<typename Map::Scalar>* d_omega,
                                    const SavedFeatures<typename Map::Scalar>* saved) {
+  using Scalar = typename Map::Scalar;
+  static_assert(shares_scalar<Scalar, DQ, DK, DV, DO, DG>,
+                "the feature map, q, k, v, out and grad_out must share the scalar type");
   const char* where = "random_feature_attention_backward";
+  const Eigen::Ref<const RowMatrix<Scalar>> q(q_in), k(k_in), v(v_in), out(out_in),
+      grad_out(grad_out_in);
+  require(!saved || out.size() > 0 || q.rows() == 0, where,
+          "with saved features, out must be the forward's result (it is empty)");
   require(dq.rows() == q.rows() && dq.cols() == q.cols() && dk.rows() == k.rows() &&
               dk.cols() == k.cols() && dv.rows() == v.rows() && dv.cols() == v.cols(),
           where, "dq (", shape_of(dq), "), dk (", shape_of(dk), ") and dv (", shape_of(dv),
@@ -236,26 +239,21 @@ void random_feature_attention_into(const Map& map, const Eigen::MatrixBase<DQ>& 
                                    const Eigen::MatrixBase<DO>& out,
                                    SavedFeatures<typename Map::Scalar>& saved,
                                    const RandomFeatureOptions& opt = {}) {
-  using Scalar = typename Map::Scalar;
-  static_assert(detail::shares_scalar<Scalar, DQ, DK, DV, DO>,
-                "the feature map, q, k, v and out must share the scalar type");
-  const char* where = "random_feature_attention";
-  const Eigen::Ref<const RowMatrix<Scalar>> qr(q), kr(k), vr(v);
-  detail::check_output(where, out, qr.rows(), vr.cols(),
-                       {detail::named_input("q", qr), detail::named_input("k", kr),
-                        detail::named_input("v", vr)});
-  const auto s = detail::feature_attention_settings(where, map, opt);
-  detail::check_feature_slice(where, map, qr, kr, vr, s, opt.check_finite);
-  detail::feature_attention_saving_slice(where, map, qr, kr, vr, s, saved)
-      .finalize_into(out, static_cast<Scalar>(s.linear.denominator_epsilon));
+  detail::feature_attention_into(
+      map, q, k, v, out, opt, [&](const char* where, const auto& qr, const auto& kr,
+                                  const auto& vr, const auto& s) {
+        detail::check_feature_slice(where, map, qr, kr, vr, s, opt.check_finite);
+        return detail::feature_attention_saving_slice(where, map, qr, kr, vr, s, saved);
+      });
 }
 
 // Gradients of <grad_out, out> for out = random_feature_attention(map, q, k, v, opt): written
 // into dq (n_q × d), dk (n_k × d) and dv (n_k × dv), which share no memory with the inputs or
 // each other; with d_omega (map.projections() × d) the gradient with respect to the dense ω the
-// map's projection stands for (a hybrid's: every part's, stacked) is ADDED to *d_omega. out is that
-// forward's result, or an empty (0 × 0) matrix to have it recomputed. Every argument is checked
-// before anything is written; a non-finite grad_out is rejected. exclude_self has no backward.
+// map's projection stands for (a hybrid's: every part's, stacked) is ADDED to *d_omega. out is
+// that forward's result, or an empty (0 × 0) matrix to have it recomputed. Every argument is
+// checked before anything is written; a non-finite grad_out is rejected. exclude_self has no
+// backward.
 template <typename Map, typename DQ, typename DK, typename DV, typename DO, typename DG>
 void random_feature_attention_backward(
     const Map& map, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
@@ -263,13 +261,8 @@ void random_feature_attention_backward(
     const Eigen::MatrixBase<DG>& grad_out, Eigen::Ref<RowMatrix<typename Map::Scalar>> dq,
     Eigen::Ref<RowMatrix<typename Map::Scalar>> dk, Eigen::Ref<RowMatrix<typename Map::Scalar>> dv,
     const RandomFeatureOptions& opt = {}, RowMatrix<typename Map::Scalar>* d_omega = nullptr) {
-  using Scalar = typename Map::Scalar;
-  static_assert(detail::shares_scalar<Scalar, DQ, DK, DV, DO, DG>,
-                "the feature map, q, k, v, out and grad_out must share the scalar type");
-  detail::feature_attention_backward_2d<Map>(
-      map, Eigen::Ref<const RowMatrix<Scalar>>(q), Eigen::Ref<const RowMatrix<Scalar>>(k),
-      Eigen::Ref<const RowMatrix<Scalar>>(v), Eigen::Ref<const RowMatrix<Scalar>>(out),
-      Eigen::Ref<const RowMatrix<Scalar>>(grad_out), dq, dk, dv, opt, d_omega, nullptr);
+  detail::feature_attention_backward_2d(map, q, k, v, out, grad_out, dq, dk, dv, opt, d_omega,
+                                        nullptr);
 }
 
 // The same from the features the forward kept (random_feature_attention_into with `saved`):
@@ -282,15 +275,8 @@ void random_feature_attention_backward(
     Eigen::Ref<RowMatrix<typename Map::Scalar>> dk, Eigen::Ref<RowMatrix<typename Map::Scalar>> dv,
     const SavedFeatures<typename Map::Scalar>& saved, const RandomFeatureOptions& opt = {},
     RowMatrix<typename Map::Scalar>* d_omega = nullptr) {
-  using Scalar = typename Map::Scalar;
-  static_assert(detail::shares_scalar<Scalar, DQ, DK, DV, DO, DG>,
-                "the feature map, q, k, v, out and grad_out must share the scalar type");
-  detail::require(out.size() > 0 || q.rows() == 0, "random_feature_attention_backward",
-                  "with saved features, out must be the forward's result (it is empty)");
-  detail::feature_attention_backward_2d<Map>(
-      map, Eigen::Ref<const RowMatrix<Scalar>>(q), Eigen::Ref<const RowMatrix<Scalar>>(k),
-      Eigen::Ref<const RowMatrix<Scalar>>(v), Eigen::Ref<const RowMatrix<Scalar>>(out),
-      Eigen::Ref<const RowMatrix<Scalar>>(grad_out), dq, dk, dv, opt, d_omega, &saved);
+  detail::feature_attention_backward_2d(map, q, k, v, out, grad_out, dq, dk, dv, opt, d_omega,
+                                        &saved);
 }
 
 }  // namespace randattn

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the test suite with clang under AddressSanitizer + UndefinedBehaviorSanitizer and runs
 # it (halting on the first report; the [statistical] cases, which repeat the same calls to average
-# an estimate, run only in the plain build: see tests/CMakeLists.txt), then under ThreadSanitizer
+# an estimate, run only in the plain build, and the templated cases in float only: see
+# tests/CMakeLists.txt and tests/scalars.hpp), then under ThreadSanitizer
 # and runs the tests tagged [threads]. The AddressSanitizer build also builds the libFuzzer
 # targets beside the suite's one long translation unit, where a core would otherwise idle for
 # minutes (run them with RANDATTN_FUZZ_BUILD_DIR=build-asan scripts/fuzz.sh), and checks that the

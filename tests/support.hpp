@@ -16,6 +16,8 @@
 
 #include <randattn/randattn.hpp>
 
+#include "scalars.hpp"
+
 namespace testing {
 
 inline constexpr double kPi = 3.141592653589793238462643383279502884;

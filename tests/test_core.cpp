@@ -45,7 +45,7 @@ RowMatrix<double> explicit_linear(const RowMatrix<Scalar>& qf, const Vector<Scal
 }  // namespace
 
 TEMPLATE_TEST_CASE("SoftmaxAccumulator merges partial results exactly", "[core][accumulator]",
-                   float, double) {
+                   RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index n = 5, dv = 3;
   // Two partial sums of the same weights, given relative to very different log-scales.
@@ -89,7 +89,7 @@ TEMPLATE_TEST_CASE("SoftmaxAccumulator merges partial results exactly", "[core][
   CHECK_THROWS_AS(a.merge_rows(3, numden(w1, v1), c1), std::invalid_argument);
 }
 
-TEMPLATE_TEST_CASE("Denominator guard", "[core][accumulator]", float, double) {
+TEMPLATE_TEST_CASE("Denominator guard", "[core][accumulator]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   RowMatrix<Scalar> nd(4, 2);
   nd << 1, 2,    // ordinary row
@@ -133,8 +133,7 @@ TEMPLATE_TEST_CASE("Denominator guard", "[core][accumulator]", float, double) {
   }
 }
 
-TEMPLATE_TEST_CASE("Linear core equals the explicit masked product", "[core][linear]", float,
-                   double) {
+TEMPLATE_TEST_CASE("Linear core equals the explicit masked product", "[core][linear]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const double tol = testing::tolerance<Scalar>();
   const Index n = 301, m = 24, dv = 7;
@@ -162,7 +161,7 @@ TEMPLATE_TEST_CASE("Linear core equals the explicit masked product", "[core][lin
 }
 
 TEMPLATE_TEST_CASE("Causal and bidirectional linear core at awkward sizes, default chunks",
-                   "[core][linear][causal]", float, double) {
+                   "[core][linear][causal]", RANDATTN_TEST_SCALARS) {
   // Sizes around the default causal chunk (32 rows) and its groups (16 chunks): one row, fewer
   // rows than a chunk, one chunk exactly, a chunk and a row, a partial last chunk and a partial
   // last group; feature and value widths that leave a remainder past the last whole vector
@@ -191,8 +190,7 @@ TEMPLATE_TEST_CASE("Causal and bidirectional linear core at awkward sizes, defau
   }
 }
 
-TEMPLATE_TEST_CASE("Linear core with ScaledFeatures and plain matrices", "[core][linear]", float,
-                   double) {
+TEMPLATE_TEST_CASE("Linear core with ScaledFeatures and plain matrices", "[core][linear]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const auto p = testing::linear_problem<Scalar>(7, 50, 8, 3, 2.0, false);
   const randattn::ScaledFeatures<Scalar> q{p.qf, p.q_log}, k{p.kf, p.k_log};
@@ -207,8 +205,7 @@ TEMPLATE_TEST_CASE("Linear core with ScaledFeatures and plain matrices", "[core]
         testing::tolerance<Scalar>());
 }
 
-TEMPLATE_TEST_CASE("Causal linear core never looks at future keys", "[core][linear][causal]", float,
-                   double) {
+TEMPLATE_TEST_CASE("Causal linear core never looks at future keys", "[core][linear][causal]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index n = 200, m = 16, dv = 5;
   for (bool scaled : {false, true}) {
@@ -235,7 +232,7 @@ TEMPLATE_TEST_CASE("Causal linear core never looks at future keys", "[core][line
 }
 
 TEMPLATE_TEST_CASE("Streaming decoder equals causal linear attention", "[core][linear][decoder]",
-                   float, double) {
+                   RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index n = 90, m = 12, dv = 4;
   for (bool scaled : {false, true}) {
@@ -324,7 +321,7 @@ TEST_CASE("Linear core validates its arguments", "[core][linear][validation]") {
 }
 
 TEMPLATE_TEST_CASE("linear_attention_into equals linear_attention bit for bit and checks out",
-                   "[core][linear][into]", float, double) {
+                   "[core][linear][into]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   using Refs = std::vector<Eigen::Ref<const RowMatrix<Scalar>>>;
   const auto p = testing::linear_problem<Scalar>(61, 37, 8, 3, 2.0, true);
@@ -403,7 +400,7 @@ TEST_CASE("Batched linear attention refuses an out overlapping any input buffer,
 }
 
 TEMPLATE_TEST_CASE("row_dots: every entry as one dot product, whatever tile it falls in",
-                   "[core][kernels]", float, double) {
+                   "[core][kernels]", RANDATTN_TEST_SCALARS) {
   // The reference is a 1 x 1 tile (packets along the depth, Eigen's predux, then the rest of the
   // depth); the wider tiles, with their joint horizontal sums, must give the same bits. The
   // shapes cover every tile size and remainder, depths with and without a partial packet.
@@ -436,7 +433,7 @@ TEMPLATE_TEST_CASE("row_dots: every entry as one dot product, whatever tile it f
 }
 
 TEMPLATE_TEST_CASE("row_panel_product: every entry one chain of multiply-adds, whatever the tile",
-                   "[core][kernels]", float, double) {
+                   "[core][kernels]", RANDATTN_TEST_SCALARS) {
   // Row by row (tiles of one row) against all rows at once (the tallest tiles and every
   // remainder), both panel widths, from zero and onto a start: the same bits. Columns cover
   // whole wide panels, narrower ones and the tail past the last packet, which goes through

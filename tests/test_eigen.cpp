@@ -11,6 +11,8 @@
 
 #include <catch2/catch.hpp>
 
+#include "scalars.hpp"
+
 #include <Eigen/Core>
 #include <Eigen/Eigenvalues>
 #include <Eigen/QR>
@@ -143,7 +145,7 @@ void check_both_paths(const RowMatrix<Scalar>& a, Index r) {
 }  // namespace
 
 TEMPLATE_TEST_CASE("top_eigenvectors agrees with the full eigensolver on random symmetric matrices",
-                   "[eigen]", float, double) {
+                   "[eigen]", RANDATTN_TEST_SCALARS) {
   for (Index d : {1, 2, 7, 50, 200})
     for (Index r : {Index(1), Index(3), Index(5), d}) {
       if (r > d) continue;
@@ -152,7 +154,7 @@ TEMPLATE_TEST_CASE("top_eigenvectors agrees with the full eigensolver on random 
     }
 }
 
-TEMPLATE_TEST_CASE("top_eigenvectors on the Gram matrices of a HOSVD", "[eigen]", float, double) {
+TEMPLATE_TEST_CASE("top_eigenvectors on the Gram matrices of a HOSVD", "[eigen]", RANDATTN_TEST_SCALARS) {
   const RowMatrix<TestType> gram = low_rank_gram<TestType>(7, 200, 4000, 0.3);
   for (Index r : {1, 3, 5, 8}) {
     CAPTURE(r);
@@ -170,7 +172,7 @@ TEMPLATE_TEST_CASE("top_eigenvectors on the Gram matrices of a HOSVD", "[eigen]"
         2 * 200 * eps * ref.norm() / gap + 2 * 200 * eps);
 }
 
-TEMPLATE_TEST_CASE("top_eigenvectors of small and special matrices", "[eigen]", float, double) {
+TEMPLATE_TEST_CASE("top_eigenvectors of small and special matrices", "[eigen]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   RowMatrix<Scalar> vectors;
   Vector<Scalar> values;

@@ -14,7 +14,7 @@ using randattn::Index;
 using randattn::RowMatrix;
 using testing::rel_error;
 
-TEMPLATE_TEST_CASE("Tiled exact attention equals the naive reference", "[exact]", float, double) {
+TEMPLATE_TEST_CASE("Tiled exact attention equals the naive reference", "[exact]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index n = 1000, d = 64, dv = 64;
   const RowMatrix<Scalar> q = testing::gaussian<Scalar>(1, n, d, 2.0);
@@ -34,7 +34,7 @@ TEMPLATE_TEST_CASE("Tiled exact attention equals the naive reference", "[exact]"
 }
 
 TEMPLATE_TEST_CASE("Exact attention: scale, rectangular shapes and a double-precision reference",
-                   "[exact]", float, double) {
+                   "[exact]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const RowMatrix<Scalar> q = testing::gaussian<Scalar>(4, 33, 5),
                           k = testing::gaussian<Scalar>(5, 71, 5),
@@ -58,7 +58,7 @@ TEMPLATE_TEST_CASE("Exact attention: scale, rectangular shapes and a double-prec
                   randattn::exact_attention(q, k, v, explicit_default)) == 0);
 }
 
-TEMPLATE_TEST_CASE("Exact attention edge cases", "[exact][edge]", float, double) {
+TEMPLATE_TEST_CASE("Exact attention edge cases", "[exact][edge]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   using M = RowMatrix<Scalar>;
   // n = 0: empty result of the right width.
@@ -132,7 +132,7 @@ TEST_CASE("Exact attention validates its arguments", "[exact][validation]") {
 }
 
 TEMPLATE_TEST_CASE("Batched exact attention equals per-slice calls for any thread count",
-                   "[exact][batched][threads]", float, double) {
+                   "[exact][batched][threads]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   randattn::BatchShape shape;
   shape.batch = 2;
@@ -183,7 +183,7 @@ TEMPLATE_TEST_CASE("Batched exact attention equals per-slice calls for any threa
 }
 
 TEMPLATE_TEST_CASE("Exact attention excludes each query's own key unless it is alone",
-                   "[exact][exclude_self]", float, double) {
+                   "[exact][exclude_self]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index n = 300, d = 16;
   const RowMatrix<Scalar> q = testing::gaussian<Scalar>(7, n, d, 2.0);
@@ -212,7 +212,7 @@ TEMPLATE_TEST_CASE("Exact attention excludes each query's own key unless it is a
 }
 
 TEMPLATE_TEST_CASE("exact_attention_into equals exact_attention bit for bit and checks out",
-                   "[exact][into]", float, double) {
+                   "[exact][into]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   using Refs = std::vector<Eigen::Ref<const RowMatrix<Scalar>>>;
   const RowMatrix<Scalar> q = testing::gaussian<Scalar>(41, 19, 6),

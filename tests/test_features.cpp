@@ -192,7 +192,7 @@ RowMatrix<typename Map::Scalar> attend(const Map& map, const RowMatrix<typename 
 // ---------------------------------------------------------------------------------------------
 
 TEMPLATE_TEST_CASE("projection: reproducible draws, redraw, scalar-independent", "[features]",
-                   float, double) {
+                   RANDATTN_TEST_SCALARS) {
   const GaussianProjection<TestType> g(10, 6, 5);
   CHECK(g.matrix() == GaussianProjection<TestType>(10, 6, 5).matrix());
   CHECK(g.matrix() == GaussianProjection<double>(10, 6, 5).matrix().template cast<TestType>());
@@ -217,8 +217,7 @@ TEMPLATE_TEST_CASE("projection: reproducible draws, redraw, scalar-independent",
   CHECK(h.matrix() == h_first);
 }
 
-TEMPLATE_TEST_CASE("projection: orthogonal blocks, chi and sqrt(d) row norms", "[features]", float,
-                   double) {
+TEMPLATE_TEST_CASE("projection: orthogonal blocks, chi and sqrt(d) row norms", "[features]", RANDATTN_TEST_SCALARS) {
   const Index d = 8, m = 20;  // blocks of 8, 8 and 4 rows
   for (RowNorm norm : {RowNorm::chi, RowNorm::sqrt_d}) {
     const RowMatrix<double> w =
@@ -264,7 +263,7 @@ TEST_CASE("projection: orthogonal blocks are Haar (sign-corrected QR)", "[featur
 }
 
 TEMPLATE_TEST_CASE("projection: Hadamard rows apply as the dense matrix; orthogonal for d = 2^k",
-                   "[features]", float, double) {
+                   "[features]", RANDATTN_TEST_SCALARS) {
   for (Index d : {Index(5), Index(8)}) {
     const Index m = 21;
     const HadamardProjection<TestType> h(m, d, 11, RowNorm::sqrt_d);
@@ -291,7 +290,7 @@ TEMPLATE_TEST_CASE("projection: Hadamard rows apply as the dense matrix; orthogo
   }
 }
 
-TEMPLATE_TEST_CASE("projection: user omega and argument errors", "[features]", float, double) {
+TEMPLATE_TEST_CASE("projection: user omega and argument errors", "[features]", RANDATTN_TEST_SCALARS) {
   const RowMatrix<TestType> omega = testing::uniform<TestType>(3, 7, 4, -1, 1);
   const UserProjection<TestType> user(omega);
   CHECK(user.matrix() == omega);
@@ -311,7 +310,7 @@ TEMPLATE_TEST_CASE("projection: user omega and argument errors", "[features]", f
 
 TEMPLATE_TEST_CASE("features: unbiased, and i.i.d. MSE matches the closed forms",
                    "[features][statistical]",
-                   float, double) {
+                   RANDATTN_TEST_SCALARS) {
   const Index d = 3, m = 8;
   const int draws = 20000;
   const GaussianProjection<TestType> iid(m, d, 1);
@@ -338,7 +337,7 @@ TEMPLATE_TEST_CASE("features: unbiased, and i.i.d. MSE matches the closed forms"
 }
 
 TEMPLATE_TEST_CASE("features: orthogonal projections beat i.i.d. at m = d",
-                   "[features][statistical]", float, double) {
+                   "[features][statistical]", RANDATTN_TEST_SCALARS) {
   // Kernel MSE over R draws each; the orthogonal MSE must be lower by more than 4 standard
   // errors of the difference of the two independent empirical MSEs. The gain of orthogonal
   // rows is large for trig and a few per cent for positive features (whose squared errors
@@ -371,8 +370,7 @@ TEMPLATE_TEST_CASE("features: orthogonal projections beat i.i.d. at m = d",
   }
 }
 
-TEMPLATE_TEST_CASE("features: dimensions, sides and the data normaliser", "[features]", float,
-                   double) {
+TEMPLATE_TEST_CASE("features: dimensions, sides and the data normaliser", "[features]", RANDATTN_TEST_SCALARS) {
   const OrthogonalProjection<TestType> proj(12, 5, 2);
   const PositiveFeatures<TestType> pos(proj);
   const HyperbolicFeatures<TestType> hyp(proj);
@@ -407,7 +405,7 @@ TEMPLATE_TEST_CASE("features: dimensions, sides and the data normaliser", "[feat
 // ---------------------------------------------------------------------------------------------
 
 TEMPLATE_TEST_CASE("attention: a user omega gives exactly the Performer formulas", "[features]",
-                   float, double) {
+                   RANDATTN_TEST_SCALARS) {
   const Index n = 9, d = 5, m = 6, dv = 3;
   const RowMatrix<TestType> omega = testing::gaussian<TestType>(21, m, d);
   const RowMatrix<TestType> q = testing::gaussian<TestType>(22, n, d, 0.7),
@@ -434,8 +432,7 @@ TEMPLATE_TEST_CASE("attention: a user omega gives exactly the Performer formulas
   }
 }
 
-TEMPLATE_TEST_CASE("attention: causal outputs never see a changed future key", "[features]", float,
-                   double) {
+TEMPLATE_TEST_CASE("attention: causal outputs never see a changed future key", "[features]", RANDATTN_TEST_SCALARS) {
   // Norms up to 10 at scale 1: stabilising keys with their global maximum (as reference
   // Performer code does) would rescale every key when a future key grows.
   const Index n = 300, d = 16, m = 64, dv = 4;
@@ -481,7 +478,7 @@ TEMPLATE_TEST_CASE("attention: causal outputs never see a changed future key", "
   }
 }
 
-TEMPLATE_TEST_CASE("attention: no NaN or Inf for norms up to 20", "[features]", float, double) {
+TEMPLATE_TEST_CASE("attention: no NaN or Inf for norms up to 20", "[features]", RANDATTN_TEST_SCALARS) {
   const Index n = 200, d = 16, m = 64, dv = 3;
   const Eigen::VectorXd nq = testing::uniform<double>(41, n, 1, 0.0, 20.0).col(0);
   const Eigen::VectorXd nk = testing::uniform<double>(42, n, 1, 0.0, 20.0).col(0);
@@ -504,7 +501,7 @@ TEMPLATE_TEST_CASE("attention: no NaN or Inf for norms up to 20", "[features]", 
   }
 }
 
-TEMPLATE_TEST_CASE("attention: edge cases and argument errors", "[features]", float, double) {
+TEMPLATE_TEST_CASE("attention: edge cases and argument errors", "[features]", RANDATTN_TEST_SCALARS) {
   const PositiveFeatures<TestType> map(OrthogonalProjection<TestType>(4, 3, 1));
   const TrigFeatures<TestType> trig(OrthogonalProjection<TestType>(4, 3, 1));
   const RowMatrix<TestType> q = testing::gaussian<TestType>(1, 5, 3),
@@ -541,7 +538,7 @@ TEMPLATE_TEST_CASE("attention: edge cases and argument errors", "[features]", fl
 }
 
 TEMPLATE_TEST_CASE("random_feature_attention_into equals the allocating form bit for bit",
-                   "[features][into]", float, double) {
+                   "[features][into]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   using Refs = std::vector<Eigen::Ref<const RowMatrix<Scalar>>>;
   const RowMatrix<Scalar> q = testing::gaussian<Scalar>(71, 23, 6),

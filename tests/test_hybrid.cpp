@@ -90,7 +90,7 @@ void sample(Map map, const RowMatrix<typename Map::Scalar>& x, int draws, Moment
 }  // namespace
 
 TEMPLATE_TEST_CASE("hybrid: signed inner product equals the estimate term by term (p = 1, 2)",
-                   "[hybrid]", float, double) {
+                   "[hybrid]", RANDATTN_TEST_SCALARS) {
   const Index d = 6;
   const RowMatrix<TestType> x = testing::gaussian<TestType>(7, 8, d, 0.5);
   const auto p1 = randattn::angular_hybrid<TestType>(8, 5, d, 3);
@@ -121,7 +121,7 @@ TEMPLATE_TEST_CASE("hybrid: signed inner product equals the estimate term by ter
 }
 
 TEMPLATE_TEST_CASE("hybrid: unbiased over angles, MSE = (λ²+v)MSE_hyp + ((1−λ)²+v)MSE_trig",
-                   "[hybrid][statistical]", float, double) {
+                   "[hybrid][statistical]", RANDATTN_TEST_SCALARS) {
   // i.i.d. bases so that the closed forms of Performer Lemma 2 hold; ‖x‖ = ‖y‖ = 1. Tolerances: 4
   // standard errors of the R-draw sample mean (resp. mean squared error), plus a rounding
   // allowance tolerance<Scalar>() · exp(xᵀy) for the exact cases θ = 0 and θ = π.
@@ -169,7 +169,7 @@ TEMPLATE_TEST_CASE("hybrid: unbiased over angles, MSE = (λ²+v)MSE_hyp + ((1−
 }
 
 TEMPLATE_TEST_CASE("hybrid attention: finite, causal without leaks, batched, clipped", "[hybrid]",
-                   float, double) {
+                   RANDATTN_TEST_SCALARS) {
   const Index n = 160, d = 8, dv = 3;
   const auto h = randattn::angular_hybrid<TestType>(16, 4, d, 9);
   const RowMatrix<TestType> v = testing::gaussian<TestType>(63, n, dv);

@@ -96,7 +96,7 @@ std::string temp_path(const std::string& name) {
 }  // namespace
 
 TEMPLATE_TEST_CASE("KvCache exact mode equals exact_attention of the same rows", "[kv_cache]",
-                   float, double) {
+                   RANDATTN_TEST_SCALARS) {
   using S = TestType;
   const Index d = 24, dv = 10, kvh = 2, qh = 6, n = 700;
   const Tokens<S> tok(11, n, kvh, d, dv);
@@ -120,8 +120,7 @@ TEMPLATE_TEST_CASE("KvCache exact mode equals exact_attention of the same rows",
   }
 }
 
-TEMPLATE_TEST_CASE("KvCache retrieval of every key equals exact decoding", "[kv_cache]", float,
-                   double) {
+TEMPLATE_TEST_CASE("KvCache retrieval of every key equals exact decoding", "[kv_cache]", RANDATTN_TEST_SCALARS) {
   using S = TestType;
   const double tol = std::is_same<S, float>::value ? 1e-5 : 1e-12;
   const Index d = 32, dv = 16, kvh = 2, qh = 8, n = 1000;
@@ -408,7 +407,7 @@ TEST_CASE("KvCache lsh_sample error falls as the number of tables grows", "[kv_c
 }
 
 TEMPLATE_TEST_CASE("KvCache appending token by token equals one block, bit for bit",
-                   "[kv_cache]", float, double) {
+                   "[kv_cache]", RANDATTN_TEST_SCALARS) {
   using S = TestType;
   const Index d = 20, dv = 12, kvh = 2, qh = 4, n = 300;
   const Tokens<S> tok(71, n, kvh, d, dv);
@@ -496,8 +495,7 @@ TEST_CASE("Bucket lists keep every entry, in order, across chunks and pages", "[
   CHECK(got == want);
 }
 
-TEMPLATE_TEST_CASE("KvCache save/load round trip is bit-identical", "[kv_cache]", float,
-                   double) {
+TEMPLATE_TEST_CASE("KvCache save/load round trip is bit-identical", "[kv_cache]", RANDATTN_TEST_SCALARS) {
   using S = TestType;
   const Index d = 16, dv = 8, kvh = 2, qh = 6, n = 250;
   const Tokens<S> tok(81, n, kvh, d, dv);
@@ -827,7 +825,7 @@ TEST_CASE("KvCache edge cases: one token, short caches, huge norms, empty retrie
 }
 
 TEMPLATE_TEST_CASE("KvCache lsf: every filter open equals exact; probes follow the threshold",
-                   "[kv_cache]", float, double) {
+                   "[kv_cache]", RANDATTN_TEST_SCALARS) {
   using S = TestType;
   const double tol = std::is_same<S, float>::value ? 1e-5 : 1e-12;
   const Index d = 32, dv = 16, kvh = 2, qh = 8, n = 1200;

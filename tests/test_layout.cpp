@@ -142,7 +142,7 @@ TEST_CASE("Layout inputs are declared once and checked with each front end's spe
 }
 
 TEMPLATE_TEST_CASE("Self-exclusion under packed sequences and padding equals the plain method",
-                   "[layout][exclude_self]", float, double) {
+                   "[layout][exclude_self]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const BatchShape shape{2, 2, 12, 12, 4, 3};
   const std::vector<Scalar> q = values<Scalar>(1, shape.slices() * shape.n_q, shape.d);
@@ -176,7 +176,7 @@ TEMPLATE_TEST_CASE("Self-exclusion under packed sequences and padding equals the
 }
 
 TEMPLATE_TEST_CASE("Layout sub-calls run in parallel with the same bits for any thread count",
-                   "[layout][threads]", float, double) {
+                   "[layout][threads]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   // Grouped heads (4 query heads on 2 key heads), a scattered padding mask, causal and
   // self-excluding: every kind of sub-call (gathered keys and queries, runs of padded queries).
@@ -223,7 +223,7 @@ TEMPLATE_TEST_CASE("Layout sub-calls run in parallel with the same bits for any 
 }
 
 TEMPLATE_TEST_CASE("Every registered method reports logits beyond the range, never returns NaN",
-                   "[layout][robustness][overflow]", float, double) {
+                   "[layout][robustness][overflow]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   // A scale near the type's maximum: the logits of bounded queries and keys overflow. Each
   // method's batched job (what both front ends call) either returns a finite result (random

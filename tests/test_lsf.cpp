@@ -122,7 +122,7 @@ using testing::clustered;
 // ---------------------------------------------------------------------------------------------
 
 TEMPLATE_TEST_CASE("Filter scores are <a_i, x/|x|> with unit variance, keys go to the argmax",
-                   "[lsf]", float, double) {
+                   "[lsf]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index d = 12, n = 70;
   const RowMatrix<Scalar> x = testing::gaussian<Scalar>(1, n, d, 3.0);
@@ -190,7 +190,7 @@ TEST_CASE("Threshold for a target cosine: η = α √(2 ln m) − √(2 (1 − �
 // Attention against exact attention and the brute-force reference
 // ---------------------------------------------------------------------------------------------
 
-TEMPLATE_TEST_CASE("η = −inf opens every filter: exact attention", "[lsf]", float, double) {
+TEMPLATE_TEST_CASE("η = −inf opens every filter: exact attention", "[lsf]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index n = 150, d = 16, dv = 5;
   const RowMatrix<Scalar> q = clustered<Scalar>(11, n, d, 6, 0.4),
@@ -218,7 +218,7 @@ TEMPLATE_TEST_CASE("η = −inf opens every filter: exact attention", "[lsf]", f
 }
 
 TEMPLATE_TEST_CASE("LSF attention equals softmax over the explicit union of opened filters",
-                   "[lsf]", float, double) {
+                   "[lsf]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index d = 10, dv = 4;
   for (RotationKind kind : {RotationKind::dense, RotationKind::hadamard}) {
@@ -265,7 +265,7 @@ TEMPLATE_TEST_CASE("LSF attention equals softmax over the explicit union of open
 }
 
 TEMPLATE_TEST_CASE("Fallback: a query whose opened filters hold no valid key opens more", "[lsf]",
-                   float, double) {
+                   RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   // Causal, few keys per filter, high threshold: early queries find no past key in their best
   // filters and must fall back; every output is still a convex combination of past values.
@@ -291,7 +291,7 @@ TEMPLATE_TEST_CASE("Fallback: a query whose opened filters hold no valid key ope
 }
 
 TEMPLATE_TEST_CASE("Self-exclusion: the own key is never a target unless nothing else is valid",
-                   "[lsf][exclude_self]", float, double) {
+                   "[lsf][exclude_self]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   // K = Q: each query's best filter holds its own key, so without the rule it would be scored.
   const Index n = 70, d = 8, m = 16;
@@ -346,7 +346,7 @@ TEMPLATE_TEST_CASE("Self-exclusion: the own key is never a target unless nothing
                   std::invalid_argument);
 }
 
-TEMPLATE_TEST_CASE("Accumulators merge with other partial results", "[lsf]", float, double) {
+TEMPLATE_TEST_CASE("Accumulators merge with other partial results", "[lsf]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   // LSF over the first half of the keys (every filter opened) merged with exact attention over
   // the second half is exact attention over all keys.
@@ -453,8 +453,7 @@ TEST_CASE(
 // Causality, batching, threads, edge cases
 // ---------------------------------------------------------------------------------------------
 
-TEMPLATE_TEST_CASE("Causal: changing key j leaves outputs 0 … j−1 bit-identical", "[lsf]", float,
-                   double) {
+TEMPLATE_TEST_CASE("Causal: changing key j leaves outputs 0 … j−1 bit-identical", "[lsf]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index n = 300, d = 16, dv = 6;
   const RowMatrix<Scalar> q = clustered<Scalar>(71, n, d, 5, 0.5),
@@ -480,7 +479,7 @@ TEMPLATE_TEST_CASE("Causal: changing key j leaves outputs 0 … j−1 bit-identi
 }
 
 TEMPLATE_TEST_CASE("Batched LSF attention equals per-slice calls, for any thread count",
-                   "[lsf][threads]", float, double) {
+                   "[lsf][threads]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const randattn::BatchShape shape{2, 3, 120, 130, 16, 7};  // batch, heads, n_q, n_k, d, dv
   const Index s = shape.slices();
@@ -525,7 +524,7 @@ TEMPLATE_TEST_CASE("Batched LSF attention equals per-slice calls, for any thread
 #endif
 }
 
-TEMPLATE_TEST_CASE("LSF attention edge cases and argument checks", "[lsf]", float, double) {
+TEMPLATE_TEST_CASE("LSF attention edge cases and argument checks", "[lsf]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index d = 6;
   const LocalitySensitiveFilters<Scalar> f(RotationKind::dense, d, 8, 2, 1);
@@ -647,7 +646,7 @@ TEMPLATE_TEST_CASE("LSF attention edge cases and argument checks", "[lsf]", floa
 }
 
 TEMPLATE_TEST_CASE("lsf_attention_into equals lsf_attention bit for bit and checks out",
-                   "[lsf][into]", float, double) {
+                   "[lsf][into]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   using Refs = std::vector<Eigen::Ref<const RowMatrix<Scalar>>>;
   const RowMatrix<Scalar> q = clustered<Scalar>(91, 50, 8, 4, 0.4),

@@ -158,7 +158,7 @@ using testing::clustered;
 // ---------------------------------------------------------------------------------------------
 
 TEMPLATE_TEST_CASE("Hadamard rotation equals H D3 H D2 H D1 / p^{3/2} and preserves norms", "[lsh]",
-                   float, double) {
+                   RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   struct Case {
     Index d, buckets;
@@ -201,7 +201,7 @@ TEMPLATE_TEST_CASE("Hadamard rotation equals H D3 H D2 H D1 / p^{3/2} and preser
 
 TEMPLATE_TEST_CASE(
     "Fused hash argmax equals a scalar argmax over the rotation's projections, ties included",
-    "[lsh]", float, double) {
+    "[lsh]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   struct Case {
     Index d, buckets;
@@ -266,7 +266,7 @@ TEST_CASE("Default rotation: dense while d h <= 6 p log2 p, Hadamard beyond", "[
   CHECK_THROWS_AS(CrossPolytopeHash<float>(0, 16, 2, 5), std::invalid_argument);
 }
 
-TEMPLATE_TEST_CASE("Cross-polytope codes are argmax([xR; -xR])", "[lsh]", float, double) {
+TEMPLATE_TEST_CASE("Cross-polytope codes are argmax([xR; -xR])", "[lsh]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index n = 500, d = 24, buckets = 10, rounds = 3;
   const RowMatrix<Scalar> x = testing::gaussian<Scalar>(5, n, d);
@@ -306,7 +306,7 @@ TEMPLATE_TEST_CASE("Cross-polytope codes are argmax([xR; -xR])", "[lsh]", float,
 }
 
 TEMPLATE_TEST_CASE("Cross-polytope hash: ranges, scaling, zero vector, seeds, blocks", "[lsh]",
-                   float, double) {
+                   RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index n = 300, d = 20, buckets = 12, rounds = 4;
   RowMatrix<Scalar> x = testing::gaussian<Scalar>(8, n, d);
@@ -398,7 +398,7 @@ TEST_CASE("Collision rate of two unit vectors falls as their angle grows", "[lsh
 // ---------------------------------------------------------------------------------------------
 
 TEMPLATE_TEST_CASE("Single chunk (c >= n) equals exact shared-QK attention with the self rule",
-                   "[lsh]", float, double) {
+                   "[lsh]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index n = 150, d = 16, dv = 5;
   const RowMatrix<Scalar> q = testing::gaussian<Scalar>(21, n, d),
@@ -433,7 +433,7 @@ TEMPLATE_TEST_CASE("Single chunk (c >= n) equals exact shared-QK attention with 
 
 TEMPLATE_TEST_CASE(
     "Sort-and-chunk equals softmax over the union (multiset) of targets from the same hashes",
-    "[lsh]", float, double) {
+    "[lsh]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index d = 12, dv = 6;
   struct Case {
@@ -469,7 +469,7 @@ TEMPLATE_TEST_CASE(
 }
 
 TEMPLATE_TEST_CASE("The correction matters: union and multiset differ once rounds overlap", "[lsh]",
-                   float, double) {
+                   RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index n = 96, d = 12;
   const RowMatrix<Scalar> q = clustered<Scalar>(41, n, d, 4, 0.5),
@@ -484,7 +484,7 @@ TEMPLATE_TEST_CASE("The correction matters: union and multiset differ once round
 }
 
 TEMPLATE_TEST_CASE("Exact buckets equal softmax over the union of bucket mates, with the fallback",
-                   "[lsh]", float, double) {
+                   "[lsh]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index n_q = 90, n_k = 90, d = 10, dv = 4;
   const RowMatrix<Scalar> q = clustered<Scalar>(51, n_q, d, 6, 0.7);
@@ -529,7 +529,7 @@ TEMPLATE_TEST_CASE("Exact buckets equal softmax over the union of bucket mates, 
   }
 }
 
-TEMPLATE_TEST_CASE("Large buckets and chunks are tiled and still exact", "[lsh]", float, double) {
+TEMPLATE_TEST_CASE("Large buckets and chunks are tiled and still exact", "[lsh]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   // Few buckets and c > tile: buckets of hundreds of tokens and chunk pairs of 600 keys.
   const Index n = 700, d = 8, dv = 3;
@@ -554,7 +554,7 @@ TEMPLATE_TEST_CASE("Large buckets and chunks are tiled and still exact", "[lsh]"
 
 TEMPLATE_TEST_CASE(
     "Separate-key sort-and-chunk equals softmax over the union (multiset) of sorted chunk pairs",
-    "[lsh]", float, double) {
+    "[lsh]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index d = 10, dv = 4;
   struct Case {
@@ -598,7 +598,7 @@ TEMPLATE_TEST_CASE(
 }
 
 TEMPLATE_TEST_CASE("Many rounds: the union counted once per pair is still the exact union",
-                   "[lsh]", float, double) {
+                   "[lsh]", RANDATTN_TEST_SCALARS) {
   // Beyond detail::kCountTableRounds the duplicate counts come from a per-query table built once
   // instead of a pass over the rounds per pair: every mode must still give the union.
   using Scalar = TestType;
@@ -636,7 +636,7 @@ TEMPLATE_TEST_CASE("Many rounds: the union counted once per pair is still the ex
 }
 
 TEMPLATE_TEST_CASE("Separate-key sort-and-chunk: pairs seen in several rounds count once", "[lsh]",
-                   float, double) {
+                   RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index n_q = 120, n_k = 80, d = 12;
   const RowMatrix<Scalar> q = clustered<Scalar>(141, n_q, d, 4, 0.5),
@@ -659,7 +659,7 @@ TEMPLATE_TEST_CASE("Separate-key sort-and-chunk: pairs seen in several rounds co
 
 TEMPLATE_TEST_CASE(
     "Separate-key sort-and-chunk: a query without a valid key attends to all of them", "[lsh]",
-    float, double) {
+    RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index n = 64, d = 8, dv = 3;
   const RowMatrix<Scalar> q = clustered<Scalar>(151, n, d, 4, 0.5),
@@ -714,7 +714,7 @@ TEMPLATE_TEST_CASE(
 // ---------------------------------------------------------------------------------------------
 
 TEMPLATE_TEST_CASE("Causal: changing the last token leaves earlier outputs bit-identical", "[lsh]",
-                   float, double) {
+                   RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index n = 200, d = 16, dv = 8;
   const RowMatrix<Scalar> q = clustered<Scalar>(71, n, d, 5, 0.5),
@@ -764,7 +764,7 @@ TEMPLATE_TEST_CASE("Causal: changing the last token leaves earlier outputs bit-i
 }
 
 TEMPLATE_TEST_CASE("Separate-key sort-and-chunk, causal: no key after the query is scored", "[lsh]",
-                   float, double) {
+                   RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index n = 150, d = 12, dv = 5;
   const RowMatrix<Scalar> q = clustered<Scalar>(161, n, d, 5, 0.5),
@@ -792,8 +792,7 @@ TEMPLATE_TEST_CASE("Separate-key sort-and-chunk, causal: no key after the query 
   }
 }
 
-TEMPLATE_TEST_CASE("LSH's default logit scale is 1/sqrt(d), as for every method", "[lsh]", float,
-                   double) {
+TEMPLATE_TEST_CASE("LSH's default logit scale is 1/sqrt(d), as for every method", "[lsh]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const randattn::BatchShape shape{1, 2, 70, 70, 9, 3};  // batch, heads, n_q, n_k, d, dv
   const Index n = shape.slices() * shape.n_q;
@@ -838,7 +837,7 @@ TEMPLATE_TEST_CASE("LSH's default logit scale is 1/sqrt(d), as for every method"
                                     shape.n_q));
 }
 
-TEMPLATE_TEST_CASE("LSH attention edge cases and argument checks", "[lsh]", float, double) {
+TEMPLATE_TEST_CASE("LSH attention edge cases and argument checks", "[lsh]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index d = 6;
   const CrossPolytopeHash<Scalar> hash(RotationKind::dense, d, 4, 2, 1);
@@ -935,8 +934,7 @@ Index reference_pairs(const Targets& targets, Index n_k, bool shared, bool causa
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("lsh_target_pairs counts the distinct pairs of the target sets", "[lsh]", float,
-                   double) {
+TEMPLATE_TEST_CASE("lsh_target_pairs counts the distinct pairs of the target sets", "[lsh]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index d = 12;
   struct Case {
@@ -1014,7 +1012,7 @@ TEST_CASE("LshChunkPlan: sorted order by (bucket, position), chunks of c, the la
 }
 
 TEMPLATE_TEST_CASE("lsh_attention_into and shared_qk_attention_into equal the allocating forms",
-                   "[lsh][into]", float, double) {
+                   "[lsh][into]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   using Refs = std::vector<Eigen::Ref<const RowMatrix<Scalar>>>;
   const RowMatrix<Scalar> q = clustered<Scalar>(81, 60, 8, 4, 0.5),

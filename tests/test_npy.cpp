@@ -4,6 +4,8 @@
 
 #include <catch2/catch.hpp>
 
+#include "scalars.hpp"
+
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -207,7 +209,7 @@ class ForwardOnlyBuf : public std::streambuf {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("npy round trip preserves shape, dtype and bits", "[npy]", float, double) {
+TEMPLATE_TEST_CASE("npy round trip preserves shape, dtype and bits", "[npy]", RANDATTN_TEST_SCALARS) {
   TempDir dir;
   const fs::path p = dir / "a.npy";
   for (const std::vector<std::int64_t>& shape :
@@ -430,7 +432,7 @@ TEST_CASE("npy reader rejects malformed files with a one-line error naming the f
 }
 
 TEMPLATE_TEST_CASE("npy reader returns Fortran-order and big-endian files in C order, native bytes",
-                   "[npy]", float, double) {
+                   "[npy]", RANDATTN_TEST_SCALARS) {
   using T = TestType;
   TempDir dir;
   const fs::path p = dir / "a.npy";
@@ -495,8 +497,7 @@ TEST_CASE("npy header reports the stored order and byte order", "[npy]") {
         randattn::io::host_is_little_endian());
 }
 
-TEMPLATE_TEST_CASE("npy partial readers on Fortran-order and big-endian files", "[npy]", float,
-                   double) {
+TEMPLATE_TEST_CASE("npy partial readers on Fortran-order and big-endian files", "[npy]", RANDATTN_TEST_SCALARS) {
   using T = TestType;
   TempDir dir;
   const fs::path p = dir / "a.npy";

@@ -103,7 +103,7 @@ TEST_CASE("oprf: the optimal precision minimises the mean log second moment", "[
   }
 }
 
-TEMPLATE_TEST_CASE("oprf: pair statistics equal their definitions", "[oprf]", float, double) {
+TEMPLATE_TEST_CASE("oprf: pair statistics equal their definitions", "[oprf]", RANDATTN_TEST_SCALARS) {
   const RowMatrix<TestType> q = testing::gaussian<TestType>(1, 7, 5, 0.8),
                             k = testing::gaussian<TestType>(2, 9, 5, 1.3);
   const double c = 0.7;
@@ -127,7 +127,7 @@ TEMPLATE_TEST_CASE("oprf: pair statistics equal their definitions", "[oprf]", fl
 }
 
 TEMPLATE_TEST_CASE("oprf: parameters, FAVOR+ and OPRF as special cases, argument errors", "[oprf]",
-                   float, double) {
+                   RANDATTN_TEST_SCALARS) {
   const Index d = 6, m = 20;
   const OrthogonalProjection<TestType> proj(m, d, 3);
   const RowMatrix<TestType> x = testing::gaussian<TestType>(4, 11, d, 0.6);
@@ -188,7 +188,7 @@ TEMPLATE_TEST_CASE("oprf: parameters, FAVOR+ and OPRF as special cases, argument
 }
 
 TEMPLATE_TEST_CASE("oprf: unbiased, closed-form MSE, never above FAVOR+", "[oprf][statistical]",
-                   float, double) {
+                   RANDATTN_TEST_SCALARS) {
   // Kernel estimates over R = 20000 draws of i.i.d. ω (d = 4, m = 8) at pairs with ‖x + y‖²
   // from 0.09 to 1.5 (beyond that the squared errors of FAVOR+ are too heavy-tailed for a
   // sample standard error to mean anything). Tolerances: the sample mean of R independent
@@ -235,7 +235,7 @@ TEMPLATE_TEST_CASE("oprf: unbiased, closed-form MSE, never above FAVOR+", "[oprf
 }
 
 TEMPLATE_TEST_CASE("oprf: mean predicted relative MSE matches Monte Carlo for every map", "[oprf]",
-                   float, double) {
+                   RANDATTN_TEST_SCALARS) {
   // mean_kernel_relative_mse over all 3 × 3 pairs of q and k (n_q·n_k <= pairs: every pair)
   // against the Monte-Carlo mean over the same pairs of squared relative errors, R = 8000 i.i.d.
   // draws: within 4 standard errors of the per-draw pair means (independent across draws).
@@ -284,7 +284,7 @@ TEMPLATE_TEST_CASE("oprf: mean predicted relative MSE matches Monte Carlo for ev
 }
 
 TEMPLATE_TEST_CASE("oprf: causal attention with given parameters never sees a changed future key",
-                   "[oprf]", float, double) {
+                   "[oprf]", RANDATTN_TEST_SCALARS) {
   // Parameters from a calibration set, not from the sequence: outputs 0..j−1 are bit-identical
   // when key j changes. Fitting on the sequence itself does leak (ρ and M depend on key j):
   // the negative check shows the comparison can fail.
@@ -320,8 +320,7 @@ TEMPLATE_TEST_CASE("oprf: causal attention with given parameters never sees a ch
   }
 }
 
-TEMPLATE_TEST_CASE("oprf: attention error on Gaussian data at realistic norms", "[oprf]", float,
-                   double) {
+TEMPLATE_TEST_CASE("oprf: attention error on Gaussian data at realistic norms", "[oprf]", RANDATTN_TEST_SCALARS) {
   // Q, K ~ s·N(0, I), V ~ N(0, I), n = 4096 keys, d = 64, m = 256, scale 1/8 (scale·‖q‖² ≈ 8s²),
   // 512 queries (each output row depends on its query and all keys only), 3 seeds; OPRF and
   // SDERF fitted on all 4096 queries and keys, FAVOR+ on the same ω. Tolerance: the seed-to-seed

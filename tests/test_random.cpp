@@ -41,8 +41,7 @@ TEST_CASE("Philox stream matches Random123's published known-answer vectors", "[
   }
 }
 
-TEMPLATE_TEST_CASE("Fills are pure functions of (seed, stream, i, j)", "[random][threads]", float,
-                   double) {
+TEMPLATE_TEST_CASE("Fills are pure functions of (seed, stream, i, j)", "[random][threads]", RANDATTN_TEST_SCALARS) {
   const Philox rng(20261130, 3);
   RowMatrix<TestType> row_major(37, 23);
   Eigen::Matrix<TestType, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor> col_major(37, 23);
@@ -146,7 +145,7 @@ constexpr int log2_of(Index p) {
 }  // namespace
 
 TEMPLATE_TEST_CASE("Batched Walsh-Hadamard transform equals the Hadamard matrix product",
-                   "[linalg]", float, double) {
+                   "[linalg]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const double eps = std::numeric_limits<Scalar>::epsilon();
   for (Index p : {1, 2, 4, 8, 16, 32, 64, 256}) {
@@ -211,7 +210,7 @@ TEMPLATE_TEST_CASE("Batched Walsh-Hadamard transform equals the Hadamard matrix 
 
 TEMPLATE_TEST_CASE(
     "Structured rotation: documented draws, explicit product, orthogonality, threads",
-    "[linalg][threads]", float, double) {
+    "[linalg][threads]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   using randattn::SignIndexing;
   using randattn::StructuredRotation;

@@ -63,7 +63,7 @@ void require_library_invalid_argument(F f) {
 }  // namespace
 
 TEMPLATE_TEST_CASE("robustness: hybrid maps and LSH stay finite for norms up to 20",
-                   "[robustness][edge]", float, double) {
+                   "[robustness][edge]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index n = 160, d = 16, dv = 3;
   const RowMatrix<Scalar> q = testing::rows_with_norms<Scalar>(1, norms_up_to_20(2, n), d),
@@ -105,7 +105,7 @@ TEMPLATE_TEST_CASE("robustness: hybrid maps and LSH stay finite for norms up to 
 }
 
 TEMPLATE_TEST_CASE("robustness: reuse across calls, decoder reset and redraw", "[robustness][edge]",
-                   float, double) {
+                   RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index n = 64, d = 8, dv = 3;
   const RowMatrix<Scalar> q = testing::gaussian<Scalar>(21, n, d, 0.5),
@@ -134,7 +134,7 @@ TEMPLATE_TEST_CASE("robustness: reuse across calls, decoder reset and redraw", "
 }
 
 TEMPLATE_TEST_CASE("robustness: unit-size inputs of the sketching entry points",
-                   "[robustness][edge]", float, double) {
+                   "[robustness][edge]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   // A 1 x 1 tensor: its single entry is the whole norm, so it is kept exactly.
   const Vector<Scalar> one = Vector<Scalar>::Constant(1, Scalar(-2.5));
@@ -159,7 +159,7 @@ TEMPLATE_TEST_CASE("robustness: unit-size inputs of the sketching entry points",
 }
 
 TEMPLATE_TEST_CASE("robustness: every bad argument throws randattn::invalid_argument",
-                   "[robustness][errors]", float, double) {
+                   "[robustness][errors]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index n = 12, d = 4, dv = 3;
   const RowMatrix<Scalar> q = testing::gaussian<Scalar>(1, n, d),
@@ -224,7 +224,7 @@ TEST_CASE("robustness: an unreadable .npy file throws a randattn::invalid_argume
 }
 
 TEMPLATE_TEST_CASE("robustness: values near the type's maximum give the exact convex combination",
-                   "[robustness][overflow]", float, double) {
+                   "[robustness][overflow]", RANDATTN_TEST_SCALARS) {
   // 2^(max_exponent - 1) v: the same weights, values scaled by a power of two, so the output is
   // the small-value output times that power, bit for bit, with no Inf from the numerators.
   using Scalar = TestType;
@@ -271,7 +271,7 @@ TEMPLATE_TEST_CASE("robustness: values near the type's maximum give the exact co
 }
 
 TEMPLATE_TEST_CASE("robustness: LSF logits beyond the range raise exact attention's overflow error",
-                   "[robustness][overflow]", float, double) {
+                   "[robustness][overflow]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index n = 12, d = 4, dv = 2;
   // Keys equal to the queries, of norm 4 sqrt(max): each query's logit with its own key is
@@ -297,7 +297,7 @@ TEMPLATE_TEST_CASE("robustness: LSF logits beyond the range raise exact attentio
 }
 
 TEMPLATE_TEST_CASE("robustness: HOSVD of finite entries whose squares overflow reports overflow",
-                   "[robustness][overflow][sketch]", float, double) {
+                   "[robustness][overflow][sketch]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   // Entries near sqrt(max) * 10: finite, but the mode Gram matrices overflow.
   const Scalar scale = std::sqrt(std::numeric_limits<Scalar>::max()) * Scalar(10);

@@ -109,7 +109,7 @@ void set_threads(int t) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("sketch: every tensor layout gives the same sketch", "[sketch]", float, double) {
+TEMPLATE_TEST_CASE("sketch: every tensor layout gives the same sketch", "[sketch]", RANDATTN_TEST_SCALARS) {
   using S = TestType;
   const auto t = mixed_tensor<S>({4, 5, 6}, 3);
   const SparsifyOptions opt = options(30, 7);
@@ -147,7 +147,7 @@ TEMPLATE_TEST_CASE("sketch: every tensor layout gives the same sketch", "[sketch
 }
 
 TEMPLATE_TEST_CASE("sketch: sparsify_into reuses a sketch's storage and gives the same bits",
-                   "[sketch]", float, double) {
+                   "[sketch]", RANDATTN_TEST_SCALARS) {
   using S = TestType;
   using Catch::Matchers::Contains;
   const auto small = mixed_tensor<S>({6, 7, 8}, 3);     // partial tiles only
@@ -238,8 +238,7 @@ TEST_CASE("sketch: a kept value beyond float's range is reported, on both sampli
   }
 }
 
-TEMPLATE_TEST_CASE("sketch: Algorithm 1 probabilities, values and thresholds", "[sketch]", float,
-                   double) {
+TEMPLATE_TEST_CASE("sketch: Algorithm 1 probabilities, values and thresholds", "[sketch]", RANDATTN_TEST_SCALARS) {
   using S = TestType;
   const auto t = mixed_tensor<S>({6, 7, 8}, 11);
   const double n = 60;
@@ -306,7 +305,7 @@ TEST_CASE("sketch: sixteen-lane Philox equals the scalar blocks", "[sketch]") {
 }
 
 TEMPLATE_TEST_CASE("sketch: entry omega is kept when (r + v) / 2^16 < p, with the documented draws",
-                   "[sketch]", float, double) {
+                   "[sketch]", RANDATTN_TEST_SCALARS) {
   using S = TestType;
   // 720000 entries: 2812 full tiles of 256 and a partial one; every regime occurs at this
   // budget, and about one entry in 2^16 with 0 < p < 1 needs its fine draw (about eleven here).
@@ -346,7 +345,7 @@ TEMPLATE_TEST_CASE("sketch: entry omega is kept when (r + v) / 2^16 < p, with th
 }
 
 TEMPLATE_TEST_CASE("sketch: Algorithm 1 is unbiased (mean of many sketches)",
-                   "[sketch][statistical]", float, double) {
+                   "[sketch][statistical]", RANDATTN_TEST_SCALARS) {
   using S = TestType;
   // 120 entries, budget 30: large entries kept, moderate ones a^2-sampled, small ones uniform.
   const auto t = mixed_tensor<S>({6, 5, 4}, 21, 2);
@@ -396,7 +395,7 @@ TEMPLATE_TEST_CASE("sketch: Algorithm 1 is unbiased (mean of many sketches)",
 }
 
 TEMPLATE_TEST_CASE("sketch: E[nnz] <= 2n and the realised nnz lies in a Chernoff band",
-                   "[sketch][statistical]", float, double) {
+                   "[sketch][statistical]", RANDATTN_TEST_SCALARS) {
   using S = TestType;
   const auto t = mixed_tensor<S>({30, 40, 50}, 31, 10);
   for (double n : {300.0, 3000.0}) {
@@ -419,7 +418,7 @@ TEMPLATE_TEST_CASE("sketch: E[nnz] <= 2n and the realised nnz lies in a Chernoff
 
 TEMPLATE_TEST_CASE(
     "sketch: the same seed gives the identical sketch in memory, streamed, on 1 or 2 threads",
-    "[sketch][threads]", float, double) {
+    "[sketch][threads]", RANDATTN_TEST_SCALARS) {
   using S = TestType;
   // 120000 entries: several chunks of 32768, so the parallel path splits the work.
   const auto t = mixed_tensor<S>({40, 50, 60}, 41, 20);
@@ -464,8 +463,7 @@ TEMPLATE_TEST_CASE(
   CHECK_FALSE(same_sketch(one, randattn::sparsify(t.view(), other)));
 }
 
-TEMPLATE_TEST_CASE("sketch: mode-j matricisation, coordinates and densify", "[sketch]", float,
-                   double) {
+TEMPLATE_TEST_CASE("sketch: mode-j matricisation, coordinates and densify", "[sketch]", RANDATTN_TEST_SCALARS) {
   using S = TestType;
   const std::vector<Index> dims{2, 3, 4};
   Vector<S> a(24);
@@ -507,7 +505,7 @@ TEMPLATE_TEST_CASE("sketch: mode-j matricisation, coordinates and densify", "[sk
   }
 }
 
-TEMPLATE_TEST_CASE("sketch: baselines at matched expected nnz", "[sketch]", float, double) {
+TEMPLATE_TEST_CASE("sketch: baselines at matched expected nnz", "[sketch]", RANDATTN_TEST_SCALARS) {
   using S = TestType;
   const auto t = mixed_tensor<S>({20, 25, 30}, 51, 5);
   const double n = 800;
@@ -552,7 +550,7 @@ TEMPLATE_TEST_CASE("sketch: baselines at matched expected nnz", "[sketch]", floa
 }
 
 TEMPLATE_TEST_CASE("sketch: Algorithm 1 beats NDT-style and uniform sampling at matched nnz",
-                   "[sketch][statistical]", float, double) {
+                   "[sketch][statistical]", RANDATTN_TEST_SCALARS) {
   using S = TestType;
   // Order 3, d = 64, Tucker rank 3, noise 0.3, at budgets D/30 and D/10 (relative errors 0.1 to
   // 0.5, the useful range), mean of 3 draws. The spectral norms are power-method estimates.
@@ -598,7 +596,7 @@ TEMPLATE_TEST_CASE("sketch: Algorithm 1 beats NDT-style and uniform sampling at 
 }
 
 TEMPLATE_TEST_CASE("sketch: exact HOSVD matches the SVD of the unfoldings", "[sketch][hosvd]",
-                   float, double) {
+                   RANDATTN_TEST_SCALARS) {
   using S = TestType;
   const auto t = mixed_tensor<S>({5, 6, 7}, 61);
   const std::vector<Index> ranks{2, 3, 4};
@@ -631,7 +629,7 @@ TEMPLATE_TEST_CASE("sketch: exact HOSVD matches the SVD of the unfoldings", "[sk
 }
 
 TEMPLATE_TEST_CASE("sketch: sketched HOSVD approaches the exact subspaces as the budget grows",
-                   "[sketch][hosvd]", float, double) {
+                   "[sketch][hosvd]", RANDATTN_TEST_SCALARS) {
   using S = TestType;
   // Order 3, d = 100, Tucker rank 3, noise 0.3; worst mode's sin-Theta, mean of 3 seeds.
   randattn::SyntheticOptions so;
@@ -659,8 +657,7 @@ TEMPLATE_TEST_CASE("sketch: sketched HOSVD approaches the exact subspaces as the
   CHECK(previous < 0.1);
 }
 
-TEMPLATE_TEST_CASE("sketch: spectral norm estimate and sin-theta distance", "[sketch]", float,
-                   double) {
+TEMPLATE_TEST_CASE("sketch: spectral norm estimate and sin-theta distance", "[sketch]", RANDATTN_TEST_SCALARS) {
   using S = TestType;
   // Order 2: exact, equal to the largest singular value.
   const RowMatrix<S> m = testing::gaussian<S>(71, 13, 8);
@@ -715,7 +712,7 @@ TEMPLATE_TEST_CASE("sketch: spectral norm estimate and sin-theta distance", "[sk
 }
 
 TEMPLATE_TEST_CASE("sketch: sparse_score_attention_into equals sparse_score_attention bit for bit",
-                   "[sketch][attention][into]", float, double) {
+                   "[sketch][attention][into]", RANDATTN_TEST_SCALARS) {
   using S = TestType;
   using Refs = std::vector<Eigen::Ref<const RowMatrix<S>>>;
   const RowMatrix<S> q = testing::gaussian<S>(91, 23, 6), k = testing::gaussian<S>(92, 23, 6),
@@ -736,7 +733,7 @@ TEMPLATE_TEST_CASE("sketch: sparse_score_attention_into equals sparse_score_atte
 }
 
 TEMPLATE_TEST_CASE("sketch: sparse-score attention through the softmax accumulator",
-                   "[sketch][attention]", float, double) {
+                   "[sketch][attention]", RANDATTN_TEST_SCALARS) {
   using S = TestType;
   const RowMatrix<S> q = testing::gaussian<S>(81, 37, 8), k = testing::gaussian<S>(82, 45, 8),
                      v = testing::gaussian<S>(83, 45, 5);
@@ -804,7 +801,7 @@ TEMPLATE_TEST_CASE("sketch: sparse-score attention through the softmax accumulat
 }
 
 TEMPLATE_TEST_CASE("sketch: invalid input throws std::invalid_argument with a clear message",
-                   "[sketch]", float, double) {
+                   "[sketch]", RANDATTN_TEST_SCALARS) {
   using S = TestType;
   const auto t = mixed_tensor<S>({4, 5, 6}, 3);
   using Catch::Matchers::Contains;

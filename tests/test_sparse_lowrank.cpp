@@ -67,7 +67,7 @@ Eigen::MatrixXd true_numden(const randattn::SoftmaxAccumulator<double>& acc) {
 }  // namespace
 
 TEMPLATE_TEST_CASE("sparse-lowrank: a support holding every key is exact attention",
-                   "[sparse_lowrank]", float, double) {
+                   "[sparse_lowrank]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Problem<Scalar> p(11, 40, 8, 3, 1.0);
   const bool causal = GENERATE(false, true);
@@ -104,7 +104,7 @@ TEMPLATE_TEST_CASE("sparse-lowrank: a support holding every key is exact attenti
 }
 
 TEMPLATE_TEST_CASE("sparse-lowrank: exclude_self leaves the own key out of support and remainder",
-                   "[sparse_lowrank][exclude_self]", float, double) {
+                   "[sparse_lowrank][exclude_self]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Problem<Scalar> p(17, 40, 8, 3, 1.0);
   const RowMatrix<Scalar>& kq = p.q;  // K = Q
@@ -470,7 +470,7 @@ TEST_CASE("sparse-lowrank: results do not depend on the thread count", "[sparse_
 }
 
 TEMPLATE_TEST_CASE("sparse-lowrank: the block bound is an upper bound on every logit",
-                   "[sparse_lowrank]", float, double) {
+                   "[sparse_lowrank]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const std::uint64_t seed = GENERATE(range(0, 8));
   const Index n = 53, d = 7, B = GENERATE(1, 5, 16);
@@ -530,7 +530,7 @@ TEST_CASE("sparse-lowrank: supports, edges and argument checks", "[sparse_lowran
 }
 
 TEMPLATE_TEST_CASE("sparse_lowrank_attention_into equals the allocating form bit for bit",
-                   "[sparse_lowrank][into]", float, double) {
+                   "[sparse_lowrank][into]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   using Refs = std::vector<Eigen::Ref<const RowMatrix<Scalar>>>;
   const Problem<Scalar> p(101, 40, 8, 3, 1.0);

@@ -56,7 +56,7 @@ void check_concurrent_calls(F f) {
 // the same products in the same order, so the same bits. Several groups of chunks, a ragged last
 // chunk, signs and log-scales on both sides, runs that start inside a group.
 TEMPLATE_TEST_CASE("Causal linear attention gives the same bits on one, two and three threads",
-                   "[core][linear][causal][threads]", float, double) {
+                   "[core][linear][causal][threads]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const int saved = omp_get_max_threads();
   for (Index chunk : {1, 7, 16}) {
@@ -81,7 +81,7 @@ TEMPLATE_TEST_CASE("Causal linear attention gives the same bits on one, two and 
 #endif
 
 TEMPLATE_TEST_CASE("Batched linear attention equals per-slice calls for any thread count",
-                   "[core][linear][batched][threads]", float, double) {
+                   "[core][linear][batched][threads]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   randattn::BatchShape shape;
   shape.batch = 2;
@@ -130,7 +130,7 @@ TEMPLATE_TEST_CASE("Batched linear attention equals per-slice calls for any thre
 // ---------------------------------------------------------------------------------------------
 
 TEMPLATE_TEST_CASE("attention: batched, decoder and thread count agree with the single call",
-                   "[features][threads]", float, double) {
+                   "[features][threads]", RANDATTN_TEST_SCALARS) {
   const Index batch = 2, heads = 3, n = 150, d = 8, dv = 5, m = 32;
   const Index slices = batch * heads;
   const RowMatrix<TestType> q = testing::gaussian<TestType>(51, slices * n, d),
@@ -181,7 +181,7 @@ TEMPLATE_TEST_CASE("attention: batched, decoder and thread count agree with the 
 // ---------------------------------------------------------------------------------------------
 
 TEMPLATE_TEST_CASE("Separate-key sort-and-chunk does not depend on the thread count",
-                   "[lsh][threads]", float, double) {
+                   "[lsh][threads]", RANDATTN_TEST_SCALARS) {
 #if defined(_OPENMP)
   using Scalar = TestType;
   const Index d = 16, dv = 6;
@@ -214,7 +214,7 @@ TEMPLATE_TEST_CASE("Separate-key sort-and-chunk does not depend on the thread co
 }
 
 TEMPLATE_TEST_CASE("Batched multi-head LSH attention equals per-slice calls, for any thread count",
-                   "[lsh][threads]", float, double) {
+                   "[lsh][threads]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const randattn::BatchShape shape{2, 3, 130, 130, 16, 7};  // batch, heads, n_q, n_k, d, dv
   const Index s = shape.slices();
@@ -264,7 +264,7 @@ TEMPLATE_TEST_CASE("Batched multi-head LSH attention equals per-slice calls, for
 // ---------------------------------------------------------------------------------------------
 
 TEMPLATE_TEST_CASE("robustness: objects shared between threads give identical results",
-                   "[robustness][threads]", float, double) {
+                   "[robustness][threads]", RANDATTN_TEST_SCALARS) {
   using Scalar = TestType;
   const Index n = 300, d = 16, dv = 4;
   const RowMatrix<Scalar> q = testing::gaussian<Scalar>(11, n, d, 0.4),

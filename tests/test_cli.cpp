@@ -490,7 +490,7 @@ TEST_CASE("cli: favor with --omega evaluates the Performer formulas with W", "[c
                 "cannot be combined");
   save<double>(ws, "w_d5.npy", {m, 5}, 14);
   require_error(ws, "attention --method trig --omega " + quote(ws.path("w_d5.npy")) + io,
-                "expected an (m, 4)");
+                "expected an (r, 4)");
   require_error(ws, "attention --method favor --projection gaussian" + io, "--projection");
   require_error(ws, "attention --method favor --features 0" + io, "--features");
 }

@@ -144,7 +144,7 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
     const Options& o = call.options;
     const double m = o.given("omega") ? double(o.array("omega").shape[0])
                      : o.has("features") ? double(o.integer("features"))
-                                         : 0.0;  // a hybrid's omega rows bound its 2m + n_lambda
+                                         : 0.0;
     const BatchShape& s = call.shape;
     return 8.0 * m * double(s.d) +
            double(scalar_bytes) * m * (double(s.n_q + s.n_k) + double(s.dv + 1));
@@ -462,7 +462,7 @@ class FeatureGradient final : public Gradient<Scalar> {
     const auto slice = [&](auto* base, Index i, Index rows, Index cols) {
       return rd::slice_of(base, i, rows, cols);
     };
-    const Index m = want_omega_ ? omega_rows(maps.front()) : 0;
+    const Index m = want_omega_ ? maps.front().projections() : 0;  // a hybrid: every part's
     std::vector<RowMatrix<Scalar>> d_omega(want_omega_ ? std::size_t(s.slices()) : 0,
                                            RowMatrix<Scalar>::Zero(m, s.d));
     if (s.n_q == 0) {  // no output: nothing flows back
@@ -492,12 +492,6 @@ class FeatureGradient final : public Gradient<Scalar> {
     RowMatrix<double> total = RowMatrix<double>::Zero(m, s.d);
     for (const RowMatrix<Scalar>& part : d_omega) total += part.template cast<double>();
     d_omega_.assign(total.data(), total.data() + total.size());
-  }
-
-  // The rows of the dense projection a map's ω gradient has (a hybrid's: every part's).
-  template <typename Map>
-  static Index omega_rows(const Map& map) {
-    return map.projections();
   }
 
   Call call_;

@@ -2,8 +2,9 @@
 # Builds the test suite with clang under AddressSanitizer + UndefinedBehaviorSanitizer and runs
 # it (halting on the first report; the [statistical] cases, which repeat the same calls to average
 # an estimate, run only in the plain build, and the templated cases in float only: see
-# tests/CMakeLists.txt and tests/scalars.hpp), then under ThreadSanitizer
-# and runs the tests tagged [threads]. The AddressSanitizer build also builds the libFuzzer
+# tests/CMakeLists.txt and tests/scalars.hpp; finite differences compare a sample of entries:
+# tests/gradient_check.hpp), then under ThreadSanitizer and runs the tests tagged [threads] (that
+# build runs at low priority beside the first one). The AddressSanitizer build also builds the libFuzzer
 # targets beside the suite's one long translation unit, where a core would otherwise idle for
 # minutes (run them with RANDATTN_FUZZ_BUILD_DIR=build-asan scripts/fuzz.sh), and checks that the
 # benchmarks and examples compile (scripts/syntax_check.py: parsed and instantiated, no code
@@ -28,14 +29,10 @@ sanitized_configure() {  # <dir> <sanitizers> [cmake arguments...]
 }
 
 asan="$RANDATTN_ROOT/build-asan"
+tsan="$RANDATTN_ROOT/build-tsan"
 randattn_log "AddressSanitizer + UndefinedBehaviorSanitizer: whole test suite, fuzz targets, compile check of the benchmarks and examples"
 sanitized_configure "$asan" address,undefined -DRANDATTN_BUILD_FUZZERS=ON \
     -DRANDATTN_BUILD_BENCHMARKS=ON -DRANDATTN_BUILD_EXAMPLES=ON -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
-cmake --build "$asan" -j"$(nproc)" --target randattn_test_programs randattn_fuzzers
-python3 "$RANDATTN_ROOT/scripts/syntax_check.py" "$asan" "$RANDATTN_ROOT/bench" "$RANDATTN_ROOT/examples"
-ASAN_OPTIONS=halt_on_error=1:detect_leaks=1:abort_on_error=1 \
-UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-    ctest --test-dir "$asan" --output-on-failure --label-exclude 'packaging|mpi' -j"$(nproc)"
 
 # The test files whose [threads] cases run code with synchronisation of its own or objects shared
 # between threads: test_threads.cpp (the linear core's split scan, shared maps and hashes, LSH's
@@ -44,10 +41,34 @@ UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 # independence of the same parallel_for over disjoint rows, which the plain build's run already
 # covers; compiling them once more under TSan would cost minutes of CI for no new code.
 threaded="threads;kv_cache;layout"
-randattn_log "ThreadSanitizer: multi-threaded tests (test files: $threaded)"
-sanitized_configure "$RANDATTN_ROOT/build-tsan" thread \
+randattn_log "ThreadSanitizer: multi-threaded tests (test files: $threaded), built beside the first build"
+sanitized_configure "$tsan" thread \
     -DRANDATTN_BUILD_BENCHMARKS=OFF -DRANDATTN_BUILD_TOOLS=OFF -DRANDATTN_BUILD_EXAMPLES=OFF -DRANDATTN_TEST_FILES="$threaded"
-cmake --build "$RANDATTN_ROOT/build-tsan" -j"$(nproc)" --target randattn_tests
+
+# The ThreadSanitizer build and the compile check of the benchmarks and examples run at the
+# lowest priority beside the AddressSanitizer build and its tests: they take the cores those leave
+# idle (the end of the build waits on one long translation unit, and the last tests run alone).
+background_log="$tsan/background.log"
+(
+    nice -n 19 cmake --build "$tsan" -j"$(nproc)" --target randattn_tests
+    nice -n 19 python3 "$RANDATTN_ROOT/scripts/syntax_check.py" "$asan" "$RANDATTN_ROOT/bench" "$RANDATTN_ROOT/examples"
+) >"$background_log" 2>&1 &
+background=$!
+trap 'kill "$background" 2>/dev/null || true' EXIT
+
+cmake --build "$asan" -j"$(nproc)" --target randattn_test_programs randattn_fuzzers
+ASAN_OPTIONS=halt_on_error=1:detect_leaks=1:abort_on_error=1 \
+UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+    ctest --test-dir "$asan" --output-on-failure --label-exclude 'packaging|mpi' -j"$(nproc)"
+
+randattn_log "ThreadSanitizer build and compile check (run beside the above)"
+if ! wait "$background"; then
+    cat "$background_log"
+    randattn_log "the ThreadSanitizer build or the compile check failed"
+    exit 1
+fi
+trap - EXIT
+grep '^syntax_check:' "$background_log"
 TSAN_OPTIONS="halt_on_error=1 suppressions=$RANDATTN_ROOT/tests/tsan.supp" \
 OMP_TOOL_LIBRARIES="$archer" OMP_NUM_THREADS=2 \
-    "$RANDATTN_ROOT/build-tsan/tests/randattn_tests" "[threads]"
+    "$tsan/tests/randattn_tests" "[threads]"

@@ -176,6 +176,50 @@ TEMPLATE_TEST_CASE("attention: batched, decoder and thread count agree with the 
   CHECK(rel_error(streamed, causal) < 10 * testing::tolerance<TestType>());
 }
 
+#if defined(_OPENMP)
+// A forward that keeps its features for the backward maps each piece of rows straight into the
+// kept rows, and a thread replaying the keys before its chunks maps its own copy instead: the
+// output and the kept features are those of one thread, and the output that of the forward
+// that keeps nothing. Several groups of 16 chunks, a ragged last one.
+TEST_CASE("attention: a forward keeping its features gives the same bits on 1, 2 and 3 threads",
+          "[features][gradients][threads]") {
+  const Index n = 3 * 16 * 8 + 5, d = 8, dv = 5, m = 32;
+  const RowMatrix<float> q = testing::gaussian<float>(61, n, d), k = testing::gaussian<float>(62, n, d),
+                         v = testing::gaussian<float>(63, n, dv);
+  const PositiveFeatures<float> map(OrthogonalProjection<float>(m, d, 64));
+  const int threads = omp_get_max_threads();
+  for (bool causal : {false, true}) {
+    INFO("causal " << causal);
+    RandomFeatureOptions opt;
+    opt.causal = causal;
+    opt.block_size = 8;
+    const auto run = [&](int count, randattn::SavedFeatures<float>* saved) {
+      omp_set_num_threads(count);
+      RowMatrix<float> out(n, dv);
+      if (saved) {
+        randattn::random_feature_attention_into(map, q, k, v, out, *saved, opt);
+      } else {
+        randattn::random_feature_attention_into(map, q, k, v, out, opt);
+      }
+      return out;
+    };
+    randattn::SavedFeatures<float> one_saved;
+    const RowMatrix<float> one = run(1, &one_saved);
+    CHECK(one == run(1, nullptr));
+    for (int count : {2, 3}) {
+      INFO(count << " threads");
+      randattn::SavedFeatures<float> saved;
+      CHECK(run(count, &saved) == one);
+      CHECK(saved.q.values == one_saved.q.values);
+      CHECK(saved.q.log_scale == one_saved.q.log_scale);
+      CHECK(saved.k.values == one_saved.k.values);
+      CHECK(saved.k.log_scale == one_saved.k.log_scale);
+    }
+  }
+  omp_set_num_threads(threads);
+}
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // LSH
 // ---------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@
 // nothing from grad_out rows before j under causal. Memory: the two feature matrices and their
 // cotangents (4·n·M) plus O(n·(dv + C)); never n·M·dv.
 
+#include <atomic>
+#include <memory>
 #include <type_traits>
 #include <utility>
 
@@ -73,6 +75,59 @@ SoftmaxAccumulator<Scalar> given_features_accumulate(
   return linear_accumulate(where, in, opt.causal, opt.check_finite);
 }
 
+// Features of q or k mapped piece by piece as the linear core reads them (MappedFeatureRows),
+// each piece also kept in `kept`: the first read of a piece maps it straight into its kept rows
+// and the core reads them there, still in cache; a later read of the same piece (a thread
+// replaying the keys before its chunks) maps into its own buffer. Pieces are the forward's
+// (feature_mapping_rows), so the kept features are the forward's, bit for bit. Every piece is
+// read at least once by a forward, so all rows are kept when it returns.
+template <typename Map>
+class KeepingFeatureRows {
+ public:
+  using Scalar = typename Map::Scalar;
+
+  KeepingFeatureRows(const Map& map, const Eigen::Ref<const RowMatrix<Scalar>>& x,
+                     Scalar normaliser, FeatureSide side, Index piece, ScaledFeatures<Scalar>& kept)
+      : rows_(map, x, normaliser, side),
+        piece_(piece),
+        kept_(kept),
+        claimed_(new std::atomic<bool>[std::size_t((x.rows() + piece - 1) / piece)]()) {}
+
+  Index rows() const { return rows_.rows(); }
+  Index dim() const { return rows_.dim(); }
+  void fill(Index i0, Index len, Eigen::Ref<RowMatrix<Scalar>> values,
+            Eigen::Ref<Vector<Scalar>> log_scale) const {
+    if (!claim(i0, len)) return rows_.fill(i0, len, values, log_scale);
+    map_kept(i0, len);
+    values = kept_.values.middleRows(i0, len);
+    log_scale = kept_.log_scale.segment(i0, len);
+  }
+  Eigen::Ref<const RowMatrix<Scalar>> view(Index i0, Index len, FeatureBlock<Scalar>& block) const {
+    if (!claim(i0, len)) return rows_.view(i0, len, block);
+    map_kept(i0, len);
+    block.log_scale.head(len) = kept_.log_scale.segment(i0, len);
+    return kept_.values.middleRows(i0, len);
+  }
+  void scan(const char* where, const char* name) const { rows_.scan(where, name); }
+
+ private:
+  // Whether this read is the first of its piece (which then maps into the kept rows). Relaxed:
+  // the kept rows are read by other threads only after the forward's parallel region ends.
+  bool claim(Index i0, Index len) const {
+    eigen_assert(i0 % piece_ == 0 && len == std::min(piece_, rows() - i0));
+    (void)len;
+    return !claimed_[std::size_t(i0 / piece_)].exchange(true, std::memory_order_relaxed);
+  }
+  void map_kept(Index i0, Index len) const {
+    rows_.fill(i0, len, kept_.values.middleRows(i0, len), kept_.log_scale.segment(i0, len));
+  }
+
+  MappedFeatureRows<Map> rows_;
+  Index piece_;
+  ScaledFeatures<Scalar>& kept_;
+  std::unique_ptr<std::atomic<bool>[]> claimed_;
+};
+
 // The forward of one checked slice (feature_attention_slice's result, bit for bit), keeping its
 // features in `saved`.
 template <typename Map>
@@ -91,13 +146,13 @@ SoftmaxAccumulator<typename Map::Scalar> feature_attention_saving_slice(
   saved.k.values.resize(q.rows() > 0 ? k.rows() : 0, dim);
   saved.k.log_scale.resize(saved.k.values.rows());
   if (q.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
-  forward_features(map, q, s.normaliser, FeatureSide::query, s.linear, saved.q.values,
-                   saved.q.log_scale);
-  forward_features(map, k, s.normaliser, FeatureSide::key, s.linear, saved.k.values,
-                   saved.k.log_scale);
+  const Index chunk = linear_chunk(s.linear), piece = feature_mapping_rows(chunk, s.linear.causal);
+  const KeepingFeatureRows<Map> q_rows(map, q, s.normaliser, FeatureSide::query, piece, saved.q),
+      k_rows(map, k, s.normaliser, FeatureSide::key, piece, saved.k);
   const Scratch<Vector<Scalar>> signs = pooled_copy(map.signs());
-  return given_features_accumulate<Scalar>(where, saved.q.values, saved.q.log_scale,
-                                           saved.k.values, saved.k.log_scale, v, signs, s.linear);
+  const LinearOperands<KeepingFeatureRows<Map>, KeepingFeatureRows<Map>> in{q_rows, k_rows, v,
+                                                                           signs, chunk};
+  return linear_accumulate(where, in, s.linear.causal, s.linear.check_finite);
 }
 
 // Checks one slice of a backward call (the forward's checks, grad_out, out and the saved

@@ -351,7 +351,7 @@ void causal_chunk_rows(const In& in, Index i0, const Rows& queries,
     rescale = (state_log - row_log.array()).exp().matrix();
     out.array().colwise() *= rescale.array();
   }
-  row_panel_product(out, weights, values, has_state, true);
+  row_panel_product(out, weights, values, has_state, Triangle::lower);
   log_scale.segment(i0, len) = row_log + q_log;
 }
 

@@ -141,7 +141,8 @@ void linear_bidirectional_backward(const In& in,
   const auto state = key_state(in, c);  // S relative to exp(c), c the largest key log-scale
 
   // Query panels: dφ̂(q) = [ĝ | ĥ] Sᵀ and U = Σ φ̂(q_i)[ĝ_i | ĥ_i]ᵀ, summed kKeyGroup panels at a
-  // time in panel order (as key_state sums S).
+  // time in panel order (as key_state sums S). U is kept transposed (w × M): the key side's
+  // dφ̂(k) = [V | 1] Uᵀ is then a product over the short depth w with rows of M read in place.
   struct QueryWork {
     FeatureBlock<Scalar> features;
     Scratch<RowMatrix<Scalar>> gh;
@@ -150,8 +151,7 @@ void linear_bidirectional_backward(const In& in,
         : features(rows, m), gh(rows, line_padded<Scalar>(w)), den(rows) {}
   };
   const Index panels = (n_q + chunk - 1) / chunk;
-  KeySummaries<Scalar> parts(std::min(panels, kKeyGroup), m, w);
-  Scratch<RowMatrix<Scalar>> u(m, line_padded<Scalar>(w));
+  Scratch<RowMatrix<Scalar>> parts(std::min(panels, kKeyGroup) * w, m), u(w, m);
   u.setZero();
   for (Index first = 0; first < panels; first += kKeyGroup) {
     const Index group = std::min(kKeyGroup, panels - first);
@@ -166,18 +166,17 @@ void linear_bidirectional_backward(const In& in,
           output_cotangents<Scalar>(out.middleRows(i0, len), grad_out.middleRows(i0, len), den, eps,
                                     gh, d.q_log.segment(i0, len));
           d.dq.middleRows(i0, len).noalias() = gh * state.transpose();
-          row_panel_product(parts.block(t), qf.transpose(), gh, false);
+          row_panel_product(parts.middleRows(t * w, w), gh.transpose(), qf, false);
         });
-    parallel_for((m + kMergeRows - 1) / kMergeRows, [&](Index b) {
-      const Index r0 = b * kMergeRows, rows = std::min(kMergeRows, m - r0);
-      for (Index t = 0; t < group; ++t)
-        u.block(r0, 0, rows, w) += parts.block(t).middleRows(r0, rows);
+    constexpr Index kRowsPerTask = 16;  // U's rows are M wide
+    parallel_for((w + kRowsPerTask - 1) / kRowsPerTask, [&](Index b) {
+      const Index r0 = b * kRowsPerTask, rows = std::min(kRowsPerTask, w - r0);
+      for (Index t = 0; t < group; ++t) u.middleRows(r0, rows) += parts.middleRows(t * w + r0, rows);
     });
   }
 
   // Key panels: with β_j = exp(ℓ(k_j) − c), dφ̂(k_j) = β_j σ ∘ U [v_j; 1] and
   // dv_j = β_j Ûᵀ (σ ∘ φ̂(k_j)), Û the first dv columns of U.
-  const auto uw = u.leftCols(w);
   struct KeyWork {
     FeatureBlock<Scalar> features;
     Scratch<RowMatrix<Scalar>> values;
@@ -193,12 +192,12 @@ void linear_bidirectional_backward(const In& in,
         auto beta = s.beta.head(len);
         beta = (s.features.log_scale.head(len).array() - c).exp().matrix();
         auto dvb = d.dv.middleRows(j0, len);
-        row_panel_product(dvb, keys, uw.leftCols(dv), false);
+        row_dots(dvb, keys, u.topRows(dv));
         dvb.array().colwise() *= beta.array();
         auto values = s.values.topLeftCorner(len, w);
         values_with_ones(in, j0, len, values);
         auto dkb = d.dk.middleRows(j0, len);
-        row_dots(dkb, values, uw);
+        row_panel_product(dkb, values, u, false);
         dkb.array().colwise() *= beta.array();
         if (in.signs.size() > 0) dkb.array().rowwise() *= in.signs.transpose().array();
       });
@@ -226,10 +225,10 @@ void linear_causal_backward(const In& in,
     FeatureBlock<Scalar> q_rows, k_rows;
     Scratch<RowMatrix<Scalar>> state, values, scaled, products;
     Scratch<Vector<Scalar>> den, factor;
-    Work(Index chunk, Index m, Index w, Index state_rows, Index state_cols)
+    Work(Index chunk, Index m, Index w)
         : q_rows(chunk, m),
           k_rows(chunk, m),
-          state(state_rows, state_cols),
+          state(w, m),
           values(chunk, line_padded<Scalar>(w)),
           scaled(chunk, line_padded<Scalar>(w)),
           products(chunk, chunk),
@@ -242,7 +241,7 @@ void linear_causal_backward(const In& in,
     const Index begin = causal_segment_start(chunks, segments, segment),
                 end = causal_segment_start(chunks, segments, segment + 1);
     if (begin == end) return;
-    Work s(chunk, m, w, w, m);
+    Work s(chunk, m, w);
     auto& state = s.state;  // relative to exp(state_log)
     Scalar state_log = kNegInf;
     for (Index t = 0; t < end; ++t) {
@@ -290,7 +289,7 @@ void linear_causal_backward(const In& in,
           scaled = alpha.asDiagonal() * g;
           row_panel_product(dq, scaled, state, false);
         }
-        row_panel_product(dq, mt, keys, has_state, true);
+        row_panel_product(dq, mt, keys, has_state, Triangle::lower);
       }
       if (t + 1 == end) break;  // no later chunk of this run reads the state
       auto weighted = s.values.topLeftCorner(len, w);
@@ -300,15 +299,18 @@ void linear_causal_backward(const In& in,
     }
   });
 
-  // Reversed pass: Ū (M × w) holds Σ_{i in chunks after t} φ̂(q_i)[ĝ_i | ĥ_i]ᵀ e^{E_t − R_i},
-  // E_t = R at the last row of chunk t (every later R_i is at least E_t). Runs mirror the forward
-  // pass's: run s covers the chunks the forward's run s would cover counted from the end.
+  // Reversed pass: Ū holds Σ_{i in chunks after t} φ̂(q_i)[ĝ_i | ĥ_i]ᵀ e^{E_t − R_i}, E_t = R at
+  // the last row of chunk t (every later R_i is at least E_t), transposed (w × M, as the forward
+  // pass's state): dφ̂(k) = [V | 1] Ūᵀ is then a product over the short depth w with rows of M
+  // read in place, and dv = φ̂(k) Û (Û the first dv columns of Ū) dot products over M. Runs mirror
+  // the forward pass's: run s covers the chunks the forward's run s would cover counted from the
+  // end.
   parallel_for(segments, [&](Index segment) {
     const Index hi = chunks - causal_segment_start(chunks, segments, segment),
                 lo = chunks - causal_segment_start(chunks, segments, segment + 1);
     if (lo == hi) return;
-    Work s(chunk, m, w, m, line_padded<Scalar>(w));
-    auto suffix = s.state.leftCols(w);
+    Work s(chunk, m, w);
+    auto& suffix = s.state;
     bool has_suffix = false;
     for (Index t = chunks - 1; t >= lo; --t) {
       const Index i0 = t * chunk, len = std::min(chunk, n - i0);
@@ -323,17 +325,17 @@ void linear_causal_backward(const In& in,
         auto dvt = d.dv.middleRows(i0, len);
         auto dkt = d.dk.middleRows(i0, len);
         if (has_suffix) {
-          row_panel_product(dvt, keys, suffix.leftCols(dv), false);
+          row_dots(dvt, keys, suffix.topRows(dv));
           dvt.array().colwise() *= beta.array();
           auto values = s.values.topLeftCorner(len, w);
           values_with_ones(in, i0, len, values);
-          row_dots(dkt, values, suffix);
+          row_panel_product(dkt, values, suffix, false);
           dkt.array().colwise() *= beta.array();
         }
         const auto wt = weights.block(i0, 0, len, len);
         const auto mt = mixed.block(i0, 0, len, len);
-        row_panel_product(dvt, wt.transpose(), g.leftCols(dv), has_suffix);
-        row_panel_product(dkt, mt.transpose(), queries, has_suffix);
+        row_panel_product(dvt, wt.transpose(), g.leftCols(dv), has_suffix, Triangle::upper);
+        row_panel_product(dkt, mt.transpose(), queries, has_suffix, Triangle::upper);
         if (in.signs.size() > 0) dkt.array().rowwise() *= in.signs.transpose().array();
       }
       if (t == lo || t == 0) break;  // no earlier chunk of this run reads the suffix
@@ -342,9 +344,9 @@ void linear_causal_backward(const In& in,
       auto scaled = s.scaled.topLeftCorner(len, w);
       scaled = (e_prev - row_max.segment(i0, len).array()).exp().matrix().asDiagonal() * g;
       if (has_suffix) {
-        row_panel_product_onto(suffix, suffix, std::exp(e_prev - e_t), queries.transpose(), scaled);
+        row_panel_product_onto(suffix, suffix, std::exp(e_prev - e_t), scaled.transpose(), queries);
       } else {
-        row_panel_product(suffix, queries.transpose(), scaled, false);
+        row_panel_product(suffix, scaled.transpose(), queries, false);
       }
       has_suffix = true;
     }

@@ -33,6 +33,9 @@ constexpr Index line_padded(Index cols) {
   return (cols + line - 1) / line * line;
 }
 
+// Where a product's left operand may be non-zero (row_panel_product).
+enum class Triangle { full, lower, upper };
+
 namespace row_panel {
 
 template <typename Scalar>
@@ -112,20 +115,28 @@ inline void tile(Scalar* out, Index out_stride, Start<Scalar> start, Strided<Sca
     for (int p = 0; p < P; ++p) Eigen::internal::pstoreu(out + r * out_stride + p * ps, c[r][p]);
 }
 
-// One column panel of P packets for all rows; `lower`: the tile of rows [i, i + R) reads depth
-// [0, min(depth, i + R)), a being zero past it.
+// One column panel of P packets for all rows. A triangular a lets a tile of rows [i, i + R)
+// read only depth [0, min(depth, i + R)) (lower: a is zero past it) or [i, depth) (upper: zero
+// before it); the skipped terms are exact zeros, so the sums are those of the whole depth.
 template <int P, typename Scalar>
 void panel(Scalar* out, Index out_stride, Start<Scalar> start, Strided<Scalar> a, const Scalar* b,
-           Index b_stride, Index rows, Index depth, bool lower) {
-  const auto depth_of = [&](Index i, Index r) { return lower ? std::min(depth, i + r) : depth; };
+           Index b_stride, Index rows, Index depth, Triangle shape) {
+  const auto first_of = [&](Index i) {
+    return shape == Triangle::upper ? std::min(i, depth) : Index(0);
+  };
+  const auto end_of = [&](Index i, Index r) {
+    return shape == Triangle::lower ? std::min(depth, i + r) : depth;
+  };
   const auto start_of = [&](Index i) {
     return Start<Scalar>{start.data ? start.data + i * start.stride : nullptr, start.stride,
                          start.alpha};
   };
   const auto run = [&](auto rows_c, Index i) {
     constexpr int R = decltype(rows_c)::value;
-    tile<R, P>(out + i * out_stride, out_stride, start_of(i), {a.data + i * a.row, a.row, a.col},
-               b, b_stride, depth_of(i, R));
+    const Index k0 = first_of(i);
+    tile<R, P>(out + i * out_stride, out_stride, start_of(i),
+               {a.data + i * a.row + k0 * a.col, a.row, a.col}, b + k0 * b_stride, b_stride,
+               end_of(i, R) - k0);
   };
   // Narrow panels take taller tiles, as many rows as the registers hold.
   constexpr int tall = kTileRowsFor<P>;
@@ -148,7 +159,8 @@ void panel(Scalar* out, Index out_stride, Start<Scalar> start, Strided<Scalar> a
 // out = start + a b in column panels Wide packets wide, then narrower ones; see
 // row_panel_product.
 template <int Wide, typename Out, typename A, typename B>
-void product(Out& out, Start<typename Out::Scalar> start, const A& a, const B& b, bool lower) {
+void product(Out& out, Start<typename Out::Scalar> start, const A& a, const B& b,
+             Triangle shape) {
   using Scalar = typename Out::Scalar;
   constexpr Index ps = packet_size<Scalar>;
   const Index rows = a.rows(), depth = a.cols(), cols = b.cols();
@@ -166,14 +178,14 @@ void product(Out& out, Start<typename Out::Scalar> start, const A& a, const B& b
   };
   Index j = 0;
   for (; j + Wide * ps <= cols; j += Wide * ps) {
-    panel<Wide>(o + j, os, from(j), sa, bb + j, bs, rows, depth, lower);
+    panel<Wide>(o + j, os, from(j), sa, bb + j, bs, rows, depth, shape);
   }
   if (Wide > 2 && j + 2 * ps <= cols) {
-    panel<2>(o + j, os, from(j), sa, bb + j, bs, rows, depth, lower);
+    panel<2>(o + j, os, from(j), sa, bb + j, bs, rows, depth, shape);
     j += 2 * ps;
   }
   if (j + ps <= cols) {
-    panel<1>(o + j, os, from(j), sa, bb + j, bs, rows, depth, lower);
+    panel<1>(o + j, os, from(j), sa, bb + j, bs, rows, depth, shape);
     j += ps;
   }
   if (j < cols) {
@@ -194,14 +206,17 @@ void product(Out& out, Start<typename Out::Scalar> start, const A& a, const B& b
 
 }  // namespace row_panel
 
-// out (+)= a b. out and b must have unit column stride (row-major rows); a any strides. With
-// `lower`, a is square and lower triangular (its entries above the diagonal must be zero): each
-// tile of rows stops at the depth of its last diagonal entry.
+// out (+)= a b. out and b must have unit column stride (row-major rows); a any strides. A
+// triangular `shape` says that a is square and zero above its diagonal (lower) or below it
+// (upper): each tile of rows then reads only the depth where its rows can be non-zero.
 template <typename Out, typename A, typename B>
-void row_panel_product(Out&& out, const A& a, const B& b, bool accumulate, bool lower = false) {
+void row_panel_product(Out&& out, const A& a, const B& b, bool accumulate,
+                       Triangle shape = Triangle::full) {
   using Scalar = typename std::decay_t<Out>::Scalar;
+  require(shape == Triangle::full || a.rows() == a.cols(), "row_panel_product",
+          "a triangular operand must be square, got ", a.rows(), "x", a.cols());
   row_panel::product<row_panel::kTilePackets>(
-      out, {accumulate ? out.data() : nullptr, out.rowStride(), Scalar(1)}, a, b, lower);
+      out, {accumulate ? out.data() : nullptr, out.rowStride(), Scalar(1)}, a, b, shape);
 }
 
 // out (+)= a b as row_panel_product, the same bits, for a b read once from memory and few rows
@@ -213,7 +228,7 @@ template <typename Out, typename A, typename B>
 void row_panel_product_streamed(Out&& out, const A& a, const B& b, bool accumulate) {
   using Scalar = typename std::decay_t<Out>::Scalar;
   row_panel::product<4>(out, {accumulate ? out.data() : nullptr, out.rowStride(), Scalar(1)}, a,
-                        b, false);
+                        b, Triangle::full);
 }
 
 // out = alpha · start + a b, start having out's shape and unit column stride (it may be out).
@@ -225,7 +240,7 @@ void row_panel_product_onto(Out&& out, const Start& start, typename std::decay_t
           "row_panel_product_onto", "start is ", start.rows(), "x", start.cols(), ", out ",
           out.rows(), "x", out.cols());
   row_panel::product<row_panel::kTilePackets>(out, {start.data(), start.rowStride(), alpha}, a, b,
-                                              false);
+                                              Triangle::full);
 }
 
 namespace row_panel {

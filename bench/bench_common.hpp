@@ -4,6 +4,7 @@
 #include <time.h>
 
 #include <chrono>
+#include <type_traits>
 
 #include <benchmark/benchmark.h>
 
@@ -104,8 +105,12 @@ struct BackwardBuffers {
 
 // A Backward/... row: each iteration times the forward alone, then forward + backward (the
 // forward that keeps what the backward needs, then the backward), and the row reports both and
-// their ratio, so the ratio comes from one run. One thread: the thread's CPU clock; more: wall
-// time (a thread's clock would miss the other threads' work).
+// their ratio, so the ratio comes from one run. A forward_backward that takes an argument gets a
+// callable to call between its forward and its backward, and the row also reports the backward
+// alone (backward_ms). One untimed call of each comes first: the first call of a shape takes its
+// working buffers fresh (page faults, the kernel zeroing the pages), which a training step's later
+// calls reuse, and the long rows run a single iteration. One thread: the thread's CPU clock;
+// more: wall time (a thread's clock would miss the other threads' work).
 template <typename Forward, typename ForwardBackward>
 void time_backward(benchmark::State& state, int threads, Forward&& forward,
                    ForwardBackward&& forward_backward) {
@@ -116,21 +121,35 @@ void time_backward(benchmark::State& state, int threads, Forward&& forward,
                               std::chrono::steady_clock::now().time_since_epoch())
                               .count();
   };
-  double alone = 0, both = 0;
+  double marked = 0;
+  const auto mark = [&] { marked = now(); };
+  constexpr bool split = std::is_invocable_v<ForwardBackward&, decltype(mark)&>;
+  const auto run_both = [&] {
+    if constexpr (split) {
+      forward_backward(mark);
+    } else {
+      forward_backward();
+    }
+  };
+  forward();
+  run_both();
+  double alone = 0, both = 0, backward = 0;
   for (auto _ : state) {
     const double t0 = now();
     forward();
     benchmark::ClobberMemory();
     const double t1 = now();
-    forward_backward();
+    run_both();
     benchmark::ClobberMemory();
     const double t2 = now();
     alone += t1 - t0;
     both += t2 - t1;
+    backward += t2 - marked;
   }
   const double iterations = double(state.iterations());
   state.counters["forward_ms"] = 1e3 * alone / iterations;
   state.counters["forward_backward_ms"] = 1e3 * both / iterations;
+  if (split) state.counters["backward_ms"] = 1e3 * backward / iterations;
   state.counters["ratio"] = both / alone;
 }
 

@@ -17,8 +17,9 @@
 //    so that the rows time the computation and not the first touch of a fresh result. Their
 //    ratio threads:1 / threads:2 is the two-thread speedup (OPRF's fit included).
 //  - Backward/Favor (arguments n, threads, causal): the forward alone, then the forward keeping
-//    its features + the backward from them, their times and ratio from one run (bench_common.hpp); at n = 8192 on one thread and, causal,
-//    at n = 65536 on 1 and 2 threads (compare their forward_backward_ms for the speedup).
+//    its features + the backward from them, their times and ratio from one run, and the
+//    backward's own time (bench_common.hpp); at n = 8192 on one thread and, causal, at n = 65536
+//    on 1 and 2 threads (their backward_ms give the backward's two-thread speedup).
 // Arguments: n, causal (0/1); these rows run on one thread.
 
 #include <cmath>
@@ -217,8 +218,9 @@ void BackwardFavor(benchmark::State& state) {
   bench::time_backward(
       state, int(state.range(1)),
       [&] { randattn::random_feature_attention_into(map, in.q, in.k, in.v, b.out, opt); },
-      [&] {
+      [&](const auto& mark) {
         randattn::random_feature_attention_into(map, in.q, in.k, in.v, b.out, saved, opt);
+        mark();
         randattn::random_feature_attention_backward(map, in.q, in.k, in.v, b.out, b.grad_out,
                                                     b.dq, b.dk, b.dv, saved, opt);
       });

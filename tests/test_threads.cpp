@@ -184,7 +184,8 @@ TEMPLATE_TEST_CASE("attention: batched, decoder and thread count agree with the 
 TEST_CASE("attention: a forward keeping its features gives the same bits on 1, 2 and 3 threads",
           "[features][gradients][threads]") {
   const Index n = 3 * 16 * 8 + 5, d = 8, dv = 5, m = 32;
-  const RowMatrix<float> q = testing::gaussian<float>(61, n, d), k = testing::gaussian<float>(62, n, d),
+  const RowMatrix<float> q = testing::gaussian<float>(61, n, d),
+                         k = testing::gaussian<float>(62, n, d),
                          v = testing::gaussian<float>(63, n, dv);
   const PositiveFeatures<float> map(OrthogonalProjection<float>(m, d, 64));
   const int threads = omp_get_max_threads();

@@ -171,7 +171,8 @@ void linear_bidirectional_backward(const In& in,
     constexpr Index kRowsPerTask = 16;  // U's rows are M wide
     parallel_for((w + kRowsPerTask - 1) / kRowsPerTask, [&](Index b) {
       const Index r0 = b * kRowsPerTask, rows = std::min(kRowsPerTask, w - r0);
-      for (Index t = 0; t < group; ++t) u.middleRows(r0, rows) += parts.middleRows(t * w + r0, rows);
+      for (Index t = 0; t < group; ++t)
+        u.middleRows(r0, rows) += parts.middleRows(t * w + r0, rows);
     });
   }
 

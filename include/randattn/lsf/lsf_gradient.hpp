@@ -21,7 +21,7 @@
 #include <Eigen/Core>
 
 #include "../core/types.hpp"
-#include "../lsh/lsh_gradient.hpp"  // detail::row_log_sum_exp, detail::check_backward_shapes
+#include "../lsh/lsh_gradient.hpp"  // row_log_sum_exp, check_separate_key_backward
 #include "lsf_attention.hpp"
 
 namespace randattn {
@@ -83,16 +83,8 @@ void lsf_attention_backward(const LsfResiduals<Scalar>& saved,
                             Eigen::Ref<RowMatrix<Scalar>> dv) {
   const char* where = "lsf_attention_backward";
   detail::require(saved.choices != nullptr, where, "the residuals hold no forward");
-  detail::require(q.rows() == saved.n_q && q.cols() == saved.dim && k.rows() == saved.n_k &&
-                      k.cols() == saved.dim && v.rows() == saved.n_k &&
-                      v.cols() == saved.value_dim,
-                  where, "q (", detail::shape_of(q), "), k (", detail::shape_of(k), ") and v (",
-                  detail::shape_of(v), ") are not the forward's shapes");
-  detail::check_backward_shapes<Scalar>(
-      where, out, grad_out, saved.n_q, saved.value_dim,
-      {{"dq", {saved.n_q, saved.dim}}, {"dk", {saved.n_k, saved.dim}},
-       {"dv", {saved.n_k, saved.value_dim}}},
-      {{dq.rows(), dq.cols()}, {dk.rows(), dk.cols()}, {dv.rows(), dv.cols()}});
+  detail::check_separate_key_backward<Scalar>(where, saved.n_q, saved.n_k, saved.dim,
+                                              saved.value_dim, q, k, v, out, grad_out, dq, dk, dv);
   const Index n_q = q.rows(), n_k = k.rows();
   detail::Scratch<RowMatrix<Scalar>> go(n_q, v.cols()), dqs(n_q, q.cols()), dks(n_k, k.cols()),
       dvs(n_k, v.cols());

@@ -90,6 +90,30 @@ void check_backward_shapes(const char* where, const Eigen::Ref<const RowMatrix<S
   require_finite(grad_out, where, "grad_out");
 }
 
+// The checks of a separate-key backward from a forward's saved state: q, k and v against the
+// forward's shapes (n_q × dim, n_k × dim, n_k × value_dim), then out, grad_out and the gradients
+// dq, dk, dv (check_backward_shapes).
+template <typename Scalar>
+void check_separate_key_backward(const char* where, Index n_q, Index n_k, Index dim,
+                                 Index value_dim, const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                                 const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                                 const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                                 const Eigen::Ref<const RowMatrix<Scalar>>& out,
+                                 const Eigen::Ref<const RowMatrix<Scalar>>& grad_out,
+                                 const Eigen::Ref<RowMatrix<Scalar>>& dq,
+                                 const Eigen::Ref<RowMatrix<Scalar>>& dk,
+                                 const Eigen::Ref<RowMatrix<Scalar>>& dv) {
+  require(q.rows() == n_q && q.cols() == dim && k.rows() == n_k && k.cols() == dim &&
+              v.rows() == n_k && v.cols() == value_dim,
+          where, "q (", shape_of(q), "), k (", shape_of(k), ") and v (", shape_of(v),
+          ") are not the forward's shapes ", n_q, "x", dim, ", ", n_k, "x", dim, " and ", n_k, "x",
+          value_dim);
+  check_backward_shapes<Scalar>(
+      where, out, grad_out, n_q, value_dim,
+      {{"dq", {n_q, dim}}, {"dk", {n_k, dim}}, {"dv", {n_k, value_dim}}},
+      {{dq.rows(), dq.cols()}, {dk.rows(), dk.cols()}, {dv.rows(), dv.cols()}});
+}
+
 // The backward of one slice; k null: shared QK (dk unused, dq carries both paths). Inputs
 // checked by the caller; dq, dk, dv overwritten.
 template <typename Scalar>
@@ -302,16 +326,8 @@ void lsh_attention_backward(const LshResiduals<Scalar>& saved,
                             Eigen::Ref<RowMatrix<Scalar>> dv) {
   const char* where = "lsh_attention_backward";
   detail::require(!saved.shared, where, "the forward had shared QK: pass qk, dqk and no k");
-  detail::require(q.rows() == saved.n_q && q.cols() == saved.dim && k.rows() == saved.n_k &&
-                      k.cols() == saved.dim && v.rows() == saved.n_k &&
-                      v.cols() == saved.value_dim,
-                  where, "q (", detail::shape_of(q), "), k (", detail::shape_of(k), ") and v (",
-                  detail::shape_of(v), ") are not the forward's shapes");
-  detail::check_backward_shapes<Scalar>(
-      where, out, grad_out, saved.n_q, saved.value_dim,
-      {{"dq", {saved.n_q, saved.dim}}, {"dk", {saved.n_k, saved.dim}},
-       {"dv", {saved.n_k, saved.value_dim}}},
-      {{dq.rows(), dq.cols()}, {dk.rows(), dk.cols()}, {dv.rows(), dv.cols()}});
+  detail::check_separate_key_backward<Scalar>(where, saved.n_q, saved.n_k, saved.dim,
+                                              saved.value_dim, q, k, v, out, grad_out, dq, dk, dv);
   detail::lsh_backward<Scalar>(saved, q, &k, v, out, grad_out, dq, &dk, dv);
 }
 

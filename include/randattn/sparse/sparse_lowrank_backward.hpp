@@ -78,7 +78,7 @@
 #include "../detail/parallel.hpp"
 #include "../detail/pooled_vector.hpp"
 #include "../detail/validation.hpp"
-#include "../lsh/lsh_gradient.hpp"  // detail::check_backward_shapes
+#include "../lsh/lsh_gradient.hpp"  // detail::check_separate_key_backward
 #include "block_bounds.hpp"
 #include "key_centring.hpp"
 #include "sparse_lowrank_attention.hpp"
@@ -596,14 +596,8 @@ void sparse_lowrank_backward(const SparseLowRankSaved<Scalar, Remainder>& saved,
   const Index n_q = saved.n_q, n_k = saved.n_k, d = saved.dim, dvs = saved.value_dim;
   detail::require(saved.remainder.has_value() && saved.row_lse.size() == n_q, where,
                   "the saved state holds no forward (use sparse_lowrank_forward)");
-  detail::require(q.rows() == n_q && q.cols() == d && k.rows() == n_k && k.cols() == d &&
-                      v.rows() == n_k && v.cols() == dvs,
-                  where, "q (", detail::shape_of(q), "), k (", detail::shape_of(k), ") and v (",
-                  detail::shape_of(v), ") are not the forward's shapes ", n_q, "x", d, ", ", n_k,
-                  "x", d, " and ", n_k, "x", dvs);
-  detail::check_backward_shapes<Scalar>(
-      where, out, grad_out, n_q, dvs, {{"dq", {n_q, d}}, {"dk", {n_k, d}}, {"dv", {n_k, dvs}}},
-      {{dq.rows(), dq.cols()}, {dk.rows(), dk.cols()}, {dv.rows(), dv.cols()}});
+  detail::check_separate_key_backward<Scalar>(where, n_q, n_k, d, dvs, q, k, v, out, grad_out, dq,
+                                              dk, dv);
   const detail::SparseLowRankChoices<Scalar>& choices = saved.choices;
   detail::require(!choices.multiset, where,
                   "exact-bucket LSH alone as the support over multiset rounds (lsh_options."

@@ -94,12 +94,15 @@ class SliceMaps {
 };
 
 // Attention over contiguous (batch, heads, n, ·) buffers with each slice's own map: every slice
-// computed as the 2-D random_feature_attention computes it (every slice validated first).
+// computed as the 2-D random_feature_attention computes it (every slice validated first). With
+// `saved` (one per slice), each slice also keeps its features for the backward (the same bits).
 template <typename Map>
 void per_slice_feature_attention(const SliceMaps<Map>& maps, const typename Map::Scalar* q,
                                  const typename Map::Scalar* k, const typename Map::Scalar* v,
                                  typename Map::Scalar* out, const BatchShape& shape,
-                                 const RandomFeatureOptions& opt) {
+                                 const RandomFeatureOptions& opt,
+                                 std::vector<SavedFeatures<typename Map::Scalar>>* saved =
+                                     nullptr) {
   using Scalar = typename Map::Scalar;
   namespace rd = randattn::detail;
   const char* where = "random_feature_attention";
@@ -121,7 +124,9 @@ void per_slice_feature_attention(const SliceMaps<Map>& maps, const typename Map:
         const auto s = rd::feature_attention_settings(where, map, opt);
         const auto [qs, ks, vs] = slice(i);
         auto o = rd::slice_of(out, i, shape.n_q, shape.dv);
-        rd::feature_attention_slice(where, map, qs, ks, vs, s, false)
+        (saved ? rd::feature_attention_saving_slice(where, map, qs, ks, vs, s,
+                                                    (*saved)[std::size_t(i)])
+               : rd::feature_attention_slice(where, map, qs, ks, vs, s, false))
             .finalize_into(o, static_cast<Scalar>(s.linear.denominator_epsilon));
       });
 }
@@ -397,7 +402,7 @@ class FeatureGradient final : public Gradient<Scalar> {
     return Method::template with_map<Scalar>(
         call_, &data, [&](const auto& maps, const RandomFeatureOptions& opt) {
           std::vector<SavedFeatures<Scalar>> saved(std::size_t(shape.slices()));
-          run_forward(maps, opt, q, k, v, out, saved);
+          detail::per_slice_feature_attention(maps, q, k, v, out, call_.shape, opt, &saved);
           // The caller's out may change before the backward: keep a copy.
           std::vector<Scalar> kept(out, out + shape.slices() * shape.n_q * shape.dv);
           backward_ = [this, maps, opt, q, k, v, kept = std::move(kept),
@@ -420,37 +425,6 @@ class FeatureGradient final : public Gradient<Scalar> {
   }
 
  private:
-  // The forward of FeatureMethod's job (the same bits), keeping each slice's features.
-  template <typename Map>
-  void run_forward(const SliceMaps<Map>& maps, const RandomFeatureOptions& opt, const Scalar* q,
-                   const Scalar* k, const Scalar* v, Scalar* out,
-                   std::vector<SavedFeatures<Scalar>>& saved) {
-    namespace rd = randattn::detail;
-    const char* where = "random_feature_attention";
-    const BatchShape& s = call_.shape;
-    const auto slice = [&](auto* base, Index i, Index rows, Index cols) {
-      return rd::slice_of(base, i, rows, cols);
-    };
-    rd::for_each_slice(
-        where, s, q && k && v && out,
-        [&](Index i) {
-          const Map& map = maps.of_slice(i);
-          rd::check_feature_slice(where, map, slice(q, i, s.n_q, s.d), slice(k, i, s.n_k, s.d),
-                                  slice(v, i, s.n_k, s.dv),
-                                  rd::feature_attention_settings(where, map, opt),
-                                  opt.check_finite);
-        },
-        [&](Index i) {
-          const Map& map = maps.of_slice(i);
-          const auto settings = rd::feature_attention_settings(where, map, opt);
-          rd::feature_attention_saving_slice(where, map, slice(q, i, s.n_q, s.d),
-                                             slice(k, i, s.n_k, s.d), slice(v, i, s.n_k, s.dv),
-                                             settings, saved[std::size_t(i)])
-              .finalize_into(slice(out, i, s.n_q, s.dv),
-                             static_cast<Scalar>(settings.linear.denominator_epsilon));
-        });
-  }
-
   template <typename Map>
   void run_backward(const SliceMaps<Map>& maps, const RandomFeatureOptions& opt, const Scalar* q,
                     const Scalar* k, const Scalar* v, const Scalar* out,

@@ -1,12 +1,20 @@
 // Peak resident memory of attention at long sequences: the memory a call needs beyond its inputs
 // must grow like n·d (never n², nor n·M for random features), so "per_nd", the call's peak RSS
 // above what was resident before it in units of n·d floats, stays flat from n = 16384 to 65536.
-// d = dv = 64, one thread, one call per row.
+// d = dv = 64, one thread unless a row says, one call per row.
 //
 //  - Exact: tiled exact attention (its O(n²) time makes the n = 65536 row take seconds).
 //  - Favor: positive random features (m = 256) end to end; features are mapped block by block.
 //  - Linear: the linear core on given n × M features (those inputs are not counted).
 //  - Lsh: 4 rounds of cross-polytope hashing, chunks of 64.
+//  - Backward/Favor (n, threads): a causal FAVOR+ training step's attention, the forward keeping
+//    its features and then the backward, with the output, its cotangent and the gradients
+//    allocated inside the call (an n·M·dv tensor would be 4.3 GB at n = 65536).
+//  - Backward/Exact: causal exact attention's forward and backward, the same way (n² floats
+//    would be 4.3 GB at n = 32768).
+//
+// "process_MiB" is the whole process's peak during the call, inputs included (run one row per
+// process for it: what earlier rows left resident, such as their threads' arenas, counts too).
 //
 // Linux and glibc only: every allocation above 128 KiB is mapped and unmapped on its own
 // (M_MMAP_THRESHOLD fixed), so freed memory leaves the resident set at once, and the high-water
@@ -45,10 +53,10 @@ long status_kib(const std::string& field) {
 // Runs call() once per iteration and reports its peak resident memory above the resident set
 // before it, in MiB and per n·d floats.
 template <typename Call>
-void peak_memory(benchmark::State& state, Index n, Call&& call) {
+void peak_memory(benchmark::State& state, Index n, Call&& call, int threads = 1) {
   static const bool fixed_threshold = mallopt(M_MMAP_THRESHOLD, 128 * 1024) == 1;
-  bench::set_threads(1);
-  long extra_kib = 0;
+  bench::set_threads(threads);
+  long extra_kib = 0, process_kib = 0;
   for (auto _ : state) {
     malloc_trim(0);
     std::ofstream("/proc/self/clear_refs") << "5";
@@ -60,8 +68,10 @@ void peak_memory(benchmark::State& state, Index n, Call&& call) {
       return;
     }
     extra_kib = std::max(extra_kib, peak - before);
+    process_kib = std::max(process_kib, peak);
   }
   state.counters["peak_MiB"] = double(extra_kib) / 1024.0;
+  state.counters["process_MiB"] = double(process_kib) / 1024.0;
   state.counters["per_nd"] = double(extra_kib) * 1024.0 / (double(n) * kD * sizeof(float));
 }
 
@@ -105,6 +115,40 @@ void Lsh(benchmark::State& state) {
   peak_memory(state, n, [&] { return randattn::lsh_attention(hash, in.q, in.v, opt); });
 }
 
+void BackwardFavor(benchmark::State& state) {
+  const Index n = state.range(0);
+  const Inputs in(n);
+  const randattn::PositiveFeatures<float> map(randattn::OrthogonalProjection<float>(kM, kD, 1));
+  randattn::RandomFeatureOptions opt;
+  opt.causal = true;
+  peak_memory(
+      state, n,
+      [&] {
+        bench::BackwardBuffers b(n, kD, kDv);
+        randattn::SavedFeatures<float> saved;
+        randattn::random_feature_attention_into(map, in.q, in.k, in.v, b.out, saved, opt);
+        randattn::random_feature_attention_backward(map, in.q, in.k, in.v, b.out, b.grad_out, b.dq,
+                                                    b.dk, b.dv, saved, opt);
+        return b.dq(0, 0);
+      },
+      int(state.range(1)));
+}
+
+void BackwardExact(benchmark::State& state) {
+  const Index n = state.range(0);
+  const Inputs in(n);
+  randattn::ExactOptions opt;
+  opt.causal = true;
+  peak_memory(state, n, [&] {
+    bench::BackwardBuffers b(n, kD, kDv);
+    const randattn::Vector<float> lse =
+        randattn::exact_attention_forward_into(in.q, in.k, in.v, b.out, opt);
+    randattn::exact_attention_backward<float>(in.q, in.k, in.v, b.out, lse, b.grad_out, b.dq, b.dk,
+                                              b.dv, opt);
+    return b.dq(0, 0);
+  });
+}
+
 void lengths(benchmark::internal::Benchmark* b) {
   b->ArgNames({"n"})->Arg(16384)->Arg(65536)->Iterations(1)->Unit(benchmark::kMillisecond);
 }
@@ -121,3 +165,16 @@ BENCHMARK(Exact)->Apply(lengths);
 BENCHMARK(Favor)->Apply(lengths_causal);
 BENCHMARK(Linear)->Apply(lengths_causal);
 BENCHMARK(Lsh)->Apply(lengths);
+BENCHMARK(BackwardFavor)
+    ->Name("Backward/Favor")
+    ->ArgNames({"n", "threads"})
+    ->Args({65536, 1})
+    ->Args({65536, 2})
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BackwardExact)
+    ->Name("Backward/Exact")
+    ->ArgNames({"n"})
+    ->Arg(32768)
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "../kept_forward.hpp"
 #include "../method.hpp"
 
 namespace randattn::registry {
@@ -42,26 +43,21 @@ class ExactMethod final : public TypedMethod<ExactMethod> {
         const BatchShape& s = shape_;
         lse_.resize(std::size_t(s.slices() * s.n_q));
         exact_attention_forward_batched(q, k, v, out, lse_.data(), s, opt_);
-        // The caller's out may change before the backward: keep a copy.
-        out_.assign(out, out + s.slices() * s.n_q * s.dv);
-        q_ = q, k_ = k, v_ = v;
-        forwarded_ = true;
+        kept_.keep(q, k, v, out, s);
         return {};
       }
 
       void backward(const Scalar* grad_out, Scalar* dq, Scalar* dk, Scalar* dv) override {
-        if (!forwarded_)
-          throw std::logic_error("randattn::registry: Gradient::backward() before forward()");
-        exact_attention_backward_batched(q_, k_, v_, out_.data(), lse_.data(), grad_out, dq, dk, dv,
-                                         shape_, opt_);
+        kept_.require_forward();
+        exact_attention_backward_batched(kept_.q(), kept_.k(), kept_.v(), kept_.out(),
+                                         lse_.data(), grad_out, dq, dk, dv, shape_, opt_);
       }
 
      private:
       ExactOptions opt_;
       BatchShape shape_;
-      const Scalar *q_ = nullptr, *k_ = nullptr, *v_ = nullptr;
-      std::vector<Scalar> out_, lse_;
-      bool forwarded_ = false;
+      detail::KeptForward<Scalar> kept_;
+      std::vector<Scalar> lse_;
     };
     return std::make_unique<ExactGradient>(options_of(call), call.shape);
   }

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "../feature_options.hpp"
+#include "../kept_forward.hpp"
 #include "../method.hpp"
 
 namespace randattn::registry {
@@ -439,10 +440,7 @@ class FeatureGradient final : public Gradient<Scalar> {
     const Index m = want_omega_ ? maps.front().projections() : 0;  // a hybrid: every part's
     std::vector<RowMatrix<Scalar>> d_omega(want_omega_ ? std::size_t(s.slices()) : 0,
                                            RowMatrix<Scalar>::Zero(m, s.d));
-    if (s.n_q == 0) {  // no output: nothing flows back
-      std::fill(dk, dk + s.slices() * s.n_k * s.d, Scalar(0));
-      std::fill(dv, dv + s.slices() * s.n_k * s.dv, Scalar(0));
-    }
+    detail::clear_key_gradients_without_queries(s, dk, dv);
     rd::for_each_slice(
         where, s, grad_out && dq && dk && dv,
         [&](Index i) {

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "../kept_forward.hpp"
 #include "../method.hpp"
 #include "lsh.hpp"  // lsh_options::rotation
 
@@ -186,34 +187,24 @@ class LsfGradient final : public Gradient<Scalar> {
               slice_of(v, i, s.n_k, s.dv), o, opt_);
         });
     const double seconds = seconds_since(start);
-    q_ = q;
-    k_ = k;
-    v_ = v;
-    out_.assign(out, out + s.slices() * s.n_q * s.dv);
+    kept_.keep(q, k, v, out, s);
     return LsfMethod::report_of(call_, *lsf_, opt_, q, k, v, out, seconds);
   }
 
   void backward(const Scalar* grad_out, Scalar* dq, Scalar* dk, Scalar* dv) override {
     const BatchShape& s = call_.shape;
-    if (Index(saved_.size()) != s.slices())
-      throw std::logic_error("randattn::registry: Gradient::backward() before forward()");
+    kept_.require_forward();
     const char* where = "lsf_attention_backward";
     randattn::detail::require(s.slices() * s.n_q == 0 || (grad_out && dq && dk && dv), where,
                               "null gradient pointer");
     randattn::detail::require_finite(grad_out, s.slices() * s.n_q * s.dv, where, "grad_out");
+    detail::clear_key_gradients_without_queries(s, dk, dv);
+    if (s.n_q == 0) return;
     randattn::detail::parallel_for(s.slices(), [&](Index i) {
-      auto dqs = slice_of(dq, i, s.n_q, s.d);
-      auto dks = slice_of(dk, i, s.n_k, s.d);
-      auto dvs = slice_of(dv, i, s.n_k, s.dv);
-      if (s.n_q == 0) {
-        dks.setZero();
-        dvs.setZero();
-        return;
-      }
-      lsf_attention_backward<Scalar>(saved_[std::size_t(i)], slice_of(q_, i, s.n_q, s.d),
-                                     slice_of(k_, i, s.n_k, s.d), slice_of(v_, i, s.n_k, s.dv),
-                                     slice_of(out_.data(), i, s.n_q, s.dv),
-                                     slice_of(grad_out, i, s.n_q, s.dv), dqs, dks, dvs);
+      lsf_attention_backward<Scalar>(saved_[std::size_t(i)], kept_.q(i), kept_.k(i), kept_.v(i),
+                                     kept_.out(i), slice_of(grad_out, i, s.n_q, s.dv),
+                                     slice_of(dq, i, s.n_q, s.d), slice_of(dk, i, s.n_k, s.d),
+                                     slice_of(dv, i, s.n_k, s.dv));
     });
   }
 
@@ -227,8 +218,7 @@ class LsfGradient final : public Gradient<Scalar> {
   LsfOptions opt_;
   Call call_;
   std::vector<LsfResiduals<Scalar>> saved_;
-  const Scalar *q_ = nullptr, *k_ = nullptr, *v_ = nullptr;
-  std::vector<Scalar> out_;  // the forward's output (D = dO · o)
+  detail::KeptForward<Scalar> kept_;
 };
 
 template <typename Scalar>

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "../kept_forward.hpp"
 #include "../method.hpp"
 #include "features.hpp"  // detail::shape_text
 
@@ -266,42 +267,31 @@ class LshGradient final : public Gradient<Scalar> {
                                                      slice_of(v, i, s.n_k, s.dv), o, opt_);
         });
     const double seconds = seconds_since(start);
-    q_ = q;
-    k_ = k;
-    v_ = v;
-    out_.assign(out, out + s.slices() * s.n_q * s.dv);
+    kept_.keep(q, k, v, out, s);
     return LshMethod::full_report(report_, *hash_, q, k, v, out, s, opt_, settings_, seconds);
   }
 
   void backward(const Scalar* grad_out, Scalar* dq, Scalar* dk, Scalar* dv) override {
     const BatchShape& s = shape_;
     const bool shared = settings_.shared_qk;
-    if (Index(saved_.size()) != s.slices())
-      throw std::logic_error("randattn::registry: Gradient::backward() before forward()");
+    kept_.require_forward();
     const char* where = "lsh_attention_backward";
     randattn::detail::require(s.slices() * s.n_q == 0 || (grad_out && dq && dv && (shared || dk)),
                               where, "null gradient pointer");
     randattn::detail::require_finite(grad_out, s.slices() * s.n_q * s.dv, where, "grad_out");
+    detail::clear_key_gradients_without_queries(s, shared ? nullptr : dk, dv);
+    if (s.n_q == 0) return;
     randattn::detail::parallel_for(s.slices(), [&](Index i) {
       auto dqs = slice_of(dq, i, s.n_q, s.d);
       auto dvs = slice_of(dv, i, s.n_k, s.dv);
-      const auto os = slice_of(out_.data(), i, s.n_q, s.dv);
       const auto gs = slice_of(grad_out, i, s.n_q, s.dv);
-      if (shared) {
-        if (s.n_q == 0) return;
-        lsh_attention_backward<Scalar>(saved_[std::size_t(i)], slice_of(q_, i, s.n_q, s.d),
-                                       slice_of(v_, i, s.n_k, s.dv), os, gs, dqs, dvs);
-      } else {
-        auto dks = slice_of(dk, i, s.n_k, s.d);
-        if (s.n_q == 0) {
-          dks.setZero();
-          dvs.setZero();
-          return;
-        }
-        lsh_attention_backward<Scalar>(saved_[std::size_t(i)], slice_of(q_, i, s.n_q, s.d),
-                                       slice_of(k_, i, s.n_k, s.d), slice_of(v_, i, s.n_k, s.dv),
-                                       os, gs, dqs, dks, dvs);
-      }
+      if (shared)
+        lsh_attention_backward<Scalar>(saved_[std::size_t(i)], kept_.q(i), kept_.v(i),
+                                       kept_.out(i), gs, dqs, dvs);
+      else
+        lsh_attention_backward<Scalar>(saved_[std::size_t(i)], kept_.q(i), kept_.k(i),
+                                       kept_.v(i), kept_.out(i), gs, dqs,
+                                       slice_of(dk, i, s.n_k, s.d), dvs);
     });
   }
 
@@ -317,8 +307,7 @@ class LshGradient final : public Gradient<Scalar> {
   BatchShape shape_;
   Report report_;
   std::vector<LshResiduals<Scalar>> saved_;
-  const Scalar *q_ = nullptr, *k_ = nullptr, *v_ = nullptr;
-  std::vector<Scalar> out_;  // the forward's output (D = dO · o)
+  detail::KeptForward<Scalar> kept_;
 };
 
 template <typename Scalar>

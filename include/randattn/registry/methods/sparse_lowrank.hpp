@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "../kept_forward.hpp"
 #include "../method.hpp"
 #include "features.hpp"
 #include "lsf.hpp"
@@ -318,26 +319,18 @@ class SparseLowRankGradient final : public Gradient<Scalar> {
             const BatchShape& b = call_.shape;
             namespace rd = randattn::detail;
             sparse_lowrank_backward<Scalar, Remainder>(
-                *saved, rd::slice_of(q_, s, b.n_q, b.d), rd::slice_of(k_, s, b.n_k, b.d),
-                rd::slice_of(v_, s, b.n_k, b.dv), rd::slice_of(out_.data(), s, b.n_q, b.dv),
+                *saved, kept_.q(s), kept_.k(s), kept_.v(s), kept_.out(s),
                 rd::slice_of(grad_out, s, b.n_q, b.dv), rd::slice_of(dq, s, b.n_q, b.d),
                 rd::slice_of(dk, s, b.n_k, b.d), rd::slice_of(dv, s, b.n_k, b.dv));
           });
         });
-    q_ = q, k_ = k, v_ = v;
-    out_.assign(out, out + shape.slices() * shape.n_q * shape.dv);  // the caller's may change
-    forwarded_ = true;
+    kept_.keep(q, k, v, out, shape);
     return r;
   }
 
   void backward(const Scalar* grad_out, Scalar* dq, Scalar* dk, Scalar* dv) override {
-    if (!forwarded_)
-      throw std::logic_error("randattn::registry: Gradient::backward() before forward()");
-    const BatchShape& s = call_.shape;
-    if (s.n_q == 0) {  // no output: nothing flows back
-      std::fill(dk, dk + s.slices() * s.n_k * s.d, Scalar(0));
-      std::fill(dv, dv + s.slices() * s.n_k * s.dv, Scalar(0));
-    }
+    kept_.require_forward();
+    clear_key_gradients_without_queries(call_.shape, dk, dv);
     for (auto& slice_backward : backwards_) slice_backward(grad_out, dq, dk, dv);
   }
 
@@ -345,9 +338,7 @@ class SparseLowRankGradient final : public Gradient<Scalar> {
   Call call_;
   SparseLowRankMethod::Setup<Scalar> plan_;
   std::vector<std::function<void(const Scalar*, Scalar*, Scalar*, Scalar*)>> backwards_;
-  const Scalar *q_ = nullptr, *k_ = nullptr, *v_ = nullptr;
-  std::vector<Scalar> out_;
-  bool forwarded_ = false;
+  KeptForward<Scalar> kept_;
 };
 
 }  // namespace detail

@@ -11,10 +11,10 @@
 
 #include <catch2/catch.hpp>
 
+#include <randattn/randattn.hpp>  // before Eigen (randattn/detail/intrinsics.hpp says why)
+
 #include <Eigen/Core>
 #include <Eigen/QR>
-
-#include <randattn/randattn.hpp>
 
 #include "scalars.hpp"
 

@@ -17,6 +17,8 @@
 // relative to the row's log-scale), so every output is finite; an explicit 0 is rejected for
 // them.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <cmath>
 #include <optional>
 #include <tuple>

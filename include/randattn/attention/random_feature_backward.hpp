@@ -15,6 +15,8 @@
 // nothing from grad_out rows before j under causal. Memory: the two feature matrices and their
 // cotangents (4·n·M) plus O(n·(dv + C)); never n·M·dv.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <atomic>
 #include <memory>
 #include <type_traits>

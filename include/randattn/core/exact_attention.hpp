@@ -4,6 +4,8 @@
 // sweeps the key blocks and merges every block's partial [num | den] into the shared
 // SoftmaxAccumulator. Memory O((n_q + n_k) * (d + dv)) plus one block of scores per thread.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>

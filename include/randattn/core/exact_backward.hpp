@@ -6,6 +6,8 @@
 // Five products per tile against the forward's two; no n_q x n_k matrix: memory
 // O((n_q + n_k) · (d + dv)) plus one tile per thread.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <initializer_list>
 #include <limits>

@@ -5,6 +5,8 @@
 // that hold a part of the sequence pass the global positions of their rows, so masks are those
 // of the whole sequence.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <Eigen/Core>
 
 #include "detail/score_tile.hpp"

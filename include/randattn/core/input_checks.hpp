@@ -10,6 +10,8 @@
 // rows (e.g. one process of a sharded call) checks the shapes of its part and the counts of the
 // whole.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <cstdint>
 #include <limits>
 

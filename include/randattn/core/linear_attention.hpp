@@ -10,6 +10,8 @@
 // The core reads features through row sources one block at a time (GivenFeatureRows below, or a
 // feature map applied on the fly), so its own memory is O(n·dv) plus one block per thread.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>

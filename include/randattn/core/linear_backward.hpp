@@ -27,6 +27,8 @@
 // holding the maximum (j ≤ i under causal). Rows whose guarded denominator is zero (output zeros)
 // have zero gradient.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>

@@ -4,6 +4,8 @@
 // time in O(M * dv) and queried in O(M * dv). It computes the same quantity as the causal
 // chunked path, one token at a time.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <cmath>
 #include <limits>
 

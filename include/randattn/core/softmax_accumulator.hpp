@@ -4,6 +4,8 @@
 // exp(c_i) * (num_i, den_i). Partial results for the same rows (key blocks, hash rounds,
 // shards) merge exactly like online softmax.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

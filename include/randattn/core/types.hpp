@@ -1,6 +1,8 @@
 #pragma once
 // Common matrix aliases and the shape of batched multi-head buffers.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <Eigen/Core>
 
 namespace randattn {

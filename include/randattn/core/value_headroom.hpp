@@ -7,6 +7,8 @@
 // values (only values below 2^e times the smallest normal number lose bits), and e = 0 -- the
 // same arithmetic as without this header -- whenever terms · max|v| is already in range.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>

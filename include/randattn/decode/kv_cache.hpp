@@ -64,6 +64,8 @@
 // bit-identical results. A corrupt,
 // truncated or mismatched file throws std::invalid_argument and nothing is returned.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

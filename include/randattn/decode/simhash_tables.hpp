@@ -13,6 +13,8 @@
 // hyperplanes are read once per block rather than once per key) and each key's index is
 // appended to one bucket per table; a query looks up its L buckets.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -2,6 +2,8 @@
 // The one driver of every `_batched` entry point: contiguous row-major (batch, heads, rows, cols)
 // buffers seen one (batch, head) slice at a time.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <Eigen/Core>
 
 #include "../core/types.hpp"

@@ -9,6 +9,8 @@
 // is a function of the shapes alone, never of the thread count. row_dots gives a bᵀ (or its lower
 // triangle) as dot products of rows read in place.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <type_traits>
 

@@ -6,6 +6,8 @@
 // pages. MADV_HUGEPAGE is advice: the kernel may ignore it (transparent huge
 // pages disabled), and the contents and results are the same either way.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <cstddef>
 #include <cstdint>
 

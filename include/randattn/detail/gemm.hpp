@@ -4,6 +4,8 @@
 // large, which reorders the sums; cutting the inner dimension into fixed panels here makes
 // the summation order a function of the shapes alone.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 
 #include <Eigen/Core>

@@ -10,6 +10,8 @@
 // randattn::release_attention_scratch() (core/scratch.hpp). Contents of a taken buffer are
 // unspecified: callers overwrite what they read.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cstddef>
 #include <utility>

@@ -3,6 +3,8 @@
 // sign bits of SimHash codes (decode/simhash_tables.hpp) and the filters a block of queries
 // opens (lsf/lsf_attention.hpp). One vector compare per packet where the instruction set has it.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <cstdint>
 #include <type_traits>
 

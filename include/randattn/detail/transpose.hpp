@@ -3,6 +3,8 @@
 // per row, its values over the vectors contiguous) layouts. The batched Walsh–Hadamard transform
 // works on the second layout; inputs and outputs come in the first.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <Eigen/Core>
 
 #include "../core/types.hpp"

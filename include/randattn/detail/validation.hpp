@@ -3,6 +3,8 @@
 // randattn::invalid_argument (a std::invalid_argument) with a message naming the function, the
 // argument and the shapes.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>

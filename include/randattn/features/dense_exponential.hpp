@@ -44,6 +44,8 @@
 // once fitted: for causal attention and decoding fit on calibration rows (or pass M), never
 // on the sequence being attended.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <cmath>
 #include <cstdint>
 #include <utility>

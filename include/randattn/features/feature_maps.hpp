@@ -27,6 +27,8 @@
 // random_feature_attention.hpp), so outputs are finite; they are, however, dominated by noise
 // once scale·‖q − k‖² reaches a few units. Prefer the positive or hyperbolic maps there.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <cmath>
 #include <utility>
 

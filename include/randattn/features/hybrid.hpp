@@ -38,6 +38,8 @@
 // (random_feature_attention.hpp), or random_feature_attention_clipped, which clips negative
 // kernel estimates at zero (biased, quadratic cost).
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <cmath>
 #include <cstddef>
 #include <cstdint>

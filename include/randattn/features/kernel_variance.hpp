@@ -14,6 +14,8 @@
 // bound. mean_kernel_relative_mse averages over query-key pairs, so that m can be chosen
 // before running.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <cmath>
 #include <cstdint>
 

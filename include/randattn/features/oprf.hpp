@@ -47,6 +47,8 @@
 // a constant and bias the estimate, as they do for FAVOR+. Any projection kind works (the map
 // keeps the projection's fast apply and only needs its row norms).
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <cmath>
 #include <cstdint>
 #include <utility>

@@ -9,6 +9,8 @@
 //   QuadraticExponentialMap  features exp(quad_r + slope c u_r − ½c²‖x‖² + log D)/√m, the form
 //                            OPRF and SDERF share.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <cmath>
 #include <cstdint>
 #include <type_traits>

@@ -18,6 +18,8 @@
 // scalar type (it is made in double and rounded), the thread count or the block size.
 // redraw(seed) draws a new ω of the same kind and shape.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <cmath>
 #include <cstdint>
 #include <utility>

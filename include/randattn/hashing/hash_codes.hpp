@@ -2,6 +2,8 @@
 // Hash codes: one row per token, one column per round (LSH) or table (LSF); entries in
 // [0, buckets) (LSH buckets, LSF filters).
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <cstdint>
 
 #include <Eigen/Core>

@@ -18,6 +18,8 @@
 // Which one hashes faster at a given shape: see default_rotation in lsh/cross_polytope.hpp.
 // Shared by LSH (cross-polytope hashing) and LSF (Hadamard filters).
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

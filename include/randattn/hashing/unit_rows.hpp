@@ -2,6 +2,8 @@
 // The rows of x scaled to unit Euclidean norm: the keys of shared-QK LSH, and what LSF filters
 // score. A zero row stays zero (so it hashes like any zero vector, never NaN).
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <Eigen/Core>
 
 #include "../core/types.hpp"

@@ -30,6 +30,8 @@
 // randattn::invalid_argument (so a std::invalid_argument), with a one-line message
 // "<file>: <problem>". Bytes after the data are ignored.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <Eigen/Core>
 
 #include <algorithm>

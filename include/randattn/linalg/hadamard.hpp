@@ -10,6 +10,8 @@
 // radix-2 transform (levels h = 1, 2, 4, ... in order, lo + hi and lo - hi), so the result does
 // not depend on the batch size or the vector width.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 
 #include <Eigen/Core>

@@ -20,6 +20,8 @@
 // Cost: O(p log p) per vector and block; a tile of vectors is transformed together, SIMD across
 // vectors (linalg/hadamard.hpp).
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -11,6 +11,8 @@
 // float inputs the eigenpairs of T are exact to float rounding and the accuracy is that of the
 // tridiagonalisation, the same as the full solver's.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -17,6 +17,8 @@
 // Scores are computed for blocks of 64 rows aligned at row 0 of the input, so the scores of a
 // row do not depend on the thread count or on which function asked for them.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -42,6 +42,8 @@
 // The backward (lsf_gradient.hpp) walks the same filters, masks and duplicate counts
 // (LsfSlice::backward).
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

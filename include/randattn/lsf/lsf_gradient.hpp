@@ -15,6 +15,8 @@
 // Determinism and memory: see LsfSlice::backward; results do not depend on the thread count.
 // Memory O(n (d + dv) + probes) per slice, as the forward's.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <memory>
 #include <type_traits>
 

@@ -20,6 +20,8 @@
 // or 1024 with b = 512. default_rotation(d, b) applies that rule; the constructor without a
 // RotationKind uses it. The two kinds draw different random functions from the same seed.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cstdint>
 #include <limits>

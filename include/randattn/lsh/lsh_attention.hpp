@@ -48,6 +48,8 @@
 // The backward (lsh_gradient.hpp) walks the same chunks and bucket tiles (for_each_chunk,
 // BucketTiles) through the same kernel (detail/target_gradient.hpp).
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -22,6 +22,8 @@
 // result does not depend on the thread count. Exact buckets: a task owns whole buckets. Memory
 // O(n (d + dv)) per slice beyond the forward's choices; never n x n.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -42,6 +42,8 @@
 // (Communicator::agree) before anything changes. Not for concurrent use from several threads
 // (MPI collectives). Communication per attend: q_heads·(dv + 2) values per rank.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <mpi.h>
 
 #include <algorithm>

@@ -16,6 +16,8 @@
 // back pair) the result is the single-process result bit for bit; otherwise up to rounding.
 // Exact buckets (exact_buckets = true) and separate keys are not distributed: they throw.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cstdint>
 #include <limits>

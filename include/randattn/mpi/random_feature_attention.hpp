@@ -16,6 +16,8 @@
 // The result equals random_feature_attention on the whole sequence up to rounding (the key
 // summaries are summed by rank, then by chunk). Errors on any rank are thrown on every rank.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <cstdint>
 #include <cstring>
 #include <limits>

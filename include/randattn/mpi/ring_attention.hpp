@@ -20,6 +20,8 @@
 // the shards). Every rank must call with its local rows in the chosen layout (counts are
 // checked); errors on any rank are thrown on every rank (communicator.hpp).
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <vector>
 

@@ -3,6 +3,8 @@
 // (row0 + r, col0 + c). A sub-block filled on its own equals the same block cut from a
 // larger fill, row- and column-major storage agree, and the thread count does not matter.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <cmath>
 #include <cstdint>
 

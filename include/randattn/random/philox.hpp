@@ -3,6 +3,8 @@
 // function of (seed, stream, i, j), so results do not depend on traversal order, block size,
 // storage order or thread count, and two copies of the same value always agree.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <array>
 #include <cmath>
 #include <cstdint>

@@ -5,6 +5,8 @@
 // AVX-512 code where the target has it, otherwise plain loops over the lanes, which compilers
 // vectorise for other instruction sets when their cost model agrees (the result is the same).
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <cstdint>
 
 #if defined(__AVX512F__)

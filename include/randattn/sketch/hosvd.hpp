@@ -14,6 +14,8 @@
 // Errors (std::invalid_argument): ranks.size() != order, a rank outside [1, d_j], an all-zero
 // tensor, a non-finite entry, and (sketched) every error of sparsify().
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <array>
 #include <cmath>
 #include <vector>

@@ -14,6 +14,8 @@
 // A row of W_hat with no stored entry has den = 0 and finalizes to a zero row; the accumulator
 // can be merged with others (e.g. an exact local window) before finalizing.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -3,6 +3,8 @@
 // order with their values, plus the dimensions. Mode-j matricisation to Eigen::SparseMatrix
 // and conversion to a dense row-major buffer.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <utility>
 #include <vector>
 

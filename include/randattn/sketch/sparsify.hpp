@@ -45,6 +45,8 @@
 // Errors (std::invalid_argument): budget not a positive finite number, order < 2, an all-zero
 // tensor, a NaN or infinite entry, ||A||_F^2 overflowing double (|a| around 1e154 and above).
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <array>
 #include <cmath>

@@ -13,6 +13,8 @@
 //   upper: min_j ||M_j(A)||_2, the smallest unfolding norm.
 // For order 2 both are the exact matrix norm (exact = true), from the Gram of the shorter side.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -8,6 +8,8 @@
 // with U_j (d_j x r_j) orthonormal (QR of a Gaussian matrix) and G a Gaussian core. All draws come
 // from one Philox seed (streams 0..k-1: U_j, k: G, k+1: Z, k+2: spikes).
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <cstdint>
 #include <vector>
 

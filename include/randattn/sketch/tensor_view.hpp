@@ -14,6 +14,8 @@
 //   - a TensorView (returned unchanged).
 // The view does not own the data, which must outlive it.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cstdint>
 #include <limits>

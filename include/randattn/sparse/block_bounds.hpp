@@ -5,6 +5,8 @@
 //   q·k = Σ_c q_c k_c <= Σ_c max(q_c m_bc, q_c M_bc) = q⁺·M_b + q⁻·m_b,
 // q⁺ = max(q, 0), q⁻ = min(q, 0). Computed for many queries at once as two matrix products.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 
 #include <Eigen/Core>

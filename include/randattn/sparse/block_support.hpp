@@ -8,6 +8,8 @@
 // own block is masked to j <= i; a key's block bound is used only by later query blocks, so
 // outputs 0..j-1 do not depend on key j at all.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cstdint>
 #include <numeric>

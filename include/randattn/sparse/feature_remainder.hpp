@@ -14,6 +14,8 @@
 // the output is the support's exact softmax) and is counted in `clamped_rows`. This is the one
 // source of bias of the estimate.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

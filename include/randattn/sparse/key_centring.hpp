@@ -5,6 +5,8 @@
 // Bidirectional calls use the mean of all keys; causal calls the mean of a fixed prefix of keys
 // (the first `prefix` rows) or of given calibration keys, never a mean that moves with later keys.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 
 #include <Eigen/Core>

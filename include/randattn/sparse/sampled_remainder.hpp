@@ -16,6 +16,8 @@
 // Causal: the blocks before query i's own block are sampled (all their keys precede i); the keys
 // j <= i of its own block outside S_i are taken with p = 1, so nothing depends on a later key.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>

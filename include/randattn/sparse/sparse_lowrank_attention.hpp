@@ -29,6 +29,8 @@
 // bit, key centring from a fixed prefix aside); hashing supports sort every key, so there the
 // promise is only that no pair j > i is scored or estimated.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <chrono>
 #include <cstdint>
 #include <limits>

@@ -57,6 +57,8 @@
 // increasing order). No two tasks write one row: results do not depend on the thread count.
 // Memory O(pairs) scalars and indices plus O(n (d + dv + M)), M the feature dimension.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

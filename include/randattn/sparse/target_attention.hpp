@@ -5,6 +5,8 @@
 // the importance-weighted sampled part. Each row is computed by one thread in key order, so
 // results do not depend on the thread count.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

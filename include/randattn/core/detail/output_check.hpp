@@ -4,6 +4,8 @@
 // they write the output, block by block). It runs before any work, so a rejected buffer is
 // never written.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <cstdint>
 #include <initializer_list>
 #include <type_traits>

@@ -15,6 +15,8 @@
 // A removed entry has logit −inf and weight exactly 0. A tile row whose entries are all removed
 // has row maximum −inf and contributes nothing when merged (log-scale −inf).
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -11,6 +11,8 @@
 // found form a support attended exactly (no weights). With η = −∞ every filter opens.
 //   η = α·√(2 ln m) − √(2 (1 − α²) ln ln m)  for a target cosine α.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -4,6 +4,8 @@
 // Capacity is allocated and written (zero-filled) when it grows, not when a row is pushed, so
 // reserve_rows() ahead of time moves the first touch of fresh memory out of the per-token path.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cstring>
 #include <vector>

@@ -6,6 +6,8 @@
 // with q⁺ = max(q, 0) and q⁻ = min(q, 0), so the bounds of g queries against many pages are two
 // matrix products. Appending a token updates the last page only: O(d).
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 
 #include <Eigen/Core>

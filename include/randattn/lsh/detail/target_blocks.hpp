@@ -14,6 +14,8 @@
 // N_ij counts these rounds in O(r) per pair from the per-token signatures, without any n x n
 // table, and the logit of the pair is lowered by log N_ij.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -6,6 +6,8 @@
 // can give every column of a parallel task a destination no other task writes (the keys of a
 // chunk's own chunk and of its predecessor, say), and sum them afterwards in a fixed order.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cstdint>
 

@@ -10,6 +10,8 @@
 // with Q_t the scaled queries whose products are the logits. Five products per tile against the
 // forward's two; no buffer beyond the tile.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <Eigen/Core>
 
 #include "../../core/detail/score_tile.hpp"

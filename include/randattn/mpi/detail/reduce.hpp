@@ -4,6 +4,8 @@
 // operation is declared non-commutative, so MPI combines the ranks' buffers in rank order:
 // the result depends on the number of ranks only, never on timing.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <mpi.h>
 
 #include <cstddef>

@@ -19,6 +19,8 @@
 // (seed, stream, omega); the tile grid is fixed by the flat index, never by how the data are
 // traversed, so blocks of any size, any thread count and any storage order see the same draws.
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <cstdint>
 
 #if defined(__AVX512F__)

@@ -3,6 +3,8 @@
 // the unfolding bound of the spectral norm) and for pairs of sparse sketches (Algorithm 2's
 // N_j = M_j(A1) M_j(A2)^T).
 
+#include <randattn/detail/intrinsics.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

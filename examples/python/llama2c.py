@@ -121,11 +121,11 @@ def exact_attention(q, k, v):
 
 
 class RandattnAttention:
-    """Causal attention by ``randattn.attention(method=..., **options)`` over all heads at once.
-    randattn takes as many key/value heads as query heads, so the key/value heads are repeated.
-    ``layer_options`` (one dict per layer, optional) adds options to the calls of each layer, the
-    calls of a forward pass coming in layer order. Accumulates the seconds spent in randattn and the
-    reports of every call."""
+    """Causal attention by ``randattn.attention(method=..., **options)`` over all heads at once,
+    grouped-query heads as they are (query head h reads key/value head h // (n_heads / n_kv_heads),
+    as randattn's grouped heads do). ``layer_options`` (one dict per layer, optional) adds options
+    to the calls of each layer, the calls of a forward pass coming in layer order. Accumulates the
+    seconds spent in randattn and the reports of every call."""
 
     def __init__(self, method, layer_options=None, **options):
         import randattn  # noqa: F401  (imported here: the reader and trainer do not need it)
@@ -138,9 +138,7 @@ class RandattnAttention:
 
     def __call__(self, q, k, v):
         import randattn
-        q = q.detach().contiguous()
-        k = repeat_kv(k.detach(), q.shape[1]).contiguous()
-        v = repeat_kv(v.detach(), q.shape[1]).contiguous()
+        q, k, v = (t.detach().contiguous() for t in (q, k, v))
         options = dict(self.options)
         if self.layer_options:
             options.update(self.layer_options[self.calls % len(self.layer_options)])
@@ -189,7 +187,8 @@ class Transformer(torch.nn.Module):
 
     def forward(self, tokens, attention=exact_attention):
         """Logits (batch, n, vocab) of tokens (batch, n) at positions 0..n-1; `attention(q, k, v)` is
-        called once per layer, in layer order."""
+        called once per layer, in layer order, or `attention[layer](q, k, v)` when it is a sequence
+        of one callable per layer."""
         c = self.config
         if tokens.shape[1] > c.seq_len:
             raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds the model's seq_len {c.seq_len}")
@@ -197,7 +196,8 @@ class Transformer(torch.nn.Module):
         positions = torch.arange(tokens.shape[1])
         for layer in range(c.n_layers):
             q, k, v = self.qkv(layer, x, positions)
-            x = self.finish_layer(layer, x, attention(q, k, v))
+            attend = attention[layer] if isinstance(attention, (list, tuple, torch.nn.ModuleList)) else attention
+            x = self.finish_layer(layer, x, attend(q, k, v))
         return self.logits(x)
 
 
@@ -242,6 +242,46 @@ def byte_tokens(text_bytes, offset=0):
     """Token ids of raw bytes: byte b -> b + offset (offset 0 for a byte-level vocabulary of 256,
     3 for llama2.c's sentencepiece vocabularies, whose byte-fallback tokens <0x00>..<0xFF> are 3..258)."""
     return torch.from_numpy(np.frombuffer(text_bytes, dtype=np.uint8).astype(np.int64) + offset)
+
+
+def read_tokens(path, vocab_size, token_offset=0):
+    """Training or conversion data: a text file read as bytes (byte b is token b + token_offset), a
+    1-D token stream; or a .npy of token ids of shape (sequences, length), e.g. made with a model's
+    own tokenizer. ValueError on ids outside the vocabulary."""
+    path = str(path)
+    if path.endswith(".npy"):
+        ids = np.load(path, allow_pickle=False)
+        if ids.ndim != 2 or ids.dtype.kind not in "iu":
+            raise ValueError(f"{path}: expected integer token ids of shape (sequences, length), got "
+                             f"{ids.dtype} of shape {ids.shape}")
+        tokens = torch.from_numpy(ids.astype(np.int64))
+    else:
+        if token_offset < 0 or token_offset + 256 > vocab_size:
+            raise ValueError(f"bytes with token offset {token_offset} do not fit the model's vocabulary of {vocab_size}")
+        with open(path, "rb") as f:
+            tokens = byte_tokens(f.read(), token_offset)
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        raise ValueError(f"{path}: token ids {int(tokens.min())}..{int(tokens.max())} outside the model's "
+                         f"vocabulary 0..{vocab_size - 1}")
+    return tokens
+
+
+def check_windows(tokens, length, path):
+    """ValueError unless the data holds at least one window of `length` + 1 tokens."""
+    have = tokens.shape[-1]
+    if have < length + 1:
+        raise ValueError(f"{path}: {'sequences of ' if tokens.dim() == 2 else ''}{have} tokens, shorter than one "
+                         f"training window of {length} + 1")
+
+
+def sample_windows(tokens, length, batch, rng):
+    """(batch, length + 1) windows at random places of a token stream or of random rows of
+    (sequences, n) token ids."""
+    starts = rng.integers(0, tokens.shape[-1] - length, size=batch)
+    if tokens.dim() == 1:
+        return torch.stack([tokens[s:s + length + 1] for s in starts])
+    rows = rng.integers(0, tokens.shape[0], size=batch)
+    return torch.stack([tokens[r, s:s + length + 1] for r, s in zip(rows, starts)])
 
 
 # Command-line spelling shared by the scripts: "--method NAME [--option KEY=VALUE ...] ...".

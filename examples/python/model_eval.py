@@ -24,6 +24,10 @@ Methods (--method, repeatable; the --option key=value that follow it are its opt
   window (options window=64, sinks=0): exact softmax over the last `window` keys (i - window < j <= i)
       and the first `sinks` keys;
   uniform: the average of the values of keys 0..i (attention at infinite temperature).
+--feature-maps FILE gives the method it was learned for (hedgehog, favor, favor-hyp) its learned maps
+per layer, and its recorded options. --reference CHECKPOINT takes the reference distributions (and the
+calibration rows) from that checkpoint with exact attention, e.g. the model that convert_model.py
+converted; by default the evaluated checkpoint with exact attention is the reference.
 Printed per method (a Markdown table): mean over evaluated positions of the KL divergence of the
 next-token distribution from the exact model's (nats), top-1 agreement with the exact model, NLL of
 the targets (nats per token), the share of causal query-key pairs (j <= i) scored exactly (randattn's
@@ -132,9 +136,10 @@ class ExactWithStats(Timed):
         return out
 
 
-def make_attention(name, options, head_size, threads, calibration):
+def make_attention(name, options, config, threads, calibration, feature_maps=None):
     """(attention callable, pairs_scored(n) -> float or None) for a method or baseline; calibration()
-    gives the per-layer (queries, keys) that fit oprf and sderf when their options leave fit out."""
+    gives the per-layer (queries, keys) that fit oprf and sderf when their options leave fit out;
+    feature_maps (method, options, one dict of arrays per layer) gives that method its learned maps."""
     if name in BASELINES:
         unknown = set(options) - set(BASELINES[name])
         if unknown:
@@ -160,13 +165,18 @@ def make_attention(name, options, head_size, threads, calibration):
     calibrated = name in CALIBRATED or (name == "sparse-lowrank" and options.get("remainder") in CALIBRATED)
     if calibrated and "fit" not in options:
         layer_options = [{"fit": "given", "calibration_q": q, "calibration_k": k} for q, k in calibration()]
+    if feature_maps and feature_maps[0] == name:
+        options = {**feature_maps[1], **options}
+        layer_options = feature_maps[2]
     attend = llama2c.RandattnAttention(name, layer_options, threads=threads, **options)
-    # A dry run on one small random head: bad options fail here, before any output.
-    probe = torch.randn(1, 1, 8, head_size, generator=torch.Generator().manual_seed(0))
-    if layer_options:
-        attend.layer_options = [{"fit": "given", "calibration_q": probe[0, 0].numpy(),
-                                 "calibration_k": probe[0, 0].numpy()}]
-    attend(probe, probe, probe)
+    # A dry run on a short random sequence: bad options fail here, before any output.
+    g = torch.Generator().manual_seed(0)
+    probe_q = torch.randn(1, config.n_heads, 8, config.head_size, generator=g)
+    probe_kv = torch.randn(1, config.n_kv_heads, 8, config.head_size, generator=g)
+    if layer_options and calibrated and "fit" not in options:
+        attend.layer_options = [{"fit": "given", "calibration_q": probe_q[0].numpy(),
+                                 "calibration_k": llama2c.repeat_kv(probe_kv, config.n_heads)[0].numpy()}]
+    attend(probe_q, probe_kv, probe_kv)
     attend.layer_options, attend.calls, attend.seconds, attend.reports = layer_options, 0, 0.0, []
 
     def pairs_scored(n):
@@ -212,6 +222,11 @@ def main(argv=None):
     llama2c.add_method_arguments(ap, "--method")
     ap.add_argument("--threads", type=int, default=None, help="threads of torch and randattn")
     ap.add_argument("--stats", action="store_true", help="print the exact model's attention statistics")
+    ap.add_argument("--feature-maps", default=None,
+                    help="learned feature maps (convert_model.py's or train_tiny_lm.py's .feature_maps.npz) for "
+                         "the method they were learned for")
+    ap.add_argument("--reference", default=None,
+                    help="the checkpoint whose exact attention is the reference (default: the evaluated one)")
     args = ap.parse_args(argv)
     if args.threads is not None:
         if args.threads < 1:
@@ -222,6 +237,16 @@ def main(argv=None):
 
     try:
         model = llama2c.read_checkpoint(args.checkpoint)
+        reference_model = model
+        if args.reference:
+            reference_model = llama2c.read_checkpoint(args.reference)
+            if reference_model.config != model.config:
+                raise ValueError(f"--reference {args.reference} is {reference_model.config}, the evaluated "
+                                 f"model {model.config}")
+        feature_maps = None
+        if args.feature_maps:
+            import attention_layers
+            feature_maps = attention_layers.read_feature_maps(args.feature_maps, model.config)
         length = args.len if args.len is not None else model.config.seq_len
         if not 1 <= length <= model.config.seq_len:
             raise ValueError(f"--len must be in 1..{model.config.seq_len} (the model's seq_len), got {length}")
@@ -237,11 +262,11 @@ def main(argv=None):
                                            model.config.vocab_size)
                 recorder = QKRecorder()
                 with torch.inference_mode():
-                    model(tokens[-1:], recorder)
+                    reference_model(tokens[-1:], recorder)
                 calibration.rows = recorder.rows
             return calibration.rows
         attentions = [(llama2c.method_label(name, options),
-                       *make_attention(name, options, model.config.head_size, args.threads, calibration))
+                       *make_attention(name, options, model.config, args.threads, calibration, feature_maps))
                       for name, options in methods]
     except (OSError, ValueError, TypeError) as e:
         ap.error(str(e))
@@ -252,7 +277,7 @@ def main(argv=None):
           f"from {args.text} (byte {args.start}); torch threads {torch.get_num_threads()}")
     with torch.inference_mode():
         reference_attention = ExactWithStats()
-        reference = model(inputs, reference_attention)
+        reference = reference_model(inputs, reference_attention)
         if args.stats:
             print("| layer | mean scale·‖q‖² | mean scale·‖k‖² | attention entropy (nats) |")
             print("|---|---|---|---|")

@@ -10,16 +10,27 @@ budget (--minutes), whichever comes first, and the learning-rate schedule (linea
 decay) follows the same progress. Not run in CI.
 
     nice -n 5 /usr/bin/python3 examples/python/train_tiny_lm.py --out /work/models/tiny_lm.bin --minutes 20
+
+Attention: torch's exact softmax by default; --attention METHOD (--option key=value, repeatable) runs
+every attention layer's forward and backward through randattn's METHOD instead (attention_layers.py).
+A learned feature map (hedgehog; favor and favor-hyp unless --fixed-features) is trained with the
+model and saved beside the checkpoint, in the --out path with ".feature_maps.npz" appended.
+--init CHECKPOINT fine-tunes a trained model (with the feature maps of CHECKPOINT.feature_maps.npz when
+that file exists and is of the same method). --valid-every N prints the validation loss (nats/byte)
+on the held-out file every N steps and at the end; --write-corpus FILE writes the training corpus
+(for convert_model.py --data) and exits.
 """
 
 import argparse
 import math
 import pathlib
+import sys
 import time
 
 import numpy as np
 import torch
 
+import attention_layers
 import llama2c
 
 
@@ -44,11 +55,29 @@ def init_weights(model, seed):
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
-def main():
+def validation_loss(model, attention, tokens, length, seqs):
+    """Mean next-token loss (nats/token) over `seqs` consecutive windows of length + 1 tokens."""
+    seqs = min(seqs, (tokens.numel() - 1) // length)
+    windows = torch.stack([tokens[i * length:(i + 1) * length + 1] for i in range(seqs)])
+    with torch.no_grad():
+        logits = model(windows[:, :-1], attention)
+        return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()))
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="checkpoint path (llama2.c format)")
+    ap.add_argument("--out", help="checkpoint path (llama2.c format)")
+    ap.add_argument("--force", action="store_true", help="overwrite --out (and its feature maps) if it exists")
     ap.add_argument("--corpus", default="/usr/lib/python3.11")
     ap.add_argument("--holdout", nargs="*", default=["argparse.py"], help="file names left out of training")
+    ap.add_argument("--valid", default=None, help="validation text (default: the first held-out file in --corpus)")
+    ap.add_argument("--valid-seqs", type=int, default=4, help="validation windows of --seq-len tokens")
+    ap.add_argument("--valid-every", type=int, default=0, help="steps between validation losses (0: at the end only)")
+    ap.add_argument("--write-corpus", default=None, help="write the training corpus to this file and exit")
+    ap.add_argument("--attention", default=None, help="a randattn method for every attention layer")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="an option of --attention")
+    ap.add_argument("--fixed-features", action="store_true",
+                    help="favor, favor-hyp: keep the seed's projections instead of learning them")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=192)
     ap.add_argument("--layers", type=int, default=4)
@@ -64,54 +93,117 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init", default=None,
                     help="continue from this llama2.c checkpoint (its architecture; new optimizer state)")
-    args = ap.parse_args()
-
+    args = ap.parse_args(argv)
+    options = {}
+    for text in args.option:
+        key, sep, value = text.partition("=")
+        if not sep or not key:
+            ap.error(f"--option {text}: expected key=value")
+        options[key.replace("-", "_")] = llama2c.parse_value(value)
+    if options and not args.attention:
+        ap.error("--option needs --attention")
+    if args.write_corpus is None and args.out is None:
+        ap.error("--out is required (or --write-corpus)")
     torch.set_num_threads(args.threads)
     data, n_files = corpus(args.corpus, set(args.holdout))
+    if args.write_corpus:
+        pathlib.Path(args.write_corpus).write_bytes(data)
+        print(f"wrote {len(data)} bytes of {n_files} files to {args.write_corpus}")
+        return
+    out = pathlib.Path(args.out)
+    maps_path = attention_layers.feature_map_path(out)
+    if not args.force and (out.exists() or maps_path.exists()):
+        ap.error(f"{out if out.exists() else maps_path} exists (--force to overwrite)")
     tokens = llama2c.byte_tokens(data)
-    if args.init:
-        model = llama2c.read_checkpoint(args.init).train()
-        config = model.config
-        if config.vocab_size != 256 or config.seq_len < args.seq_len:
-            raise SystemExit(f"{args.init}: needs a byte vocabulary (256) and seq_len >= {args.seq_len}")
-    else:
-        config = llama2c.Config(args.dim, args.hidden, args.layers, args.heads, args.kv_heads, 256, args.seq_len)
-        model = llama2c.Transformer(config)
-        init_weights(model, args.seed)
+    try:
+        if args.init:
+            model = llama2c.read_checkpoint(args.init).train()
+            config = model.config
+            if config.vocab_size != 256 or config.seq_len < args.seq_len:
+                raise ValueError(f"{args.init}: needs a byte vocabulary (256) and seq_len >= {args.seq_len}")
+        else:
+            config = llama2c.Config(args.dim, args.hidden, args.layers, args.heads, args.kv_heads, 256, args.seq_len)
+            model = llama2c.Transformer(config)
+            init_weights(model, args.seed)
+        llama2c.check_windows(tokens, args.seq_len, args.corpus)
+        valid_path = args.valid
+        if valid_path is None and args.holdout:
+            valid_path = next(pathlib.Path(args.corpus).rglob(args.holdout[0]), None)
+        valid = llama2c.read_tokens(valid_path, 256) if valid_path else None
+        if valid is not None:
+            llama2c.check_windows(valid, args.seq_len, valid_path)
+        attention = llama2c.exact_attention
+        if args.attention:
+            attention = attention_layers.ModelAttention(args.attention, config, options,
+                                                        learn=not args.fixed_features, seed=args.seed)
+            init_maps = attention_layers.feature_map_path(args.init) if args.init else None
+            if init_maps is not None and init_maps.exists():
+                attention.load(init_maps)
+            probe = torch.zeros(1, min(8, args.seq_len), dtype=torch.long)
+            with torch.no_grad():
+                model(probe, attention)  # bad options fail here, before training
+    except (OSError, ValueError, TypeError) as e:
+        print(f"train_tiny_lm.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"corpus: {n_files} files, {len(tokens)} bytes; model: {config}, {n_params} parameters", flush=True)
+    learned = [p for p in attention.parameters()] if isinstance(attention, torch.nn.Module) else []
+    print(f"corpus: {n_files} files, {len(tokens)} bytes; model: {config}, {n_params} parameters; attention: "
+          f"{llama2c.method_label(args.attention, options) if args.attention else 'torch exact'}"
+          f"{f' ({sum(p.numel() for p in learned)} learned feature-map parameters)' if learned else ''}", flush=True)
 
     decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2] + learned
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))
     rng = np.random.default_rng(args.seed)
     budget = 60.0 * args.minutes
     start = time.perf_counter()
-    step, smoothed = 0, None
+    step, smoothed, step_seconds, validated, paused = 0, None, [], {}, [0.0]
+
+    def elapsed():
+        """Seconds of training so far (validation excluded: the budget is training time)."""
+        return time.perf_counter() - start - paused[0]
+
+    def report_validation():
+        if valid is not None and step not in validated:
+            began = time.perf_counter()
+            validated[step] = validation_loss(model, attention, valid, args.seq_len, args.valid_seqs)
+            paused[0] += time.perf_counter() - began
+            print(f"valid step {step} time {elapsed():.1f} s loss {validated[step]:.4f} nats/byte", flush=True)
+        return validated.get(step)
+
     while step < args.steps:
-        progress = max(step / args.steps, (time.perf_counter() - start) / budget)
+        progress = max(step / args.steps, elapsed() / budget)
         if progress >= 1.0:
             break
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         for group in opt.param_groups:
             group["lr"] = lr
-        starts = rng.integers(0, len(tokens) - args.seq_len - 1, size=args.batch)
-        batch = torch.stack([tokens[s:s + args.seq_len + 1] for s in starts])
-        logits = model(batch[:, :-1])
+        batch = llama2c.sample_windows(tokens, args.seq_len, args.batch, rng)
+        began = time.perf_counter()
+        logits = model(batch[:, :-1], attention)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()) + learned, 1.0)
         opt.step()
+        step_seconds.append(time.perf_counter() - began)
         step += 1
         smoothed = loss.item() if smoothed is None else 0.9 * smoothed + 0.1 * loss.item()
         if step % 10 == 0 or step == 1:
             print(f"step {step:5d}  loss {loss.item():.3f} (smoothed {smoothed:.3f}) nats/byte  lr {lr:.2e}  "
-                  f"{time.perf_counter() - start:7.1f} s", flush=True)
-    llama2c.write_checkpoint(model, args.out)
-    print(f"trained {step} steps ({step * args.batch * args.seq_len} tokens) in {time.perf_counter() - start:.0f} s; "
-          f"final smoothed loss {smoothed:.3f} nats/byte; wrote {args.out}")
+                  f"{elapsed():7.1f} s", flush=True)
+        if args.valid_every and step % args.valid_every == 0:
+            report_validation()
+    final = report_validation()
+    llama2c.write_checkpoint(model, out)
+    if learned:
+        attention.save(maps_path)
+    median = float(np.median(step_seconds)) if step_seconds else float("nan")
+    print(f"trained {step} steps ({step * args.batch * args.seq_len} tokens) in {elapsed():.0f} s "
+          f"(median {median:.3f} s/step); final smoothed loss {smoothed:.3f} nats/byte"
+          f"{f'; validation {final:.4f} nats/byte' if final is not None else ''}; wrote {out}"
+          f"{f' and {maps_path}' if learned else ''}")
 
 
 if __name__ == "__main__":

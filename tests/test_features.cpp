@@ -562,3 +562,99 @@ TEMPLATE_TEST_CASE("random_feature_attention_into equals the allocating form bit
         });
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Hedgehog (learned softmax feature map)
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+// [softmax(W c x + b); softmax(−(W c x + b))] of row i, from the definition in double (no
+// stabiliser: the test inputs keep |u| small).
+template <typename Scalar>
+Eigen::RowVectorXd hedgehog_direct(const RowMatrix<Scalar>& w, const Vector<Scalar>& b,
+                                   const RowMatrix<Scalar>& x, Index i, double c) {
+  const Eigen::VectorXd u =
+      w.template cast<double>() * (c * x.row(i).template cast<double>().transpose()) +
+      b.template cast<double>();
+  const Eigen::ArrayXd pos = u.array().exp(), neg = (-u.array()).exp();
+  Eigen::RowVectorXd f(2 * u.size());
+  f << (pos / pos.sum()).matrix().transpose(), (neg / neg.sum()).matrix().transpose();
+  return f;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("hedgehog: features and attention equal the definition", "[hedgehog][features]",
+                   RANDATTN_TEST_SCALARS) {
+  using Scalar = TestType;
+  const Index n = 37, d = 5, m = 7, dv = 3;
+  const RowMatrix<Scalar> w = testing::gaussian<Scalar>(81, m, d, 0.5);
+  const Vector<Scalar> b = testing::gaussian<Scalar>(82, m, 1).col(0);
+  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(83, n, d),
+                          k = testing::gaussian<Scalar>(84, n, d),
+                          v = testing::gaussian<Scalar>(85, n, dv);
+  const randattn::HedgehogFeatures<Scalar> map(w, b);
+  REQUIRE(map.feature_dim() == 2 * m);
+  REQUIRE(map.projections() == m);
+  const double scale = 0.6, c = std::sqrt(scale);
+  const auto f = map.features(q, Scalar(c));
+  CHECK(f.log_scale.isZero(0));
+  RowMatrix<double> direct_q(n, 2 * m), direct_k(n, 2 * m);
+  for (Index i = 0; i < n; ++i) {
+    direct_q.row(i) = hedgehog_direct(w, b, q, i, c);
+    direct_k.row(i) = hedgehog_direct(w, b, k, i, c);
+  }
+  // A softmax of m terms: a few roundings per entry.
+  CHECK((f.values.template cast<double>() - direct_q).cwiseAbs().maxCoeff() <
+        testing::tolerance<Scalar>());
+  for (bool causal : {false, true}) {
+    INFO("causal " << causal);
+    RowMatrix<double> a = direct_q * direct_k.transpose();
+    if (causal) a = a.template triangularView<Eigen::Lower>();
+    const RowMatrix<double> expected =
+        (a * v.template cast<double>()).array().colwise() / a.rowwise().sum().array();
+    CHECK(rel_error(attend(map, q, k, v, causal, scale), expected) < testing::tolerance<Scalar>());
+  }
+  // The seeded map: W is OrthogonalProjection's draw (the same numbers in float and double),
+  // b = 0.
+  const randattn::HedgehogFeatures<Scalar> seeded(m, d, 9);
+  CHECK(seeded.weight() == OrthogonalProjection<double>(m, d, 9).matrix().template cast<Scalar>());
+  CHECK(seeded.bias().isZero(0));
+  CHECK_THROWS_WITH(randattn::HedgehogFeatures<Scalar>(w, Vector<Scalar>::Zero(m + 1)),
+                    Catch::Contains("expected a vector of 7 entries"));
+  RowMatrix<Scalar> bad_w = w;
+  bad_w(1, 2) = std::numeric_limits<Scalar>::quiet_NaN();
+  CHECK_THROWS(randattn::HedgehogFeatures<Scalar>(bad_w, b));
+}
+
+TEMPLATE_TEST_CASE(
+    "hedgehog: causal outputs never see a changed future key; huge inputs stay finite",
+    "[hedgehog][features]", RANDATTN_TEST_SCALARS) {
+  using Scalar = TestType;
+  const Index n = 300, d = 16, m = 32, dv = 4;
+  const randattn::HedgehogFeatures<Scalar> map(m, d, 5);
+  const RowMatrix<Scalar> q = testing::gaussian<Scalar>(91, n, d),
+                          k = testing::gaussian<Scalar>(92, n, d),
+                          v = testing::gaussian<Scalar>(93, n, dv);
+  for (Index j0 : {Index(130), Index(250)}) {
+    RowMatrix<Scalar> k2 = k, v2 = v;
+    k2.bottomRows(n - j0) = testing::gaussian<Scalar>(94, n - j0, d, 30.0);
+    v2.bottomRows(n - j0).array() += Scalar(5);
+    const RowMatrix<Scalar> a = attend(map, q, k, v, true), b = attend(map, q, k2, v2, true);
+    CHECK(testing::rows_bit_identical(a, b, j0));
+    CHECK_FALSE(testing::rows_bit_identical(a, b, j0 + 1));
+  }
+  // |x| ~ 1e4 at scale 1: |u| ~ 1e5, far beyond exp's range; each softmax keeps its mass on its
+  // largest entries, so outputs are convex combinations of the values.
+  const RowMatrix<Scalar> hq = testing::gaussian<Scalar>(95, n, d, 1e4),
+                          hk = testing::gaussian<Scalar>(96, n, d, 1e4);
+  const auto f = map.features(hq, Scalar(1));
+  REQUIRE(f.values.allFinite());
+  CHECK((f.values.rowwise().sum().array() - Scalar(2)).abs().maxCoeff() < 1e-5);
+  for (bool causal : {false, true}) {
+    const RowMatrix<Scalar> o = attend(map, hq, hk, v, causal);
+    REQUIRE(o.allFinite());
+    CHECK(testing::within_value_ranges(o, v));
+  }
+}

@@ -18,6 +18,7 @@
 #include "decode/kv_cache.hpp"
 #include "features/dense_exponential.hpp"
 #include "features/feature_maps.hpp"
+#include "features/hedgehog.hpp"
 #include "features/hybrid.hpp"
 #include "features/kernel_variance.hpp"
 #include "features/oprf.hpp"

@@ -159,7 +159,8 @@ def test_thread_count_does_not_change_results(rng, method):
 def test_method_table_defaults_are_the_cli_defaults():
     m = randattn.methods()
     assert list(m) == ["exact", "favor", "favor-hyp", "trig", "oprf", "sderf", "hybrid", "hybrid-gaussian",
-                       "lsh", "lsf", "sparse-lowrank", "auto"]
+                       "hedgehog", "lsh", "lsf", "sparse-lowrank", "auto"]
+    assert m["hedgehog"]["options"] == {"features": 64, "weight": None, "bias": None}
     assert m["exact"]["options"] == {}
     assert m["auto"]["options"] == {"approximation": "favor", "crossover": None}
     for name in ("favor", "favor-hyp", "trig"):

@@ -21,6 +21,7 @@ OPTIONS = {
     "sderf": {"features": 16, "fit": "given", "rho": 1.5},
     "hybrid": {"features": 8, "lambda_features": 4},
     "hybrid-gaussian": {"features": 8, "lambda_features": 4},
+    "hedgehog": {"features": 8},
     "lsh": {"chunk": 4, "rounds": 2},
     "lsf": {"filters": 16, "tables": 2, "eta": 0.3},
     "sparse-lowrank": {"support": "window", "window": 3, "sinks": 1, "remainder": "favor", "features": 8},

@@ -267,7 +267,13 @@ class RegistryAttentionCommand {
     std::string help = "[" + owners + "] " + s.help;
     if (s.type == reg::OptionType::array) help += " (.npy file)";
     const std::string def = json_value(s.fallback);
-    if (s.type != reg::OptionType::flag && def != "null") help += " (default " + def + ")";
+    // The owners that declare another default (hedgehog's features) are named with theirs.
+    std::string others;
+    for (const reg::Method* m : reg::owners(s.name))
+      for (const reg::OptionSpec& own : m->options())
+        if (own.name == s.name && json_value(own.fallback) != def)
+          others += std::string("; ") + m->name() + " " + json_value(own.fallback);
+    if (s.type != reg::OptionType::flag && def != "null") help += " (default " + def + others + ")";
     const std::string flag = flag_of(s);
     // Flags are read from their count; add_flag(name, x) would take x as the flag's target.
     CLI::Option* opt = s.type == reg::OptionType::flag

@@ -1,7 +1,8 @@
 #pragma once
 // The options of the random-feature methods (features, projection, omega, lambda_features,
-// bandwidth, fit, rho, calibration, calibration_q, calibration_k), each declared once: the
-// registered methods (methods/features.hpp) and Python's FeatureMap take them from here.
+// bandwidth, fit, rho, calibration, calibration_q, calibration_k) and of the learned Hedgehog map
+// (hedgehog_features, weight, bias), each declared once: the registered methods
+// (methods/features.hpp, methods/hedgehog.hpp) and Python's FeatureMap take them from here.
 
 #include <cstdint>
 #include <string>
@@ -65,21 +66,46 @@ inline OptionSpec calibration() {
   OptionSpec s{"calibration", OptionType::array, std::monostate{},
                "oprf, sderf with fit given: (r, d) or per-head (heads, r, d) array, rows of sample "
                "queries/keys (each row used as both) to fit to"};
-  s.per_head = true;
+  s.head_axis = HeadAxis::query_heads;
   return s;
 }
 inline OptionSpec calibration_q() {
   OptionSpec s{"calibration_q", OptionType::array, std::monostate{},
                "oprf, sderf with fit given: (r, d) or per-head (heads, r, d) sample queries, with "
                "calibration_k"};
-  s.per_head = true;
+  s.head_axis = HeadAxis::query_heads;
   return s;
 }
 inline OptionSpec calibration_k() {
   OptionSpec s{"calibration_k", OptionType::array, std::monostate{},
                "oprf, sderf with fit given: (r, d) or per-head (heads, r, d) sample keys, with "
                "calibration_q"};
-  s.per_head = true;
+  s.head_axis = HeadAxis::query_heads;
+  return s;
+}
+
+// Hedgehog's m: the same option as the random features' (one --features flag), with the
+// default of the learned map.
+inline OptionSpec hedgehog_features() {
+  OptionSpec s = features();
+  s.fallback = std::int64_t(64);
+  s.help = "rows m of W (2m features): the seeded map's size, or the given weight's";
+  return s;
+}
+inline OptionSpec weight() {
+  OptionSpec s{"weight", OptionType::array, std::monostate{},
+               "hedgehog: (kv_heads, m, d) array, W of u = W (c x) + b for each key/value head "
+               "(or (m, d) for every head); with bias"};
+  s.head_axis = HeadAxis::kv_heads;
+  s.head_entry_rank = 2;
+  return s;
+}
+inline OptionSpec bias() {
+  OptionSpec s{"bias", OptionType::array, std::monostate{},
+               "hedgehog: (kv_heads, m) array, b of u = W (c x) + b for each key/value head (or "
+               "(m,) for every head); with weight"};
+  s.head_axis = HeadAxis::kv_heads;
+  s.head_entry_rank = 1;
   return s;
 }
 

@@ -23,7 +23,9 @@
 // randomness from the call's seed, as a separate call on the piece would: one seed for every
 // sequence, head and batch item (random features draw one omega; lsh/lsf draw hashes or filters
 // for the piece's key count when their defaults depend on it). Each sub-call thus equals the
-// plain method on the cut or gathered inputs bit for bit.
+// plain method on the cut or gathered inputs bit for bit. An array option given per head
+// (OptionSpec::head_axis, e.g. a calibration per query head, a learned map per key/value head) is
+// cut too: each sub-call gets the entry of its query head, or of the key/value head it reads.
 //
 // The slices run in parallel (OpenMP, one slice per thread at a time, its sub-calls in order);
 // nothing a sub-call computes depends on the thread that runs it or on the other slices, so the
@@ -41,6 +43,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <optional>
@@ -347,13 +350,14 @@ class LayoutPlan {
   LayoutPlan(const Method& method, const Call& call, const Layout& layout, const Scalar* k,
              const Scalar* v)
       : call_(call), layout_(layout) {
-    for (const OptionSpec& spec : method.options())
-      if (spec.per_head && call.options.given(spec.name) &&
-          call.options.array(spec.name).shape.size() == 3)
-        per_head_.push_back(spec.name);
     const BatchShape& s = call.shape;
     const Index kv_heads = layout.kv_heads ? layout.kv_heads : s.heads;
     const Index group = s.heads / kv_heads;
+    group_ = group;
+    for (const OptionSpec& spec : method.options())
+      if (spec.head_axis != HeadAxis::none && call.options.given(spec.name) &&
+          call.options.array(spec.name).shape.size() == std::size_t(spec.head_entry_rank) + 1)
+        per_head_.push_back({spec.name, spec.head_axis});
     std::vector<std::pair<Index, Index>> sequences;  // [begin, end) along n
     if (layout.cu_seqlens.empty())
       sequences.push_back({0, -1});
@@ -419,20 +423,29 @@ class LayoutPlan {
     return out;
   }
 
-  // The sub-call of a piece of query head `head`.
+  // The sub-call of a piece of query head `head`: one head, with each per-head option's entry.
   Call sub_call(const PiecePlan& p, Index head) const {
     Call sub = call_;
     sub.shape = BatchShape{1, 1, p.n_q, p.n_k, call_.shape.d, call_.shape.dv};
+    sub.kv_heads = 0;
     sub.settings.causal = p.causal;
     sub.settings.exclude_self = p.exclude_self;
     sub.settings.compare = false;  // front ends compare the whole call
-    for (const std::string& name : per_head_)
-      sub.options = sub.options.with(name, head_entry(call_.options.array(name), head));
+    for (const auto& [name, axis] : per_head_)
+      sub.options =
+          sub.options.with(name, head_entry(call_.options.array(name), entry_of(axis, head)));
     return sub;
   }
 
-  // The given per-head array options of the method: one sub-call per query head.
-  const std::vector<std::string>& per_head_options() const { return per_head_; }
+  // Whether per-head array options are given (cut per head): one sub-call per query head.
+  bool per_head_options() const { return !per_head_.empty(); }
+  // The entry of per-head option `name` that query head `head` uses, or -1 when the option is
+  // not cut per head (a sub-call's gradient of it then counts for the whole option).
+  Index option_entry(const std::string& name, Index head) const {
+    for (const auto& [option, axis] : per_head_)
+      if (option == name) return entry_of(axis, head);
+    return -1;
+  }
   const BatchShape& shape() const { return call_.shape; }
 
   // Copies the rows of a gathered piece (the slice's valid positions) from a slice's rows into
@@ -480,11 +493,15 @@ class LayoutPlan {
     return keys;
   }
 
-  // Entry h of a (heads, r, c) array as an (r, c) array.
+  Index entry_of(HeadAxis axis, Index head) const {
+    return axis == HeadAxis::kv_heads ? head / group_ : head;
+  }
+
+  // Entry h of a (heads, ...) array: its trailing dimensions.
   static ArrayValue head_entry(const ArrayValue& a, Index h) {
     ArrayValue e;
-    e.shape = {a.shape[1], a.shape[2]};
-    const std::size_t size = std::size_t(a.shape[1] * a.shape[2]);
+    e.shape.assign(a.shape.begin() + 1, a.shape.end());
+    const std::size_t size = a.data.size() / std::size_t(a.shape[0]);
     e.data.assign(a.data.begin() + std::ptrdiff_t(h * Index(size)),
                   a.data.begin() + std::ptrdiff_t((h + 1) * Index(size)));
     e.source = a.source;
@@ -493,7 +510,8 @@ class LayoutPlan {
 
   Call call_;
   Layout layout_;
-  std::vector<std::string> per_head_;
+  Index group_ = 1;  // query heads per key/value head
+  std::vector<std::pair<std::string, HeadAxis>> per_head_;
   std::vector<Keys> keys_;
   std::vector<Slice> slices_;
 };
@@ -577,7 +595,7 @@ class LayoutRunner {
 
   Report operator()(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out) {
     const LayoutPlan<Scalar> plan(*method_, call_, layout_, k, v);
-    const bool per_head = !plan.per_head_options().empty();
+    const bool per_head = plan.per_head_options();
     const auto key_of = [&](const PiecePlan& p, Index head) {
       return std::make_tuple(p.n_q, p.n_k, p.causal, p.exclude_self, per_head ? head : -1);
     };
@@ -717,21 +735,27 @@ class LayoutGradient final : public Gradient<Scalar> {
     });
   }
 
-  // Sums each option's gradient over the pieces, in slice order.
+  // Sums each option's gradient over the pieces, in slice order. A per-head option's sub-calls
+  // each differentiate their head's entry: their gradients are summed into that entry's place of
+  // the whole option's gradient (zero for an entry no piece used).
   std::vector<std::pair<std::string, std::vector<double>>> option_gradients() const override {
     std::vector<std::pair<std::string, std::vector<double>>> total;
-    for (const auto& slice : pieces_)
-      for (const PieceState& piece : slice) {
+    if (!plan_) return total;
+    const auto& slices = plan_->slices();
+    for (std::size_t i = 0; i < pieces_.size(); ++i)
+      for (const PieceState& piece : pieces_[i]) {
         if (!piece.gradient) continue;
-        for (auto& option : piece.gradient->option_gradients()) {
-          const std::vector<double>& g = option.second;
+        for (auto& [name, g] : piece.gradient->option_gradients()) {
+          const Index entry = plan_->option_entry(name, slices[i].head);
           auto found = std::find_if(total.begin(), total.end(),
-                                    [&](const auto& e) { return e.first == option.first; });
+                                    [&](const auto& e) { return e.first == name; });
           if (found == total.end()) {
-            total.push_back(std::move(option));
-          } else {
-            for (std::size_t t = 0; t < g.size(); ++t) found->second[t] += g[t];
+            const std::size_t size = entry < 0 ? g.size() : call_.options.array(name).data.size();
+            total.emplace_back(name, std::vector<double>(size, 0.0));
+            found = std::prev(total.end());
           }
+          const std::size_t offset = entry < 0 ? 0 : std::size_t(entry) * g.size();
+          for (std::size_t t = 0; t < g.size(); ++t) found->second[offset + t] += g[t];
         }
       }
     return total;
@@ -752,6 +776,13 @@ class LayoutGradient final : public Gradient<Scalar> {
   bool has_keys_ = true;
 };
 
+// The call with the layout's key/value heads, for the checks of the whole call's options.
+inline Call whole_call(const Call& call, const Layout& layout) {
+  Call whole = call;
+  whole.kv_heads = layout.kv_heads;
+  return whole;
+}
+
 }  // namespace detail
 
 // The job of `method` for `call` under `layout` (checked with check_layout()): the method's own
@@ -760,7 +791,7 @@ template <typename Scalar>
 Job<Scalar> build_job(const Method& method, const Call& call, const Layout& layout) {
   if (layout.plain(call.shape)) return method.build(call, Scalar());
   // The whole call's job checks every option against the whole shape before anything runs.
-  (void)method.build(call, Scalar());
+  (void)method.build(detail::whole_call(call, layout), Scalar());
   return [&method, call, layout](const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out) {
     detail::LayoutRunner<Scalar> runner(method, call, layout);
     return runner(q, k, v, out);
@@ -771,7 +802,8 @@ Job<Scalar> build_job(const Method& method, const Call& call, const Layout& layo
 // layout is plain, else one per piece as for build_job().
 template <typename Scalar>
 GradientPtr<Scalar> build_gradient(const Method& method, const Call& call, const Layout& layout) {
-  GradientPtr<Scalar> whole = method.build_gradient(call, Scalar());  // checks every option
+  // Checks every option against the whole shape.
+  GradientPtr<Scalar> whole = method.build_gradient(detail::whole_call(call, layout), Scalar());
   if (layout.plain(call.shape)) return whole;
   return std::make_unique<detail::LayoutGradient<Scalar>>(method, call, layout);
 }

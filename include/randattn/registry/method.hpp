@@ -53,7 +53,11 @@ struct Call {
   Options options;
   Settings settings;
   BatchShape shape;
+  // Heads of k and v when fewer than the query heads (grouped-query attention, set by the layout
+  // code for the whole call's checks); 0: shape.heads.
+  std::int64_t kv_heads = 0;
   const Spelling& spelling() const { return options.spelling(); }
+  std::int64_t key_heads() const { return kv_heads ? kv_heads : shape.heads; }
 };
 
 // Runs on the inputs (k is null under shared QK) and returns the report fields. Owns

@@ -10,6 +10,7 @@
 #include "methods/auto.hpp"
 #include "methods/exact.hpp"
 #include "methods/features.hpp"
+#include "methods/hedgehog.hpp"
 #include "methods/lsf.hpp"
 #include "methods/lsh.hpp"
 #include "methods/sparse_lowrank.hpp"
@@ -28,6 +29,7 @@ RANDATTN_REGISTRY_TABLE_LINKAGE const std::vector<std::unique_ptr<Method>>& meth
     t.push_back(std::make_unique<FeatureMethod<SderfFamily>>());
     t.push_back(std::make_unique<FeatureMethod<HybridFamily>>());
     t.push_back(std::make_unique<FeatureMethod<HybridGaussianFamily>>());
+    t.push_back(std::make_unique<FeatureMethod<HedgehogFamily>>());
     t.push_back(std::make_unique<LshMethod>());
     t.push_back(std::make_unique<LsfMethod>());
     t.push_back(std::make_unique<SparseLowRankMethod>());

@@ -57,6 +57,13 @@ inline const char* type_name(OptionType t) {
 // monostate: unset (an option without a default, e.g. `buckets`, or an array not given).
 using Value = std::variant<std::monostate, bool, std::int64_t, double, std::string, ArrayValue>;
 
+// What the leading dimension of a per-head array option indexes (see OptionSpec).
+enum class HeadAxis {
+  none,         // not per head
+  query_heads,  // entry h belongs to query head h
+  kv_heads,     // entry h belongs to key/value head h: query head h' uses entry h' / group
+};
+
 // A numeric bound; `open` excludes the bound itself.
 struct Bound {
   double value;
@@ -75,7 +82,12 @@ struct OptionSpec {
   bool finite = false;               // real options: reject NaN and infinities
   bool negative_infinity = false;    // with finite: -inf is accepted too
   std::vector<std::string> choices;  // text options; empty: any text
-  bool per_head = false;  // arrays: a 3-D value (heads, ...) holds one 2-D entry per query head
+  // Arrays whose leading dimension may index heads: a value of rank head_entry_rank + 1 holds one
+  // entry (of rank head_entry_rank) per query head or per key/value head, and a call cut into
+  // sub-calls of one head (registry/layout.hpp) gives each sub-call its head's entry. A value of
+  // rank head_entry_rank is one entry for every head.
+  HeadAxis head_axis = HeadAxis::none;
+  int head_entry_rank = 2;
 };
 
 // How a front end spells options and settings in its messages: "--rounds 3" on the command line,

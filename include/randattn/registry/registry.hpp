@@ -98,7 +98,7 @@ inline double resolve_scale(const std::optional<double>& given, std::int64_t d,
 // The call of `method` with the given option values (checked) over its defaults.
 inline Call make_call(const Method& method, std::map<std::string, Value> given,
                       const Settings& settings, const BatchShape& shape, const Spelling& spell) {
-  return Call{Options(method.accepted_options(), std::move(given), spell), settings, shape};
+  return Call{Options(method.accepted_options(), std::move(given), spell), settings, shape, 0};
 }
 
 }  // namespace randattn::registry

@@ -166,14 +166,17 @@ class AutoMethod final : public TypedMethod<AutoMethod> {
       std::map<std::string, Value> approx_given;
       for (const OptionSpec& a : approx.options())
         if (o.given(a.name)) approx_given[a.name] = o.value(a.name);
-      (void)approx.build(Call{Options(approx.options(), approx_given, spell), settings, call.shape},
-                         Scalar());
+      (void)approx.build(
+          Call{Options(approx.options(), approx_given, spell), settings, call.shape, call.kv_heads},
+          Scalar());
       settings.option_gradients.clear();  // exact attention has no options to differentiate
     }
     const std::string reason = "n_k " + std::to_string(call.shape.n_k) + (exact ? " < " : " >= ") +
                                "crossover " + std::to_string(crossover) + " (" + from + ")";
-    return {&path, Call{Options(path.options(), std::move(given), spell), settings, call.shape},
-            reason};
+    return {
+        &path,
+        Call{Options(path.options(), std::move(given), spell), settings, call.shape, call.kv_heads},
+        reason};
   }
 };
 

@@ -81,7 +81,10 @@ RowMatrix<Scalar> matrix_of(const ArrayValue& a, Index h) {
 template <typename Map>
 class SliceMaps {
  public:
+  using MapType = Map;
   explicit SliceMaps(Map map) { maps_.push_back(std::move(map)); }
+  // One map per head (at least one).
+  explicit SliceMaps(std::vector<Map> maps) : maps_(std::move(maps)) {}
   // n copies of the first map, to be fitted one by one (n = heads or slices).
   void replicate(Index n) { maps_.resize(std::size_t(std::max<Index>(1, n)), maps_.front()); }
   Index size() const { return Index(maps_.size()); }
@@ -132,11 +135,39 @@ void per_slice_feature_attention(const SliceMaps<Map>& maps, const typename Map:
       });
 }
 
+// Families that build their maps themselves (Family::maps<Scalar>(call), e.g. learned maps
+// given as arrays) rather than on a projection the options select.
+template <typename Family, typename = void>
+struct has_own_maps : std::false_type {};
+template <typename Family>
+struct has_own_maps<
+    Family, std::void_t<decltype(Family::template maps<double>(std::declval<const Call&>()))>>
+    : std::true_type {};
+
+// Maps whose bias gradient a backward collects through a copy (HedgehogFeatures).
+template <typename Map, typename = void>
+struct has_bias_gradient : std::false_type {};
+template <typename Map>
+struct has_bias_gradient<Map, std::void_t<decltype(std::declval<const Map&>().with_bias_gradient(
+                                  std::declval<Vector<typename Map::Scalar>*>()))>>
+    : std::true_type {};
+
+// The parameters a projection family differentiates: the projection ω ("omega"), one for every
+// map of the call.
+struct OmegaParameters {
+  static constexpr const char* weight_option = "omega";
+  static constexpr const char* bias_option = nullptr;
+  static constexpr bool parameters_per_map = false;
+};
+
 }  // namespace detail
 
-// A random-feature method: Family supplies name, summary, the options it owns and
+// A random-feature method: Family supplies name, summary, the options it owns and either
 // make<Scalar>(projection, options, seed, d), the map built on that projection (hybrids take only
-// its kind). The map's feature dimension is reported.
+// its kind), or maps<Scalar>(call), the call's maps (one, or one per head), with check(call) and
+// report(call, report). Its differentiable parameters are weight_option (the gradient of the dense
+// matrix the map's projection stands for) and bias_option (or null), for every map together or,
+// with parameters_per_map, one entry per map (per head). The map's feature dimension is reported.
 template <typename Family>
 class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
  public:
@@ -171,8 +202,10 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
   // projections ("omega").
   bool differentiable() const override { return has_features_vjp<FamilyMap<double>>::value; }
   std::vector<std::string> differentiable_options() const override {
-    if (differentiable()) return {"omega"};
-    return {};
+    if (!differentiable()) return {};
+    std::vector<std::string> out{Family::weight_option};
+    if (Family::bias_option) out.emplace_back(Family::bias_option);
+    return out;
   }
 
   template <typename Scalar>
@@ -194,7 +227,10 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
   static void check(const Call& call) {
     const Options& o = call.options;
     const std::int64_t d = call.shape.d;
-    if (o.given("omega")) {
+    if constexpr (detail::has_own_maps<Family>::value) {
+      Family::check(call);
+      return;
+    } else if (o.given("omega")) {
       const ArrayValue& w = o.array("omega");
       if (o.given("projection"))
         throw OptionError(o.spelled("omega") + " and " + o.spelled("projection") +
@@ -263,9 +299,8 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
     Report report;
     std::int64_t feature_dim = 0;
     std::optional<double> predicted;
-    auto run = [&](auto projection) {
-      using Map = decltype(Family::template make<Scalar>(std::move(projection), o, seed, d));
-      detail::SliceMaps<Map> maps(Family::template make<Scalar>(std::move(projection), o, seed, d));
+    auto run = [&](auto maps) {
+      using Map = typename decltype(maps)::MapType;
       if constexpr (is_fitted<Map>::value) fit_maps(maps, call, data, normaliser);
       feature_dim = maps.front().feature_dim();
       if constexpr (has_closed_form_mse<Map>::value)
@@ -273,25 +308,35 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
           predicted = predicted_rel_mse(maps, *data, normaliser);
       fn(std::as_const(maps), opt);
     };
-    const std::string& projection = o.text("projection");
-    if (o.given("omega"))
-      run(UserProjection<Scalar>(detail::as_matrix<double>(o.array("omega"))));
-    else if (projection == "iid")
-      run(GaussianProjection<Scalar>(o.integer("features"), d, seed));
-    else if (projection == "hadamard")
-      run(HadamardProjection<Scalar>(o.integer("features"), d, seed));
-    else
-      run(OrthogonalProjection<Scalar>(o.integer("features"), d, seed));
+    if constexpr (detail::has_own_maps<Family>::value) {
+      run(Family::template maps<Scalar>(call));
+      Family::report(call, report);
+    } else {
+      const auto on = [&](auto projection) {
+        using Map = decltype(Family::template make<Scalar>(std::move(projection), o, seed, d));
+        run(detail::SliceMaps<Map>(
+            Family::template make<Scalar>(std::move(projection), o, seed, d)));
+      };
+      const std::string& projection = o.text("projection");
+      if (o.given("omega"))
+        on(UserProjection<Scalar>(detail::as_matrix<double>(o.array("omega"))));
+      else if (projection == "iid")
+        on(GaussianProjection<Scalar>(o.integer("features"), d, seed));
+      else if (projection == "hadamard")
+        on(HadamardProjection<Scalar>(o.integer("features"), d, seed));
+      else
+        on(OrthogonalProjection<Scalar>(o.integer("features"), d, seed));
 
-    if (o.given("omega"))
-      report = {{"features", Family::omega_features(o, o.array("omega").shape[0])},
-                {"projection", std::string("user")},
-                {"omega", o.array("omega").source}};
-    else
-      report = {{"features", o.integer("features")},
-                {"projection", projection},
-                {"seed", std::uint64_t(seed)}};
-    Family::report(o, report);
+      if (o.given("omega"))
+        report = {{"features", Family::omega_features(o, o.array("omega").shape[0])},
+                  {"projection", std::string("user")},
+                  {"omega", o.array("omega").source}};
+      else
+        report = {{"features", o.integer("features")},
+                  {"projection", projection},
+                  {"seed", std::uint64_t(seed)}};
+      Family::report(o, report);
+    }
     if (feature_dim > 0) report.emplace_back("feature_dim", feature_dim);
     if (predicted) report.emplace_back("predicted_rel_mse", *predicted);
     return report;
@@ -299,10 +344,18 @@ class FeatureMethod final : public TypedMethod<FeatureMethod<Family>> {
 
  private:
   // The map type a family builds (on an orthogonal projection; hybrids draw their own).
+  template <typename Scalar, typename F = Family, typename = void>
+  struct family_map {
+    using type = decltype(F::template make<Scalar>(std::declval<OrthogonalProjection<Scalar>>(),
+                                                   std::declval<const Options&>(), std::uint64_t(),
+                                                   std::int64_t()));
+  };
+  template <typename Scalar, typename F>
+  struct family_map<Scalar, F, std::enable_if_t<detail::has_own_maps<F>::value>> {
+    using type = typename decltype(F::template maps<Scalar>(std::declval<const Call&>()))::MapType;
+  };
   template <typename Scalar>
-  using FamilyMap = decltype(Family::template make<Scalar>(
-      std::declval<OrthogonalProjection<Scalar>>(), std::declval<const Options&>(),
-      std::uint64_t(), std::int64_t()));
+  using FamilyMap = typename family_map<Scalar>::type;
 
   // Maps with a fit(q, k, normaliser) step (oprf, sderf).
   template <typename Map, typename = void>
@@ -384,8 +437,10 @@ namespace detail {
 // does (drawn from the seed, fitted maps fitted to this call's rows) and keeps them, with each
 // slice's query and key features (SavedFeatures: the same output, no second mapping); the backward
 // differentiates each slice with its map held fixed (attention/random_feature_backward.hpp), so
-// a fitted map's parameters count as constants. The gradient of "omega" is summed over the
-// slices in slice order, independent of the thread count.
+// a fitted map's parameters count as constants. The gradients of the family's parameters (ω; a
+// learned map's weight and bias) are summed over the slices in slice order, independent of the
+// thread count: into one gradient for every map, or with parameters_per_map into each map's
+// entry (slice s uses map s % maps, see SliceMaps).
 template <typename Family, typename Scalar>
 class FeatureGradient final : public Gradient<Scalar> {
   using Method = FeatureMethod<Family>;
@@ -393,9 +448,8 @@ class FeatureGradient final : public Gradient<Scalar> {
  public:
   explicit FeatureGradient(const Call& call)
       : call_(call),
-        want_omega_(std::find(call.settings.option_gradients.begin(),
-                              call.settings.option_gradients.end(),
-                              "omega") != call.settings.option_gradients.end()) {}
+        want_weight_(wanted(call, Family::weight_option)),
+        want_bias_(wanted(call, Family::bias_option)) {}
 
   Report forward(const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out) override {
     const BatchShape& shape = call_.shape;
@@ -421,11 +475,18 @@ class FeatureGradient final : public Gradient<Scalar> {
   }
 
   std::vector<std::pair<std::string, std::vector<double>>> option_gradients() const override {
-    if (!want_omega_) return {};
-    return {{"omega", d_omega_}};
+    std::vector<std::pair<std::string, std::vector<double>>> out;
+    if (want_weight_) out.emplace_back(Family::weight_option, d_weight_);
+    if (want_bias_) out.emplace_back(Family::bias_option, d_bias_);
+    return out;
   }
 
  private:
+  static bool wanted(const Call& call, const char* option) {
+    const std::vector<std::string>& names = call.settings.option_gradients;
+    return option && std::find(names.begin(), names.end(), option) != names.end();
+  }
+
   template <typename Map>
   void run_backward(const SliceMaps<Map>& maps, const RandomFeatureOptions& opt, const Scalar* q,
                     const Scalar* k, const Scalar* v, const Scalar* out,
@@ -437,9 +498,11 @@ class FeatureGradient final : public Gradient<Scalar> {
     const auto slice = [&](auto* base, Index i, Index rows, Index cols) {
       return rd::slice_of(base, i, rows, cols);
     };
-    const Index m = want_omega_ ? maps.front().projections() : 0;  // a hybrid: every part's
-    std::vector<RowMatrix<Scalar>> d_omega(want_omega_ ? std::size_t(s.slices()) : 0,
-                                           RowMatrix<Scalar>::Zero(m, s.d));
+    const Index m = maps.front().projections();  // a hybrid: every part's
+    std::vector<RowMatrix<Scalar>> d_weight(want_weight_ ? std::size_t(s.slices()) : 0,
+                                            RowMatrix<Scalar>::Zero(m, s.d));
+    std::vector<Vector<Scalar>> d_bias(want_bias_ ? std::size_t(s.slices()) : 0,
+                                       Vector<Scalar>::Zero(m));
     detail::clear_key_gradients_without_queries(s, dk, dv);
     rd::for_each_slice(
         where, s, grad_out && dq && dk && dv,
@@ -452,24 +515,39 @@ class FeatureGradient final : public Gradient<Scalar> {
               opt.check_finite, &saved[std::size_t(i)]);
         },
         [&](Index i) {
-          const Map& map = maps.of_slice(i);
-          rd::feature_attention_backward_slice(
-              where, map, slice(q, i, s.n_q, s.d), slice(k, i, s.n_k, s.d),
-              slice(v, i, s.n_k, s.dv), slice(out, i, s.n_q, s.dv),
-              slice(grad_out, i, s.n_q, s.dv), rd::feature_attention_settings(where, map, opt),
-              slice(dq, i, s.n_q, s.d), slice(dk, i, s.n_k, s.d), slice(dv, i, s.n_k, s.dv),
-              want_omega_ ? &d_omega[std::size_t(i)] : nullptr, &saved[std::size_t(i)]);
+          const auto run = [&](const Map& map) {
+            rd::feature_attention_backward_slice(
+                where, map, slice(q, i, s.n_q, s.d), slice(k, i, s.n_k, s.d),
+                slice(v, i, s.n_k, s.dv), slice(out, i, s.n_q, s.dv),
+                slice(grad_out, i, s.n_q, s.dv), rd::feature_attention_settings(where, map, opt),
+                slice(dq, i, s.n_q, s.d), slice(dk, i, s.n_k, s.d), slice(dv, i, s.n_k, s.dv),
+                want_weight_ ? &d_weight[std::size_t(i)] : nullptr, &saved[std::size_t(i)]);
+          };
+          if constexpr (has_bias_gradient<Map>::value)
+            if (want_bias_)
+              return run(maps.of_slice(i).with_bias_gradient(&d_bias[std::size_t(i)]));
+          run(maps.of_slice(i));
         });
-    if (!want_omega_) return;
-    RowMatrix<double> total = RowMatrix<double>::Zero(m, s.d);
-    for (const RowMatrix<Scalar>& part : d_omega) total += part.template cast<double>();
-    d_omega_.assign(total.data(), total.data() + total.size());
+    // Each slice's part into its map's entry (or the one gradient), in slice order.
+    const Index entries = Family::parameters_per_map ? maps.size() : 1;
+    if (want_weight_) {
+      RowMatrix<double> total = RowMatrix<double>::Zero(entries * m, s.d);
+      for (Index i = 0; i < s.slices(); ++i)
+        total.middleRows((i % entries) * m, m) += d_weight[std::size_t(i)].template cast<double>();
+      d_weight_.assign(total.data(), total.data() + total.size());
+    }
+    if (want_bias_) {
+      Eigen::VectorXd total = Eigen::VectorXd::Zero(entries * m);
+      for (Index i = 0; i < s.slices(); ++i)
+        total.segment((i % entries) * m, m) += d_bias[std::size_t(i)].template cast<double>();
+      d_bias_.assign(total.data(), total.data() + total.size());
+    }
   }
 
   Call call_;
-  bool want_omega_;
+  bool want_weight_, want_bias_;
   std::function<void(const Scalar*, Scalar*, Scalar*, Scalar*)> backward_;
-  std::vector<double> d_omega_;
+  std::vector<double> d_weight_, d_bias_;
 };
 
 }  // namespace detail
@@ -483,15 +561,15 @@ GradientPtr<Scalar> FeatureMethod<Family>::make_gradient(const Call& call) const
     throw OptionError(std::string("method '") + Family::name +
                       "' has no backward pass with exclude_self");
   for (const std::string& option : call.settings.option_gradients)
-    if (option == "omega" && !o.given("omega"))
-      throw OptionError("the gradient of " + o.spelled("omega") + " needs " + o.spelled("omega") +
+    if (!o.given(option))
+      throw OptionError("the gradient of " + o.spelled(option) + " needs " + o.spelled(option) +
                         " given");
   return std::make_unique<detail::FeatureGradient<Family, Scalar>>(call);
 }
 
 // One map on the given projection.
 template <template <typename, typename> class Map>
-struct SingleMap {
+struct SingleMap : detail::OmegaParameters {
   static constexpr bool fitted = false;
   static std::vector<OptionSpec> options() {
     namespace f = feature_options;
@@ -565,7 +643,7 @@ struct SderfFamily : FittedMap<DenseExponentialFeatures> {
 // Hybrids draw their own projections of the selected kind, or take them all stacked in omega:
 // τ of the weight estimator (lambda_features rows), then each base's ω (m rows each), as
 // HybridFeatures::projection_matrix() stacks them and its features_vjp differentiates them.
-struct HybridProjections {
+struct HybridProjections : detail::OmegaParameters {
   static std::int64_t omega_features(const Options& o, std::int64_t rows) {
     const std::int64_t lambda = o.integer("lambda_features");
     if (rows <= lambda || (rows - lambda) % 2 != 0)

@@ -77,6 +77,12 @@ def attention(q, k, v, *, method="exact", causal=False, scale=None, seed=0, chec
                               omega=None (a (lambda_features + 2m, d) array: the weight
                               estimator's projections, then each base's m, used as given)
       hybrid-gaussian:        as hybrid, and bandwidth=1.0
+      hedgehog:               weight=None, bias=None (given together: (kv_heads, m, d) and
+                              (kv_heads, m), the learned map [softmax(u); softmax(-u)],
+                              u = W (c x) + b, of each key/value head; or (m, d) and (m,) for
+                              every head), features=64 (m of the seeded map used without them).
+                              As torch tensors that require grad (nn.Parameters), weight and bias
+                              get their gradients from autograd.
       lsh:                    buckets=None (2*ceil(n/chunk)), chunk=64, rounds=4,
                               rotation="dense" ("hadamard"), rotations=None ((d, r, b/2) array),
                               dedupe=True, exact_buckets=False

@@ -49,17 +49,17 @@ def _function_class():
     torch = _torch()
 
     class AttentionFunction(torch.autograd.Function):
-        """forward(call, report_box, option_name, q, k, v, option) -> out; the option tensor (a
-        learned ω) takes part only for its gradient."""
+        """forward(call, report_box, option_names, q, k, v, *options) -> out; the option tensors (a
+        learned ω, a learned map's weight and bias) take part only for their gradients."""
 
         @staticmethod
-        def forward(ctx, call, report_box, option_name, q, k, v, option):
+        def forward(ctx, call, report_box, option_names, q, k, v, *options):
             result = call.forward()
             if isinstance(result, tuple):
                 result, report_box[0] = result
-            ctx.call, ctx.option_name = call, option_name
-            ctx.shapes = [None if t is None else (t.shape, t.dtype) for t in (q, k, v, option)]
-            ctx.save_for_backward(q, k, v, option)
+            ctx.call, ctx.option_names = call, option_names
+            ctx.option_shapes = [(t.shape, t.dtype) for t in options]
+            ctx.save_for_backward(q, k, v, *options)
             return torch.from_numpy(result)
 
         @staticmethod
@@ -70,13 +70,11 @@ def _function_class():
             ctx.saved_tensors  # raises if an input was changed in place since the forward
             dq, dk, dv, options = ctx.call.backward(grad_out.detach().contiguous().numpy())
             grads = [torch.from_numpy(dq), None if dk is None else torch.from_numpy(dk), torch.from_numpy(dv)]
-            option_grad = None
-            if ctx.option_name is not None and ctx.option_name in options:
-                shape, dtype = ctx.shapes[3]
-                option_grad = torch.from_numpy(options[ctx.option_name].reshape(tuple(shape))).to(dtype)
-            needs = ctx.needs_input_grad
-            return (None, None, None, grads[0] if needs[3] else None, grads[1] if needs[4] else None,
-                    grads[2] if needs[5] else None, option_grad if needs[6] else None)
+            for name, (shape, dtype) in zip(ctx.option_names, ctx.option_shapes):
+                grads.append(torch.from_numpy(options[name].reshape(tuple(shape))).to(dtype)
+                             if name in options else None)
+            needs = ctx.needs_input_grad[3:]
+            return (None, None, None) + tuple(g if need else None for g, need in zip(grads, needs))
 
     return AttentionFunction
 
@@ -89,9 +87,6 @@ def attention_with_grad(q, k, v, *, method, causal, scale, seed, check_finite, t
     torch = _torch()
     learned = [name for name, value in options.items()
                if isinstance(value, torch.Tensor) and value.requires_grad]
-    if len(learned) > 1:
-        raise ValueError(f"at most one option can require grad, got {', '.join(learned)}")
-    option_name = learned[0] if learned else None
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: a differentiable call takes torch tensors for q, k and v, got "
@@ -99,12 +94,11 @@ def attention_with_grad(q, k, v, *, method, causal, scale, seed, check_finite, t
         if t is not None and t.device.type != "cpu":
             raise ValueError(f"{name} is on device {t.device}; randattn runs on the CPU: move it with .cpu()")
     call = gradient_call(q, k, v, method, causal, scale, seed, check_finite, threads, shared_qk, report, options,
-                         [option_name] if option_name else [])
+                         learned)
     if not _FUNCTION:
         _FUNCTION.append(_function_class())
     report_box = [None]
-    out = _FUNCTION[0].apply(call, report_box, option_name, q, k, v, options.get(option_name) if option_name
-                             else None)
+    out = _FUNCTION[0].apply(call, report_box, tuple(learned), q, k, v, *(options[name] for name in learned))
     return (out, report_box[0]) if report else out
 
 

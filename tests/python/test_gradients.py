@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 
 import randattn  # noqa: E402
 import randattn.torch  # noqa: E402
+from conftest import assert_close  # noqa: E402
 
 # Small options of every method: enough features, rounds and filters to exercise the paths at
 # n = 37 (no multiple of any chunk or block, spanning several).
@@ -22,6 +23,7 @@ OPTIONS = {
     "sderf": {"features": 16, "fit": "given", "rho": 1.0},
     "hybrid": {"features": 8, "lambda_features": 4},
     "hybrid-gaussian": {"features": 8, "lambda_features": 4},
+    "hedgehog": {"features": 8},
     "lsh": {"chunk": 8, "rounds": 2},
     "lsf": {"filters": 16, "tables": 2, "eta": 0.3},
     "sparse-lowrank": {"support": "window", "window": 8, "remainder": "favor", "features": 16},
@@ -180,3 +182,80 @@ def test_errors():
         if not m["differentiable"]:
             with pytest.raises(ValueError, match="has no backward pass"):
                 randattn.attention(q, k, v, method=name, **OPTIONS.get(name, {}))
+
+
+def hedgehog_reference(q, k, v, weight, bias, causal, scale=None):
+    """Hedgehog linear attention from its definition in torch: φ(x) = [softmax(u); softmax(-u)]
+    with u = W (c x) + b, c = scale ** 0.5, key/value head h // group's map for query head h;
+    out_i = Σ_j φ(q_i)·φ(k_j) v_j / Σ_j φ(q_i)·φ(k_j) (j <= i when causal)."""
+    group = q.shape[1] // k.shape[1]
+    c = (q.shape[-1] ** -0.5 if scale is None else scale) ** 0.5
+    w = weight.repeat_interleave(group, dim=0)[None, :, None]  # (1, heads, 1, m, d)
+    b = bias.repeat_interleave(group, dim=0)[None, :, None]    # (1, heads, 1, m)
+
+    def phi(x):
+        u = (w @ (c * x)[..., None])[..., 0] + b
+        return torch.cat([torch.softmax(u, -1), torch.softmax(-u, -1)], -1)
+
+    a = phi(q) @ phi(k.repeat_interleave(group, dim=1)).transpose(-1, -2)
+    if causal:
+        a = a.tril()
+    return (a @ v.repeat_interleave(group, dim=1)) / a.sum(-1, keepdim=True)
+
+
+def hedgehog_parameters(kv_heads, m, d, seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.nn.Parameter(0.7 * torch.randn(kv_heads, m, d, generator=g, dtype=dtype))
+    bias = torch.nn.Parameter(0.5 * torch.randn(kv_heads, m, generator=g, dtype=dtype))
+    return weight, bias
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_hedgehog_gradcheck_weight_and_bias_with_grouped_heads(causal):
+    # 4 query heads over 2 key/value heads: each key/value head's map serves two query heads.
+    q, k, v = inputs((1, 4, 11, 3), (1, 2, 11, 3), 2, seed=21)
+    weight, bias = hedgehog_parameters(2, 4, 3, seed=22, dtype=torch.float64)
+    torch.autograd.gradcheck(
+        lambda q, k, v, w, b: randattn.attention(q, k, v, method="hedgehog", causal=causal, weight=w, bias=b),
+        (q, k, v, weight, bias), eps=1e-6, atol=1e-5, rtol=1e-3)
+
+
+def test_hedgehog_matches_a_torch_reference_in_float32_and_float64():
+    """The model-training call: nn.Parameters of shape (kv_heads, m, d) and (kv_heads, m), float32
+    (batch, heads, n, d) queries over (batch, kv_heads, n, d) keys and values, causal."""
+    batch, heads, kv_heads, n, d, m = 2, 4, 2, 45, 8, 6
+    for dtype in (torch.float64, torch.float32):
+        q, k, v = inputs((batch, heads, n, d), (batch, kv_heads, n, d), 5, seed=23, dtype=dtype)
+        weight, bias = hedgehog_parameters(kv_heads, m, d, seed=24, dtype=dtype)
+        out = randattn.attention(q, k, v, method="hedgehog", causal=True, weight=weight, bias=bias, features=m)
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(25), dtype=dtype)
+        out.backward(g)
+        ours = [t.grad.clone() for t in (q, k, v, weight, bias)]
+        for t in (q, k, v, weight, bias):
+            t.grad = None
+        ref = hedgehog_reference(q.double(), k.double(), v.double(), weight.double(), bias.double(), causal=True)
+        ref.backward(g.double())
+        assert out.dtype == dtype and out.shape == (batch, heads, n, 5)
+        if dtype == torch.float64:
+            torch.testing.assert_close(out.detach(), ref.detach(), rtol=0, atol=1e-12)
+            for name, mine, t in zip("q k v weight bias".split(), ours, (q, k, v, weight, bias)):
+                torch.testing.assert_close(mine, t.grad, rtol=1e-9, atol=1e-11, msg=name)
+        else:
+            # Each output is a ratio of sums of n products of 2m-term dot products of softmax
+            # values (each within a few float32 roundings): the conftest bound for n·2m terms.
+            assert_close(out.detach().numpy(), ref.detach().numpy(), np.float32, terms=n * 2 * m)
+
+
+def test_hedgehog_seeded_map_without_weight():
+    q, k, v = inputs((1, 2, 9, 4), (1, 2, 9, 4), 3, seed=26)
+    out = randattn.attention(q, k, v, method="hedgehog", causal=True, features=5, seed=1)
+    again = randattn.attention(q, k, v, method="hedgehog", causal=True, features=5, seed=1)
+    other = randattn.attention(q, k, v, method="hedgehog", causal=True, features=5, seed=2)
+    torch.testing.assert_close(out, again, rtol=0, atol=0)
+    assert not torch.equal(out, other)
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    with pytest.raises(ValueError, match="weight and bias go together: bias is missing"):
+        randattn.attention(q, k, v, method="hedgehog", weight=torch.zeros(2, 5, 4))
+    with pytest.raises(ValueError, match=r"expected a \(kv_heads, m, d\) = \(2, m, 4\)"):
+        randattn.attention(q, k, v, method="hedgehog", weight=torch.zeros(3, 5, 4), bias=torch.zeros(3, 5))

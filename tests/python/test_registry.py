@@ -59,6 +59,7 @@ RUNS = {
     "sderf": [{"features": 16}, {"features": 16, "fit": "given", "rho": 1.5}],
     "hybrid": [{"features": 8, "lambda_features": 4}],
     "hybrid-gaussian": [{"features": 8, "lambda_features": 4, "bandwidth": 0.8}],
+    "hedgehog": [{"features": 16}, {"features": 8, "causal": True}],
     "lsh": [{"chunk": 8, "rounds": 3}, {"chunk": 8, "causal": True, "dedupe": False},
             {"buckets": 4, "exact_buckets": True, "separate": True},
             {"chunk": 8, "rounds": 2, "separate": True}, {"chunk": 8, "causal": True, "separate": True}],
@@ -145,6 +146,23 @@ def test_python_report_has_the_cli_report_fields(tmp_path, method):
             assert cli[key] == pytest.approx(value) if isinstance(value, float) else cli[key] == value, key
     for key in ("feature_dim", "pairs_scored", "predicted_rel_mse"):
         assert (key in cli) == (key in report)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hedgehog_weight_and_bias_files_give_the_python_bits(tmp_path, dtype):
+    """--weight W.npy --bias B.npy with grouped heads (4 query heads over 2 key/value heads)."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 4, 24, 8)).astype(dtype)
+    k, v = (rng.standard_normal((2, 2, 24, 8)).astype(dtype) for _ in range(2))
+    weight = (0.5 * rng.standard_normal((2, 6, 8))).astype(dtype)
+    bias = rng.standard_normal((2, 6)).astype(dtype)
+    out, report = randattn.attention(q, k, v, method="hedgehog", causal=True, weight=weight, bias=bias,
+                                     report=True)
+    cli = run_cli(tmp_path, ["attention", "--method", "hedgehog", "--causal"], q=q, k=k, v=v, weight=weight,
+                  bias=bias)
+    assert out.dtype == cli.dtype == dtype
+    assert np.array_equal(out, cli)
+    assert report["features"] == 6 and report["feature_dim"] == 12
 
 
 def test_lsh_report_has_pairs_scored():

@@ -14,10 +14,13 @@ Two stages:
      the softmax rows' entropy: the mean KL divergence of the rows, nats); --transfer mse the mean
      squared error of the layer's attention outputs (as LoLCATs). --steps counts its steps
      (each over --batch windows and every layer).
-  2. optional fine-tuning (--finetune-steps N, default 0) with the language-model loss, every
-     attention layer run forward and backward by randattn's method: all weights and the feature
-     maps, or with --lora-rank R > 0 low-rank adapters of every weight matrix (merged into the
-     saved weights) and the feature maps.
+  2. optional fine-tuning (--finetune-steps N, default 0), every attention layer run forward and
+     backward by randattn's method: all weights and the feature maps, or with --lora-rank R > 0
+     low-rank adapters of every weight matrix (merged into the saved weights) and the feature maps.
+     The loss (--finetune-loss) is the language-model loss on --data (lm, the default), or the KL
+     divergence of the converted model's next-token distributions from the original model's with
+     exact attention on the same windows (kl: distillation, which aims at what model_eval.py
+     measures).
 The result is written as --out (llama2.c format) and its feature maps as --out with
 ".feature_maps.npz" appended; model_eval.py --feature-maps reads them.
 
@@ -127,6 +130,7 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=1e-2, help="peak learning rate of the transfer")
     ap.add_argument("--finetune-steps", type=int, default=0)
     ap.add_argument("--finetune-lr", type=float, default=1e-3)
+    ap.add_argument("--finetune-loss", choices=("lm", "kl"), default="lm")
     ap.add_argument("--lora-rank", type=int, default=0, help="0: fine-tune all weights")
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per window (default: the model's seq_len)")
     ap.add_argument("--batch", type=int, default=2)
@@ -198,6 +202,7 @@ def main(argv=None):
           f"{' '.join(f'{x:.4f}' for x in after)}", flush=True)
 
     if args.finetune_steps:
+        teacher = llama2c.read_checkpoint(args.checkpoint) if args.finetune_loss == "kl" else None
         model.train()
         weights = add_lora(model, args.lora_rank, args.seed) if args.lora_rank else list(model.parameters())
         opt = torch.optim.AdamW([{"params": [p for p in weights if p.dim() >= 2], "weight_decay": 0.1},
@@ -210,7 +215,13 @@ def main(argv=None):
                 group["lr"] = cosine_lr(args.finetune_lr, step, args.finetune_steps)
             batch = llama2c.sample_windows(tokens, length, args.batch, rng)
             logits = model(batch[:, :-1], attention)
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+            if teacher is None:
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+            else:
+                with torch.no_grad():
+                    target = torch.log_softmax(teacher(batch[:, :-1]), -1)
+                loss = torch.nn.functional.kl_div(torch.log_softmax(logits, -1).flatten(0, 1), target.flatten(0, 1),
+                                                  log_target=True, reduction="batchmean")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trained, 1.0)

@@ -745,7 +745,10 @@ class LayoutGradient final : public Gradient<Scalar> {
     for (std::size_t i = 0; i < pieces_.size(); ++i)
       for (const PieceState& piece : pieces_[i]) {
         if (!piece.gradient) continue;
-        for (auto& [name, g] : piece.gradient->option_gradients()) {
+        for (const auto& option : piece.gradient->option_gradients()) {
+          // Named, not a structured binding: C++17 lambdas cannot capture those.
+          const std::string& name = option.first;
+          const std::vector<double>& g = option.second;
           const Index entry = plan_->option_entry(name, slices[i].head);
           auto found = std::find_if(total.begin(), total.end(),
                                     [&](const auto& e) { return e.first == name; });

@@ -40,6 +40,13 @@ def feature_map_path(checkpoint):
     return pathlib.Path(str(checkpoint) + FEATURE_MAP_SUFFIX)
 
 
+def refuse_existing(checkpoint, force, error):
+    """error(message) when the checkpoint or its feature-map file exists, unless force."""
+    for path in (pathlib.Path(checkpoint), feature_map_path(checkpoint)):
+        if path.exists() and not force:
+            error(f"{path} exists (--force to overwrite)")
+
+
 def model_shape(config):
     """What a feature-map file must agree with."""
     return {"n_layers": config.n_layers, "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,

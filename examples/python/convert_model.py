@@ -142,16 +142,10 @@ def main(argv=None):
             ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.batch < 1:
         ap.error(f"--batch must be positive, got {args.batch}")
-    options = {}
-    for text in args.option:
-        key, sep, value = text.partition("=")
-        if not sep or not key:
-            ap.error(f"--option {text}: expected key=value")
-        options[key.replace("-", "_")] = llama2c.parse_value(value)
+    options = dict(llama2c.parse_option(text, ap.error) for text in args.option)
     out = pathlib.Path(args.out)
     maps_path = attention_layers.feature_map_path(out)
-    if not args.force and (out.exists() or maps_path.exists()):
-        ap.error(f"{out if out.exists() else maps_path} exists (--force to overwrite)")
+    attention_layers.refuse_existing(out, args.force, ap.error)
     torch.set_num_threads(args.threads)
     try:
         model = llama2c.read_checkpoint(args.checkpoint)

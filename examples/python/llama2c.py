@@ -299,6 +299,15 @@ def parse_value(text):
     return text
 
 
+def parse_option(text, error):
+    """(key, value) of a "key=value" command-line option (dashes in the key become underscores);
+    error(message) on anything else."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        error(f"--option {text}: expected key=value")
+    return key.replace("-", "_"), parse_value(value)
+
+
 def method_label(name, options):
     """"name key=value ..." as a table row's label."""
     return name + "".join(f" {k}={v}" for k, v in options.items())
@@ -316,10 +325,8 @@ def add_method_arguments(parser, flag):
         def __call__(self, parser, namespace, value, option_string=None):
             if not namespace.methods:
                 parser.error(f"--option {value}: no {flag} before it")
-            key, sep, text = value.partition("=")
-            if not sep or not key:
-                parser.error(f"--option {value}: expected key=value")
-            namespace.methods[-1][1][key.replace("-", "_")] = parse_value(text)
+            key, parsed = parse_option(value, parser.error)
+            namespace.methods[-1][1][key] = parsed
 
     parser.add_argument(flag, action=Method, dest="methods", default=None, metavar="NAME")
     parser.add_argument("--option", action=Option, metavar="KEY=VALUE", help=f"an option of the last {flag}")

@@ -94,12 +94,7 @@ def main(argv=None):
     ap.add_argument("--init", default=None,
                     help="continue from this llama2.c checkpoint (its architecture; new optimizer state)")
     args = ap.parse_args(argv)
-    options = {}
-    for text in args.option:
-        key, sep, value = text.partition("=")
-        if not sep or not key:
-            ap.error(f"--option {text}: expected key=value")
-        options[key.replace("-", "_")] = llama2c.parse_value(value)
+    options = dict(llama2c.parse_option(text, ap.error) for text in args.option)
     if options and not args.attention:
         ap.error("--option needs --attention")
     if args.write_corpus is None and args.out is None:
@@ -112,8 +107,7 @@ def main(argv=None):
         return
     out = pathlib.Path(args.out)
     maps_path = attention_layers.feature_map_path(out)
-    if not args.force and (out.exists() or maps_path.exists()):
-        ap.error(f"{out if out.exists() else maps_path} exists (--force to overwrite)")
+    attention_layers.refuse_existing(out, args.force, ap.error)
     tokens = llama2c.byte_tokens(data)
     try:
         if args.init:

@@ -33,6 +33,7 @@ def decode(model, prompt, make_cache, steps=0):
     of the loop, seconds in the caches, the caches' reports)."""
     c = model.config
     caches = [make_cache() for _ in range(c.n_layers)]
+    weights = model.layer_weights()
     tokens = prompt.tolist()
     logits, reports = [], []
     cache_seconds = 0.0
@@ -40,8 +41,9 @@ def decode(model, prompt, make_cache, steps=0):
     pos = 0
     while pos < len(tokens):
         x = model.tok_embeddings[tokens[pos]].view(1, 1, -1)
-        for layer, cache in enumerate(caches):
-            q, k, v = model.qkv(layer, x, [pos])
+        rotation = llama2c.rope_rotation([pos], c.head_size, x.dtype)
+        for w, cache in zip(weights, caches):
+            q, k, v = model.qkv(w, x, rotation)
             k_np, v_np = k[0].contiguous().numpy(), v[0].contiguous().numpy()  # (kv_heads, 1, hs)
             q_np = q[0, :, 0].contiguous().numpy()  # (n_heads, hs)
             t0 = time.perf_counter()
@@ -50,7 +52,7 @@ def decode(model, prompt, make_cache, steps=0):
             cache_seconds += time.perf_counter() - t0
             reports.append(report)
             attended = torch.from_numpy(np.asarray(out, dtype=np.float32)).view(1, c.n_heads, 1, c.head_size)
-            x = model.finish_layer(layer, x, attended)
+            x = model.finish_layer(w, x, attended)
         logits.append(model.logits(x)[0, 0])
         if pos + 1 == len(tokens) < len(prompt) + steps:
             tokens.append(int(logits[-1].argmax()))

@@ -94,11 +94,19 @@ def rope_tables(positions, head_size, dtype=torch.float32):
     return torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
 
 
-def apply_rope(x, cos, sin):
-    """Rotates consecutive pairs of the last axis of x (..., n, hs) by the angles of (n, hs/2) tables."""
-    pairs = x.unflatten(-1, (-1, 2))
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+def rope_rotation(positions, head_size, dtype=torch.float32):
+    """The rotations of the pairs of a head as complex cos + i·sin with parts of `dtype`,
+    (len(positions), hs/2)."""
+    return torch.complex(*rope_tables(positions, head_size, dtype))
+
+
+def apply_rope(x, rotation):
+    """Rotates consecutive pairs (2j, 2j+1) of the last axis of x (..., n, hs) by a rotation
+    table of rope_rotation (or one that broadcasts against x's pairs, such as (n, 1, hs/2) for x of
+    (..., n, heads, hs)). As a complex product it is one pass forward and one backward, and rounds
+    exactly as x0·cos − x1·sin, x0·sin + x1·cos does."""
+    pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2)
 
 
 def rmsnorm(x, weight):
@@ -164,23 +172,34 @@ class Transformer(torch.nn.Module):
         return self.tok_embeddings if self.config.shared_classifier else self.output
 
     # The pieces shared by the full-sequence forward and token-by-token decoding.
-    def qkv(self, layer, x, positions):
-        """Rotated queries (batch, n_heads, n, hs), keys and values (batch, n_kv_heads, n, hs) of
-        layer `layer` for the residual stream x (batch, n, dim) at `positions`."""
-        c = self.config
-        h = rmsnorm(x, self.attention_norm[layer])
-        q = (h @ self.wq[layer].T).unflatten(-1, (c.n_heads, c.head_size)).transpose(1, 2)
-        k = (h @ self.wk[layer].T).unflatten(-1, (c.n_kv_heads, c.head_size)).transpose(1, 2)
-        v = (h @ self.wv[layer].T).unflatten(-1, (c.n_kv_heads, c.head_size)).transpose(1, 2)
-        cos, sin = rope_tables(positions, c.head_size, x.dtype)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    def layer_weights(self):
+        """One dict of weights per layer (the layer's rows of the stored arrays). Taken once per
+        forward pass: each layer indexing the stacked arrays would add a full-size gradient per
+        layer in the backward pass."""
+        names = ("attention_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w2", "w3")
+        return [dict(zip(names, rows)) for rows in zip(*(getattr(self, name).unbind(0) for name in names))]
 
-    def finish_layer(self, layer, x, attended):
-        """The residual stream after layer `layer`, given its attention output (batch, n_heads, n, hs)."""
-        x = x + attended.transpose(1, 2).flatten(-2) @ self.wo[layer].T
-        h = rmsnorm(x, self.ffn_norm[layer])
-        gate = torch.nn.functional.silu(h @ self.w1[layer].T) * (h @ self.w3[layer].T)
-        return x + gate @ self.w2[layer].T
+    def qkv(self, w, x, rotation):
+        """Rotated queries (batch, n_heads, n, hs), keys and values (batch, n_kv_heads, n, hs) of the
+        layer of weights `w` (one entry of layer_weights()) for the residual stream x (batch, n, dim)
+        at the positions of `rotation` (rope_rotation)."""
+        c = self.config
+        h = rmsnorm(x, w["attention_norm"])
+        # One product for the three projections, and the rotation of queries and keys in one pass
+        # while each token's heads are contiguous: in a model this small, the products and the
+        # elementwise passes around attention take as long as attention itself.
+        qk, v = (h @ torch.cat((w["wq"], w["wk"], w["wv"])).T).split((c.dim + c.kv_dim, c.kv_dim), dim=-1)
+        qk = apply_rope(qk.unflatten(-1, (-1, c.head_size)), rotation[:, None])
+        q, k = qk.split((c.n_heads, c.n_kv_heads), dim=-2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.unflatten(-1, (c.n_kv_heads, c.head_size)).transpose(1, 2)
+
+    def finish_layer(self, w, x, attended):
+        """The residual stream after the layer of weights `w`, given its attention output (batch,
+        n_heads, n, hs)."""
+        x = x + attended.transpose(1, 2).flatten(-2) @ w["wo"].T
+        h = rmsnorm(x, w["ffn_norm"])
+        gate, up = (h @ torch.cat((w["w1"], w["w3"])).T).chunk(2, dim=-1)
+        return x + (torch.nn.functional.silu(gate) * up) @ w["w2"].T
 
     def logits(self, x):
         return rmsnorm(x, self.norm) @ self.classifier().T
@@ -193,11 +212,11 @@ class Transformer(torch.nn.Module):
         if tokens.shape[1] > c.seq_len:
             raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds the model's seq_len {c.seq_len}")
         x = self.tok_embeddings[tokens]
-        positions = torch.arange(tokens.shape[1])
-        for layer in range(c.n_layers):
-            q, k, v = self.qkv(layer, x, positions)
+        rotation = rope_rotation(torch.arange(tokens.shape[1]), c.head_size, x.dtype)
+        for layer, w in enumerate(self.layer_weights()):
+            q, k, v = self.qkv(w, x, rotation)
             attend = attention[layer] if isinstance(attention, (list, tuple, torch.nn.ModuleList)) else attention
-            x = self.finish_layer(layer, x, attend(q, k, v))
+            x = self.finish_layer(w, x, attend(q, k, v))
         return self.logits(x)
 
 

@@ -150,6 +150,18 @@ def test_training_script_writes_checkpoint_and_feature_maps(tmp_path):
     assert r.returncode != 0 and "exists" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_train_step_bench_times_every_method_and_the_rest():
+    bench = EXAMPLES.parents[1] / "bench" / "train_step_bench.py"
+    args = ["--context", 16, "--rounds", 1, "--threads", 1, "--dim", 16, "--hidden", 32, "--layers", 1]
+    r = subprocess.run([sys.executable, str(bench), *map(str, args), "--attention", "exact", "--attention",
+                        "hedgehog", "--option", "features=4"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split()[0] for line in r.stdout.splitlines()[2:]]
+    assert rows == ["exact", "hedgehog", "(no"]
+    r = subprocess.run([sys.executable, str(bench), *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "--attention" in r.stderr and "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize("case, message", [
     ("truncated", "float32 after the header"),
     ("short", "shorter than one training window"),

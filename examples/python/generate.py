@@ -12,7 +12,10 @@ time: per position and layer, the new key and value are appended to the layer's 
 attends to the cache. Printed per mode: tokens per second of the whole decode loop, microseconds per
 token spent in the caches (append and attend, all layers), the top-1 agreement of its next-token
 distributions with exact decoding's over the generated positions (and over all positions), the mean
-KL divergence from exact's distributions, and the means of the numeric fields of the caches' reports.
+KL divergence from exact's distributions, the share of cached keys scored per step, the KL of the
+oracle at the same keys per step ("oracle KL": at every position and layer, each query head attends
+exactly to its own highest-logit keys, as many in all as the mode scored there), the ratio of the two
+("KL/oracle"), and the means of the numeric fields of the caches' reports.
 Options after a --mode are KVCache's keywords (sinks, window, scale, page_size, top_pages, bits,
 tables, filters, eta, seed).
 """
@@ -60,6 +63,36 @@ def decode(model, prompt, make_cache, steps=0):
     seconds = time.perf_counter() - start
     assert all(len(cache) == len(tokens) for cache in caches)
     return torch.tensor(tokens), torch.stack(logits), seconds, cache_seconds, reports
+
+
+class OracleCache:
+    """A stand-in for randattn.KVCache that attends exactly to each query head's highest-logit keys:
+    as many keys per call, summed over query heads, as budgets (an iterator) gives, split evenly."""
+
+    def __init__(self, config, budgets):
+        self.keys, self.values, self.budgets = [], [], budgets
+        self.group = config.n_heads // config.n_kv_heads
+        self.scale = config.head_size ** -0.5
+
+    def __len__(self):
+        return len(self.keys)
+
+    def append(self, k, v):  # (kv_heads, 1, hs) each
+        self.keys.append(k[:, 0])
+        self.values.append(v[:, 0])
+
+    def attend(self, q, report=False):  # q (n_heads, hs)
+        keys, values = np.stack(self.keys, axis=1), np.stack(self.values, axis=1)  # (kv_heads, t, hs)
+        heads, t = q.shape[0], keys.shape[1]
+        total = next(self.budgets)
+        out = np.empty_like(q)
+        for h in range(heads):
+            k_top = min(t, max(1, total // heads + (h < total % heads)))
+            scores = keys[h // self.group] @ q[h] * self.scale
+            top = np.argpartition(-scores, k_top - 1)[:k_top]
+            w = np.exp(scores[top] - scores[top].max())
+            out[h] = w @ values[h // self.group][top] / w.sum()
+        return (out, {"keys_scored": total}) if report else out
 
 
 def report_means(reports):
@@ -128,20 +161,33 @@ def main(argv=None):
               f"{c.n_kv_heads} key/value heads; prompt {len(prompt)} tokens, {args.steps} generated, "
               f"torch threads {torch.get_num_threads()}")
         print(f"# exact greedy continuation: {text!r}")
-        print("| mode | tokens/s | cache µs/token | top-1 (generated) | top-1 (all) | KL (nats) | report means |")
-        print("|---|---|---|---|---|---|---|")
+        print("| mode | tokens/s | cache µs/token | top-1 (generated) | top-1 (all) | KL (nats) | keys scored "
+              "| oracle KL | KL/oracle | report means |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         ref_log = torch.log_softmax(reference.double(), -1)
         generated = slice(len(prompt) - 1, len(tokens) - 1)  # positions whose next token was generated
+
+        def kl_top1(logits):
+            log_p = torch.log_softmax(logits.double(), -1)
+            return float((ref_log.exp() * (ref_log - log_p)).sum(-1).mean()), (log_p.argmax(-1) == ref_log.argmax(-1)).double()
+
         for mode, options, make in factories:
             _, logits, seconds, cache_seconds, reports = decode(model, tokens, make)
-            log_p = torch.log_softmax(logits.double(), -1)
-            agree = (log_p.argmax(-1) == ref_log.argmax(-1)).double()
-            kl = float((ref_log.exp() * (ref_log - log_p)).sum(-1).mean())
+            kl, agree = kl_top1(logits)
             top1_gen = f"{float(agree[generated].mean()):.4f}" if args.steps > 0 else "-"
+            # Reports come position by position, layer by layer: the order the oracle's attends run in.
+            shares = [r["keys_scored"] / (c.n_heads * r["size"]) for r in reports]
+            if mode == "exact":
+                oracle, ratio = "0", "-"
+            else:
+                budgets = iter([r["keys_scored"] for r in reports])
+                oracle_kl = kl_top1(decode(model, tokens, lambda: OracleCache(c, budgets))[1])[0]
+                oracle = f"{oracle_kl:.4f}"
+                ratio = f"{kl / oracle_kl:.2f}" if oracle_kl > 0 else "-"
             means = ", ".join(f"{k} {v:.4g}" for k, v in report_means(reports).items())
             print(f"| {llama2c.method_label(mode, options)} | {len(tokens) / seconds:.1f} | "
                   f"{1e6 * cache_seconds / len(tokens):.1f} | {top1_gen} | {float(agree.mean()):.4f} | {kl:.4f} | "
-                  f"{means} |", flush=True)
+                  f"{sum(shares) / len(shares):.3f} | {oracle} | {ratio} | {means} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,10 @@ Printed per method (a Markdown table): mean over evaluated positions of the KL d
 next-token distribution from the exact model's (nats), top-1 agreement with the exact model, NLL of
 the targets (nats per token), the share of causal query-key pairs (j <= i) scored exactly (randattn's
 report field pairs_scored, rescaled from all n^2 pairs to the n(n+1)/2 causal ones; '-' where no pair
-is scored individually), and the seconds spent in attention over all layers. --stats adds the exact
-model's attention statistics per layer.
+is scored individually), the oracle's KL at that share ("oracle KL": oracle-topk with the smallest k whose
+share of causal pairs is at least the method's, k in brackets) and the ratio of the two ("KL/oracle";
+below 1 when a method's remainder recovers the mass the oracle drops), and the seconds spent in attention
+over all layers. --stats adds the exact model's attention statistics per layer.
 """
 
 import argparse
@@ -54,6 +56,16 @@ def causal_pairs(n):
     return n * (n + 1) / 2
 
 
+def topk_share(k_top, n):
+    """Share of the n(n+1)/2 causal pairs that oracle-topk with k_top scores."""
+    return sum(min(k_top, i + 1) for i in range(n)) / causal_pairs(n)
+
+
+def oracle_k(share, n):
+    """The smallest k whose oracle-topk scores at least `share` of the causal pairs (n when none does)."""
+    return next((k for k in range(1, n + 1) if topk_share(k, n) >= share - 1e-12), n)
+
+
 def oracle_topk_attention(k_top):
     """Exact softmax over each query's k_top highest-logit keys among j <= i."""
     def attend(q, k, v):
@@ -64,7 +76,7 @@ def oracle_topk_attention(k_top):
         top, index = scores.topk(min(k_top, n), dim=-1)  # rows with fewer than k_top keys keep -inf extras
         kept = torch.full_like(scores, float("-inf")).scatter_(-1, index, top)
         return torch.softmax(kept, dim=-1) @ v
-    attend.pairs_scored = lambda n: sum(min(k_top, i + 1) for i in range(n)) / causal_pairs(n)
+    attend.pairs_scored = lambda n: topk_share(k_top, n)
     return attend
 
 
@@ -285,8 +297,16 @@ def main(argv=None):
                 print(f"| {layer} | {s['q_norm']:.2f} | {s['k_norm']:.2f} | {s['entropy']:.2f} |")
             print(f"uniform attention's mean entropy over these positions: "
                   f"{float(torch.log(torch.arange(1, length + 1, dtype=torch.float64)).mean()):.2f} nats")
-        print("| method | KL (nats) | top-1 | NLL (nats/token) | causal pairs scored | attention s |")
-        print("|---|---|---|---|---|---|")
+        oracle_kls = {length: 0.0}  # k -> KL of oracle-topk with k (k = n: exact attention)
+
+        def oracle_kl(k):
+            if k not in oracle_kls:
+                oracle_kls[k] = compare(reference, model(inputs, oracle_topk_attention(k)), targets)[0]
+            return oracle_kls[k]
+
+        print("| method | KL (nats) | top-1 | NLL (nats/token) | causal pairs scored | oracle KL [k] | KL/oracle "
+              "| attention s |")
+        print("|---|---|---|---|---|---|---|---|")
         for name, attend, pairs_scored in attentions:
             try:
                 logits = model(inputs, attend)
@@ -295,8 +315,15 @@ def main(argv=None):
                 sys.exit(2)
             kl, top1, nll = compare(reference, logits, targets)
             share = pairs_scored(length) if pairs_scored else None
+            oracle, ratio = "-", "-"
+            if share is not None:
+                k = oracle_k(share, length)
+                ok = oracle_kl(k)
+                oracle = f"{ok:.3g} [{k}]"
+                ratio = f"{kl / ok:.2f}" if ok > 0 else "-"
             share = "-" if share is None else f"{share:.3f}"
-            print(f"| {name} | {kl:.3g} | {top1:.4f} | {nll:.4f} | {share} | {attend.seconds:.3f} |", flush=True)
+            print(f"| {name} | {kl:.3g} | {top1:.4f} | {nll:.4f} | {share} | {oracle} | {ratio} | "
+                  f"{attend.seconds:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

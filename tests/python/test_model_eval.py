@@ -180,7 +180,7 @@ def table_rows(stdout):
     rows = {}
     for line in stdout.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if line.startswith("| ") and len(cells) == 6 and cells[0] != "method":
+        if line.startswith("| ") and len(cells) == 8 and cells[0] != "method":
             rows[cells[0]] = cells[1:]
     return rows
 
@@ -200,8 +200,8 @@ def test_model_eval_end_to_end(checkpoint, text):
     rows = table_rows(result.stdout)
     assert set(rows) == {"exact", "favor features=64", "oprf features=64", "lsf eta=0.5 filters=16", "oracle-topk k=8",
                          "oracle-topk k=40", "window window=4 sinks=1", "uniform"}
-    kl, top1, nll, pairs, seconds = rows["exact"]
-    assert float(kl) < 1e-6 and (float(top1), pairs) == (1.0, "1.000")
+    kl, top1, nll, pairs, oracle, ratio, seconds = rows["exact"]
+    assert float(kl) < 1e-6 and (float(top1), pairs, oracle, ratio) == (1.0, "1.000", f"0 [{n}]", "-")
     # Top-k over all n keys is exact attention.
     assert float(rows["oracle-topk k=40"][0]) < 1e-4 and rows["oracle-topk k=40"][3] == "1.000"
     causal = n * (n + 1) / 2
@@ -209,10 +209,18 @@ def test_model_eval_end_to_end(checkpoint, text):
     window_pairs = sum(len(set(range(max(0, i - 3), i + 1)) | {0}) for i in range(n))
     assert float(rows["window window=4 sinks=1"][3]) == pytest.approx(window_pairs / causal, abs=1e-3)
     assert 0 < float(rows["lsf eta=0.5 filters=16"][3]) <= 1
-    assert rows["favor features=64"][3] == "-" and rows["uniform"][3] == "-"
-    for name, (kl, top1, nll, _, _) in rows.items():
+    assert rows["favor features=64"][3:6] == ["-"] * 3 and rows["uniform"][3:6] == ["-"] * 3
+    for name, (kl, top1, nll, *_) in rows.items():
         assert float(kl) >= 0 and 0 <= float(top1) <= 1 and float(nll) > 0, name
     assert float(rows["uniform"][0]) > float(rows["oracle-topk k=8"][0])
+    # The oracle column of an oracle row is that row itself; a method's is the oracle with the
+    # smallest k whose share covers the method's, and the ratio divides the two KLs.
+    kl8 = rows["oracle-topk k=8"][0]
+    assert rows["oracle-topk k=8"][4:6] == [f"{kl8} [8]", "1.00"]
+    window_k = next(k for k in range(1, n + 1) if sum(min(k, i + 1) for i in range(n)) >= window_pairs)
+    kl_w, _, _, _, oracle_w, ratio_w, _ = rows["window window=4 sinks=1"]
+    assert oracle_w.endswith(f"[{window_k}]")
+    assert float(ratio_w) == pytest.approx(float(kl_w) / float(oracle_w.split()[0]), rel=2e-2)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -278,16 +286,51 @@ def test_generate_end_to_end(checkpoint, text):
     rows = {}
     for line in result.stdout.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if line.startswith("| ") and len(cells) == 7 and cells[0] != "mode":
+        if line.startswith("| ") and len(cells) == 10 and cells[0] != "mode":
             rows[cells[0]] = cells[1:]
     assert len(rows) == 5, result.stdout
     for name in ("exact", "blocks page_size=4 top_pages=100 window=2 sinks=1"):
-        tokens_per_s, cache_us, top1_gen, top1_all, kl, _ = rows[name]
-        # Every page attended: exact decoding (up to float rounding in the merge).
-        assert (top1_gen, top1_all) == ("1.0000", "1.0000") and float(kl) < 1e-5, name
+        tokens_per_s, cache_us, top1_gen, top1_all, kl, scored, oracle, ratio, _ = rows[name]
+        # Every page attended: exact decoding (up to float rounding in the merge), and the oracle
+        # given every key is exact decoding too.
+        assert (top1_gen, top1_all, scored) == ("1.0000", "1.0000", "1.000") and float(kl) < 1e-5, name
+        assert float(oracle) < 1e-5
         assert float(tokens_per_s) > 0 and float(cache_us) > 0
-    for name, (tokens_per_s, cache_us, top1_gen, top1_all, kl, _) in rows.items():
-        assert 0 <= float(top1_gen) <= 1 and float(kl) >= 0, name
+    assert rows["exact"][6:8] == ["0", "-"]
+    few = rows["blocks page_size=4 top_pages=1 window=2 sinks=1"]
+    assert 0 < float(few[5]) < 1
+    if float(few[6]) > 0:
+        assert float(few[7]) == pytest.approx(float(few[4]) / float(few[6]), rel=2e-3)
+    for name, (tokens_per_s, cache_us, top1_gen, top1_all, kl, scored, oracle, *_) in rows.items():
+        assert 0 <= float(top1_gen) <= 1 and float(kl) >= 0 and 0 < float(scored) <= 1, name
+        assert float(oracle) >= 0, name
+
+
+def test_oracle_cache_with_every_key_is_exact_decoding(checkpoint):
+    """generate.OracleCache given as many keys as are cached decodes as the exact KVCache does, and
+    given one key per head attends to that head's highest-logit key alone."""
+    pytest.importorskip("randattn")
+    import generate
+    model = llama2c.read_checkpoint(checkpoint)
+    c = model.config
+    prompt = torch.from_numpy(np.random.default_rng(5).integers(0, 256, size=20))
+    everything = iter([c.n_heads * (t + 1) for t in range(20) for _ in range(c.n_layers)])
+    with torch.inference_mode():
+        _, exact, *_ = generate.decode(model, prompt, kv_cache_factory(model))
+        _, oracle, *_ = generate.decode(model, prompt, lambda: generate.OracleCache(c, everything))
+    assert float((exact - oracle).abs().max()) < 1e-4 * float(exact.abs().max())
+    cache = generate.OracleCache(c, iter([c.n_heads]))
+    rng = np.random.default_rng(6)
+    keys = rng.standard_normal((5, c.n_kv_heads, 1, c.head_size)).astype(np.float32)
+    values = rng.standard_normal((5, c.n_kv_heads, 1, c.head_size)).astype(np.float32)
+    for k, v in zip(keys, values):
+        cache.append(k, v)
+    q = rng.standard_normal((c.n_heads, c.head_size)).astype(np.float32)
+    out = cache.attend(q)
+    group = c.n_heads // c.n_kv_heads
+    for h in range(c.n_heads):
+        best = int(np.argmax(keys[:, h // group, 0] @ q[h]))
+        np.testing.assert_array_equal(out[h], values[best, h // group, 0])
 
 
 @pytest.mark.parametrize("args, message", [
@@ -296,7 +339,6 @@ def test_generate_end_to_end(checkpoint, text):
     (["--prompt-len", "40", "--steps", "20"], "seq_len"),
 ])
 def test_generate_errors(checkpoint, text, args, message):
-    pytest.importorskip("randattn")
     result = run_generate(checkpoint, text, *args)
     assert result.returncode == 2
     assert message in result.stderr

@@ -40,9 +40,9 @@ def feature_map_path(checkpoint):
     return pathlib.Path(str(checkpoint) + FEATURE_MAP_SUFFIX)
 
 
-def refuse_existing(checkpoint, force, error):
-    """error(message) when the checkpoint or its feature-map file exists, unless force."""
-    for path in (pathlib.Path(checkpoint), feature_map_path(checkpoint)):
+def refuse_existing(checkpoint, force, error, also=()):
+    """error(message) when the checkpoint, its feature-map file or a path of `also` exists, unless force."""
+    for path in (pathlib.Path(checkpoint), feature_map_path(checkpoint), *map(pathlib.Path, also)):
         if path.exists() and not force:
             error(f"{path} exists (--force to overwrite)")
 

@@ -5,8 +5,8 @@
         --prompt-len 512 --steps 128 --mode exact --mode blocks --option page_size=16 --option top_pages=8 \\
         --mode lsh-sample --option bits=8 --option tables=16
 
-The prompt is --prompt-len bytes of the text file from byte --start (tokens = bytes + --token-offset,
-as in model_eval.py). Exact decoding (mode "exact") runs first and continues the prompt greedily for
+The prompt is the first --prompt-len tokens of the text file from byte --start (tokens = bytes +
+--token-offset, or the BPE of --tokenizer FILE, as in model_eval.py). Exact decoding (mode "exact") runs first and continues the prompt greedily for
 --steps tokens; every mode then decodes the same tokens (the prompt and exact's continuation) one at a
 time: per position and layer, the new key and value are appended to the layer's cache and the query
 attends to the cache. Printed per mode: tokens per second of the whole decode loop, microseconds per
@@ -114,6 +114,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=64, help="tokens generated after the prompt")
     ap.add_argument("--start", type=int, default=0, help="byte of the text where the prompt starts")
     ap.add_argument("--token-offset", type=int, default=0, help="token id of byte 0")
+    ap.add_argument("--tokenizer", default=None, help="the model's BPE tokenizer file (bpe.py)")
     llama2c.add_method_arguments(ap, "--mode")
     ap.add_argument("--threads", type=int, default=None, help="torch threads")
     args = ap.parse_args(argv)
@@ -133,14 +134,11 @@ def main(argv=None):
         if args.prompt_len + args.steps > c.seq_len:
             raise ValueError(f"--prompt-len + --steps = {args.prompt_len + args.steps} exceeds the model's "
                              f"seq_len {c.seq_len}")
-        if args.token_offset < 0 or args.token_offset + 256 > c.vocab_size:
-            raise ValueError(f"bytes with --token-offset {args.token_offset} do not fit the vocabulary of "
-                             f"{c.vocab_size}")
-        data = open(args.text, "rb").read()[args.start:args.start + args.prompt_len]
-        if len(data) < args.prompt_len:
-            raise ValueError(f"{args.text}: only {len(data)} bytes from byte {args.start}, "
+        encode, decode_text = llama2c.text_codec(c.vocab_size, args.token_offset, args.tokenizer)
+        prompt = encode(open(args.text, "rb").read()[args.start:])[:args.prompt_len]
+        if len(prompt) < args.prompt_len:
+            raise ValueError(f"{args.text}: only {len(prompt)} tokens from byte {args.start}, "
                              f"--prompt-len is {args.prompt_len}")
-        prompt = llama2c.byte_tokens(data, args.token_offset)
         modes = args.methods or [("exact", {}), ("blocks", {}), ("lsh-sample", {}), ("lsf", {})]
 
         def factory(mode, options):
@@ -156,7 +154,7 @@ def main(argv=None):
     with torch.inference_mode():
         # Exact decoding: the greedy continuation and the reference distributions.
         tokens, reference, _, _, _ = decode(model, prompt, factory("exact", {}), args.steps)
-        text = bytes((t - args.token_offset) % 256 for t in tokens[len(prompt):].tolist())
+        text = decode_text(tokens[len(prompt):].tolist())
         print(f"# {args.checkpoint}: {c.n_layers} layers, {c.n_heads} query heads of {c.head_size} over "
               f"{c.n_kv_heads} key/value heads; prompt {len(prompt)} tokens, {args.steps} generated, "
               f"torch threads {torch.get_num_threads()}")

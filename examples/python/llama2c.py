@@ -263,6 +263,23 @@ def byte_tokens(text_bytes, offset=0):
     return torch.from_numpy(np.frombuffer(text_bytes, dtype=np.uint8).astype(np.int64) + offset)
 
 
+def text_codec(vocab_size, token_offset=0, tokenizer=None):
+    """(encode, decode) of a model's text: bytes -> int64 token tensor and token ids -> bytes. With a
+    tokenizer file (bpe.py's, e.g. train_tiny_lm.py --vocab bpe:N's), its BPE, which must have the
+    model's vocabulary; else byte b is token b + token_offset. ValueError when they do not fit."""
+    if tokenizer is not None:
+        import bpe
+        if token_offset:
+            raise ValueError("a token offset applies to bytes as tokens, not with a tokenizer")
+        bpe_tokens = bpe.Tokenizer.load(tokenizer)
+        if bpe_tokens.vocab_size != vocab_size:
+            raise ValueError(f"{tokenizer}: a vocabulary of {bpe_tokens.vocab_size} tokens, the model's has {vocab_size}")
+        return (lambda data: torch.from_numpy(bpe_tokens.encode(data))), bpe_tokens.decode
+    if token_offset < 0 or token_offset + 256 > vocab_size:
+        raise ValueError(f"bytes with token offset {token_offset} do not fit the model's vocabulary of {vocab_size}")
+    return (lambda data: byte_tokens(data, token_offset)), (lambda ids: bytes((int(t) - token_offset) % 256 for t in ids))
+
+
 def read_tokens(path, vocab_size, token_offset=0):
     """Training or conversion data: a text file read as bytes (byte b is token b + token_offset), a
     1-D token stream; or a .npy of token ids of shape (sequences, length), e.g. made with a model's

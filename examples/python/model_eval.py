@@ -13,6 +13,8 @@ Tokenizer: the file's raw bytes, byte b being token b + --token-offset. 0 fits b
 vocabulary of 256, as train_tiny_lm.py makes); llama2.c's sentencepiece models hold the 256 bytes as
 byte-fallback tokens 3..258 (--token-offset 3), which any text maps to, though such a model saw them
 rarely in training and its NLL is then high; the comparison with the exact model stays meaningful.
+--tokenizer FILE (a BPE of bpe.py, e.g. train_tiny_lm.py --vocab bpe:N's) encodes the text from --start
+instead, and the windows are then of tokens.
 
 Methods (--method, repeatable; the --option key=value that follow it are its options):
   any method of randattn.methods() (exact, favor, oprf, sderf, lsh, lsf, ...), always causal, its
@@ -211,15 +213,15 @@ def compare(reference_logits, logits, targets):
     return float(kl), float(top1), float(nll)
 
 
-def load_sequences(path, n_seqs, length, start, token_offset, vocab_size):
-    data = open(path, "rb").read()[start:]
+def load_sequences(path, n_seqs, length, start, encode):
+    """(inputs, targets) of n_seqs consecutive windows of length + 1 tokens of the text from byte
+    `start`, encoded by `encode` (llama2c.text_codec)."""
+    tokens = encode(open(path, "rb").read()[start:])
     need = n_seqs * (length + 1)
-    if len(data) < need:
-        raise ValueError(f"{path}: {len(data)} bytes from byte {start}, {n_seqs} sequences of {length} + 1 "
+    if tokens.numel() < need:
+        raise ValueError(f"{path}: {tokens.numel()} tokens from byte {start}, {n_seqs} sequences of {length} + 1 "
                          f"tokens need {need}")
-    if token_offset < 0 or token_offset + 256 > vocab_size:
-        raise ValueError(f"bytes with --token-offset {token_offset} do not fit the model's vocabulary of {vocab_size}")
-    tokens = llama2c.byte_tokens(data[:need], token_offset).view(n_seqs, length + 1)
+    tokens = tokens[:need].view(n_seqs, length + 1)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -231,6 +233,7 @@ def main(argv=None):
     ap.add_argument("--len", type=int, default=None, help="tokens per sequence (default: the model's seq_len)")
     ap.add_argument("--start", type=int, default=0, help="byte of the text where the first sequence starts")
     ap.add_argument("--token-offset", type=int, default=0, help="token id of byte 0 (see above)")
+    ap.add_argument("--tokenizer", default=None, help="the model's BPE tokenizer file (see above)")
     llama2c.add_method_arguments(ap, "--method")
     ap.add_argument("--threads", type=int, default=None, help="threads of torch and randattn")
     ap.add_argument("--stats", action="store_true", help="print the exact model's attention statistics")
@@ -262,16 +265,15 @@ def main(argv=None):
         length = args.len if args.len is not None else model.config.seq_len
         if not 1 <= length <= model.config.seq_len:
             raise ValueError(f"--len must be in 1..{model.config.seq_len} (the model's seq_len), got {length}")
-        inputs, targets = load_sequences(args.text, args.seqs, length, args.start, args.token_offset,
-                                         model.config.vocab_size)
+        encode, _ = llama2c.text_codec(model.config.vocab_size, args.token_offset, args.tokenizer)
+        inputs, targets = load_sequences(args.text, args.seqs, length, args.start, encode)
         methods = args.methods or DEFAULT_METHODS
 
         def calibration():
             """Per layer, the exact model's queries and keys ((n_heads, len, hs) each; key/value heads
             repeated) on the calibration sequence, the window after the evaluated ones."""
             if not hasattr(calibration, "rows"):
-                tokens, _ = load_sequences(args.text, args.seqs + 1, length, args.start, args.token_offset,
-                                           model.config.vocab_size)
+                tokens, _ = load_sequences(args.text, args.seqs + 1, length, args.start, encode)
                 recorder = QKRecorder()
                 with torch.inference_mode():
                     reference_model(tokens[-1:], recorder)

@@ -3,7 +3,10 @@
 
 The corpus is text that Debian ships with its Python: the standard library's sources
 (/usr/lib/python3.11/**/*.py without the test suites), one file held out for evaluation
-(argparse.py by default). Tokens are bytes (vocabulary 256). The defaults (4 layers, dim 64, 2 query
+(argparse.py by default). Tokens are bytes (vocabulary 256), or with --vocab bpe:N the tokens of a
+byte-level BPE of N tokens (bpe.py) trained on the same corpus and saved beside the checkpoint, in the
+--out path with ".tokenizer.json" appended (model_eval.py and generate.py read it with --tokenizer).
+The defaults (4 layers, dim 64, 2 query
 heads of size 32 over 1 key/value head, context 1024, SwiGLU hidden 192, batches of 2 sequences) are
 sized for 2 shared CPU cores with Debian's python3-torch; training stops at the step count or the time
 budget (--minutes), whichever comes first, and the learning-rate schedule (linear warm-up, cosine
@@ -17,7 +20,7 @@ A learned feature map (hedgehog; favor and favor-hyp unless --fixed-features) is
 model and saved beside the checkpoint, in the --out path with ".feature_maps.npz" appended.
 --init CHECKPOINT fine-tunes a trained model (with the feature maps of CHECKPOINT.feature_maps.npz when
 that file exists and is of the same method). --valid-every N prints the validation loss (nats/byte)
-on the held-out file every N steps and at the end; --write-corpus FILE writes the training corpus
+on the held-out file every N steps and at the end (nats/byte, or nats/token with a BPE); --write-corpus FILE writes the training corpus
 (for convert_model.py --data) and exits.
 """
 
@@ -31,6 +34,7 @@ import numpy as np
 import torch
 
 import attention_layers
+import bpe
 import llama2c
 
 
@@ -64,6 +68,16 @@ def validation_loss(model, attention, tokens, length, seqs):
         return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()))
 
 
+def parse_vocab(text, error):
+    """N of "bpe:N" (N >= 256), None for "bytes"; error(message) on anything else."""
+    if text == "bytes":
+        return None
+    kind, _, size = text.partition(":")
+    if kind != "bpe" or not size.isdigit() or int(size) < 256:
+        error(f"--vocab {text}: expected bytes or bpe:N with N >= 256")
+    return int(size)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="checkpoint path (llama2.c format)")
@@ -78,6 +92,7 @@ def main(argv=None):
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="an option of --attention")
     ap.add_argument("--fixed-features", action="store_true",
                     help="favor, favor-hyp: keep the seed's projections instead of learning them")
+    ap.add_argument("--vocab", default="bytes", help="bytes (256 tokens) or bpe:N (a BPE of N >= 256 tokens)")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=192)
     ap.add_argument("--layers", type=int, default=4)
@@ -107,23 +122,39 @@ def main(argv=None):
         return
     out = pathlib.Path(args.out)
     maps_path = attention_layers.feature_map_path(out)
-    attention_layers.refuse_existing(out, args.force, ap.error)
-    tokens = llama2c.byte_tokens(data)
+    bpe_size = parse_vocab(args.vocab, ap.error)
+    tokenizer_path = bpe.tokenizer_path(out)
+    attention_layers.refuse_existing(out, args.force, ap.error, also=[tokenizer_path] if bpe_size else [])
     try:
+        tokenizer = None
+        if args.init and bpe.tokenizer_path(args.init).exists():
+            tokenizer = bpe.Tokenizer.load(bpe.tokenizer_path(args.init))
+        elif args.init and bpe_size:
+            raise ValueError(f"{args.init} has no tokenizer ({bpe.tokenizer_path(args.init)}); --vocab bpe "
+                             "trains one for a new model only")
+        elif bpe_size:
+            began = time.perf_counter()
+            tokenizer = bpe.Tokenizer.train(data, bpe_size)
+            print(f"trained a BPE of {tokenizer.vocab_size} tokens in {time.perf_counter() - began:.1f} s", flush=True)
+        encode = (lambda text: torch.from_numpy(tokenizer.encode(text))) if tokenizer else llama2c.byte_tokens
+        vocab_size = tokenizer.vocab_size if tokenizer else 256
+        tokens = encode(data)
         if args.init:
             model = llama2c.read_checkpoint(args.init).train()
             config = model.config
-            if config.vocab_size != 256 or config.seq_len < args.seq_len:
-                raise ValueError(f"{args.init}: needs a byte vocabulary (256) and seq_len >= {args.seq_len}")
+            if config.vocab_size != vocab_size or config.seq_len < args.seq_len:
+                raise ValueError(f"{args.init}: needs a vocabulary of {vocab_size} (its tokenizer's, or bytes) and "
+                                 f"seq_len >= {args.seq_len}, has {config.vocab_size} and {config.seq_len}")
         else:
-            config = llama2c.Config(args.dim, args.hidden, args.layers, args.heads, args.kv_heads, 256, args.seq_len)
+            config = llama2c.Config(args.dim, args.hidden, args.layers, args.heads, args.kv_heads, vocab_size,
+                                    args.seq_len)
             model = llama2c.Transformer(config)
             init_weights(model, args.seed)
         llama2c.check_windows(tokens, args.seq_len, args.corpus)
         valid_path = args.valid
         if valid_path is None and args.holdout:
             valid_path = next(pathlib.Path(args.corpus).rglob(args.holdout[0]), None)
-        valid = llama2c.read_tokens(valid_path, 256) if valid_path else None
+        valid = encode(pathlib.Path(valid_path).read_bytes()) if valid_path else None
         if valid is not None:
             llama2c.check_windows(valid, args.seq_len, valid_path)
         attention = llama2c.exact_attention
@@ -141,7 +172,9 @@ def main(argv=None):
         sys.exit(2)
     n_params = sum(p.numel() for p in model.parameters())
     learned = [p for p in attention.parameters()] if isinstance(attention, torch.nn.Module) else []
-    print(f"corpus: {n_files} files, {len(tokens)} bytes; model: {config}, {n_params} parameters; attention: "
+    unit = "nats/token" if tokenizer else "nats/byte"
+    print(f"corpus: {n_files} files, {len(data)} bytes"
+          f"{f' = {len(tokens)} tokens ({len(data) / len(tokens):.2f} bytes/token)' if tokenizer else ''}; model: {config}, {n_params} parameters; attention: "
           f"{llama2c.method_label(args.attention, options) if args.attention else 'torch exact'}"
           f"{f' ({sum(p.numel() for p in learned)} learned feature-map parameters)' if learned else ''}", flush=True)
 
@@ -163,7 +196,7 @@ def main(argv=None):
             began = time.perf_counter()
             validated[step] = validation_loss(model, attention, valid, args.seq_len, args.valid_seqs)
             paused[0] += time.perf_counter() - began
-            print(f"valid step {step} time {elapsed():.1f} s loss {validated[step]:.4f} nats/byte", flush=True)
+            print(f"valid step {step} time {elapsed():.1f} s loss {validated[step]:.4f} {unit}", flush=True)
         return validated.get(step)
 
     while step < args.steps:
@@ -185,7 +218,7 @@ def main(argv=None):
         step += 1
         smoothed = loss.item() if smoothed is None else 0.9 * smoothed + 0.1 * loss.item()
         if step % 10 == 0 or step == 1:
-            print(f"step {step:5d}  loss {loss.item():.3f} (smoothed {smoothed:.3f}) nats/byte  lr {lr:.2e}  "
+            print(f"step {step:5d}  loss {loss.item():.3f} (smoothed {smoothed:.3f}) {unit}  lr {lr:.2e}  "
                   f"{elapsed():7.1f} s", flush=True)
         if args.valid_every and step % args.valid_every == 0:
             report_validation()
@@ -193,11 +226,13 @@ def main(argv=None):
     llama2c.write_checkpoint(model, out)
     if learned:
         attention.save(maps_path)
+    if tokenizer:
+        tokenizer.save(tokenizer_path)
     median = float(np.median(step_seconds)) if step_seconds else float("nan")
     print(f"trained {step} steps ({step * args.batch * args.seq_len} tokens) in {elapsed():.0f} s "
-          f"(median {median:.3f} s/step); final smoothed loss {smoothed:.3f} nats/byte"
-          f"{f'; validation {final:.4f} nats/byte' if final is not None else ''}; wrote {out}"
-          f"{f' and {maps_path}' if learned else ''}")
+          f"(median {median:.3f} s/step); final smoothed loss {smoothed:.3f} {unit}"
+          f"{f'; validation {final:.4f} {unit}' if final is not None else ''}; wrote {out}"
+          f"{f' and {maps_path}' if learned else ''}{f' and {tokenizer_path}' if tokenizer else ''}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ randattn = pytest.importorskip("randattn")
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "python"
 sys.path.insert(0, str(EXAMPLES))
 import attention_layers  # noqa: E402
+import bpe  # noqa: E402
 import llama2c  # noqa: E402
 import train_tiny_lm  # noqa: E402
 from test_model_eval import random_model  # noqa: E402
@@ -197,3 +198,84 @@ def test_model_eval_refuses_feature_maps_of_another_model(tmp_path, files):
     r = run("model_eval.py", checkpoint, text, "--seqs", 1, "--len", 16, "--feature-maps", maps,
             "--method", "hedgehog")
     assert r.returncode != 0 and "for a model of shape" in r.stderr and "Traceback" not in r.stderr
+
+
+def naive_merge(ids, a, b, new):
+    """The pair (a, b) replaced by new, scanning from the left (the definition _merge vectorises)."""
+    out, i = [], 0
+    while i < len(ids):
+        if i + 1 < len(ids) and (ids[i], ids[i + 1]) == (a, b):
+            out.append(new)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
+
+
+def test_bpe_merge_is_the_left_to_right_scan():
+    rng = np.random.default_rng(0)
+    for _ in range(500):  # runs of equal ids (a == b) are the delicate case: small alphabets make many
+        ids = rng.integers(0, 3, size=rng.integers(0, 16)).astype(np.int32)
+        a, b = (int(x) for x in rng.integers(0, 3, size=2))
+        assert list(bpe._merge(ids, a, b, 7)) == naive_merge(list(ids), a, b, 7), (ids, a, b)
+
+
+def test_bpe_round_trips_and_compresses(tmp_path):
+    text = b"def f(self, x):\n    return self.x + x\n" * 40 + bytes(range(256))
+    tokenizer = bpe.Tokenizer.train(text, 270)
+    assert tokenizer.vocab_size == 270
+    # Training stops when no pair repeats: the merges would only memorise the text.
+    assert bpe.Tokenizer.train(b"abcdef", 300).vocab_size == 256
+    assert bpe.Tokenizer.train(text, 1000).vocab_size < 1000
+    ids = tokenizer.encode(text)
+    # Every merge replaced at least one pair when training chose it.
+    assert tokenizer.decode(ids) == text and len(ids) <= len(text) - len(tokenizer.merges)
+    # Encoding reproduces training's segmentation: the merges applied in order, each a pair of
+    # earlier tokens whose bytes concatenate.
+    for r, (a, b) in enumerate(tokenizer.merges):
+        assert a < 256 + r and b < 256 + r
+        assert tokenizer.pieces[256 + r] == tokenizer.pieces[a] + tokenizer.pieces[b]
+    path = tmp_path / "t.json"
+    tokenizer.save(path)
+    again = bpe.Tokenizer.load(path)
+    assert again.merges == tokenizer.merges and np.array_equal(again.encode(text), ids)
+    with pytest.raises(ValueError, match="outside"):
+        tokenizer.decode([270])
+    path.write_text('{"format": "randattn-bpe", "version": 1, "vocab_size": 258, "merges": [[0, 1], [256, 999]]}')
+    with pytest.raises(ValueError, match="not defined before"):
+        bpe.Tokenizer.load(path)
+    path.write_text("[1, 2")
+    with pytest.raises(ValueError, match="not a randattn-bpe tokenizer"):
+        bpe.Tokenizer.load(path)
+
+
+def test_bpe_model_trains_and_the_scripts_read_its_tokenizer(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    words = [b"self", b"return", b"import", b"def", b"None", b" ", b"\n", b"(", b")", b":", b"x", b"=", b"."]
+    rng = np.random.default_rng(3)
+    for name in ("a.py", "b.py", "held.py"):
+        (corpus / name).write_bytes(b"".join(words[i] for i in rng.integers(0, len(words), size=1500)))
+    out = tmp_path / "m.bin"
+    r = run("train_tiny_lm.py", "--corpus", corpus, "--holdout", "held.py", "--vocab", "bpe:300", "--dim", 16,
+            "--hidden", 32, "--layers", 1, "--heads", 4, "--kv-heads", 2, "--seq-len", 32, "--steps", 2,
+            "--threads", 1, "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert "nats/token" in r.stdout and bpe.tokenizer_path(out).exists()
+    assert llama2c.read_checkpoint(out).config.vocab_size == 300
+    held = corpus / "held.py"
+    tokenizer = ["--tokenizer", bpe.tokenizer_path(out)]
+    r = run("model_eval.py", out, held, "--seqs", 2, "--len", 16, *tokenizer, "--method", "exact")
+    assert r.returncode == 0, r.stderr
+    assert "| exact | " in r.stdout
+    r = run("generate.py", out, held, "--prompt-len", 12, "--steps", 4, *tokenizer, "--mode", "exact")
+    assert r.returncode == 0, r.stderr
+    # The continuation is printed as text, decoded by the tokenizer.
+    assert "exact greedy continuation" in r.stdout
+    byte_model = tmp_path / "bytes.bin"
+    llama2c.write_checkpoint(small_model(), byte_model)
+    r = run("model_eval.py", byte_model, held, "--seqs", 1, "--len", 8, *tokenizer, "--method", "exact")
+    assert r.returncode != 0 and "vocabulary of 300" in r.stderr and "Traceback" not in r.stderr
+    r = run("train_tiny_lm.py", "--corpus", corpus, "--vocab", "bpe:12", "--out", tmp_path / "x.bin")
+    assert r.returncode != 0 and "--vocab" in r.stderr and not (tmp_path / "x.bin").exists()

@@ -24,9 +24,9 @@ Two stages:
 The result is written as --out (llama2.c format) and its feature maps as --out with
 ".feature_maps.npz" appended; model_eval.py --feature-maps reads them.
 
---data: a text file read as bytes (byte b is token b + --token-offset, as model_eval.py reads text),
-or a .npy of token ids of shape (sequences, length), so a model with its own tokenizer is
-converted on token sequences it produced.
+--data: a text file read as bytes (byte b is token b + --token-offset, as model_eval.py reads text) or
+encoded by --tokenizer FILE (the model's BPE of bpe.py), or a .npy of token ids of shape (sequences,
+length), so a model with any tokenizer is converted on token sequences it produced.
 """
 
 import argparse
@@ -123,6 +123,7 @@ def main(argv=None):
                     help="an option of --method (e.g. features=64)")
     ap.add_argument("--data", required=True, help="text file (bytes) or .npy of token ids (sequences, length)")
     ap.add_argument("--token-offset", type=int, default=0, help="token id of byte 0 for text --data")
+    ap.add_argument("--tokenizer", default=None, help="the model's BPE tokenizer file (bpe.py) for text --data")
     ap.add_argument("--out", required=True, help="converted checkpoint (llama2.c format)")
     ap.add_argument("--force", action="store_true", help="overwrite --out and its feature maps")
     ap.add_argument("--transfer", choices=("ce", "mse"), default="ce", help="attention-transfer loss")
@@ -153,7 +154,7 @@ def main(argv=None):
         length = args.seq_len or config.seq_len
         if not 1 <= length <= config.seq_len:
             raise ValueError(f"--seq-len must be in 1..{config.seq_len} (the model's seq_len), got {length}")
-        tokens = llama2c.read_tokens(args.data, config.vocab_size, args.token_offset)
+        tokens = llama2c.read_tokens(args.data, config.vocab_size, args.token_offset, args.tokenizer)
         llama2c.check_windows(tokens, length, args.data)
         attention = attention_layers.ModelAttention(args.method, config, options, seed=args.seed)
         with torch.no_grad():

@@ -280,10 +280,10 @@ def text_codec(vocab_size, token_offset=0, tokenizer=None):
     return (lambda data: byte_tokens(data, token_offset)), (lambda ids: bytes((int(t) - token_offset) % 256 for t in ids))
 
 
-def read_tokens(path, vocab_size, token_offset=0):
-    """Training or conversion data: a text file read as bytes (byte b is token b + token_offset), a
-    1-D token stream; or a .npy of token ids of shape (sequences, length), e.g. made with a model's
-    own tokenizer. ValueError on ids outside the vocabulary."""
+def read_tokens(path, vocab_size, token_offset=0, tokenizer=None):
+    """Training or conversion data: a text file encoded as text_codec encodes it (bytes + token_offset,
+    or the BPE of a tokenizer file), a 1-D token stream; or a .npy of token ids of shape (sequences,
+    length), e.g. made with a model's own tokenizer. ValueError on ids outside the vocabulary."""
     path = str(path)
     if path.endswith(".npy"):
         ids = np.load(path, allow_pickle=False)
@@ -292,10 +292,9 @@ def read_tokens(path, vocab_size, token_offset=0):
                              f"{ids.dtype} of shape {ids.shape}")
         tokens = torch.from_numpy(ids.astype(np.int64))
     else:
-        if token_offset < 0 or token_offset + 256 > vocab_size:
-            raise ValueError(f"bytes with token offset {token_offset} do not fit the model's vocabulary of {vocab_size}")
+        encode, _ = text_codec(vocab_size, token_offset, tokenizer)
         with open(path, "rb") as f:
-            tokens = byte_tokens(f.read(), token_offset)
+            tokens = encode(f.read())
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
         raise ValueError(f"{path}: token ids {int(tokens.min())}..{int(tokens.max())} outside the model's "
                          f"vocabulary 0..{vocab_size - 1}")

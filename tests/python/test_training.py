@@ -273,6 +273,9 @@ def test_bpe_model_trains_and_the_scripts_read_its_tokenizer(tmp_path):
     assert r.returncode == 0, r.stderr
     # The continuation is printed as text, decoded by the tokenizer.
     assert "exact greedy continuation" in r.stdout
+    r = run("convert_model.py", out, "--method", "hedgehog", "--option", "features=4", "--data", held, *tokenizer,
+            "--steps", 1, "--seq-len", 16, "--threads", 1, "--out", tmp_path / "converted.bin")
+    assert r.returncode == 0, r.stderr
     byte_model = tmp_path / "bytes.bin"
     llama2c.write_checkpoint(small_model(), byte_model)
     r = run("model_eval.py", byte_model, held, "--seqs", 1, "--len", 8, *tokenizer, "--method", "exact")

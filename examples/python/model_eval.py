@@ -33,10 +33,12 @@ converted; by default the evaluated checkpoint with exact attention is the refer
 Printed per method (a Markdown table): mean over evaluated positions of the KL divergence of the
 next-token distribution from the exact model's (nats), top-1 agreement with the exact model, NLL of
 the targets (nats per token), the share of causal query-key pairs (j <= i) scored exactly (randattn's
-report field pairs_scored, rescaled from all n^2 pairs to the n(n+1)/2 causal ones; '-' where no pair
-is scored individually), the oracle's KL at that share ("oracle KL": oracle-topk with the smallest k whose
-share of causal pairs is at least the method's, k in brackets) and the ratio of the two ("KL/oracle";
-below 1 when a method's remainder recovers the mass the oracle drops), and the seconds spent in attention
+report field pairs_scored, rescaled from all n^2 pairs to the n(n+1)/2 causal ones, plus the keys a
+sampled remainder drew ("+ ... drawn", from the report's samples per query); '-' where no pair is
+scored individually), the KL of the oracle at that share, support and drawn keys together ("oracle KL":
+oracle-topk with the smallest k whose share of causal pairs is at least the method's, k in brackets),
+the ratio of the two ("KL/oracle"; below 1 when a method beats the oracle at its budget, as a sampled
+remainder can, since the oracle drops the tail), and the seconds spent in attention
 over all layers. --stats adds the exact model's attention statistics per layer.
 """
 
@@ -199,7 +201,9 @@ def make_attention(name, options, config, threads, calibration, feature_maps=Non
         shares = [r["pairs_scored"] for r in attend.reports if "pairs_scored" in r]
         if not shares:
             return None
-        return sum(shares) / len(shares) * n * n / causal_pairs(n)
+        support = sum(shares) / len(shares) * n * n / causal_pairs(n)
+        drawn = [r["samples"] for r in attend.reports if "samples" in r]  # keys drawn per query
+        return (support, sum(drawn) / len(drawn) * n / causal_pairs(n)) if drawn else support
     return attend, pairs_scored
 
 
@@ -317,13 +321,14 @@ def main(argv=None):
                 sys.exit(2)
             kl, top1, nll = compare(reference, logits, targets)
             share = pairs_scored(length) if pairs_scored else None
+            support, drawn = share if isinstance(share, tuple) else (share, 0.0)
             oracle, ratio = "-", "-"
             if share is not None:
-                k = oracle_k(share, length)
+                k = oracle_k(support + drawn, length)
                 ok = oracle_kl(k)
                 oracle = f"{ok:.3g} [{k}]"
                 ratio = f"{kl / ok:.2f}" if ok > 0 else "-"
-            share = "-" if share is None else f"{share:.3f}"
+            share = "-" if share is None else f"{support:.3f}" + (f" + {drawn:.3f} drawn" if drawn else "")
             print(f"| {name} | {kl:.3g} | {top1:.4f} | {nll:.4f} | {share} | {oracle} | {ratio} | "
                   f"{attend.seconds:.3f} |", flush=True)
 

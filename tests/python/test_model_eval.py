@@ -195,11 +195,14 @@ def test_model_eval_end_to_end(checkpoint, text):
                             "--method", "oracle-topk", "--option", "k=8",
                             "--method", "oracle-topk", "--option", "k=40",
                             "--method", "window", "--option", "window=4", "--option", "sinks=1",
+                            "--method", "sparse-lowrank", "--option", "support=window", "--option", "window=4",
+                            "--option", "sinks=1", "--option", "remainder=sample", "--option", "samples=4",
                             "--method", "uniform")
     assert result.returncode == 0, result.stderr
     rows = table_rows(result.stdout)
     assert set(rows) == {"exact", "favor features=64", "oprf features=64", "lsf eta=0.5 filters=16", "oracle-topk k=8",
-                         "oracle-topk k=40", "window window=4 sinks=1", "uniform"}
+                         "oracle-topk k=40", "window window=4 sinks=1", "uniform",
+                         "sparse-lowrank support=window window=4 sinks=1 remainder=sample samples=4"}
     kl, top1, nll, pairs, oracle, ratio, seconds = rows["exact"]
     assert float(kl) < 1e-6 and (float(top1), pairs, oracle, ratio) == (1.0, "1.000", f"0 [{n}]", "-")
     # Top-k over all n keys is exact attention.
@@ -221,6 +224,16 @@ def test_model_eval_end_to_end(checkpoint, text):
     kl_w, _, _, _, oracle_w, ratio_w, _ = rows["window window=4 sinks=1"]
     assert oracle_w.endswith(f"[{window_k}]")
     assert float(ratio_w) == pytest.approx(float(kl_w) / float(oracle_w.split()[0]), rel=2e-2)
+    # A sampled remainder's drawn keys count in its share, and the oracle is taken at the sum.
+    support, plus, drawn, word = rows["sparse-lowrank support=window window=4 sinks=1 remainder=sample samples=4"][3].split()
+    assert float(support) == pytest.approx(window_pairs / causal, abs=1e-3) and (plus, word) == ("+", "drawn")
+    # (Here the sampling's key blocks, 64 long, hold every key: query i's own block, whose keys
+    # j <= i outside the support are all taken, so support and drawn keys cover every pair.)
+    assert 0 < float(drawn) and float(support) + float(drawn) == pytest.approx(1.0, abs=2e-3)
+    sampled_k = next(k for k in range(1, n + 1)
+                     if sum(min(k, i + 1) for i in range(n)) / causal >= float(support) + float(drawn) - 1e-3)
+    oracle_s = rows["sparse-lowrank support=window window=4 sinks=1 remainder=sample samples=4"][4]
+    assert abs(int(oracle_s.split("[")[1].rstrip("]")) - sampled_k) <= 1
 
 
 @pytest.mark.parametrize("args, message", [

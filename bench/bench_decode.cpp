@@ -108,6 +108,18 @@ std::vector<Config> configs() {
   lsf.lsf_tables = 4;
   lsf.lsf_alpha = 0.9;
   c.push_back({"lsf_m256_L4_a0.9", lsf});
+
+  KvCacheOptions clusters;
+  clusters.mode = DecodeMode::clusters;
+  clusters.sinks = kSinks;
+  clusters.window = kWindow;
+  clusters.seed = 7;
+  clusters.clusters = 256;
+  clusters.probe = 4;
+  c.push_back({"clusters_C256_p4", clusters});
+  clusters.clusters = 1024;
+  clusters.probe = 16;
+  c.push_back({"clusters_C1024_p16", clusters});
   return c;
 }
 
@@ -288,6 +300,12 @@ void BM_Decode(benchmark::State& state, Config config) {
   state.counters["append_us"] = w.append_us[config.name];
   if (config.options.mode == DecodeMode::lsh_sample || config.options.mode == DecodeMode::lsf)
     state.counters["bucket_entries"] = entries;
+  if (config.options.mode == DecodeMode::clusters) {
+    DecodeReport rep;
+    cache.attend(w.queries[0], &rep);
+    state.counters["clusters_opened"] = double(rep.clusters_opened) / double(kQHeads);
+    state.counters["splits"] = double(cache.key_clusters(0).splits());
+  }
   state.counters["index_MB"] = double(cache.index_bytes()) / 1e6;
   if (config.options.mode == DecodeMode::exact) {
     const double bytes = double(kKvHeads * n * (kD + kDv)) * sizeof(float);

@@ -15,6 +15,10 @@
 
 #include <unistd.h>
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 #include <catch2/catch.hpp>
 
 #include <randattn/decode/kv_cache.hpp>
@@ -502,9 +506,11 @@ TEMPLATE_TEST_CASE("KvCache save/load round trip is bit-identical", "[kv_cache]"
   const RowMatrix<S> q = needle_queries(tok, qh, 2, 4.0);
   const std::string path = temp_path("roundtrip.bin");
   for (const DecodeMode mode : {DecodeMode::exact, DecodeMode::blocks, DecodeMode::lsh_sample,
-                                DecodeMode::lsf}) {
+                                DecodeMode::lsf, DecodeMode::clusters}) {
     KvCacheOptions opt;
     opt.mode = mode;
+    opt.clusters = 8;
+    opt.probe = 2;
     opt.sinks = 1;
     opt.window = 10;
     opt.page_size = 4;
@@ -866,4 +872,231 @@ TEMPLATE_TEST_CASE("KvCache lsf: every filter open equals exact; probes follow t
         qd, i, keys, values, targets, 1.0 / std::sqrt(double(d)));
     CHECK((out.row(i).template cast<double>() - ref).norm() <= 10 * tol * ref.norm());
   }
+}
+
+namespace {
+
+KvCacheOptions clusters_options(Index clusters, Index probe, Index sinks = 4, Index window = 32) {
+  KvCacheOptions o;
+  o.mode = DecodeMode::clusters;
+  o.clusters = clusters;
+  o.probe = probe;
+  o.sinks = sinks;
+  o.window = window;
+  o.seed = 11;
+  return o;
+}
+
+// Every invariant of the clusters of kv head h: `clusters` of them, every candidate key
+// [sinks, n − window) in exactly one, members ascending, radius ≥ every member's distance.
+template <typename S>
+void check_clusters(const KvCache<S>& cache, Index h) {
+  const auto& cl = cache.key_clusters(h);
+  const KvCacheOptions& o = cache.options();
+  const Index n = cache.size(), first = o.sinks, last = std::max(first, n - o.window);
+  REQUIRE(cl.count() == o.clusters);
+  REQUIRE(cl.keys() == last - first);
+  std::vector<int> seen(std::size_t(n), 0);
+  const auto keys = cache.keys(h);
+  for (Index c = 0; c < cl.count(); ++c) {
+    const auto& m = cl.members(c);
+    CHECK(!m.empty());
+    CHECK(std::is_sorted(m.begin(), m.end()));
+    double far = 0;
+    for (const std::int32_t j : m) {
+      REQUIRE((j >= first && j < last));
+      ++seen[std::size_t(j)];
+      far = std::max(far, (keys.row(j).template cast<double>() -
+                           cl.centroids().row(c).template cast<double>()).norm());
+    }
+    // The radius bounds the largest member distance (up to the rounding of the distances).
+    CHECK(double(cl.radii()(c)) >= far * (1 - 1e-5));
+  }
+  for (Index j = 0; j < n; ++j) CHECK(seen[std::size_t(j)] == (j >= first && j < last ? 1 : 0));
+}
+
+// Tokens whose second half of keys is a tight blob away from the first half's: the cluster
+// nearest to it receives every new key, outgrows the limit and splits, again and again.
+Tokens<float> drifting_tokens(std::uint64_t seed, Index n, Index kv_heads, Index d, Index dv) {
+  Tokens<float> tok(seed, n, kv_heads, d, dv);
+  const RowMatrix<float> away = testing::gaussian<float>(seed + 5, kv_heads, d, 3.0);
+  for (Index h = 0; h < kv_heads; ++h)
+    for (Index j = n / 2; j < n; ++j)
+      tok.k.row(h * n + j) = 0.2f * tok.k.row(h * n + j) + away.row(h);
+  return tok;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("KvCache clusters: probe == clusters is exact decoding, bit for bit",
+                   "[kv_cache]", RANDATTN_TEST_SCALARS) {
+  using S = TestType;
+  const Index d = 16, dv = 8, kvh = 2, qh = 6, n = 700;
+  const Tokens<S> tok(101, n, kvh, d, dv);
+  const RowMatrix<S> q = needle_queries(tok, qh, 3, 5.0);
+  const auto exact = filled(tok, KvCacheOptions{});
+  const auto cache = filled(tok, clusters_options(12, 12));
+  for (Index h = 0; h < kvh; ++h) check_clusters(cache, h);
+  DecodeReport a, b;
+  CHECK(bit_identical<S>(cache.attend(q, &a), exact.attend(q, &b)));
+  CHECK(a.exact_keys == qh * n);
+  CHECK(a.retrieved_keys == 0);
+}
+
+TEMPLATE_TEST_CASE("KvCache clusters: fewer candidates than clusters are scored exactly",
+                   "[kv_cache]", RANDATTN_TEST_SCALARS) {
+  using S = TestType;
+  const Index d = 16, dv = 8, kvh = 2, qh = 4, clusters = 40, sinks = 4, window = 32;
+  const Tokens<S> tok(103, sinks + window + clusters, kvh, d, dv);
+  KvCache<S> cache(d, dv, kvh, clusters_options(clusters, 3, sinks, window));
+  KvCache<S> exact(d, dv, kvh, KvCacheOptions{});
+  const RowMatrix<S> q = needle_queries(tok, qh, 4, 5.0);
+  for (Index i = 0; i < tok.n; ++i) {
+    cache.append(tok.keys(i, 1), tok.values(i, 1));
+    exact.append(tok.keys(i, 1), tok.values(i, 1));
+    const Index candidates = std::max<Index>(0, cache.size() - sinks - window);
+    DecodeReport rep;
+    const RowMatrix<S> out = cache.attend(q, &rep);
+    if (candidates < clusters) {
+      CHECK(cache.key_clusters(0).count() == 0);
+      CHECK(bit_identical<S>(out, exact.attend(q)));
+      CHECK(rep.retrieved_keys == 0);
+      CHECK(rep.clusters_opened == 0);
+    } else {
+      CHECK(cache.key_clusters(0).count() == clusters);
+      CHECK(rep.clusters_opened >= qh * 3);
+    }
+  }
+}
+
+TEST_CASE("KvCache clusters: bad options throw std::invalid_argument", "[kv_cache]") {
+  for (const auto& [clusters, probe] :
+       {std::pair<Index, Index>{0, 1}, {4, 0}, {4, 5}, {-1, -1}, {3, -2}}) {
+    INFO("clusters " << clusters << ", probe " << probe);
+    CHECK_THROWS_AS(KvCache<float>(8, 8, 1, clusters_options(clusters, probe)),
+                    std::invalid_argument);
+  }
+  CHECK_NOTHROW(KvCache<float>(8, 8, 1, clusters_options(1, 1)));
+  CHECK_NOTHROW(KvCache<float>(8, 8, 1, clusters_options(5, 5)));
+}
+
+TEST_CASE("KvCache clusters: splits and merges keep the count and every key in one cluster",
+          "[kv_cache]") {
+  const Index d = 16, dv = 4, kvh = 2, n = 3000;
+  const Tokens<float> tok = drifting_tokens(107, n, kvh, d, dv);
+  // Token by token, checking the invariants as the clusters split and merge.
+  KvCache<float> cache(d, dv, kvh, clusters_options(8, 2, 3, 20));
+  for (Index i = 0; i < n; i += 50) {
+    cache.append(tok.keys(i, 50), tok.values(i, 50));
+    if (cache.size() - 23 >= 8) {
+      for (Index h = 0; h < kvh; ++h) check_clusters(cache, h);
+    }
+  }
+  CHECK(cache.key_clusters(0).splits() + cache.key_clusters(1).splits() > 0);
+  // One cluster: never split, holds every candidate.
+  const auto one = filled(tok, clusters_options(1, 1, 3, 20));
+  for (Index h = 0; h < kvh; ++h) check_clusters(one, h);
+}
+
+TEST_CASE("KvCache clusters: every key left out is below the negligible margin", "[kv_cache]") {
+  // Clustered keys and queries aimed at one key: the clusters far from the query stay closed;
+  // every key not scored has a logit below (best logit scored − margin), the guarantee of the
+  // bound, so the top-32 keys are all scored whenever they are within the margin of the best.
+  const Index d = 32, dv = 8, kvh = 2, qh = 8, n = 4000, sinks = 4, window = 64;
+  const Tokens<float> tok(109, n, kvh, d, dv);
+  const RowMatrix<float> q = needle_queries(tok, qh, 5, 30.0);
+  const auto cache = filled(tok, clusters_options(32, 2, sinks, window));
+  DecodeReport rep;
+  rep.record_keys = true;
+  cache.attend(q, &rep);
+  const double margin = 24 * std::log(2.0);
+  const Index group = qh / kvh;
+  Index left_out = 0;
+  for (Index i = 0; i < qh; ++i) {
+    const Index h = i / group;
+    const Eigen::VectorXd logits =
+        (cache.keys(h).template cast<double>() * q.row(i).transpose().template cast<double>()) *
+        double(cache.scale());
+    const auto& keys = rep.scored_keys[std::size_t(i)];
+    double best = -1e300;
+    for (const std::int32_t j : keys) best = std::max(best, logits(j));
+    CHECK(best == Approx(logits.maxCoeff()).epsilon(1e-5));
+    for (Index j = 0; j < n; ++j) {
+      if (std::binary_search(keys.begin(), keys.end(), std::int32_t(j))) continue;
+      ++left_out;
+      // float logits of the cache against double ones here: 1e-4 of slack.
+      CHECK(logits(j) < best - margin + 1e-4 * (1 + std::abs(best)));
+    }
+  }
+  CHECK(rep.clusters_opened >= 2 * qh);
+  CHECK(rep.clusters_opened < 32 * qh);  // the bound closes some clusters on this data
+  CHECK(left_out > 0);
+  CHECK(rep.keys_scored() + left_out == qh * n);
+}
+
+TEST_CASE("KvCache clusters: the same seed gives the same clusters for any thread count",
+          "[kv_cache][threads]") {
+  const Index d = 16, dv = 8, kvh = 2, qh = 4, n = 3000;
+  const Tokens<float> tok = drifting_tokens(107, n, kvh, d, dv);
+  const RowMatrix<float> q = needle_queries(tok, qh, 6, 5.0);
+  const auto build = [&](int threads) {
+#if defined(_OPENMP)
+    const int before = omp_get_max_threads();
+    omp_set_num_threads(threads);
+#else
+    (void)threads;
+#endif
+    auto cache = filled(tok, clusters_options(8, 3, 3, 20));
+#if defined(_OPENMP)
+    omp_set_num_threads(before);
+#endif
+    return cache;
+  };
+  const auto one = build(1), four = build(4);
+  CHECK(one.key_clusters(0).splits() > 0);
+  CHECK(bit_identical<float>(one.attend(q), four.attend(q)));
+  for (Index h = 0; h < kvh; ++h) {
+    const auto &a = one.key_clusters(h), &b = four.key_clusters(h);
+    CHECK(a.splits() == b.splits());
+    CHECK(bit_identical<float>(RowMatrix<float>(a.centroids()), RowMatrix<float>(b.centroids())));
+    for (Index c = 0; c < a.count(); ++c) CHECK(a.members(c) == b.members(c));
+  }
+}
+
+TEST_CASE("KvCache clusters: save/load keeps the clusters; truncated files are refused",
+          "[kv_cache]") {
+  const Index d = 16, dv = 8, kvh = 2, qh = 4, n = 3000;
+  const Tokens<float> tok = drifting_tokens(107, n, kvh, d, dv);
+  const RowMatrix<float> q = needle_queries(tok, qh, 8, 5.0);
+  const auto cache = filled(tok, clusters_options(8, 2, 3, 20));
+  CHECK(cache.key_clusters(0).splits() > 0);
+  const std::string path = temp_path("clusters.bin"), cut = temp_path("clusters_cut.bin");
+  cache.save(path);
+  const auto loaded = KvCache<float>::load(path);
+  CHECK(loaded.options().clusters == 8);
+  CHECK(loaded.options().probe == 2);
+  DecodeReport a, b;
+  CHECK(bit_identical<float>(loaded.attend(q, &a), cache.attend(q, &b)));
+  CHECK(a.clusters_opened == b.clusters_opened);
+  CHECK(a.retrieved_keys == b.retrieved_keys);
+  for (Index h = 0; h < kvh; ++h) {
+    CHECK(bit_identical<float>(RowMatrix<float>(loaded.key_clusters(h).centroids()),
+                               RowMatrix<float>(cache.key_clusters(h).centroids())));
+    for (Index c = 0; c < 8; ++c)
+      CHECK(loaded.key_clusters(h).members(c) == cache.key_clusters(h).members(c));
+  }
+  std::vector<char> bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  for (const std::size_t keep : {std::size_t(20), std::size_t(130), bytes.size() - 9}) {
+    {
+      std::ofstream out(cut, std::ios::binary | std::ios::trunc);
+      out.write(bytes.data(), std::streamsize(keep));
+    }
+    CHECK_THROWS_AS(KvCache<float>::load(cut), std::invalid_argument);
+  }
+  std::remove(path.c_str());
+  std::remove(cut.c_str());
 }

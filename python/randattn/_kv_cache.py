@@ -20,6 +20,8 @@ class KVCache:
                     tables (64) L, hash_block (64) keys hashed per block, seed (0)
       "lsf"         locality-sensitive filters: filters (256) per table, tables (4), eta (None:
                     from alpha), alpha (0.5), min_probes (1), seed (0)
+      "clusters"    key clusters: clusters (64) per kv head, probe (8) clusters at least opened
+                    per query head (probe == clusters is exact), seed (0) of the splits
     Every retrieval mode also takes centre_tokens (0) or key_centre (None) for key centring, and
     attends exactly to the first ``sinks`` and last ``window`` tokens. An option of another mode
     raises ValueError naming it; an unknown keyword raises TypeError.
@@ -33,7 +35,8 @@ class KVCache:
     - ``attend(q)``: q (q_heads, head_dim), q_heads a multiple of kv_heads (query head i uses kv
       head i // (q_heads // kv_heads)) → (q_heads, value_dim); ``attend(q, report=True)`` →
       (out, report dict: keys_scored, exact_keys, retrieved_keys, pages_scored, pages_opened,
-      tables_probed, bucket_entries, filters_opened, empty_heads, mode, size).
+      tables_probed, bucket_entries, filters_opened, clusters_opened, empty_heads, mode,
+      size).
     - ``save(path)``, ``KVCache.load(path)``: portable file; a loaded cache gives bit-identical
       results and keeps growing like the original.
     - ``len(cache)``: tokens cached.

@@ -73,6 +73,13 @@ const std::vector<ModeInfo>& modes() {
         seed,
         centre_tokens,
         key_centre}},
+      {"clusters",
+       DecodeMode::clusters,
+       {{"clusters", std::int64_t(o.clusters), "key clusters per kv head (>= 1)"},
+        {"probe", std::int64_t(o.probe), "clusters always opened per query head (1..clusters)"},
+        seed,
+        centre_tokens,
+        key_centre}},
   };
   return all;
 }
@@ -151,6 +158,10 @@ KvCacheOptions to_options(const ModeInfo& mode, py::handle sinks, py::handle win
     if (kw.given("eta")) o.lsf_threshold = kw.real("eta");
     o.lsf_alpha = kw.real("alpha");
     o.lsf_min_probes = integer_in("min_probes", 0, kBig);
+  }
+  if (owns(mode, "clusters")) {
+    o.clusters = integer_in("clusters", 1, kBig);
+    o.probe = integer_in("probe", 1, o.clusters);
   }
   if (owns(mode, "seed")) o.seed = to_seed(kw.value("seed"), "seed");
   if (owns(mode, "centre_tokens")) {
@@ -280,6 +291,7 @@ class KVCache {
       fields["tables_probed"] = rep.tables_probed;
       fields["bucket_entries"] = rep.bucket_entries;
       fields["filters_opened"] = rep.filters_opened;
+      fields["clusters_opened"] = rep.clusters_opened;
       fields["empty_heads"] = rep.empty_heads;
     }
     return {out, fields};
@@ -341,6 +353,8 @@ class KVCache {
       set("eta", o.lsf_threshold ? py::cast(*o.lsf_threshold) : py::none());
       set("alpha", py::cast(o.lsf_alpha));
       set("min_probes", py::cast(o.lsf_min_probes));
+      set("clusters", py::cast(o.clusters));
+      set("probe", py::cast(o.probe));
       set("seed", py::cast(o.seed));
       set("centre_tokens", py::cast(o.centre_tokens));
       if (o.key_centre.size() > 0) {

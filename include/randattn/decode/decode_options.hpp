@@ -15,6 +15,11 @@
 //               in its best filter of each of `lsf_tables` tables of `lsf_filters` Gaussian
 //               filters; the query opens the filters whose cosine with it reaches the threshold (and at least
 //               its `lsf_min_probes` best per table) and attends exactly to the keys found.
+//   clusters    key clusters after ClusterKV (arXiv 2412.03213) (decode/detail/key_clusters.hpp):
+//               `clusters` clusters per kv head, each with its centroid c and radius r; a query
+//               opens the clusters whose bound scale·q·c + |scale|·‖q‖·r on a member's logit is
+//               within a negligible margin of the best logit scored, and at least its `probe`
+//               highest bounds, and attends exactly to their members.
 // In every retrieval mode the first `sinks` and the last `window` tokens are attended exactly and
 // are never candidates of the retrieval, so no key is counted twice.
 
@@ -26,7 +31,13 @@
 
 namespace randattn {
 
-enum class DecodeMode : std::uint32_t { exact = 0, blocks = 1, lsh_sample = 2, lsf = 3 };
+enum class DecodeMode : std::uint32_t {
+  exact = 0,
+  blocks = 1,
+  lsh_sample = 2,
+  lsf = 3,
+  clusters = 4
+};
 
 inline const char* to_string(DecodeMode mode) {
   switch (mode) {
@@ -34,6 +45,7 @@ inline const char* to_string(DecodeMode mode) {
     case DecodeMode::blocks: return "blocks";
     case DecodeMode::lsh_sample: return "lsh_sample";
     case DecodeMode::lsf: return "lsf";
+    case DecodeMode::clusters: return "clusters";
   }
   return "unknown";
 }
@@ -70,6 +82,12 @@ struct KvCacheOptions {
   std::optional<double> lsf_threshold;
   Index lsf_min_probes = 1;
 
+  // clusters: clusters per kv head (at all times, once that many keys are retrieval candidates;
+  // fewer candidates are all scored exactly) and the fewest clusters opened per query head
+  // (1..clusters; probe == clusters is exact decoding). The splits' 2-means use `seed`.
+  Index clusters = 64;
+  Index probe = 8;
+
   // Key centring for retrieval scores (hash codes, page bounds) only; logits always use the raw
   // keys. Either the mean of the first `centre_tokens` tokens of each kv head (fixed once that
   // many tokens are cached), or a given `key_centre` (1 x head_dim for every kv head, or
@@ -93,6 +111,7 @@ struct DecodeReport {
   Index tables_probed = 0;   // lsh_sample: hash tables looked up
   Index bucket_entries = 0;  // lsh_sample, lsf: bucket entries visited
   Index filters_opened = 0;  // lsf: filters opened (all tables)
+  Index clusters_opened = 0; // clusters: clusters whose members were scored
   Index empty_heads = 0;     // query heads with no key scored at all (their output row is 0)
   std::vector<std::vector<std::int32_t>> scored_keys;  // per query head, when record_keys
 

@@ -86,6 +86,7 @@
 #include "detail/binary_io.hpp"
 #include "detail/filter_tables.hpp"
 #include "detail/growable_rows.hpp"
+#include "detail/key_clusters.hpp"
 #include "detail/page_bounds.hpp"
 #include "simhash_tables.hpp"
 
@@ -101,7 +102,8 @@ class KvCache {
 
   // Largest number of cached tokens (key indices are 32-bit).
   static constexpr Index kMaxTokens = std::numeric_limits<std::int32_t>::max();
-  static constexpr std::uint32_t kFileVersion = 2;
+  // Version 3 adds the options of the clusters mode; version 2 files are still read.
+  static constexpr std::uint32_t kFileVersion = 3;
 
   KvCache(Index head_dim, Index value_dim, Index kv_heads, KvCacheOptions options = {})
       : d_(head_dim), dv_(value_dim), kv_heads_(kv_heads), opt_(std::move(options)) {
@@ -110,7 +112,8 @@ class KvCache {
     detail::require(value_dim >= 1, where, "value_dim must be >= 1, got ", value_dim);
     detail::require(kv_heads >= 1, where, "kv_heads must be >= 1, got ", kv_heads);
     detail::require(opt_.mode == DecodeMode::exact || opt_.mode == DecodeMode::blocks ||
-                        opt_.mode == DecodeMode::lsh_sample || opt_.mode == DecodeMode::lsf,
+                        opt_.mode == DecodeMode::lsh_sample || opt_.mode == DecodeMode::lsf ||
+                        opt_.mode == DecodeMode::clusters,
                     where, "options.mode ", std::uint32_t(opt_.mode), " is not a DecodeMode");
     detail::require(opt_.sinks >= 0, where, "options.sinks must be >= 0, got ", opt_.sinks);
     detail::require(opt_.window >= 0, where, "options.window must be >= 0, got ", opt_.window);
@@ -137,6 +140,11 @@ class KvCache {
                     "options.lsf_threshold must not be NaN");
     detail::require(opt_.lsf_min_probes >= 0, where, "options.lsf_min_probes must be >= 0, got ",
                     opt_.lsf_min_probes);
+    detail::require(opt_.clusters >= 1 && opt_.clusters <= kMaxTokens, where,
+                    "options.clusters must be in [1, ", kMaxTokens, "], got ", opt_.clusters);
+    detail::require(opt_.probe >= 1 && opt_.probe <= opt_.clusters, where,
+                    "options.probe must be in [1, options.clusters = ", opt_.clusters, "], got ",
+                    opt_.probe);
     detail::require(opt_.centre_tokens >= 0, where, "options.centre_tokens must be >= 0, got ",
                     opt_.centre_tokens);
     const bool given = opt_.key_centre.size() > 0;
@@ -166,6 +174,8 @@ class KvCache {
       }
       if (opt_.mode == DecodeMode::blocks)
         head.pages = detail::PageBounds<Scalar>(d_, opt_.page_size);
+      if (opt_.mode == DecodeMode::clusters)
+        head.clusters = detail::KeyClusters<Scalar>(d_, opt_.clusters, opt_.seed, h);
       if (opt_.mode == DecodeMode::lsh_sample)
         head.tables = detail::SimHashTables<Scalar>(d_, opt_.lsh_bits, opt_.lsh_tables, opt_.seed, h);
       if (opt_.mode == DecodeMode::lsf)
@@ -209,6 +219,12 @@ class KvCache {
     fix_centre_and_index(centre);
   }
 
+  // clusters: the clusters of kv head h (centroids, radii, members; none until
+  // options().clusters keys are candidates).
+  const detail::KeyClusters<Scalar>& key_clusters(Index h) const {
+    return head_at(h, "key_clusters").clusters;
+  }
+
   // lsh_sample: the keys [0, hashed_tokens()) are hashed (whole blocks of lsh_hash_block
   // tokens); later ones are attended exactly.
   Index hashed_tokens() const { return hashed_; }
@@ -222,7 +238,7 @@ class KvCache {
   std::size_t index_bytes() const {
     std::size_t b = 0;
     for (const Head& h : heads_)
-      b += h.pages.bytes() + h.tables.bytes() + h.filters.bytes() +
+      b += h.pages.bytes() + h.tables.bytes() + h.filters.bytes() + h.clusters.bytes() +
            h.centred_norm.capacity() * sizeof(Scalar);
     return b;
   }
@@ -318,6 +334,18 @@ class KvCache {
       // lsh_sample: keys not hashed yet (the open block, or all while the centre is pending)
       // are recent; they join the exact tail.
       if (opt_.mode == DecodeMode::lsh_sample) w_begin = std::max(s_end, std::min(w_begin, hashed_));
+      if (opt_.mode == DecodeMode::clusters) {
+        // Only keys in [own sinks, n − own window) are clustered (a shard's partial call may
+        // pass other counts): the others are scored exactly. With every cluster to be opened
+        // (probe == clusters) or none built yet, every key is: one exact range, the tiles of
+        // exact mode, bit for bit.
+        const Index lo = std::min(opt_.sinks, n_);
+        const Index hi = std::max(lo, n_ - std::min(opt_.window, n_));
+        s_end = std::min(std::max(s_end, lo), w_begin);
+        w_begin = std::max(s_end, std::min(w_begin, hi));
+        if (heads_[0].clusters.count() == 0 || opt_.probe >= opt_.clusters || w_begin == s_end)
+          s_end = w_begin = n_;
+      }
     }
     const Index block = opt_.block_size > 0 ? opt_.block_size : Index(256);
 
@@ -349,6 +377,8 @@ class KvCache {
           retrieve_pages(head, qg, s_end, w_begin, acc, scratch, rep, h * group);
         } else if (opt_.mode == DecodeMode::lsf) {
           retrieve_filtered(head, qg, s_end, w_begin, acc, scratch, rep, h * group);
+        } else if (opt_.mode == DecodeMode::clusters) {
+          retrieve_clustered(head, qg, s_end, w_begin, acc, scratch, rep, h * group);
         } else {
           retrieve_sampled(head, qg, s_end, w_begin, acc, scratch, rep, h * group);
         }
@@ -405,6 +435,8 @@ class KvCache {
     w.u8(opt_.lsf_threshold.has_value());
     w.f64(opt_.lsf_threshold.value_or(0.0));
     w.u64(std::uint64_t(opt_.lsf_min_probes));
+    w.u64(std::uint64_t(opt_.clusters));
+    w.u64(std::uint64_t(opt_.probe));
     w.u64(std::uint64_t(opt_.centre_tokens));
     w.u8(opt_.check_finite);
     w.u64(std::uint64_t(opt_.key_centre.rows()));
@@ -428,8 +460,9 @@ class KvCache {
     detail::require(std::equal(magic, magic + 8, reinterpret_cast<const unsigned char*>(kMagic)),
                     where, "'", path, "' is not a KvCache file (bad magic)");
     const std::uint32_t version = r.u32("version");
-    detail::require(version == kFileVersion, where, "'", path, "' has format version ", version,
-                    ", this build reads version ", kFileVersion);
+    detail::require(version == kFileVersion || version == 2, where, "'", path,
+                    "' has format version ", version, ", this build reads versions 2 and ",
+                    kFileVersion);
     const std::uint32_t width = r.u32("scalar width");
     detail::require(width == sizeof(Scalar), where, "'", path, "' holds ", width * 8,
                     "-bit values, loading as ", sizeof(Scalar) * 8, "-bit");
@@ -462,6 +495,10 @@ class KvCache {
     const double threshold = r.f64("lsf_threshold");
     if (has_threshold) o.lsf_threshold = threshold;
     o.lsf_min_probes = Index(r.u64("lsf_min_probes"));
+    if (version >= 3) {
+      o.clusters = Index(r.u64("clusters"));
+      o.probe = Index(r.u64("probe"));
+    }
     o.centre_tokens = Index(r.u64("centre_tokens"));
     o.check_finite = r.u8("check_finite") != 0;
     const std::uint64_t centre_rows = r.u64("key_centre rows");
@@ -516,6 +553,7 @@ class KvCache {
     detail::PageBounds<Scalar> pages;        // blocks
     detail::SimHashTables<Scalar> tables;    // lsh_sample
     detail::FilterTables<Scalar> filters;    // lsf
+    detail::KeyClusters<Scalar> clusters;    // clusters
     std::vector<Scalar> centred_norm;        // lsh_sample: ‖k_j − centre‖ of hashed keys
     Vector<Scalar> centre;                   // zero without centring
     Eigen::VectorXd key_sum;                 // sum of the first centre_tokens keys
@@ -568,6 +606,12 @@ class KvCache {
       if (opt_.mode == DecodeMode::lsf && !pending) file_key(head, n_);
     }
     ++n_;
+    // clusters: the key leaving the window (if past the sinks) joins the clusters.
+    if (opt_.mode == DecodeMode::clusters && n_ > opt_.window && n_ - 1 - opt_.window >= opt_.sinks) {
+      const auto j = std::int32_t(n_ - 1 - opt_.window);
+      for (Head& head : heads_)
+        head.clusters.insert(j, [&head](std::int32_t i) { return head.keys.row_ptr(i); });
+    }
     if (pending && n_ == opt_.centre_tokens) {
       Matrix centre(kv_heads_, d_);
       for (Index h = 0; h < kv_heads_; ++h)
@@ -795,6 +839,50 @@ class KvCache {
         for (const std::int32_t j : s.touched) s.counts[j] = 0;
         std::sort(s.idx.begin(), s.idx.end());
       }
+      score_and_merge(head, q, r, head0, s, rep, acc);
+    }
+  }
+
+  // A cluster whose bound is this far below the best logit scored holds keys whose weights are
+  // each below 2^-24 of that key's (float's rounding unit): negligible, so it stays closed.
+  static constexpr double kClusterMargin = 16.635532333438686;  // 24·ln 2
+
+  // clusters: per query head, the bound scale·q·c + |scale|·‖q‖·r ≥ scale·q·k of every member k
+  // of each cluster; the `probe` highest bounds are opened (ties by index) and scored; then
+  // every other cluster whose bound is within kClusterMargin of the best logit so far (the exact
+  // part's and the probed clusters'), whose members could still carry weight.
+  template <typename QG>
+  void retrieve_clustered(const Head& head, const QG& qg, Index first, Index last,
+                          SoftmaxAccumulator<Scalar>& acc, Scratch& s, DecodeReport& rep,
+                          Index head0) const {
+    const auto& cl = head.clusters;
+    const Index K = cl.count();
+    s.bounds.noalias() = scale_ * (qg * cl.centroids().transpose());
+    const auto open = [&](std::int32_t c) {
+      for (const std::int32_t j : cl.members(c))
+        if (j >= first && j < last) s.idx.push_back(j);
+    };
+    for (Index r = 0; r < qg.rows(); ++r) {
+      const Eigen::Matrix<Scalar, 1, Eigen::Dynamic> q = qg.row(r);
+      const Scalar spread = std::abs(scale_) * q.norm();
+      s.ranked.resize(static_cast<std::size_t>(K));
+      for (Index c = 0; c < K; ++c)
+        s.ranked[c] = {s.bounds(r, c) + spread * cl.radii()(c), std::int32_t(c)};
+      std::sort(s.ranked.begin(), s.ranked.end(), [](const auto& a, const auto& b) {
+        return a.first > b.first || (a.first == b.first && a.second < b.second);
+      });
+      const Index probe = std::min(opt_.probe, K);
+      s.idx.clear();
+      for (Index u = 0; u < probe; ++u) open(s.ranked[u].second);
+      std::sort(s.idx.begin(), s.idx.end());
+      score_and_merge(head, q, r, head0, s, rep, acc);
+      const Scalar floor = acc.log_scale()(r) - Scalar(kClusterMargin);
+      Index opened = probe;
+      s.idx.clear();
+      for (; opened < K && !(s.ranked[opened].first < floor); ++opened) open(s.ranked[opened].second);
+      rep.clusters_opened += opened;
+      if (s.idx.empty()) continue;
+      std::sort(s.idx.begin(), s.idx.end());
       score_and_merge(head, q, r, head0, s, rep, acc);
     }
   }

@@ -34,6 +34,8 @@ constexpr std::uint32_t lsf_hadamard_filters = 0x4C534602u;  // seed of the H D3
 constexpr std::uint32_t kv_cache_simhash = 0x4B564301u;  // SimHash hyperplanes (simhash_tables.hpp)
 constexpr std::uint32_t kv_cache_filters =
     0x4B564302u;  // filters (decode/detail/filter_tables.hpp)
+constexpr std::uint32_t kv_cache_clusters =
+    0x4B564303u;  // seeds of a cluster's split (decode/detail/key_clusters.hpp)
 
 // Keys drawn by the sampled remainder of sparse + low-rank attention (sparse/sampled_remainder.hpp):
 // "SPL" + purpose.

@@ -1,0 +1,305 @@
+#pragma once
+// Clusters of the cached keys of one kv head, for the `clusters` decode mode (after ClusterKV,
+// Liu et al., arXiv 2412.03213, and Squeezed Attention, Hooper et al., arXiv 2411.09688: keys are
+// grouped by similarity, a query scores the centroids and attends to the members of the best
+// clusters). Each cluster keeps its centroid c, its radius r and its members, so that for every
+// member k and any query q,
+//     q·k = q·c + q·(k − c) ≤ q·c + ‖q‖·r        (Cauchy–Schwarz).
+//
+// The count stays `clusters` (K) at all times once K keys are filed:
+//   - the first K keys filed are K clusters of one key each (k-means of K keys into K clusters);
+//     before that the keys only wait (the cache scores them exactly);
+//   - a later key joins its nearest centroid (ties: lowest index); the centroid is the running
+//     mean of the members (MacQueen's online k-means), so it follows the keys, and the radius
+//     grows by the centroid's move (triangle inequality), then is recomputed exactly from the
+//     members whenever the cluster has grown by an eighth since the last exact radius: an upper
+//     bound of the largest member distance, never loose by more than the drift of one eighth;
+//   - a cluster grown past 4× the mean size is split by a 2-means of its members (seeded by
+//     Philox from the seed, the kv head and the count of splits; kSplitSteps Lloyd steps), and
+//     the two closest centroids are then merged (not the two halves just made with each other,
+//     nor a pair whose union passes the limit while another pair remains), so the count is K
+//     again.
+//     Centroids and radii of the clusters made are exact (means and largest distances).
+// Everything is a function of the keys in order and the seed: no thread count, no timing.
+//
+// Cost per key filed: K·d for the nearest centroid (a matrix-vector product) and O(d) for the
+// centroid and radius (amortised, the exact radius included); a split costs O(s·d) for its s
+// members and O(K·d) for the closest pair (each cluster keeps its nearest neighbour, see
+// merge_closest); the nearest neighbours of the first K keys cost O(K²·d) once.
+
+#include <randattn/detail/intrinsics.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "../../core/types.hpp"
+#include "../../random/philox.hpp"
+#include "../../random/streams.hpp"
+
+namespace randattn::detail {
+
+template <typename Scalar>
+class KeyClusters {
+ public:
+  static constexpr int kSplitSteps = 4;      // Lloyd steps of a split's 2-means
+  static constexpr Index kSplitFactor = 4;   // a cluster splits past this many times the mean size
+
+  KeyClusters() = default;
+  KeyClusters(Index dim, Index clusters, std::uint64_t seed, Index head)
+      : dim_(dim), k_(clusters), seed_(seed), head_(head) {}
+
+  Index dim() const { return dim_; }
+  // K, and the clusters in use: 0 until K keys are filed, then K.
+  Index target() const { return k_; }
+  Index count() const { return built_ ? k_ : 0; }
+  // Keys filed (in clusters, or waiting until there are K).
+  Index keys() const { return keys_; }
+  Index splits() const { return Index(splits_); }
+
+  // count() x dim centroids, their squared norms and radii.
+  auto centroids() const { return centroid_.topRows(count()); }
+  auto radii() const { return radius_.head(count()); }
+  const std::vector<std::int32_t>& members(Index c) const { return members_[std::size_t(c)]; }
+
+  // Files key j (its row at key_of(j), as for every member: a pointer to dim scalars).
+  template <typename KeyOf>
+  void insert(std::int32_t j, KeyOf key_of) {
+    ++keys_;
+    if (!built_) {
+      waiting_.push_back(j);
+      if (Index(waiting_.size()) == k_) build(key_of);
+      return;
+    }
+    const Scalar* key = key_of(j);
+    const auto x = row(key);
+    // Nearest centroid: argmin ‖c‖² − 2 c·x.
+    dist_.noalias() = centroid_.topRows(k_) * x.transpose();
+    Index a = 0;
+    Scalar best = std::numeric_limits<Scalar>::infinity();
+    for (Index c = 0; c < k_; ++c) {
+      const Scalar s = norm2_(c) - 2 * dist_(c);
+      if (s < best) best = s, a = c;
+    }
+    auto& m = members_[std::size_t(a)];
+    m.push_back(j);
+    const Scalar size = Scalar(m.size());
+    auto c = centroid_.row(a);
+    const Scalar before = (x - c).norm();
+    c += (x - c) / size;
+    norm2_(a) = c.squaredNorm();
+    // The centroid moved by before/size: every old member is at most r + that from it.
+    radius_(a) = std::max(radius_(a) + before / size, before * (size - 1) / size);
+    if (Index(m.size()) >= exact_at_[std::size_t(a)]) exact_radius(a, key_of);
+    if (k_ > 1 && Index(m.size()) * k_ > kSplitFactor * keys_) split_and_merge(a, key_of);
+  }
+
+  std::size_t bytes() const {
+    std::size_t b = sizeof(Scalar) * std::size_t(centroid_.size() + norm2_.size() + radius_.size());
+    for (const auto& m : members_) b += m.capacity() * sizeof(std::int32_t);
+    return b + waiting_.capacity() * sizeof(std::int32_t);
+  }
+
+ private:
+  using Row = Eigen::Matrix<Scalar, 1, Eigen::Dynamic>;
+  auto row(const Scalar* p) const { return Eigen::Map<const Row>(p, dim_); }
+
+  // The first K keys: one cluster each.
+  template <typename KeyOf>
+  void build(KeyOf key_of) {
+    centroid_.setZero(k_ + 1, dim_);  // one spare row for the half of a split
+    norm2_.setZero(k_ + 1);
+    radius_.setZero(k_ + 1);
+    members_.assign(std::size_t(k_ + 1), {});
+    exact_at_.assign(std::size_t(k_ + 1), 0);
+    for (Index c = 0; c < k_; ++c) {
+      const std::int32_t j = waiting_[std::size_t(c)];
+      centroid_.row(c) = row(key_of(j));
+      norm2_(c) = centroid_.row(c).squaredNorm();
+      members_[std::size_t(c)] = {j};
+      exact_at_[std::size_t(c)] = 2;
+    }
+    nn_.assign(std::size_t(k_ + 1), -1);
+    nnd_.setZero(k_ + 1);
+    for (Index c = 0; c < k_; ++c) refresh(c, k_);
+    waiting_.clear();
+    waiting_.shrink_to_fit();
+    built_ = true;
+  }
+
+  // The largest member distance to the centroid; the next exact radius at 9/8 of the size.
+  template <typename KeyOf>
+  void exact_radius(Index c, KeyOf key_of) {
+    const auto& m = members_[std::size_t(c)];
+    const auto centre = centroid_.row(c);
+    Scalar r = 0;
+    for (const std::int32_t j : m) r = std::max(r, (row(key_of(j)) - centre).norm());
+    radius_(c) = r;
+    const Index size = Index(m.size());
+    exact_at_[std::size_t(c)] = size + std::max<Index>(1, size / 8);
+  }
+
+  // Mean of the members (in double, in member order), then the exact radius.
+  template <typename KeyOf>
+  void recentre(Index c, KeyOf key_of) {
+    Eigen::Matrix<double, 1, Eigen::Dynamic> sum = Eigen::Matrix<double, 1, Eigen::Dynamic>::Zero(dim_);
+    for (const std::int32_t j : members_[std::size_t(c)]) sum += row(key_of(j)).template cast<double>();
+    centroid_.row(c) = (sum / double(members_[std::size_t(c)].size())).template cast<Scalar>();
+    norm2_(c) = centroid_.row(c).squaredNorm();
+    exact_radius(c, key_of);
+  }
+
+  // Splits cluster a into a and a new cluster K (the spare row), then merges the closest pair.
+  template <typename KeyOf>
+  void split_and_merge(Index a, KeyOf key_of) {
+    std::vector<std::int32_t>& m = members_[std::size_t(a)];
+    const Index s = Index(m.size());
+    // 2-means seeded by two distinct members drawn from Philox (seed, kv head, split count).
+    const Philox rng(seed_, streams::kv_cache_clusters);
+    const std::uint32_t lane = std::uint32_t(2 * head_);
+    const Index i0 = std::min(s - 1, Index(rng.uniform(splits_, lane) * double(s)));
+    Index i1 = std::min(s - 2, Index(rng.uniform(splits_, lane + 1) * double(s - 1)));
+    if (i1 >= i0) ++i1;
+    ++splits_;
+    Row c0 = row(key_of(m[std::size_t(i0)])), c1 = row(key_of(m[std::size_t(i1)]));
+    side_.assign(std::size_t(s), 0);
+    for (int step = 0; step < kSplitSteps; ++step) {
+      Eigen::Matrix<double, 1, Eigen::Dynamic> s0 = Eigen::Matrix<double, 1, Eigen::Dynamic>::Zero(dim_);
+      Eigen::Matrix<double, 1, Eigen::Dynamic> s1 = s0;
+      Index n1 = 0;
+      for (Index u = 0; u < s; ++u) {
+        const auto x = row(key_of(m[std::size_t(u)]));
+        const bool one = (x - c1).squaredNorm() < (x - c0).squaredNorm();
+        side_[std::size_t(u)] = one;
+        n1 += one;
+        (one ? s1 : s0) += x.template cast<double>();
+      }
+      if (n1 == 0 || n1 == s) break;  // identical keys: cut by position below
+      c0 = (s0 / double(s - n1)).template cast<Scalar>();
+      c1 = (s1 / double(n1)).template cast<Scalar>();
+    }
+    Index n1 = 0;
+    for (const auto b : side_) n1 += b;
+    if (n1 == 0 || n1 == s) {
+      for (Index u = 0; u < s; ++u) side_[std::size_t(u)] = u >= s / 2;
+    }
+    std::vector<std::int32_t>& other = members_[std::size_t(k_)];
+    other.clear();
+    Index kept = 0;
+    for (Index u = 0; u < s; ++u) {
+      if (side_[std::size_t(u)]) {
+        other.push_back(m[std::size_t(u)]);
+      } else {
+        m[std::size_t(kept++)] = m[std::size_t(u)];
+      }
+    }
+    m.resize(std::size_t(kept));
+    recentre(a, key_of);
+    recentre(k_, key_of);
+    merge_closest(a, key_of);
+  }
+
+  // Squared distance between the centroids of clusters x and y.
+  Scalar gap(Index x, Index y) const { return (centroid_.row(x) - centroid_.row(y)).squaredNorm(); }
+
+  // The nearest other cluster of x among rows [0, rows) (never `skip`), from one
+  // matrix-vector product.
+  void refresh(Index x, Index rows, Index skip = -1) {
+    dist_.noalias() = centroid_.topRows(rows) * centroid_.row(x).transpose();
+    nn_[std::size_t(x)] = -1;
+    nnd_(x) = std::numeric_limits<Scalar>::infinity();
+    for (Index y = 0; y < rows; ++y) {
+      if (y == x || y == skip) continue;
+      const Scalar g = norm2_(x) + norm2_(y) - 2 * dist_(y);
+      if (g < nnd_(x)) nnd_(x) = g, nn_[std::size_t(x)] = std::int32_t(y);
+    }
+  }
+
+  // Rows [0, rows) after clusters `changed` moved: their nearest neighbours are recomputed,
+  // and every other row compares its neighbour with them (or recomputes, if it was one).
+  void update_neighbours(Index rows, Index c0, Index c1, bool apart) {
+    refresh(c0, rows, apart ? c1 : -1);
+    if (c1 >= 0) refresh(c1, rows, apart ? c0 : -1);
+    for (Index x = 0; x < rows; ++x) {
+      if (x == c0 || x == c1) continue;
+      const std::int32_t y = nn_[std::size_t(x)];
+      if (y == c0 || y == c1 || y < 0) {
+        refresh(x, rows);
+        continue;
+      }
+      for (const Index c : {c0, c1}) {
+        if (c < 0) continue;
+        const Scalar g = gap(x, c);
+        if (g < nnd_(x)) nnd_(x) = g, nn_[std::size_t(x)] = std::int32_t(c);
+      }
+    }
+  }
+
+  // Merges the two closest of the K + 1 clusters (the halves a and K just split are not
+  // compared with each other; a pair whose union passes the split limit only if every pair does) and moves cluster K into the freed row. Each cluster keeps its
+  // nearest neighbour, exact when computed (at the start, and for every cluster a split or
+  // merge makes or changes, or whose neighbour it changes); the running means move centroids a
+  // little in between, so the pair is the closest up to that drift, at O(K·d) per split.
+  template <typename KeyOf>
+  void merge_closest(Index a, KeyOf key_of) {
+    const Index k1 = k_ + 1;
+    update_neighbours(k1, a, k_, true);
+    // The closest pair whose union stays within the split limit (else the closest): merging
+    // two large clusters would only split again.
+    Index bx = 0;
+    bool bx_fits = false;
+    for (Index x = 0; x < k1; ++x) {
+      const std::size_t y = std::size_t(nn_[std::size_t(x)]);
+      const bool fits = Index(members_[std::size_t(x)].size() + members_[y].size()) * k_ <=
+                        kSplitFactor * keys_;
+      if ((fits && !bx_fits) || (fits == bx_fits && nnd_(x) < nnd_(bx))) bx = x, bx_fits = fits;
+    }
+    Index by = nn_[std::size_t(bx)];
+    if (by < bx) std::swap(bx, by);
+    auto& into = members_[std::size_t(bx)];
+    auto& from = members_[std::size_t(by)];
+    const std::size_t mid = into.size();
+    into.insert(into.end(), from.begin(), from.end());
+    std::inplace_merge(into.begin(), into.begin() + std::ptrdiff_t(mid), into.end());
+    from.clear();
+    recentre(bx, key_of);
+    if (by != k_) {
+      std::swap(members_[std::size_t(by)], members_[std::size_t(k_)]);
+      centroid_.row(by) = centroid_.row(k_);
+      norm2_(by) = norm2_(k_);
+      radius_(by) = radius_(k_);
+      exact_at_[std::size_t(by)] = exact_at_[std::size_t(k_)];
+      nn_[std::size_t(by)] = nn_[std::size_t(k_)];
+      nnd_(by) = nnd_(k_);
+    }
+    members_[std::size_t(k_)].clear();
+    // Row K is gone: neighbours that were by (merged away) are recomputed; K is now row by.
+    for (Index x = 0; x < k_; ++x) {
+      std::int32_t& y = nn_[std::size_t(x)];
+      if (y == by) y = -1;
+      else if (y == k_) y = std::int32_t(by);
+    }
+    update_neighbours(k_, bx, -1, false);
+  }
+
+  Index dim_ = 0, k_ = 0;
+  std::uint64_t seed_ = 0;
+  Index head_ = 0;
+  Index keys_ = 0;
+  std::uint64_t splits_ = 0;
+  bool built_ = false;
+  RowMatrix<Scalar> centroid_;  // (K + 1) x d: rows [0, K) in use, row K a split's scratch
+  Vector<Scalar> norm2_, radius_, dist_;
+  std::vector<std::vector<std::int32_t>> members_;  // ascending key indices
+  std::vector<Index> exact_at_;                     // size at which the radius is recomputed
+  std::vector<std::int32_t> waiting_;               // keys filed before there are K
+  std::vector<std::uint8_t> side_;
+  std::vector<std::int32_t> nn_;  // nearest other cluster
+  Vector<Scalar> nnd_;            // its squared distance
+};
+
+}  // namespace randattn::detail

@@ -298,7 +298,7 @@ def test_corrupt_truncated_and_missing_files(rng, tmp_path):
 def test_options_belong_to_their_modes():
     with pytest.raises(ValueError, match="'bits' belongs to mode 'lsh-sample', not to mode 'blocks'"):
         randattn.KVCache(D, DV, KV_HEADS, mode="blocks", bits=8)
-    with pytest.raises(ValueError, match="'seed' belongs to mode 'lsh-sample' and 'lsf', not to mode 'exact'"):
+    with pytest.raises(ValueError, match="'seed' belongs to mode 'lsh-sample' and 'lsf' and 'clusters', not to mode 'exact'"):
         randattn.KVCache(D, DV, KV_HEADS, seed=1)
     with pytest.raises(ValueError, match="'page_size'.*not to mode 'lsf'"):
         randattn.KVCache(D, DV, KV_HEADS, mode="lsf", page_size=8)
@@ -319,7 +319,8 @@ def test_options_belong_to_their_modes():
     with pytest.raises(TypeError, match="integer"):
         randattn.KVCache(D, DV, KV_HEADS, mode="blocks", page_size=2.5)
     modes = randattn.KVCache.modes()
-    assert set(modes) == {"exact", "blocks", "lsh-sample", "lsf"}
+    assert set(modes) == {"exact", "blocks", "lsh-sample", "lsf", "clusters"}
+    assert set(modes["clusters"]) == {"clusters", "probe", "seed", "centre_tokens", "key_centre"}
     assert set(modes["lsh-sample"]) == {"bits", "tables", "hash_block", "seed", "centre_tokens", "key_centre"}
     for block in (0, 4097):
         with pytest.raises(ValueError, match=r"hash_block must be in \[1, 4096\]"):
@@ -364,3 +365,60 @@ def test_key_centre_given(rng):
     assert_close(out, exact, np.float64, 50 + D)
     with pytest.raises(ValueError, match="key_centre"):
         filled(k, v, "blocks", key_centre=np.zeros(D + 1))
+
+
+def _clustered_tokens(seed, kv_heads, n, d, dv):
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(kv_heads, 6, d)).astype(np.float32) * 3
+    k = centres[:, rng.integers(0, 6, size=n)] + rng.normal(size=(kv_heads, n, d)).astype(np.float32) * 0.3
+    v = rng.normal(size=(kv_heads, n, dv)).astype(np.float32)
+    return k.astype(np.float32), v
+
+
+def test_clusters_kwargs_report_and_probe_equal_to_clusters_is_exact():
+    k, v = _clustered_tokens(3, 2, 400, 16, 8)
+    q = np.random.default_rng(4).normal(size=(4, 16)).astype(np.float32)
+    cache = randattn.KVCache(16, 8, 2, mode="clusters", sinks=2, window=16, clusters=8, probe=3, seed=5)
+    assert cache.options["clusters"] == 8 and cache.options["probe"] == 3
+    assert randattn.KVCache.modes()["clusters"]["clusters"] == 64
+    cache.append(k, v)
+    out, rep = cache.attend(q, report=True)
+    assert rep["clusters_opened"] >= 4 * 3
+    assert rep["keys_scored"] == rep["exact_keys"] + rep["retrieved_keys"]
+    every = randattn.KVCache(16, 8, 2, mode="clusters", sinks=2, window=16, clusters=8, probe=8)
+    exact = randattn.KVCache(16, 8, 2)
+    every.append(k, v)
+    exact.append(k, v)
+    assert np.array_equal(every.attend(q), exact.attend(q))  # bit for bit
+
+
+@pytest.mark.parametrize("options", [dict(clusters=0), dict(probe=0), dict(clusters=4, probe=5)])
+def test_clusters_bad_options_raise_value_error(options):
+    with pytest.raises(ValueError):
+        randattn.KVCache(16, 8, 2, mode="clusters", **options)
+
+
+def test_clusters_options_of_other_modes_are_refused():
+    with pytest.raises(ValueError):
+        randattn.KVCache(16, 8, 2, mode="blocks", probe=2)
+    with pytest.raises(ValueError):
+        randattn.KVCache(16, 8, 2, mode="clusters", top_pages=2)
+
+
+def test_clusters_save_load_bit_identical_and_truncated_file(tmp_path):
+    k, v = _clustered_tokens(6, 2, 500, 16, 8)
+    q = np.random.default_rng(7).normal(size=(4, 16)).astype(np.float32)
+    cache = randattn.KVCache(16, 8, 2, mode="clusters", sinks=2, window=16, clusters=6, probe=2, seed=1)
+    cache.append(k, v)
+    path = tmp_path / "clusters.kvc"
+    cache.save(path)
+    loaded = randattn.KVCache.load(path)
+    assert loaded.mode == "clusters" and loaded.options == cache.options
+    a, ra = loaded.attend(q, report=True)
+    b, rb = cache.attend(q, report=True)
+    assert np.array_equal(a, b) and ra == rb
+    data = path.read_bytes()
+    cut = tmp_path / "cut.kvc"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError):
+        randattn.KVCache.load(cut)

@@ -19,6 +19,7 @@
 // (num, den, log-scale) triple merged by the online-softmax rule of SoftmaxAccumulator.
 //
 // Cost. append: O(d + dv) per token and kv head, plus O(d) for the page min/max (blocks),
+// O(clusters·d) for the nearest centroid of the key leaving the window (clusters),
 // O(L·K·d) for the hash codes (lsh_sample: one block of lsh_hash_block keys per matrix product,
 // when the block fills) or O(L·m·d) for the filters (lsf); storage grows by amortised doubling
 // and no index is ever rebuilt. Memory: n·(d + dv) scalars per kv head, plus

@@ -22,6 +22,7 @@
 
 #include "../core/types.hpp"
 #include "gemm.hpp"
+#include "unroll.hpp"
 #include "validation.hpp"
 
 namespace randattn::detail {
@@ -98,22 +99,30 @@ inline void tile(Scalar* out, Index out_stride, Start<Scalar> start, Strided<Sca
   constexpr Index ps = packet_size<Scalar>;
   P_t c[R][P];
   const P_t alpha = pset1<P_t>(start.alpha);
+  RANDATTN_UNROLL
   for (int r = 0; r < R; ++r)
+    RANDATTN_UNROLL
     for (int p = 0; p < P; ++p)
       c[r][p] = start.data ? Eigen::internal::pmul(
                                  alpha, ploadu<P_t>(start.data + r * start.stride + p * ps))
                            : pset1<P_t>(Scalar(0));
   for (Index k = 0; k < depth; ++k) {
     P_t bk[P];
+    RANDATTN_UNROLL
     for (int p = 0; p < P; ++p) bk[p] = ploadu<P_t>(b + k * b_stride + p * ps);
+    RANDATTN_UNROLL
     for (int p = 0; p < P; ++p) in_register(bk[p]);
     const Scalar* ak = a.data + k * a.col;
+    RANDATTN_UNROLL
     for (int r = 0; r < R; ++r) {
       const P_t ar = pset1<P_t>(ak[r * a.row]);
+      RANDATTN_UNROLL
       for (int p = 0; p < P; ++p) c[r][p] = pmadd(ar, bk[p], c[r][p]);
     }
   }
+  RANDATTN_UNROLL
   for (int r = 0; r < R; ++r)
+    RANDATTN_UNROLL
     for (int p = 0; p < P; ++p) Eigen::internal::pstoreu(out + r * out_stride + p * ps, c[r][p]);
 }
 
@@ -250,7 +259,9 @@ namespace row_panel {
 // sums[r][s] = predux(c[r][s]), each packet reduced on its own.
 template <int RI, int RJ, typename P_t, typename Scalar>
 inline void horizontal_sums(const P_t (&c)[RI][RJ], Scalar (&sums)[RI][RJ]) {
+  RANDATTN_UNROLL
   for (int r = 0; r < RI; ++r)
+    RANDATTN_UNROLL
     for (int s = 0; s < RJ; ++s) sums[r][s] = Eigen::internal::predux(c[r][s]);
 }
 
@@ -349,25 +360,37 @@ void dot_tile(Out& out, const A& a, const B& b, Index i0, Index j0) {
   constexpr Index ps = packet_size<Scalar>;
   const Index depth = a.cols(), whole = depth / ps * ps;
   P_t c[RI][RJ];
+  RANDATTN_UNROLL
   for (int r = 0; r < RI; ++r)
+    RANDATTN_UNROLL
     for (int s = 0; s < RJ; ++s) c[r][s] = Eigen::internal::pset1<P_t>(Scalar(0));
   for (Index k = 0; k < whole; k += ps) {
     P_t ak[RI], bk[RJ];
+    RANDATTN_UNROLL
     for (int r = 0; r < RI; ++r) ak[r] = ploadu<P_t>(&a.coeffRef(i0 + r, k));
+    RANDATTN_UNROLL
     for (int s = 0; s < RJ; ++s) bk[s] = ploadu<P_t>(&b.coeffRef(j0 + s, k));
+    RANDATTN_UNROLL
     for (int r = 0; r < RI; ++r) in_register(ak[r]);
+    RANDATTN_UNROLL
     for (int s = 0; s < RJ; ++s) in_register(bk[s]);
+    RANDATTN_UNROLL
     for (int r = 0; r < RI; ++r)
+      RANDATTN_UNROLL
       for (int s = 0; s < RJ; ++s) c[r][s] = pmadd(ak[r], bk[s], c[r][s]);
   }
   Scalar sums[RI][RJ];
   horizontal_sums(c, sums);
   if (whole == depth) {
+    RANDATTN_UNROLL
     for (int r = 0; r < RI; ++r)
+      RANDATTN_UNROLL
       for (int s = 0; s < RJ; ++s) out.coeffRef(i0 + r, j0 + s) = sums[r][s];
     return;
   }
+  RANDATTN_UNROLL
   for (int r = 0; r < RI; ++r) {
+    RANDATTN_UNROLL
     for (int s = 0; s < RJ; ++s) {
       Scalar sum = sums[r][s];
       for (Index k = whole; k < depth; ++k) sum += a(i0 + r, k) * b(j0 + s, k);

@@ -8,6 +8,7 @@
 #include <Eigen/Core>
 
 #include "../core/types.hpp"
+#include "unroll.hpp"
 
 namespace randattn::detail {
 
@@ -36,9 +37,11 @@ void transpose_scaled(const Scalar* x, Index x_stride, Index rows, Index cols, c
     Index j0 = 0;
     for (; j0 + kP <= cols; j0 += kP) {
       ei::PacketBlock<Packet, kP> tile;
+      RANDATTN_UNROLL
       for (int l = 0; l < kP; ++l)
         tile.packet[l] = ei::ploadu<Packet>(x + (t0 + l) * x_stride + j0);
       ei::ptranspose(tile);
+      RANDATTN_UNROLL
       for (int l = 0; l < kP; ++l) {
         const Packet v =
             scale ? ei::pmul(tile.packet[l], ei::pset1<Packet>(scale[j0 + l])) : tile.packet[l];

@@ -18,6 +18,7 @@
 
 #include "../core/types.hpp"
 #include "../detail/transpose.hpp"
+#include "../detail/unroll.hpp"
 #include "../detail/validation.hpp"
 
 namespace randattn {
@@ -34,10 +35,8 @@ namespace detail {
 
 #if defined(__GNUC__)
 #define RANDATTN_FWHT_INLINE inline __attribute__((always_inline))
-#define RANDATTN_FWHT_UNROLL _Pragma("GCC unroll 8")
 #else
 #define RANDATTN_FWHT_INLINE inline
-#define RANDATTN_FWHT_UNROLL
 #endif
 
 // Radix-2^M step on P packets of adjacent vectors (Packet a SIMD type, or Scalar itself for one
@@ -52,17 +51,19 @@ RANDATTN_FWHT_INLINE void fwht_strip(Scalar* __restrict base, Index stride, cons
   using namespace Eigen::internal;
   constexpr int kRows = 1 << M, kSize = unpacket_traits<Packet>::size;
   Packet a[kRows][P];
-  RANDATTN_FWHT_UNROLL
+  RANDATTN_UNROLL
   for (int m = 0; m < kRows; ++m)
+    RANDATTN_UNROLL
     for (int l = 0; l < P; ++l) {
       a[m][l] = ploadu<Packet>(base + m * stride + l * kSize);
       if (Scaled) a[m][l] = pmul(a[m][l], pset1<Packet>(sign[m]));
     }
-  RANDATTN_FWHT_UNROLL
+  RANDATTN_UNROLL
   for (int level = 1; level < kRows; level <<= 1) {
-    RANDATTN_FWHT_UNROLL
+    RANDATTN_UNROLL
     for (int m = 0; m < kRows; ++m) {
       if (m & level) continue;
+      RANDATTN_UNROLL
       for (int l = 0; l < P; ++l) {
         const Packet x = a[m][l], y = a[m | level][l];
         a[m][l] = padd(x, y);
@@ -70,8 +71,9 @@ RANDATTN_FWHT_INLINE void fwht_strip(Scalar* __restrict base, Index stride, cons
       }
     }
   }
-  RANDATTN_FWHT_UNROLL
+  RANDATTN_UNROLL
   for (int m = 0; m < kRows; ++m)
+    RANDATTN_UNROLL
     for (int l = 0; l < P; ++l) pstoreu(base + m * stride + l * kSize, a[m][l]);
 }
 
@@ -88,6 +90,7 @@ void fwht_columns_step(Scalar* w, Index p, Index cols, Index ld, Index h, const 
   Scalar sign[kRows];
   for (Index i0 = 0; i0 < p; i0 += kRows * h) {
     for (Index j = i0; j < i0 + h; ++j) {
+      RANDATTN_UNROLL
       for (int m = 0; m < kRows; ++m) sign[m] = Scaled ? diag[j + m * h] : Scalar(1);
       Scalar* row = w + j * ld;
       Index t = 0;
@@ -123,7 +126,6 @@ void fwht_columns_unchecked(Scalar* w, Index p, Index cols, Index ld, const Scal
 }
 
 #undef RANDATTN_FWHT_INLINE
-#undef RANDATTN_FWHT_UNROLL
 
 }  // namespace detail
 

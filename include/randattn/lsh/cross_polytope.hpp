@@ -34,6 +34,7 @@
 #include "../core/types.hpp"
 #include "../detail/matrix_pool.hpp"
 #include "../detail/parallel.hpp"
+#include "../detail/unroll.hpp"
 #include "../detail/validation.hpp"
 #include "../hashing/detail/tiles.hpp"
 #include "../hashing/hash_codes.hpp"
@@ -64,6 +65,7 @@ void cross_polytope_argmax_packets(const Scalar* y, Index ld, Index half, Scalar
   constexpr int kP = ei::unpacket_traits<Packet>::size;
   const Packet s = ei::pset1<Packet>(scale), one = ei::pset1<Packet>(Scalar(1));
   Packet hi[N], lo[N], hi_arg[N], lo_arg[N];
+  RANDATTN_UNROLL
   for (int j = 0; j < N; ++j) {
     hi[j] = ei::pset1<Packet>(-std::numeric_limits<Scalar>::infinity());
     lo[j] = ei::pset1<Packet>(std::numeric_limits<Scalar>::infinity());
@@ -72,6 +74,7 @@ void cross_polytope_argmax_packets(const Scalar* y, Index ld, Index half, Scalar
   Packet kk = ei::pset1<Packet>(Scalar(0));
   for (Index k = 0; k < half; ++k) {
     const Scalar* row = y + k * ld + t0;
+    RANDATTN_UNROLL
     for (int j = 0; j < N; ++j) {
       const Packet v = ei::pmul(ei::ploadu<Packet>(row + j * kP), s);
       const Packet up = ei::pcmp_lt(hi[j], v), down = ei::pcmp_lt(v, lo[j]);
@@ -82,12 +85,14 @@ void cross_polytope_argmax_packets(const Scalar* y, Index ld, Index half, Scalar
     }
     kk = ei::padd(kk, one);
   }
+  RANDATTN_UNROLL
   for (int j = 0; j < N; ++j) {
     Scalar h[kP], l[kP], ha[kP], la[kP];
     ei::pstoreu(h, hi[j]);
     ei::pstoreu(l, lo[j]);
     ei::pstoreu(ha, hi_arg[j]);
     ei::pstoreu(la, lo_arg[j]);
+    RANDATTN_UNROLL
     for (int i = 0; i < kP; ++i)
       codes[(t0 + j * kP + i) * stride] =
           static_cast<std::int32_t>(h[i] >= -l[i] ? ha[i] : la[i] + Scalar(half));

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../../core/types.hpp"
+#include "../../detail/unroll.hpp"
 
 namespace randattn::detail {
 
@@ -38,11 +39,13 @@ class OrderedSum {
   // The terms x[0..kLanes) (or their squares) of flat indices omega0 .. omega0 + kLanes - 1,
   // omega0 a multiple of kLanes: the vectorised form of kLanes calls of add (add_square).
   void add_lanes(Index omega0, const double* x) {
+    RANDATTN_UNROLL
     for (Index l = 0; l < kLanes; ++l) lanes_[l] += x[l];
     lanes_done(omega0);
   }
   template <typename Scalar>
   void add_square_lanes(Index omega0, const Scalar* a) {
+    RANDATTN_UNROLL
     for (Index l = 0; l < kLanes; ++l) lanes_[l] = square_plus(double(a[l]), lanes_[l]);
     lanes_done(omega0);
   }
@@ -56,6 +59,7 @@ class OrderedSum {
   // Joins the sum of the terms that follow this sum's, which must end at a chunk end.
   void append(const OrderedSum& next) {
     chunk_sums_.insert(chunk_sums_.end(), next.chunk_sums_.begin(), next.chunk_sums_.end());
+    RANDATTN_UNROLL
     for (Index l = 0; l < kLanes; ++l) lanes_[l] = next.lanes_[l];
   }
   double value() const {
@@ -74,6 +78,7 @@ class OrderedSum {
   }
   double fold() const {
     double t[kLanes];
+    RANDATTN_UNROLL
     for (Index l = 0; l < kLanes; ++l) t[l] = lanes_[l];
     for (Index w = kLanes / 2; w >= 1; w /= 2)
       for (Index l = 0; l < w; ++l) t[l] += t[l + w];

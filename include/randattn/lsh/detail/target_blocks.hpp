@@ -29,6 +29,7 @@
 #include "../../core/softmax_accumulator.hpp"
 #include "../../core/types.hpp"
 #include "../../detail/gemm.hpp"
+#include "../../detail/match_counts.hpp"
 #include "../../detail/matrix_pool.hpp"
 #include "../../detail/parallel.hpp"
 #include "../../hashing/detail/tiles.hpp"
@@ -165,12 +166,9 @@ struct RoundCounter {
       const std::int32_t a = qs[rho];
       const std::int32_t* ks = &(*key_sig)(rho, 0);
       if (sig->adjacent) {
-        for (Index u = 0; u < cols.size; ++u) {
-          const std::int32_t diff = a - ks[u];
-          cnt[u] += (diff == 0) | (diff == 1) | (diff == sig->wrap);
-        }
+        add_adjacent_matches(a, ks, cols.size, sig->wrap, cnt);
       } else {
-        for (Index u = 0; u < cols.size; ++u) cnt[u] += (a == ks[u]);
+        add_matches(a, ks, cols.size, cnt);
       }
     }
   }

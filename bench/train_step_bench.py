@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Seconds per training step of the model of examples/python/train_tiny_lm.py (forward, backward
-and optimiser step on random tokens) with every attention layer through randattn, one model per
-method, all of the same initial weights. The machine may be shared and noisy, so the methods take
+"""Seconds per training step of the model of examples/python/train_tiny_lm.py (its train_step:
+forward, backward and optimiser step, on random tokens) with every attention layer through randattn,
+one model per method, all of the same initial weights. The machine may be shared and noisy, so the methods take
 their steps in turn (one step each per round, after two warm-up rounds) and each row is the median
 over the rounds; the ratio column is the first method's median over the row's. A last row replaces
 attention with its queries (no attention at all): what the rest of the model costs.
@@ -35,18 +35,14 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=192)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--kv-heads", type=int, default=1)
+    train_tiny_lm.add_model_arguments(ap)
     args = ap.parse_args()
     if not args.methods:
         ap.error("give at least one --attention METHOD")
     if args.rounds < 1 or args.context < 1 or args.batch < 1:
         ap.error("--rounds, --context and --batch must be positive")
     torch.set_num_threads(args.threads)
-    config = llama2c.Config(args.dim, args.hidden, args.layers, args.heads, args.kv_heads, 256, args.context)
+    config = train_tiny_lm.model_config(args, 256, args.context)
     tokens = torch.randint(0, 256, (args.batch, args.context + 1), generator=torch.Generator().manual_seed(0))
 
     runs = []
@@ -63,23 +59,14 @@ def main():
                 sys.exit(f"train_step_bench.py: error: {label}: {e}")
             learned = list(attention.parameters())
         params = list(model.parameters()) + learned
-        runs.append((label, model, attention, params, torch.optim.AdamW(params, lr=1e-3), []))
-
-    def step(model, attention, params, opt):
-        start = time.perf_counter()
-        logits = model(tokens[:, :-1], attention)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        return time.perf_counter() - start
+        runs.append((label, model, attention, params, train_tiny_lm.optimizer(model, learned, 1e-3), []))
 
     for r in range(args.rounds + 2):
         for label, model, attention, params, opt, times in runs:
-            seconds = step(model, attention, params, opt)
+            start = time.perf_counter()
+            train_tiny_lm.train_step(model, attention, tokens, opt, params)
             if r >= 2:
-                times.append(seconds)
+                times.append(time.perf_counter() - start)
     first = float(np.median(runs[0][5]))
     print(f"context {args.context}, batch {args.batch}, {args.threads} threads, {args.rounds} rounds")
     print(f"{'method':32s} {'median s/step':>14s} {'min':>8s} {'max':>8s} {'first / this':>13s}")

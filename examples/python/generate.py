@@ -70,20 +70,24 @@ class OracleCache:
     as many keys per call, summed over query heads, as budgets (an iterator) gives, split evenly."""
 
     def __init__(self, config, budgets):
-        self.keys, self.values, self.budgets = [], [], budgets
+        # Room for the model's context: decoding never passes it.
+        self.keys = np.empty((config.n_kv_heads, config.seq_len, config.head_size), dtype=np.float32)
+        self.values = np.empty_like(self.keys)
+        self.size, self.budgets = 0, budgets
         self.group = config.n_heads // config.n_kv_heads
         self.scale = config.head_size ** -0.5
 
     def __len__(self):
-        return len(self.keys)
+        return self.size
 
     def append(self, k, v):  # (kv_heads, 1, hs) each
-        self.keys.append(k[:, 0])
-        self.values.append(v[:, 0])
+        self.keys[:, self.size] = k[:, 0]
+        self.values[:, self.size] = v[:, 0]
+        self.size += 1
 
     def attend(self, q, report=False):  # q (n_heads, hs)
-        keys, values = np.stack(self.keys, axis=1), np.stack(self.values, axis=1)  # (kv_heads, t, hs)
-        heads, t = q.shape[0], keys.shape[1]
+        keys, values = self.keys[:, :self.size], self.values[:, :self.size]  # (kv_heads, t, hs)
+        heads, t = q.shape[0], self.size
         total = next(self.budgets)
         out = np.empty_like(q)
         for h in range(heads):

@@ -265,13 +265,14 @@ def byte_tokens(text_bytes, offset=0):
 
 def text_codec(vocab_size, token_offset=0, tokenizer=None):
     """(encode, decode) of a model's text: bytes -> int64 token tensor and token ids -> bytes. With a
-    tokenizer file (bpe.py's, e.g. train_tiny_lm.py --vocab bpe:N's), its BPE, which must have the
-    model's vocabulary; else byte b is token b + token_offset. ValueError when they do not fit."""
+    tokenizer (a bpe.Tokenizer or its file, e.g. train_tiny_lm.py --vocab bpe:N's), its BPE, which
+    must have the model's vocabulary; else byte b is token b + token_offset. ValueError when they
+    do not fit."""
     if tokenizer is not None:
         import bpe
         if token_offset:
             raise ValueError("a token offset applies to bytes as tokens, not with a tokenizer")
-        bpe_tokens = bpe.Tokenizer.load(tokenizer)
+        bpe_tokens = tokenizer if isinstance(tokenizer, bpe.Tokenizer) else bpe.Tokenizer.load(tokenizer)
         if bpe_tokens.vocab_size != vocab_size:
             raise ValueError(f"{tokenizer}: a vocabulary of {bpe_tokens.vocab_size} tokens, the model's has {vocab_size}")
         return (lambda data: torch.from_numpy(bpe_tokens.encode(data))), bpe_tokens.decode

@@ -61,8 +61,10 @@ def causal_pairs(n):
 
 
 def topk_share(k_top, n):
-    """Share of the n(n+1)/2 causal pairs that oracle-topk with k_top scores."""
-    return sum(min(k_top, i + 1) for i in range(n)) / causal_pairs(n)
+    """Share of the n(n+1)/2 causal pairs that oracle-topk with k_top scores: Σ_i min(k, i + 1)
+    = k(k + 1)/2 + k(n − k) for k = min(k_top, n)."""
+    k = min(k_top, n)
+    return (k * (k + 1) / 2 + k * (n - k)) / causal_pairs(n)
 
 
 def oracle_k(share, n):

@@ -68,6 +68,36 @@ def validation_loss(model, attention, tokens, length, seqs):
         return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()))
 
 
+def add_model_arguments(ap):
+    """The model's shape options (defaults: the model of docs/model_eval.md's A)."""
+    for flag, default in (("--dim", 64), ("--hidden", 192), ("--layers", 4), ("--heads", 2), ("--kv-heads", 1)):
+        ap.add_argument(flag, type=int, default=default)
+
+
+def model_config(args, vocab_size, seq_len):
+    return llama2c.Config(args.dim, args.hidden, args.layers, args.heads, args.kv_heads, vocab_size, seq_len)
+
+
+def optimizer(model, learned, lr):
+    """AdamW (β 0.9, 0.95), weight decay 0.1 on the matrices only."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2] + list(learned)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95))
+
+
+def train_step(model, attention, batch, opt, params):
+    """One optimiser step on the windows `batch` (b, n + 1), gradients clipped to norm 1 over
+    `params`; returns the loss (nats per token)."""
+    logits = model(batch[:, :-1], attention)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    return loss
+
+
 def parse_vocab(text, error):
     """N of "bpe:N" (N >= 256), None for "bytes"; error(message) on anything else."""
     if text == "bytes":
@@ -93,11 +123,7 @@ def main(argv=None):
     ap.add_argument("--fixed-features", action="store_true",
                     help="favor, favor-hyp: keep the seed's projections instead of learning them")
     ap.add_argument("--vocab", default="bytes", help="bytes (256 tokens) or bpe:N (a BPE of N >= 256 tokens)")
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=192)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--kv-heads", type=int, default=1)
+    add_model_arguments(ap)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2000)
@@ -136,8 +162,8 @@ def main(argv=None):
             began = time.perf_counter()
             tokenizer = bpe.Tokenizer.train(data, bpe_size)
             print(f"trained a BPE of {tokenizer.vocab_size} tokens in {time.perf_counter() - began:.1f} s", flush=True)
-        encode = (lambda text: torch.from_numpy(tokenizer.encode(text))) if tokenizer else llama2c.byte_tokens
         vocab_size = tokenizer.vocab_size if tokenizer else 256
+        encode, _ = llama2c.text_codec(vocab_size, tokenizer=tokenizer)
         tokens = encode(data)
         if args.init:
             model = llama2c.read_checkpoint(args.init).train()
@@ -146,8 +172,7 @@ def main(argv=None):
                 raise ValueError(f"{args.init}: needs a vocabulary of {vocab_size} (its tokenizer's, or bytes) and "
                                  f"seq_len >= {args.seq_len}, has {config.vocab_size} and {config.seq_len}")
         else:
-            config = llama2c.Config(args.dim, args.hidden, args.layers, args.heads, args.kv_heads, vocab_size,
-                                    args.seq_len)
+            config = model_config(args, vocab_size, args.seq_len)
             model = llama2c.Transformer(config)
             init_weights(model, args.seed)
         llama2c.check_windows(tokens, args.seq_len, args.corpus)
@@ -178,10 +203,8 @@ def main(argv=None):
           f"{llama2c.method_label(args.attention, options) if args.attention else 'torch exact'}"
           f"{f' ({sum(p.numel() for p in learned)} learned feature-map parameters)' if learned else ''}", flush=True)
 
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2] + learned
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
+    opt = optimizer(model, learned, args.lr)
+    params = list(model.parameters()) + learned
     rng = np.random.default_rng(args.seed)
     budget = 60.0 * args.minutes
     start = time.perf_counter()
@@ -208,12 +231,7 @@ def main(argv=None):
             group["lr"] = lr
         batch = llama2c.sample_windows(tokens, args.seq_len, args.batch, rng)
         began = time.perf_counter()
-        logits = model(batch[:, :-1], attention)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()) + learned, 1.0)
-        opt.step()
+        loss = train_step(model, attention, batch, opt, params)
         step_seconds.append(time.perf_counter() - began)
         step += 1
         smoothed = loss.item() if smoothed is None else 0.9 * smoothed + 0.1 * loss.item()

@@ -62,16 +62,23 @@ struct Config {
   KvCacheOptions options;
 };
 
+// A retrieval mode with the bench's sinks and window (and seed, for the modes that draw).
+KvCacheOptions retrieval(DecodeMode mode) {
+  KvCacheOptions o;
+  o.mode = mode;
+  o.sinks = kSinks;
+  o.window = kWindow;
+  o.seed = 7;
+  return o;
+}
+
 std::vector<Config> configs() {
   std::vector<Config> c;
   KvCacheOptions exact;
   exact.mode = DecodeMode::exact;
   c.push_back({"exact", exact});
 
-  KvCacheOptions blocks;
-  blocks.mode = DecodeMode::blocks;
-  blocks.sinks = kSinks;
-  blocks.window = kWindow;
+  KvCacheOptions blocks = retrieval(DecodeMode::blocks);
   blocks.page_size = 32;
   blocks.top_pages = 64;
   c.push_back({"blocks_P32_top64", blocks});
@@ -82,12 +89,8 @@ std::vector<Config> configs() {
   blocks.top_pages = 256;
   c.push_back({"blocks_P8_top256", blocks});
 
-  KvCacheOptions lsh;
-  lsh.mode = DecodeMode::lsh_sample;
-  lsh.sinks = kSinks;
-  lsh.window = kWindow;
+  KvCacheOptions lsh = retrieval(DecodeMode::lsh_sample);
   lsh.centre_tokens = 1024;
-  lsh.seed = 7;
   lsh.lsh_bits = 10;
   lsh.lsh_tables = 100;
   c.push_back({"lsh_K10_L100", lsh});
@@ -98,22 +101,14 @@ std::vector<Config> configs() {
   lsh.lsh_tables = 128;
   c.push_back({"lsh_K12_L128", lsh});
 
-  KvCacheOptions lsf;
-  lsf.mode = DecodeMode::lsf;
-  lsf.sinks = kSinks;
-  lsf.window = kWindow;
+  KvCacheOptions lsf = retrieval(DecodeMode::lsf);
   lsf.centre_tokens = 1024;
-  lsf.seed = 7;
   lsf.lsf_filters = 256;
   lsf.lsf_tables = 4;
   lsf.lsf_alpha = 0.9;
   c.push_back({"lsf_m256_L4_a0.9", lsf});
 
-  KvCacheOptions clusters;
-  clusters.mode = DecodeMode::clusters;
-  clusters.sinks = kSinks;
-  clusters.window = kWindow;
-  clusters.seed = 7;
+  KvCacheOptions clusters = retrieval(DecodeMode::clusters);
   clusters.clusters = 256;
   clusters.probe = 4;
   c.push_back({"clusters_C256_p4", clusters});

@@ -417,7 +417,7 @@ TEMPLATE_TEST_CASE("KvCache appending token by token equals one block, bit for b
   const Tokens<S> tok(71, n, kvh, d, dv);
   const RowMatrix<S> q = needle_queries(tok, qh, 8, 4.0);
   for (const DecodeMode mode : {DecodeMode::exact, DecodeMode::blocks, DecodeMode::lsh_sample,
-                                DecodeMode::lsf}) {
+                                DecodeMode::lsf, DecodeMode::clusters}) {
     for (const Index centre_tokens : {Index(0), Index(37)}) {
       KvCacheOptions opt;
       opt.mode = mode;
@@ -429,6 +429,8 @@ TEMPLATE_TEST_CASE("KvCache appending token by token equals one block, bit for b
       opt.lsh_tables = 12;
       opt.lsf_filters = 16;
       opt.lsf_tables = 3;
+      opt.clusters = 16;  // 278 candidates: splits and merges happen
+      opt.probe = 2;
       opt.centre_tokens = centre_tokens;
       const auto block = filled(tok, opt);
       KvCache<S> single(d, dv, kvh, opt), mixed(d, dv, kvh, opt);

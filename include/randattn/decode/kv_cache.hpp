@@ -864,7 +864,7 @@ class KvCache {
         if (j >= first && j < last) s.idx.push_back(j);
     };
     for (Index r = 0; r < qg.rows(); ++r) {
-      const Eigen::Matrix<Scalar, 1, Eigen::Dynamic> q = qg.row(r);
+      const auto q = qg.row(r);
       const Scalar spread = std::abs(scale_) * q.norm();
       s.ranked.resize(static_cast<std::size_t>(K));
       for (Index c = 0; c < K; ++c)

@@ -22,6 +22,16 @@
 //               highest bounds, and attends exactly to their members.
 // In every retrieval mode the first `sinks` and the last `window` tokens are attended exactly and
 // are never candidates of the retrieval, so no key is counted twice.
+//
+// Storage (KvCacheOptions::storage) is how keys and values are held, whatever the scalar type
+// of the queries and results (the cache's Scalar, in which everything is computed):
+//   float32, float64  as given (float64 -> float32 rounds to nearest);
+//   bfloat16, float16 rounded to nearest, ties to even (from double directly, not through float);
+//                     a finite entry beyond the type's range is refused (float16: |x| > 65504);
+//   int8              symmetric, one scale per token and kv head for its key and one for its
+//                     value: x ≈ s·round(x / s), s = max|x| / 127; non-finite entries are refused
+//                     even with check_finite = false, since they have no scale.
+// Every decode mode reads the stored rows directly (converted to Scalar in registers).
 
 #include <cstdint>
 #include <optional>
@@ -39,6 +49,25 @@ enum class DecodeMode : std::uint32_t {
   clusters = 4
 };
 
+enum class KvStorage : std::uint32_t {
+  float32 = 0,
+  float64 = 1,
+  bfloat16 = 2,
+  float16 = 3,
+  int8 = 4
+};
+
+inline const char* to_string(KvStorage storage) {
+  switch (storage) {
+    case KvStorage::float32: return "float32";
+    case KvStorage::float64: return "float64";
+    case KvStorage::bfloat16: return "bfloat16";
+    case KvStorage::float16: return "float16";
+    case KvStorage::int8: return "int8";
+  }
+  return "unknown";
+}
+
 inline const char* to_string(DecodeMode mode) {
   switch (mode) {
     case DecodeMode::exact: return "exact";
@@ -52,6 +81,8 @@ inline const char* to_string(DecodeMode mode) {
 
 struct KvCacheOptions {
   DecodeMode mode = DecodeMode::exact;
+  // How keys and values are stored (see the top of this file); unset: the cache's Scalar.
+  std::optional<KvStorage> storage;
   // Logits are scale·q·k; default 1/sqrt(head_dim).
   std::optional<double> scale;
   // Always exact (retrieval modes): the first `sinks` tokens and the last `window` tokens.
@@ -114,6 +145,7 @@ struct DecodeReport {
   Index clusters_opened = 0; // clusters: clusters whose members were scored
   Index empty_heads = 0;     // query heads with no key scored at all (their output row is 0)
   std::vector<std::vector<std::int32_t>> scored_keys;  // per query head, when record_keys
+  Index bytes_per_token = 0;  // bytes of one cached token's keys and values (all kv heads)
 
   Index keys_scored() const { return exact_keys + retrieved_keys; }
 };

@@ -22,7 +22,8 @@
 // O(clusters·d) for the nearest centroid of the key leaving the window (clusters),
 // O(L·K·d) for the hash codes (lsh_sample: one block of lsh_hash_block keys per matrix product,
 // when the block fills) or O(L·m·d) for the filters (lsf); storage grows by amortised doubling
-// and no index is ever rebuilt. Memory: n·(d + dv) scalars per kv head, plus
+// and no index is ever rebuilt. Memory: n·(d + dv) stored entries per kv head (4 or 8 bytes,
+// 2 for bfloat16/float16, 1 for int8 plus two scales per token; options.storage), plus
 // 2·d·n/P (blocks), n·L bucket entries of 4 bytes and L·2^K bucket headers (lsh_sample), or
 // n·L entries and L·m headers (lsf).
 // attend: exact O(n·(d + dv)) per query head, every key and value row read once per kv head; blocks
@@ -60,10 +61,11 @@
 // cache is checked before it is changed, so a failed append leaves it unchanged.
 //
 // Files: save(path) writes a portable little-endian file (magic "RAKVCACH", format version,
-// scalar width, shapes, options, keys and values, FNV-1a checksum); load(path) rebuilds the
-// index by replaying the appends (the open block stays open), so a loaded cache gives
-// bit-identical results. A corrupt,
-// truncated or mismatched file throws std::invalid_argument and nothing is returned.
+// scalar width, shapes, options, storage, keys and values as stored, FNV-1a checksum);
+// load(path) reads the stored rows as they are (nothing is rounded again) and rebuilds the index
+// by replaying the appends (the open block stays open), so a loaded cache gives bit-identical
+// results. A corrupt, truncated or mismatched file throws std::invalid_argument and nothing is
+// returned.
 
 #include <randattn/detail/intrinsics.hpp>
 
@@ -86,9 +88,9 @@
 #include "decode_options.hpp"
 #include "detail/binary_io.hpp"
 #include "detail/filter_tables.hpp"
-#include "detail/growable_rows.hpp"
 #include "detail/key_clusters.hpp"
 #include "detail/page_bounds.hpp"
+#include "detail/stored_rows.hpp"
 #include "simhash_tables.hpp"
 
 namespace randattn {
@@ -103,8 +105,9 @@ class KvCache {
 
   // Largest number of cached tokens (key indices are 32-bit).
   static constexpr Index kMaxTokens = std::numeric_limits<std::int32_t>::max();
-  // Version 3 adds the options of the clusters mode; version 2 files are still read.
-  static constexpr std::uint32_t kFileVersion = 3;
+  // Version 3 added the options of the clusters mode, version 4 the storage type; versions 2 and
+  // 3 (float32/float64 storage of the file's scalar) are still read.
+  static constexpr std::uint32_t kFileVersion = 4;
 
   KvCache(Index head_dim, Index value_dim, Index kv_heads, KvCacheOptions options = {})
       : d_(head_dim), dv_(value_dim), kv_heads_(kv_heads), opt_(std::move(options)) {
@@ -157,6 +160,10 @@ class KvCache {
                     ", expected 1x", head_dim, " or ", kv_heads, "x", head_dim);
     detail::require(!given || opt_.key_centre.allFinite(), where,
                     "options.key_centre has a non-finite entry");
+    detail::require(!opt_.storage || detail::is_storage(std::uint32_t(*opt_.storage)), where,
+                    "options.storage ", std::uint32_t(opt_.storage.value_or(KvStorage::float32)),
+                    " is not a KvStorage");
+    storage_ = opt_.storage.value_or(detail::storage_of<Scalar>());
     AttentionOptions scale_option;
     scale_option.scale = opt_.scale;
     scale_ = detail::resolve_scale<Scalar>(where, scale_option, detail::inverse_sqrt_dim(head_dim));
@@ -164,8 +171,8 @@ class KvCache {
     heads_.resize(static_cast<std::size_t>(kv_heads));
     for (Index h = 0; h < kv_heads; ++h) {
       Head& head = heads_[h];
-      head.keys = detail::GrowableRows<Scalar>(d_);
-      head.values = detail::GrowableRows<Scalar>(dv_);
+      head.keys = detail::StoredRows<Scalar>(d_, storage_);
+      head.values = detail::StoredRows<Scalar>(dv_, storage_);
       head.centre = Vector<Scalar>::Zero(d_);
       head.key_sum = Eigen::VectorXd::Zero(d_);
       if (given) {
@@ -186,6 +193,7 @@ class KvCache {
     centre_fixed_ = given;
     lsf_threshold_ = Scalar(opt_.lsf_threshold ? *opt_.lsf_threshold
                                                : filter_threshold(opt_.lsf_alpha, opt_.lsf_filters));
+    key_row_.resize(d_);
   }
 
   Index size() const { return n_; }
@@ -194,10 +202,13 @@ class KvCache {
   Index kv_heads() const { return kv_heads_; }
   Scalar scale() const { return scale_; }
   const KvCacheOptions& options() const { return opt_; }
+  // How keys and values are held (options().storage, or the Scalar type when it is unset).
+  KvStorage storage() const { return storage_; }
 
-  // Cached keys (n x d) and values (n x dv) of kv head h; valid until the next append.
-  ConstRowMatrixMap<Scalar> keys(Index h) const { return head_at(h, "keys").keys.view(); }
-  ConstRowMatrixMap<Scalar> values(Index h) const { return head_at(h, "values").values.view(); }
+  // Cached keys (n x d) and values (n x dv) of kv head h as the cache holds them, in Scalar
+  // (a copy: int8 rows times their scales).
+  Matrix keys(Index h) const { return head_at(h, "keys").keys.decoded(0, n_); }
+  Matrix values(Index h) const { return head_at(h, "values").values.decoded(0, n_); }
   // The key centre used for retrieval scores (zero without centring or before it is fixed).
   const Vector<Scalar>& key_centre(Index h) const { return head_at(h, "key_centre").centre; }
   // Whether the key centre is fixed (given, or the first centre_tokens keys are cached).
@@ -230,7 +241,8 @@ class KvCache {
   // tokens); later ones are attended exactly.
   Index hashed_tokens() const { return hashed_; }
 
-  // Bytes held: keys and values, and the retrieval index.
+  // Bytes held: keys and values (with int8 scales), the retrieval index, both; and the bytes of
+  // one token's keys and values in all kv heads as stored.
   std::size_t storage_bytes() const {
     std::size_t b = 0;
     for (const Head& h : heads_) b += h.keys.bytes() + h.values.bytes();
@@ -242,6 +254,11 @@ class KvCache {
       b += h.pages.bytes() + h.tables.bytes() + h.filters.bytes() + h.clusters.bytes() +
            h.centred_norm.capacity() * sizeof(Scalar);
     return b;
+  }
+  std::size_t memory_bytes() const { return storage_bytes() + index_bytes(); }
+  std::size_t bytes_per_token() const {
+    return std::size_t(kv_heads_) *
+           (heads_[0].keys.bytes_per_row() + heads_[0].values.bytes_per_row());
   }
 
   // Allocates (and touches) storage for `tokens` cached tokens in total, so appends up to that
@@ -279,14 +296,23 @@ class KvCache {
                     " tokens (", n_, " cached, ", t, " appended)");
     detail::require_finite(k, where, "k", opt_.check_finite);
     detail::require_finite(v, where, "v", opt_.check_finite);
+    const auto storable = [&](const auto& rows, const char* name) {
+      const char* why = detail::StoredRows<Scalar>::unstorable(rows, storage_);
+      detail::require(!why, where, name, " ", why ? why : "", " (", to_string(storage_), ")");
+    };
+    storable(k, "k");
+    storable(v, "v");
     if (t == 0) return;
     for (Head& h : heads_) {  // allocation failures happen here, before any token is added
       h.keys.reserve_rows(n_ + t);
       h.values.reserve_rows(n_ + t);
     }
     for (Index i = 0; i < t; ++i) {
-      push_token([&](Index h) { return k.row(h * t + i).data(); },
-                 [&](Index h) { return v.row(h * t + i).data(); });
+      for (Index h = 0; h < kv_heads_; ++h) {
+        heads_[h].keys.push_row(k.row(h * t + i).data());
+        heads_[h].values.push_row(v.row(h * t + i).data());
+      }
+      index_token();
     }
   }
 
@@ -324,6 +350,7 @@ class KvCache {
     const bool record = rep.record_keys;
     rep = DecodeReport{};
     rep.record_keys = record;
+    rep.bytes_per_token = Index(bytes_per_token());
     if (record) rep.scored_keys.assign(static_cast<std::size_t>(q_heads), {});
 
     const bool retrieval = opt_.mode != DecodeMode::exact;
@@ -442,9 +469,10 @@ class KvCache {
     w.u8(opt_.check_finite);
     w.u64(std::uint64_t(opt_.key_centre.rows()));
     w.reals(opt_.key_centre.data(), static_cast<std::size_t>(opt_.key_centre.size()));
+    w.u32(std::uint32_t(storage_));
     for (const Head& h : heads_) {
-      w.reals(h.keys.row_ptr(0), static_cast<std::size_t>(n_ * d_));
-      w.reals(h.values.row_ptr(0), static_cast<std::size_t>(n_ * dv_));
+      h.keys.write(w, n_);
+      h.values.write(w, n_);
     }
   }
 
@@ -461,8 +489,8 @@ class KvCache {
     detail::require(std::equal(magic, magic + 8, reinterpret_cast<const unsigned char*>(kMagic)),
                     where, "'", path, "' is not a KvCache file (bad magic)");
     const std::uint32_t version = r.u32("version");
-    detail::require(version == kFileVersion || version == 2, where, "'", path,
-                    "' has format version ", version, ", this build reads versions 2 and ",
+    detail::require(version >= 2 && version <= kFileVersion, where, "'", path,
+                    "' has format version ", version, ", this build reads versions 2 to ",
                     kFileVersion);
     const std::uint32_t width = r.u32("scalar width");
     detail::require(width == sizeof(Scalar), where, "'", path, "' holds ", width * 8,
@@ -509,11 +537,20 @@ class KvCache {
       o.key_centre.resize(Index(centre_rows), Index(d));
       r.reals(o.key_centre.data(), std::size_t(centre_rows * d), "key_centre");
     }
-    const std::uint64_t per_head = n * (d + dv);
-    detail::require(r.remaining() / sizeof(Scalar) / kvh >= per_head &&
-                        r.remaining() == kvh * per_head * sizeof(Scalar),
+    if (version >= 4) {
+      const std::uint32_t storage = r.u32("storage");
+      detail::require(detail::is_storage(storage), where, "'", path, "' has storage type ",
+                      storage, ", which this build does not know");
+      o.storage = KvStorage(storage);
+    }
+    const KvStorage storage = o.storage.value_or(detail::storage_of<Scalar>());
+    // Bytes per token and kv head: entries, and two int8 scales.
+    const std::uint64_t per_token =
+        (d + dv) * detail::storage_bytes_per_entry(storage) +
+        (storage == KvStorage::int8 ? 2 * sizeof(Scalar) : 0);
+    detail::require(r.remaining() / per_token / kvh >= n && r.remaining() == kvh * n * per_token,
                     where, "'", path, "' has ", r.remaining(), " bytes of keys and values, expected ",
-                    kvh * per_head * sizeof(Scalar), " (truncated or corrupt)");
+                    kvh * n * per_token, " (truncated or corrupt)");
     // Constructing validates the options (a message naming the bad one); then replay the
     // appends so the index is the one the original cache built.
     KvCache cache = [&] {
@@ -523,23 +560,23 @@ class KvCache {
         detail::fail(where, "'", path, "' holds invalid options: ", e.what());
       }
     }();
-    std::vector<Matrix> k(kvh), v(kvh);
-    for (std::uint64_t h = 0; h < kvh; ++h) {
-      k[h].resize(Index(n), Index(d));
-      v[h].resize(Index(n), Index(dv));
-      r.reals(k[h].data(), std::size_t(n * d), "keys");
-      r.reals(v[h].data(), std::size_t(n * dv), "values");
-      detail::require_finite(k[h], where, "keys", cache.opt_.check_finite);
-      detail::require_finite(v[h], where, "values", cache.opt_.check_finite);
-    }
     for (Head& h : cache.heads_) {
-      h.keys.reserve_rows(Index(n));
-      h.values.reserve_rows(Index(n));
+      h.keys.read(r, Index(n), where, path);
+      h.values.read(r, Index(n), where, path);
+      if (cache.opt_.check_finite) {
+        detail::StoredRows<Scalar>::visit_pair(
+            h.keys, h.values, [&](const auto& keys, const Scalar*, const auto& values, const Scalar*) {
+              for (const auto* rows : {&keys, &values})
+                for (Index e = 0; e < rows->size(); ++e)
+                  detail::require(std::isfinite(detail::widen<double>(rows->data()[e])), where,
+                                  "'", path, "' holds a non-finite key or value");
+            });
+      }
     }
+    // The rows are in; the index is built token by token as the appends built it.
     for (Index i = 0; i < Index(n); ++i) {
       at_token(cache, i);
-      cache.push_token([&](Index h) { return k[h].row(i).data(); },
-                       [&](Index h) { return v[h].row(i).data(); });
+      cache.index_token();
     }
     at_token(cache, Index(n));
     return cache;
@@ -550,7 +587,7 @@ class KvCache {
   static constexpr char kMagic[9] = "RAKVCACH";
 
   struct Head {
-    detail::GrowableRows<Scalar> keys, values;
+    detail::StoredRows<Scalar> keys, values;
     detail::PageBounds<Scalar> pages;        // blocks
     detail::SimHashTables<Scalar> tables;    // lsh_sample
     detail::FilterTables<Scalar> filters;    // lsf
@@ -576,7 +613,7 @@ class KvCache {
     RowMatrix<Scalar> bounds, bound_q, tile_nd;
     Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> scores;  // column per query head
     Vector<Scalar> tile_max;
-    Eigen::Matrix<Scalar, 1, Eigen::Dynamic> nd;
+    Eigen::Matrix<Scalar, 1, Eigen::Dynamic> nd, qrow;
   };
 
   static const char* overflow_message() {
@@ -591,15 +628,13 @@ class KvCache {
     return heads_[h];
   }
 
-  // Adds one token to every kv head: key_of(h) and value_of(h) point at its rows.
-  template <typename KeyOf, typename ValueOf>
-  void push_token(KeyOf key_of, ValueOf value_of) {
+  // Counts token n_ in, its rows being stored in every kv head already, and indexes its key as
+  // stored (so that a loaded cache, which reads the stored rows, builds the same index).
+  void index_token() {
     const bool pending = centre_pending();
     for (Index h = 0; h < kv_heads_; ++h) {
       Head& head = heads_[h];
-      const Scalar* k = key_of(h);
-      head.keys.push_row(k);
-      head.values.push_row(value_of(h));
+      const Scalar* k = head.keys.row_as(n_, key_row_.data());
       if (opt_.mode == DecodeMode::blocks) head.pages.append(k);
       if (pending) {
         for (Index c = 0; c < d_; ++c) head.key_sum(c) += double(k[c]);
@@ -611,7 +646,7 @@ class KvCache {
     if (opt_.mode == DecodeMode::clusters && n_ > opt_.window && n_ - 1 - opt_.window >= opt_.sinks) {
       const auto j = std::int32_t(n_ - 1 - opt_.window);
       for (Head& head : heads_)
-        head.clusters.insert(j, [&head](std::int32_t i) { return head.keys.row_ptr(i); });
+        head.clusters.insert(j, [&](std::int32_t i) { return head.keys.row_as(i, key_row_.data()); });
     }
     if (pending && n_ == opt_.centre_tokens) {
       Matrix centre(kv_heads_, d_);
@@ -639,7 +674,7 @@ class KvCache {
   }
 
   void file_key(Head& head, Index j) {
-    head.filters.insert(std::int32_t(j), head.keys.row_ptr(j),
+    head.filters.insert(std::int32_t(j), head.keys.row_as(j, key_row_.data()),
                         centred_ ? head.centre.data() : nullptr, filter_scratch_);
   }
 
@@ -659,12 +694,13 @@ class KvCache {
           head.tables.insert_block(std::int32_t(hashed_), B, hash_codes_.data());
           for (Index r = 0; r < B; ++r) head.centred_norm.push_back(centred.row(r).norm());
         };
-        if (centred_) {
-          hash_block_ = head.keys.block(hashed_, B);
-          hash_block_.rowwise() -= head.centre.transpose();
+        const Scalar* stored = head.keys.scalar_data();
+        if (centred_ || !stored) {
+          hash_block_ = head.keys.decoded(hashed_, B);
+          if (centred_) hash_block_.rowwise() -= head.centre.transpose();
           index(hash_block_);
         } else {
-          index(head.keys.block(hashed_, B));  // hashed where it lies
+          index(ConstRowMatrixMap<Scalar>(stored + hashed_ * d_, B, d_));  // hashed where it lies
         }
       }
       hashed_ += B;
@@ -678,8 +714,22 @@ class KvCache {
   // result in registers while the value rows stream through (detail/chunk_products.hpp).
   // Decoding is bound by the stream of K and V; a GEMM would first copy (pack) the tile's rows.
   // The sums run in a fixed order, so the rounding depends on the shapes only.
+  // Stored rows other than Scalar are converted as they are loaded (detail/packet_load.hpp); an
+  // int8 row's scale multiplies its logit, and the weight of its value row.
   void exact_range(const Matrix& qs, const Head& head, Index first, Index last, Index block,
                    Scratch& s, SoftmaxAccumulator<Scalar>& acc) const {
+    if (first >= last) return;
+    detail::StoredRows<Scalar>::visit_pair(
+        head.keys, head.values,
+        [&](const auto& keys, const Scalar* key_scale, const auto& values, const Scalar* value_scale) {
+          exact_tiles(qs, keys, key_scale, values, value_scale, first, last, block, s, acc);
+        });
+  }
+
+  template <typename Keys, typename Values>
+  void exact_tiles(const Matrix& qs, const Keys& keys, const Scalar* key_scale, const Values& values,
+                   const Scalar* value_scale, Index first, Index last, Index block, Scratch& s,
+                   SoftmaxAccumulator<Scalar>& acc) const {
     const Index g = qs.rows();
     s.scores.resize(block, g);
     s.tile_nd.resize(g, dv_ + 1);
@@ -695,12 +745,13 @@ class KvCache {
       for (Index i = 0; i < bk; i += kStreamRows) {
         const Index m = std::min(kStreamRows, bk - i);
         if (kPrefetchValues) {
-          prefetch_row(head.keys.row_ptr(j0 + i), m * d_);
-          prefetch_row(head.values.row_ptr(j0 + i), m * dv_);
+          prefetch_row(&keys.coeffRef(j0 + i, 0), m * d_);
+          prefetch_row(&values.coeffRef(j0 + i, 0), m * dv_);
         } else if (const Index next = j0 + i + m; next < last) {
-          prefetch_row(head.keys.row_ptr(next), std::min(kStreamRows, last - next) * d_);
+          prefetch_row(&keys.coeffRef(next, 0), std::min(kStreamRows, last - next) * d_);
         }
-        detail::row_dots(w.middleRows(i, m), head.keys.block(j0 + i, m), qs);
+        detail::row_dots(w.middleRows(i, m), keys.middleRows(j0 + i, m), qs);
+        if (key_scale) w.middleRows(i, m).array().colwise() *= scales(key_scale, j0 + i, m);
       }
       for (Index r = 0; r < g; ++r) {
         const Scalar c = w.col(r).maxCoeff();
@@ -708,10 +759,15 @@ class KvCache {
         w.col(r).array() = (w.col(r).array() - c).exp();
         s.tile_nd(r, dv_) = w.col(r).sum();
       }
+      if (value_scale) w.array().colwise() *= scales(value_scale, j0, bk);
       detail::row_panel_product_streamed(s.tile_nd.leftCols(dv_), w.transpose(),
-                                         head.values.block(j0, bk), false);
+                                         values.middleRows(j0, bk), false);
       acc.merge_rows(0, s.tile_nd, s.tile_max);
     }
+  }
+
+  static auto scales(const Scalar* all, Index first, Index count) {
+    return Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(all + first, count);
   }
 
   // Gathered rows are read in index order with software prefetch a few rows ahead: scattered
@@ -723,21 +779,16 @@ class KvCache {
   static constexpr bool kPrefetchValues = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32;
   // Into the first-level cache (prefetcht0): with requests to the second level (prefetcht2) exact
   // decoding read K and V at 0.49–0.54 of a plain read on a Zen 5, with these at 0.56–0.60.
-  static void prefetch_row(const Scalar* row, Index count) {
+  template <typename T>
+  static void prefetch_row(const T* row, Index count) {
 #if defined(__GNUC__) || defined(__clang__)
     const char* p = reinterpret_cast<const char*>(row);
-    const std::size_t bytes = sizeof(Scalar) * static_cast<std::size_t>(count);
+    const std::size_t bytes = sizeof(T) * static_cast<std::size_t>(count);
     for (std::size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
 #else
     (void)row;
     (void)count;
 #endif
-  }
-
-  template <typename QRow>
-  Scalar dot_key(const Head& head, const QRow& q, std::int32_t j) const {
-    return Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(head.keys.row_ptr(j), d_)
-        .dot(q);
   }
 
   template <typename QG>
@@ -892,7 +943,7 @@ class KvCache {
 
   // Softmax over the keys s.idx (ascending) of one query head, logits scale·q·k_j (minus
   // log p_j with a correction), merged into row r of acc. Consecutive keys form runs read as
-  // blocks (matrix-vector products over contiguous rows, as pages give); isolated keys are
+  // blocks (the kernels of exact decoding over contiguous rows, as pages give); isolated keys are
   // read one row at a time with software prefetch.
   template <typename QRow, typename Correction = NoCorrection>
   void score_and_merge(const Head& head, const QRow& q, Index r, Index head0, Scratch& s,
@@ -913,50 +964,53 @@ class KvCache {
       u = e;
     }
     s.logits.resize(Index(m));
-    const Eigen::Matrix<Scalar, 1, Eigen::Dynamic> qrow = q;
-    for (std::size_t t = 0; t < s.runs.size(); ++t) {
-      const auto [u0, len] = s.runs[t];
-      const Index j0 = s.idx[u0];
-      if (len >= kMinRun) {
-        s.logits.segment(Index(u0), Index(len)).noalias() =
-            qrow * head.keys.block(j0, Index(len)).transpose();
-      } else {
-        for (std::size_t u = u0; u < u0 + len; ++u) {
-          if (u + kPrefetchAhead < m) prefetch_row(head.keys.row_ptr(s.idx[u + kPrefetchAhead]), d_);
-          s.logits(Index(u)) = dot_key(head, qrow, s.idx[u]);
-        }
-      }
-    }
-    if constexpr (!std::is_same<Correction, NoCorrection>::value) {
-      for (std::size_t u = 0; u < m; ++u) {
-        const Scalar dot = s.logits(Index(u));
-        s.logits(Index(u)) = scale_ * dot - (*correction)(s.idx[u], dot);
-      }
-    } else {
-      s.logits *= scale_;
-    }
-    const Scalar c = s.logits.maxCoeff();
-    if (c == -kInf) return;
-    s.logits = (s.logits.array() - c).exp();  // the weights, vectorised
-    s.nd.setZero(dv_ + 1);
-    auto num = s.nd.head(dv_);
-    for (std::size_t t = 0; t < s.runs.size(); ++t) {
-      const auto [u0, len] = s.runs[t];
-      if (len >= kMinRun) {
-        num.noalias() += s.logits.segment(Index(u0), Index(len)) *
-                         head.values.block(s.idx[u0], Index(len));
-      } else {
-        for (std::size_t u = u0; u < u0 + len; ++u) {
-          if (u + kPrefetchAhead < m)
-            prefetch_row(head.values.row_ptr(s.idx[u + kPrefetchAhead]), dv_);
-          num.noalias() += s.logits(Index(u)) *
-                           Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(
-                               head.values.row_ptr(s.idx[u]), dv_);
-        }
-      }
-    }
-    s.nd(dv_) = s.logits.sum();
-    acc.merge_rows(r, s.nd, Vector<Scalar>::Constant(1, c));
+    s.qrow = q;
+    detail::StoredRows<Scalar>::visit_pair(
+        head.keys, head.values,
+        [&](const auto& keys, const Scalar* key_scale, const auto& values, const Scalar* value_scale) {
+          // Each run (or each isolated row) in turn: row j's entries of `rows`, f(run's rows,
+          // its first position in idx, its length).
+          const auto each_run = [&](const auto& rows, Index width, auto f) {
+            for (const auto& [u0, len] : s.runs) {
+              if (len >= kMinRun) {
+                f(rows.middleRows(s.idx[u0], Index(len)), Index(u0), Index(len));
+                continue;
+              }
+              for (std::size_t u = u0; u < u0 + len; ++u) {
+                if (u + kPrefetchAhead < m) prefetch_row(&rows.coeffRef(s.idx[u + kPrefetchAhead], 0), width);
+                f(rows.middleRows(s.idx[u], 1), Index(u), Index(1));
+              }
+            }
+          };
+          each_run(keys, d_, [&](const auto& rows, Index u, Index len) {
+            detail::row_dots(s.logits.segment(u, len).transpose(), rows, s.qrow);
+          });
+          if (key_scale) {
+            for (std::size_t u = 0; u < m; ++u) s.logits(Index(u)) *= key_scale[s.idx[u]];
+          }
+          if constexpr (!std::is_same<Correction, NoCorrection>::value) {
+            for (std::size_t u = 0; u < m; ++u) {
+              const Scalar dot = s.logits(Index(u));
+              s.logits(Index(u)) = scale_ * dot - (*correction)(s.idx[u], dot);
+            }
+          } else {
+            s.logits *= scale_;
+          }
+          const Scalar c = s.logits.maxCoeff();
+          if (c == -kInf) return;
+          s.logits = (s.logits.array() - c).exp();  // the weights, vectorised
+          s.nd.resize(dv_ + 1);
+          s.nd(dv_) = s.logits.sum();
+          if (value_scale) {
+            for (std::size_t u = 0; u < m; ++u) s.logits(Index(u)) *= value_scale[s.idx[u]];
+          }
+          auto num = s.nd.head(dv_);
+          num.setZero();
+          each_run(values, dv_, [&](const auto& rows, Index u, Index len) {
+            detail::row_panel_product(num, s.logits.segment(u, len), rows, true);
+          });
+          acc.merge_rows(r, s.nd, Vector<Scalar>::Constant(1, c));
+        });
   }
 
   Index d_, dv_, kv_heads_;
@@ -970,7 +1024,9 @@ class KvCache {
   typename detail::FilterTables<Scalar>::Scratch filter_scratch_;
   Scalar lsf_threshold_ = 0;
   std::vector<std::uint32_t> hash_codes_;
-  Matrix hash_block_;  // the centred keys of the block being hashed
+  Matrix hash_block_;  // the centred (or decoded) keys of the block being hashed
+  KvStorage storage_ = detail::storage_of<Scalar>();
+  Vector<Scalar> key_row_;  // a key decoded from its storage for the index
 };
 
 // The width in bytes (4 or 8) of the values in a file written by KvCache<Scalar>::save: which

@@ -8,6 +8,10 @@
 // columns stays in registers over the whole depth, which runs in order k = 0, 1, …: the result
 // is a function of the shapes alone, never of the thread count. row_dots gives a bᵀ (or its lower
 // triangle) as dot products of rows read in place.
+//
+// The operand read as rows (b of the products, a of row_dots) may hold a storage type other than
+// the compute type (bfloat16, half, int8, float under double; packet_load.hpp): each packet is
+// converted as it is loaded. Decoding reads compressed key/value caches this way.
 
 #include <randattn/detail/intrinsics.hpp>
 
@@ -22,6 +26,7 @@
 
 #include "../core/types.hpp"
 #include "gemm.hpp"
+#include "packet_load.hpp"
 #include "unroll.hpp"
 #include "validation.hpp"
 
@@ -89,9 +94,9 @@ struct Start {
 };
 
 // out[R × P packets] = start + a[R × depth] b[depth × P packets].
-template <int R, int P, typename Scalar>
+template <int R, int P, typename Scalar, typename BT>
 inline void tile(Scalar* out, Index out_stride, Start<Scalar> start, Strided<Scalar> a,
-                 const Scalar* b, Index b_stride, Index depth) {
+                 const BT* b, Index b_stride, Index depth) {
   using Eigen::internal::pmadd;
   using Eigen::internal::ploadu;
   using Eigen::internal::pset1;
@@ -109,7 +114,7 @@ inline void tile(Scalar* out, Index out_stride, Start<Scalar> start, Strided<Sca
   for (Index k = 0; k < depth; ++k) {
     P_t bk[P];
     RANDATTN_UNROLL
-    for (int p = 0; p < P; ++p) bk[p] = ploadu<P_t>(b + k * b_stride + p * ps);
+    for (int p = 0; p < P; ++p) bk[p] = load_packet<P_t>(b + k * b_stride + p * ps);
     RANDATTN_UNROLL
     for (int p = 0; p < P; ++p) in_register(bk[p]);
     const Scalar* ak = a.data + k * a.col;
@@ -129,8 +134,8 @@ inline void tile(Scalar* out, Index out_stride, Start<Scalar> start, Strided<Sca
 // One column panel of P packets for all rows. A triangular a lets a tile of rows [i, i + R)
 // read only depth [0, min(depth, i + R)) (lower: a is zero past it) or [i, depth) (upper: zero
 // before it); the skipped terms are exact zeros, so the sums are those of the whole depth.
-template <int P, typename Scalar>
-void panel(Scalar* out, Index out_stride, Start<Scalar> start, Strided<Scalar> a, const Scalar* b,
+template <int P, typename Scalar, typename BT>
+void panel(Scalar* out, Index out_stride, Start<Scalar> start, Strided<Scalar> a, const BT* b,
            Index b_stride, Index rows, Index depth, Triangle shape) {
   const auto first_of = [&](Index i) {
     return shape == Triangle::upper ? std::min(i, depth) : Index(0);
@@ -182,7 +187,7 @@ void product(Out& out, Start<typename Out::Scalar> start, const A& a, const B& b
   if (rows == 0 || cols == 0) return;
   const Strided<Scalar> sa{a.data(), a.rowStride(), a.colStride()};
   Scalar* o = out.data();
-  const Scalar* bb = b.data();
+  const auto* bb = b.data();
   const Index os = out.rowStride(), bs = b.rowStride();
   const auto from = [&](Index j) {
     return Start<Scalar>{start.data ? start.data + j : nullptr, start.stride, start.alpha};
@@ -199,7 +204,17 @@ void product(Out& out, Start<typename Out::Scalar> start, const A& a, const B& b
     panel<1>(o + j, os, from(j), sa, bb + j, bs, rows, depth, shape);
     j += ps;
   }
-  if (j < cols) {
+  if (j == cols) return;
+  if constexpr (!std::is_same<typename B::Scalar, Scalar>::value) {
+    // Columns past the last whole packet of a stored type: entry by entry, depth in order.
+    for (Index r = 0; r < rows; ++r) {
+      for (Index c = j; c < cols; ++c) {
+        Scalar sum = start.data ? start.alpha * start.data[r * start.stride + c] : Scalar(0);
+        for (Index k = 0; k < depth; ++k) sum += a(r, k) * widen<Scalar>(b(k, c));
+        out(r, c) = sum;
+      }
+    }
+  } else {
     // The columns past the last whole packet (the weight column of [V | 1]), through Eigen's
     // product in fixed-depth steps: Eigen's own blocking of the depth depends on the thread
     // count, which would make the result depend on it.
@@ -355,7 +370,7 @@ void dot_tile(Out& out, const A& a, const B& b, Index i0, Index j0) {
   using Eigen::internal::pmadd;
   using Eigen::internal::ploadu;
   using Eigen::internal::predux;
-  using Scalar = typename A::Scalar;
+  using Scalar = typename B::Scalar;
   using P_t = Packet<Scalar>;
   constexpr Index ps = packet_size<Scalar>;
   const Index depth = a.cols(), whole = depth / ps * ps;
@@ -367,7 +382,7 @@ void dot_tile(Out& out, const A& a, const B& b, Index i0, Index j0) {
   for (Index k = 0; k < whole; k += ps) {
     P_t ak[RI], bk[RJ];
     RANDATTN_UNROLL
-    for (int r = 0; r < RI; ++r) ak[r] = ploadu<P_t>(&a.coeffRef(i0 + r, k));
+    for (int r = 0; r < RI; ++r) ak[r] = load_packet<P_t>(&a.coeffRef(i0 + r, k));
     RANDATTN_UNROLL
     for (int s = 0; s < RJ; ++s) bk[s] = ploadu<P_t>(&b.coeffRef(j0 + s, k));
     RANDATTN_UNROLL
@@ -393,7 +408,7 @@ void dot_tile(Out& out, const A& a, const B& b, Index i0, Index j0) {
     RANDATTN_UNROLL
     for (int s = 0; s < RJ; ++s) {
       Scalar sum = sums[r][s];
-      for (Index k = whole; k < depth; ++k) sum += a(i0 + r, k) * b(j0 + s, k);
+      for (Index k = whole; k < depth; ++k) sum += widen<Scalar>(a(i0 + r, k)) * b(j0 + s, k);
       out.coeffRef(i0 + r, j0 + s) = sum;
     }
   }

@@ -33,9 +33,10 @@ UInt load_le(const unsigned char* b) {
   return x;
 }
 
-// Bit pattern of a float / double as the unsigned integer of the same width.
+// Bit pattern of a 16-, 32- or 64-bit value as the unsigned integer of the same width.
 template <typename Real>
-using bits_of = std::conditional_t<sizeof(Real) == 4, std::uint32_t, std::uint64_t>;
+using bits_of = std::conditional_t<sizeof(Real) == 2, std::uint16_t,
+                                   std::conditional_t<sizeof(Real) == 4, std::uint32_t, std::uint64_t>>;
 
 class LittleEndianWriter {
  public:

@@ -1,17 +1,21 @@
 // Decoding one token over a long key/value cache (decode/kv_cache.hpp): time per generated token
-// (all query heads) for exact decoding and the retrieval modes, in one process so that the
-// ratios are measured in the same run:
-//   vs_exact     exact decode time per token ÷ this mode's (exact measured first, same n);
+// (all query heads) for exact decoding and the retrieval modes, with keys and values stored as
+// float32, bfloat16, float16 or int8, in one process so that the ratios are measured in the same
+// run. Rows are named BM_Decode/<mode>/storage:<type>/n:<tokens>.
+//   vs_exact     exact decode time per token from float32 ÷ this row's (measured first, same n);
+//   bytes_per_token  bytes of one token's keys and values in all kv heads as stored;
 //   recall32     fraction of each query head's true top-32 keys (by exact logit) among the keys
 //                the mode scored (sinks, window and retrieved), averaged over heads and tokens;
-//   rel_error    ‖out − exact‖_F / ‖exact‖_F over all heads, averaged over tokens;
+//   rel_error    ‖out − exact‖_F / ‖exact‖_F over all heads, averaged over tokens, exact being
+//                attention over the keys and values before storage (in double);
 //   append_us    CPU time to append one token to one kv head, measured while building the
 //                cache token by token (every kv head per call, divided by kv_heads), with
 //                the storage reserved beforehand;
 //   keys_frac    keys scored ÷ (n · q_heads);
-//   GBps / of_stream / stream_GBps (exact): bytes of K and V read per second; exact decoding's
-//                rate ÷ a plain one-thread streaming read (sum) of the same number of bytes,
-//                the two alternated pass by pass (16 pairs); that read's rate.
+//   GBps (exact): bytes of K and V (as stored) read per second;
+//   of_stream / stream_GBps (exact from float32): exact decoding's rate ÷ a plain one-thread
+//                streaming read (sum) of the same number of bytes, the two alternated pass by
+//                pass (16 pairs); that read's rate.
 // Shape: d = dv = 128, 8 query heads over 2 kv heads, one thread, n = 32768 and 131072.
 //
 // Data, with the structure of trained models rather than i.i.d. Gaussians (all Philox-seeded):
@@ -50,6 +54,7 @@ using randattn::DecodeMode;
 using randattn::DecodeReport;
 using randattn::KvCache;
 using randattn::KvCacheOptions;
+using randattn::KvStorage;
 using randattn::Philox;
 
 constexpr Index kD = 128, kDv = 128, kKvHeads = 2, kQHeads = 8, kTokens = 4, kTop = 32;
@@ -58,7 +63,7 @@ constexpr Index kNeedles = 64, kSinks = 4, kWindow = 256;
 // CPU time of the calling thread: on a machine shared with other jobs it is much less noisy
 // than wall time (the scheduler's share of the core does not enter it).
 struct Config {
-  const char* name;
+  std::string name;  // the mode and its options
   KvCacheOptions options;
 };
 
@@ -72,11 +77,22 @@ KvCacheOptions retrieval(DecodeMode mode) {
   return o;
 }
 
+// Every storage type for exact decoding; float32 and the two compressed kinds for a retrieval
+// mode of each family.
 std::vector<Config> configs() {
   std::vector<Config> c;
+  const auto stored = [&c](const char* name, KvCacheOptions o, std::vector<KvStorage> types) {
+    for (const KvStorage t : types) {
+      o.storage = t;
+      c.push_back({name, o});
+    }
+  };
+  const std::vector<KvStorage> compressed = {KvStorage::float32, KvStorage::bfloat16,
+                                             KvStorage::int8};
   KvCacheOptions exact;
   exact.mode = DecodeMode::exact;
-  c.push_back({"exact", exact});
+  stored("exact", exact,
+         {KvStorage::float32, KvStorage::bfloat16, KvStorage::float16, KvStorage::int8});
 
   KvCacheOptions blocks = retrieval(DecodeMode::blocks);
   blocks.page_size = 32;
@@ -84,7 +100,7 @@ std::vector<Config> configs() {
   c.push_back({"blocks_P32_top64", blocks});
   blocks.page_size = 16;
   blocks.top_pages = 128;
-  c.push_back({"blocks_P16_top128", blocks});
+  stored("blocks_P16_top128", blocks, compressed);
   blocks.page_size = 8;
   blocks.top_pages = 256;
   c.push_back({"blocks_P8_top256", blocks});
@@ -96,7 +112,7 @@ std::vector<Config> configs() {
   c.push_back({"lsh_K10_L100", lsh});
   lsh.lsh_bits = 11;
   lsh.lsh_tables = 80;
-  c.push_back({"lsh_K11_L80", lsh});
+  stored("lsh_K11_L80", lsh, compressed);
   lsh.lsh_bits = 12;
   lsh.lsh_tables = 128;
   c.push_back({"lsh_K12_L128", lsh});
@@ -106,7 +122,7 @@ std::vector<Config> configs() {
   lsf.lsf_filters = 256;
   lsf.lsf_tables = 4;
   lsf.lsf_alpha = 0.9;
-  c.push_back({"lsf_m256_L4_a0.9", lsf});
+  stored("lsf_m256_L4_a0.9", lsf, compressed);
 
   KvCacheOptions clusters = retrieval(DecodeMode::clusters);
   clusters.clusters = 256;
@@ -125,7 +141,7 @@ struct World {
   std::vector<RowMatrix<float>> exact;    // exact outputs
   std::vector<std::vector<std::vector<std::int32_t>>> top;  // [token][q head] true top-32
   double entropy = 0, top_mass = 0;
-  std::map<std::string, std::unique_ptr<KvCache<float>>> caches;
+  std::map<std::string, std::unique_ptr<KvCache<float>>> caches;  // by row name
   std::map<std::string, double> append_us;
   double exact_seconds = 0;
 
@@ -197,8 +213,8 @@ struct World {
     }
   }
 
-  KvCache<float>& cache(const Config& c) {
-    auto it = caches.find(c.name);
+  KvCache<float>& cache(const std::string& row, const Config& c) {
+    auto it = caches.find(row);
     if (it != caches.end()) return *it->second;
     // One mode's cache resident at a time, as in a server: the caches of the rows before (up to
     // 0.5 GB each at n = 131072) would otherwise stay mapped and slow the scattered reads of
@@ -217,8 +233,8 @@ struct World {
       cache->append(Rows(k.row(j).data(), kKvHeads, kD, Eigen::OuterStride<>(n * kD)),
                     Rows(v.row(j).data(), kKvHeads, kDv, Eigen::OuterStride<>(n * kDv)));
     }
-    append_us[c.name] = (bench::thread_cpu_seconds() - start) * 1e6 / double(n * kKvHeads);
-    return *caches.emplace(c.name, std::move(cache)).first->second;
+    append_us[row] = (bench::thread_cpu_seconds() - start) * 1e6 / double(n * kKvHeads);
+    return *caches.emplace(row, std::move(cache)).first->second;
   }
 };
 
@@ -257,11 +273,18 @@ StreamAnchor stream_anchor(const KvCache<float>& cache, const World& w) {
   return {bytes / stream * 1e-9, stream / decode};
 }
 
-void BM_Decode(benchmark::State& state, Config config) {
+std::string row_name(const Config& c, Index n) {
+  return "BM_Decode/" + c.name + "/storage:" + to_string(*c.options.storage) +
+         "/n:" + std::to_string(n);
+}
+
+void BM_Decode(benchmark::State& state, const Config& config, Index n) {
   bench::set_threads(1);
-  const Index n = state.range(0);
   World& w = *world_for(n);
-  KvCache<float>& cache = w.cache(config);
+  const std::string row = row_name(config, n);
+  KvCache<float>& cache = w.cache(row, config);
+  const bool exact = config.options.mode == DecodeMode::exact;
+  const bool reference = exact && cache.storage() == KvStorage::float32;
   Index it = 0;
   const double start = bench::thread_cpu_seconds();
   for (auto _ : state) {
@@ -269,7 +292,7 @@ void BM_Decode(benchmark::State& state, Config config) {
     benchmark::DoNotOptimize(out.data());
   }
   const double per_token = (bench::thread_cpu_seconds() - start) / double(state.iterations());
-  if (config.options.mode == DecodeMode::exact) w.exact_seconds = per_token;
+  if (reference) w.exact_seconds = per_token;
 
   // Accuracy, outside the timed loop.
   double recall = 0, err = 0, scored = 0, entries = 0;
@@ -292,7 +315,8 @@ void BM_Decode(benchmark::State& state, Config config) {
   state.counters["recall32"] = recall;
   state.counters["rel_error"] = err;
   state.counters["keys_frac"] = scored;
-  state.counters["append_us"] = w.append_us[config.name];
+  state.counters["append_us"] = w.append_us[row];
+  state.counters["bytes_per_token"] = double(cache.bytes_per_token());
   if (config.options.mode == DecodeMode::lsh_sample || config.options.mode == DecodeMode::lsf)
     state.counters["bucket_entries"] = entries;
   if (config.options.mode == DecodeMode::clusters) {
@@ -302,9 +326,8 @@ void BM_Decode(benchmark::State& state, Config config) {
     state.counters["splits"] = double(cache.key_clusters(0).splits());
   }
   state.counters["index_MB"] = double(cache.index_bytes()) / 1e6;
-  if (config.options.mode == DecodeMode::exact) {
-    const double bytes = double(kKvHeads * n * (kD + kDv)) * sizeof(float);
-    state.counters["GBps"] = bytes / per_token * 1e-9;
+  if (exact) state.counters["GBps"] = double(cache.bytes_per_token()) * double(n) / per_token * 1e-9;
+  if (reference) {
     const StreamAnchor anchor = stream_anchor(cache, w);
     state.counters["stream_GBps"] = anchor.stream_gbps;
     state.counters["of_stream"] = anchor.of_stream;
@@ -316,8 +339,8 @@ void BM_Decode(benchmark::State& state, Config config) {
 const int registered = [] {
   for (const Index n : {Index(32768), Index(131072)}) {
     for (const Config& c : configs()) {
-      benchmark::RegisterBenchmark((std::string("BM_Decode/") + c.name).c_str(), BM_Decode, c)
-          ->Arg(n)
+      benchmark::RegisterBenchmark(row_name(c, n).c_str(),
+                                   [c, n](benchmark::State& state) { BM_Decode(state, c, n); })
           ->Unit(benchmark::kMillisecond);
     }
   }

@@ -1,13 +1,15 @@
 // Decoding over a key/value cache (decode/kv_cache.hpp): exact mode against exact attention,
 // retrieval modes that retrieve everything against exact decoding, SimHash inclusion
 // probabilities against Monte Carlo collision rates, append/save/load bit identity, threads,
-// grouped-query heads and argument checks.
+// grouped-query heads, argument checks, and keys and values stored as float32, float64,
+// bfloat16, float16 and int8.
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <set>
 #include <string>
 #include <thread>
@@ -31,6 +33,7 @@ using randattn::RowMatrix;
 using randattn::DecodeReport;
 using randattn::KvCache;
 using randattn::KvCacheOptions;
+using randattn::KvStorage;
 
 namespace {
 
@@ -1101,4 +1104,203 @@ TEST_CASE("KvCache clusters: save/load keeps the clusters; truncated files are r
   }
   std::remove(path.c_str());
   std::remove(cut.c_str());
+}
+
+namespace {
+
+// Entry (i, c) of `x` as storage type `s` holds it, computed here from the definitions: round to
+// nearest even (bfloat16 and float16 through Eigen's conversions of the float nearest a float
+// input; float32 of a double by the cast), or s·round(x / s) with s = max|row| / 127.
+template <typename S>
+RowMatrix<S> stored_reference(const RowMatrix<S>& x, KvStorage s) {
+  RowMatrix<S> out(x.rows(), x.cols());
+  for (Index i = 0; i < x.rows(); ++i) {
+    const S top = x.row(i).cwiseAbs().maxCoeff();
+    for (Index c = 0; c < x.cols(); ++c) {
+      const S v = x(i, c);
+      switch (s) {
+        case KvStorage::float32: out(i, c) = S(float(v)); break;
+        case KvStorage::float64: out(i, c) = S(double(v)); break;
+        case KvStorage::bfloat16: out(i, c) = S(float(Eigen::bfloat16(float(v)))); break;
+        case KvStorage::float16: out(i, c) = S(float(Eigen::half(float(v)))); break;
+        case KvStorage::int8: out(i, c) = top / 127 * std::nearbyint(v / (top / 127)); break;
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("KvCache storage types: rows as rounded, every mode reads them in place",
+                   "[kv_cache]", RANDATTN_TEST_SCALARS) {
+  using S = TestType;
+  const double tol = std::is_same<S, float>::value ? 2e-6 : 1e-13;
+  // Head and value widths that leave a remainder after whole packets (both kernels' tails).
+  const Index d = 24, dv = 10, kvh = 2, qh = 4, n = 300;
+  const Tokens<S> tok(141, n, kvh, d, dv);
+  const RowMatrix<S> q = needle_queries(tok, qh, 3, 5.0);
+  const std::string path = temp_path("storage.bin");
+  for (const KvStorage storage : {KvStorage::float32, KvStorage::float64, KvStorage::bfloat16,
+                                  KvStorage::float16, KvStorage::int8}) {
+    INFO("storage " << randattn::to_string(storage));
+    KvCacheOptions opt;
+    opt.storage = storage;
+    opt.block_size = 64;
+    const auto cache = filled(tok, opt);
+    CHECK(cache.storage() == storage);
+    const std::size_t entry = storage == KvStorage::float64 ? 8
+                              : storage == KvStorage::float32 ? 4
+                              : storage == KvStorage::int8    ? 1
+                                                              : 2;
+    const std::size_t scales = storage == KvStorage::int8 ? 2 * sizeof(S) : 0;
+    CHECK(cache.bytes_per_token() == std::size_t(kvh) * ((d + dv) * entry + scales));
+    CHECK(cache.memory_bytes() == cache.storage_bytes() + cache.index_bytes());
+    CHECK(cache.storage_bytes() >= std::size_t(n) * cache.bytes_per_token());
+
+    // The stored rows are the rounded inputs (float16's range holds these entries; a double
+    // rounded to bfloat16 or float16 in one step can differ from the float-first reference only
+    // at a float-rounded tie, which these data do not hit: compared bit for bit).
+    for (Index h = 0; h < kvh; ++h) {
+      const RowMatrix<S> keys = cache.keys(h), values = cache.values(h);
+      if (storage == KvStorage::int8) {
+        // s·q can differ from the reference in the last bit (s = max/127 rounded once more).
+        CHECK(rel_diff(keys, stored_reference<S>(tok.head_keys(h), storage)) <= tol);
+        CHECK(rel_diff(values, stored_reference<S>(tok.head_values(h), storage)) <= tol);
+      } else {
+        CHECK(bit_identical<S>(keys, stored_reference<S>(tok.head_keys(h), storage)));
+        CHECK(bit_identical<S>(values, stored_reference<S>(tok.head_values(h), storage)));
+      }
+    }
+
+    // Exact decoding from the stored rows equals exact attention over them (rounding of the
+    // accumulation only).
+    DecodeReport rep;
+    const RowMatrix<S> out = cache.attend(q, &rep);
+    CHECK(rep.bytes_per_token == Index(cache.bytes_per_token()));
+    randattn::ExactOptions eo;
+    eo.block_size = 64;
+    const Index group = qh / kvh;
+    for (Index h = 0; h < kvh; ++h) {
+      const RowMatrix<S> ref = randattn::exact_attention(q.middleRows(h * group, group),
+                                                         cache.keys(h), cache.values(h), eo);
+      CHECK(rel_diff<S>(out.middleRows(h * group, group), ref) <= 4 * tol);
+    }
+
+    // Every retrieval mode that retrieves every key reads the same rows (gathered and in runs).
+    for (const DecodeMode mode : {DecodeMode::blocks, DecodeMode::lsh_sample, DecodeMode::lsf,
+                                  DecodeMode::clusters}) {
+      INFO("mode " << randattn::to_string(mode));
+      KvCacheOptions all = opt;
+      all.mode = mode;
+      all.sinks = 2;
+      all.window = 5;
+      all.page_size = 8;
+      all.top_pages = n;
+      all.lsh_bits = 0;
+      all.lsh_hash_block = 16;
+      all.lsf_threshold = -std::numeric_limits<double>::infinity();
+      all.clusters = 16;
+      all.probe = 16;
+      const auto retrieving = filled(tok, all);
+      DecodeReport r;
+      CHECK(rel_diff(retrieving.attend(q, &r), out) <= 4 * tol);
+      CHECK(r.keys_scored() == qh * n);
+
+      // Save/load keeps the stored rows and the index: bit-identical, and growing alike.
+      all.probe = 3;
+      all.lsf_threshold = 0.3;
+      all.lsh_bits = 3;
+      all.top_pages = 4;
+      auto original = filled(tok, all);
+      original.save(path);
+      auto loaded = KvCache<S>::load(path);
+      CHECK(loaded.storage() == storage);
+      CHECK(bit_identical<S>(loaded.attend(q), original.attend(q)));
+      const Tokens<S> more(142, 40, kvh, d, dv);
+      loaded.append(more.k, more.v);
+      original.append(more.k, more.v);
+      CHECK(bit_identical<S>(loaded.attend(q), original.attend(q)));
+    }
+  }
+  std::remove(path.c_str());
+}
+
+TEST_CASE("KvCache storage types: rounding of doubles, ranges, refused input", "[kv_cache]") {
+  using Catch::Contains;
+  // A double just above a bfloat16 midpoint rounds up; through float it would become the
+  // midpoint and round to even (down).
+  const double above = 1.0 + std::ldexp(1.0, -8) + std::ldexp(1.0, -30);
+  CHECK(float(randattn::detail::narrow<Eigen::bfloat16>(above)) == float(1.0 + std::ldexp(1.0, -7)));
+  CHECK(float(randattn::detail::narrow<Eigen::half>(1.0 + std::ldexp(1.0, -11) + std::ldexp(1.0, -40))) ==
+        float(1.0 + std::ldexp(1.0, -10)));
+  CHECK(float(randattn::detail::narrow<Eigen::bfloat16>(1.0 + std::ldexp(1.0, -8))) == 1.0f);
+
+  const Index d = 8, dv = 4, kvh = 1;
+  const Tokens<float> tok(151, 20, kvh, d, dv);
+  const RowMatrix<float> q = needle_queries(tok, 2, 1, 2.0);
+  for (const bool check : {true, false}) {
+    KvCacheOptions opt;
+    opt.check_finite = check;
+    opt.storage = KvStorage::int8;
+    auto cache = filled(tok, opt);
+    const RowMatrix<float> before = cache.attend(q);
+    RowMatrix<float> nan_k = RowMatrix<float>::Ones(1, d);
+    nan_k(0, 3) = std::numeric_limits<float>::quiet_NaN();
+    CHECK_THROWS_WITH(cache.append(nan_k, RowMatrix<float>::Ones(1, dv)), Contains("int8"));
+    RowMatrix<float> inf_v = RowMatrix<float>::Ones(1, dv);
+    inf_v(0, 1) = -std::numeric_limits<float>::infinity();
+    CHECK_THROWS_WITH(cache.append(RowMatrix<float>::Ones(1, d), inf_v), Contains("int8"));
+    CHECK(cache.size() == 20);
+    CHECK(bit_identical<float>(cache.attend(q), before));
+  }
+  // float16 holds at most 65504; a finite entry beyond it is refused, not stored as Inf.
+  KvCacheOptions half;
+  half.storage = KvStorage::float16;
+  auto cache = filled(tok, half);
+  RowMatrix<float> big = RowMatrix<float>::Ones(1, d);
+  big(0, 0) = 65519.0f;  // rounds to 65504
+  CHECK_NOTHROW(cache.append(big, RowMatrix<float>::Ones(1, dv)));
+  big(0, 0) = 65520.0f;  // rounds to Inf
+  CHECK_THROWS_WITH(cache.append(big, RowMatrix<float>::Ones(1, dv)), Contains("range"));
+  CHECK(cache.size() == 21);
+  // An all-zero int8 row has scale 0 and decodes to zeros.
+  KvCacheOptions i8;
+  i8.storage = KvStorage::int8;
+  KvCache<float> zeros(d, dv, kvh, i8);
+  zeros.append(RowMatrix<float>::Zero(1, d), RowMatrix<float>::Zero(1, dv));
+  CHECK(zeros.keys(0).isZero(0));
+  CHECK(zeros.attend(q).isZero(0));
+
+  KvCacheOptions unknown;
+  unknown.storage = KvStorage(7);
+  CHECK_THROWS_WITH(KvCache<float>(d, dv, kvh, unknown), Contains("storage"));
+
+  // A file with an unknown storage type or truncated rows is refused.
+  const std::string path = temp_path("storage_bad.bin");
+  KvCacheOptions bf;
+  bf.storage = KvStorage::bfloat16;
+  filled(tok, bf).save(path);
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  in.close();
+  const auto rewrite = [&](std::vector<char> b) {
+    // A fresh checksum, so that the reader gets past it to the field under test.
+    b.resize(b.size() - 8);
+    std::uint64_t h = randattn::detail::fnv1a(reinterpret_cast<const unsigned char*>(b.data()), b.size());
+    for (int i = 0; i < 8; ++i) b.push_back(char((h >> (8 * i)) & 0xff));
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(b.data(), std::streamsize(b.size()));
+  };
+  // The storage field sits right before the rows: 20 tokens × (8 + 4) entries × 2 bytes.
+  const std::size_t storage_at = bytes.size() - 8 - 20 * (d + dv) * 2 - 4;
+  std::vector<char> wrong = bytes;
+  wrong[storage_at] = 9;
+  rewrite(wrong);
+  CHECK_THROWS_WITH(KvCache<float>::load(path), Contains("storage type 9"));
+  std::vector<char> shorter(bytes.begin(), bytes.end() - 8 - 6);
+  shorter.insert(shorter.end(), bytes.end() - 8, bytes.end());
+  rewrite(shorter);
+  CHECK_THROWS_WITH(KvCache<float>::load(path), Contains("truncated"));
+  std::remove(path.c_str());
 }

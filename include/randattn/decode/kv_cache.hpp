@@ -294,14 +294,15 @@ class KvCache {
     const Index t = k.rows() / kv_heads_;
     detail::require(t <= kMaxTokens - n_, where, "the cache would exceed ", kMaxTokens,
                     " tokens (", n_, " cached, ", t, " appended)");
-    detail::require_finite(k, where, "k", opt_.check_finite);
-    detail::require_finite(v, where, "v", opt_.check_finite);
+    // What the storage cannot hold first: an int8 cache refuses NaN whatever check_finite says.
     const auto storable = [&](const auto& rows, const char* name) {
       const char* why = detail::StoredRows<Scalar>::unstorable(rows, storage_);
       detail::require(!why, where, name, " ", why ? why : "", " (", to_string(storage_), ")");
     };
     storable(k, "k");
     storable(v, "v");
+    detail::require_finite(k, where, "k", opt_.check_finite);
+    detail::require_finite(v, where, "v", opt_.check_finite);
     if (t == 0) return;
     for (Head& h : heads_) {  // allocation failures happen here, before any token is added
       h.keys.reserve_rows(n_ + t);

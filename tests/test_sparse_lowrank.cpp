@@ -1,7 +1,7 @@
-// Sparse + low-rank attention: supports (LSH and LSF target sets, window, blocks, unions), the
-// exact limit, the support method alone without remainder (bit for bit), Monte-Carlo unbiasedness
-// of every remainder, causality, thread-count independence, the block bound, key centring and
-// argument checks.
+// Sparse + low-rank attention: supports (LSH and LSF target sets, window, blocks, clusters,
+// unions), the exact limit, the support method alone without remainder (bit for bit), Monte-Carlo
+// unbiasedness of every remainder and of the cluster proposal, causality, thread-count
+// independence, the block and cluster bounds, key centring and argument checks.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "gradient_check.hpp"
 #include "support.hpp"
 
 #if defined(_OPENMP)
@@ -17,6 +18,7 @@
 #endif
 
 using randattn::BlockSupport;
+using randattn::ClusterSupport;
 using randattn::CrossPolytopeHash;
 using randattn::FeatureRemainder;
 using randattn::Index;
@@ -366,12 +368,14 @@ TEST_CASE("sparse-lowrank: causal outputs before key j do not depend on key j",
           "[sparse_lowrank]") {
   const Index n = 96, d = 8, j = 50;
   Problem<float> p(41, n, d, 3, 1.0);
-  const std::string support = GENERATE(as<std::string>{}, "window", "blocks", "window,blocks");
+  const std::string support =
+      GENERATE(as<std::string>{}, "window", "blocks", "window,blocks", "clusters");
   const std::string remainder = GENERATE(as<std::string>{}, "none", "sample", "oprf");
   CAPTURE(support, remainder);
   SupportSpec<float> s;
   if (support.find("window") != std::string::npos) s.window = WindowSupport{8, 2};
   if (support.find("blocks") != std::string::npos) s.blocks = BlockSupport{16, 1};
+  if (support == "clusters") s.clusters = ClusterSupport{4, 1, 16};
   SparseLowRankOptions opt;
   opt.causal = true;
   opt.centre_keys = true;
@@ -440,10 +444,19 @@ TEST_CASE("sparse-lowrank: results do not depend on the thread count", "[sparse_
   SupportSpec<float> alone;
   alone.lsh = &hash;
   alone.lsh_options.chunk = 8;
+  SupportSpec<float> clusters;
+  clusters.clusters = ClusterSupport{8, 2, 16};
   const auto run = [&] {
     std::vector<RowMatrix<float>> out;
     out.push_back(randattn::sparse_lowrank_attention<float>(
         p.q, p.k, p.v, s, SampledRemainder{32, false, 16}, {}));
+    for (bool causal : {false, true}) {  // k-means, assignments and the cluster proposal
+      SparseLowRankOptions opt;
+      opt.causal = causal;
+      opt.seed = 4;
+      out.push_back(randattn::sparse_lowrank_attention<float>(
+          big.q, big.k, big.v, clusters, SampledRemainder{32, false, 16}, opt));
+    }
     out.push_back(randattn::sparse_lowrank_attention<float>(
         p.q, p.k, p.v, s, FeatureRemainder<Oprf<float>>{map, {}}, {}));
     for (bool causal : {false, true}) {
@@ -550,4 +563,228 @@ TEMPLATE_TEST_CASE("sparse_lowrank_attention_into equals the allocating form bit
                                                           opt);
         });
   }
+}
+
+namespace {
+
+// Keys around `topics` centres (each key a random centre plus noise), queries along a random
+// centre scaled by `beta`: peaked attention over clustered keys, as trained keys are.
+template <typename Scalar>
+Problem<Scalar> clustered_problem(std::uint64_t seed, Index n, Index d, Index dv, Index topics,
+                                  double beta) {
+  Problem<Scalar> p(seed, n, d, dv, 0.05);  // q and k: the noise
+  const RowMatrix<Scalar> centres = testing::gaussian<Scalar>(seed + 7, topics, d, 1.0);
+  const randattn::Philox rng(seed + 8);
+  for (Index j = 0; j < n; ++j) {
+    p.k.row(j) += centres.row(Index(rng.uniform(std::uint64_t(j), 0) * double(topics)));
+    p.q.row(j) += Scalar(beta) * centres.row(Index(rng.uniform(std::uint64_t(j), 1) * double(topics)));
+  }
+  return p;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("sparse-lowrank: clusters with every cluster probed is exact attention",
+                   "[sparse_lowrank][clusters]", RANDATTN_TEST_SCALARS) {
+  using Scalar = TestType;
+  const Problem<Scalar> p(111, 70, 8, 3, 1.0);
+  const bool causal = GENERATE(false, true);
+  CAPTURE(causal);
+  randattn::ExactOptions eopt;
+  eopt.causal = causal;
+  const RowMatrix<Scalar> exact = randattn::exact_attention(p.q, p.k, p.v, eopt);
+  SparseLowRankOptions opt;
+  opt.causal = causal;
+  SupportSpec<Scalar> s;
+  s.clusters = ClusterSupport{5, 5, 16};
+  const Oprf<Scalar> map(randattn::OrthogonalProjection<Scalar>(16, 8, 3), 2.0);
+  SparseLowRankStats st;
+  // Exact attention's own tiles: bit for bit, whatever the remainder (nothing is left to it).
+  CHECK(testing::rows_bit_identical(
+      randattn::sparse_lowrank_attention<Scalar>(p.q, p.k, p.v, s, {}, opt, &st), exact, 70));
+  CHECK(st.pairs_scored == (causal ? 70 * 71 / 2 : 70 * 70));
+  CHECK(testing::rows_bit_identical(
+      randattn::sparse_lowrank_attention<Scalar>(p.q, p.k, p.v, s, SampledRemainder{8, false, 8},
+                                                 opt),
+      exact, 70));
+  CHECK(testing::rows_bit_identical(
+      randattn::sparse_lowrank_attention<Scalar>(p.q, p.k, p.v, s,
+                                                 FeatureRemainder<Oprf<Scalar>>{map, {}}, opt),
+      exact, 70));
+  // Every cluster probed through the target sets (in a union): the same up to rounding.
+  SupportSpec<Scalar> united = s;
+  united.window = WindowSupport{1, 0};
+  CHECK(testing::rel_error(randattn::sparse_lowrank_attention<Scalar>(p.q, p.k, p.v, united, {}, opt),
+                           exact) < testing::tolerance<Scalar>());
+  // Fewer keys than clusters are scored exactly: all of them (bidirectional), or the rows whose
+  // prefix of completed chunks holds fewer than K keys (causal: chunks of 4, K = 12, rows < 12).
+  s.clusters = ClusterSupport{12, 1, 4};
+  const TargetSets few = randattn::cluster_target_sets<Scalar>(p.q.topRows(10), p.k.topRows(10),
+                                                               *s.clusters, Scalar(0.3), causal, 0);
+  const TargetSets rows = randattn::cluster_target_sets<Scalar>(p.q, p.k, *s.clusters, Scalar(0.3),
+                                                                causal, 0);
+  for (Index i = 0; i < 10; ++i) CHECK(few.size(i) == randattn::valid_keys(i, 10, causal));
+  if (causal)
+    for (Index i = 0; i < 12; ++i) CHECK(rows.size(i) == i + 1);
+}
+
+TEST_CASE("sparse-lowrank: a query's clusters hold every key that can matter",
+          "[sparse_lowrank][clusters]") {
+  // Peaked attention over clustered keys: the clusters left closed are a real part of the keys,
+  // and every key outside S_i has a logit at least kClusterMargin below the best one in S_i (the
+  // bound scale·q·c + |scale|·‖q‖·r held for every member), S_i holds the own chunk up to i and
+  // only valid keys.
+  const Index n = 300, d = 8, C = 16;
+  const Problem<double> p = clustered_problem<double>(121, n, d, 2, 12, 6.0);
+  const bool causal = GENERATE(false, true);
+  const bool centre = GENERATE(false, true);
+  CAPTURE(causal, centre);
+  const double scale = 0.5;
+  const ClusterSupport cs{24, 1, C};
+  const RowMatrix<double> keys =
+      centre ? randattn::centred<double>(p.k, randattn::key_mean<double>(p.k, 0)) : p.k;
+  const TargetSets sets = randattn::cluster_target_sets<double>(p.q, keys, cs, scale, causal, 9);
+  double left_out = 0, valid_pairs = 0;
+  for (Index i = 0; i < n; ++i) {
+    const Index valid = randattn::valid_keys(i, n, causal);
+    valid_pairs += double(valid);
+    std::vector<char> in(std::size_t(n), 0);
+    double best = -INFINITY;
+    for (const std::int32_t* j = sets.begin(i); j < sets.end(i); ++j) {
+      REQUIRE(*j < valid);
+      in[std::size_t(*j)] = 1;
+      best = std::max(best, scale * p.q.row(i).dot(p.k.row(*j)));
+    }
+    if (causal)
+      for (Index j = i / C * C; j <= i; ++j) REQUIRE(in[std::size_t(j)]);
+    for (Index j = 0; j < valid; ++j)
+      if (!in[std::size_t(j)]) {
+        left_out += 1;
+        REQUIRE(scale * p.q.row(i).dot(p.k.row(j)) < best - randattn::detail::kClusterMargin + 1e-9);
+      }
+  }
+  CHECK(left_out > 0.2 * valid_pairs);
+  // The seed seeds the k-means: another gives other clusters, the same the same.
+  CHECK(randattn::cluster_target_sets<double>(p.q, keys, cs, scale, causal, 9).keys == sets.keys);
+  CHECK_FALSE(randattn::cluster_target_sets<double>(p.q, keys, ClusterSupport{24, 1, C}, scale,
+                                                    causal, 10).keys == sets.keys);
+}
+
+TEST_CASE("sparse-lowrank: the sampled remainder drawing from clusters is unbiased",
+          "[sparse_lowrank][clusters][statistical]") {
+  // The cluster proposal on its own: a window support of 3 and one sink leaves most keys to it
+  // (the clusters support itself leaves only negligible ones). Each entry of E + R (true scale)
+  // averaged over T draws against the exact total within 5 standard errors of its own sample.
+  const Index n = 24, d = 4, dv = 2;
+  const Problem<double> p(131, n, d, dv, 0.8);
+  const double scale = 0.5;
+  const bool causal = GENERATE(false, true);
+  CAPTURE(causal);
+  const TargetSets sets = randattn::window_target_sets(n, n, WindowSupport{3, 1}, causal);
+  const randattn::detail::KeyClusterIndex<double> index(p.q, p.k, ClusterSupport{3, 1, 4}, scale,
+                                                        causal, 2);
+  const randattn::SoftmaxAccumulator<double> exact =
+      randattn::target_attention_accumulate<double>(p.q, p.k, p.v, sets, scale);
+  const int T = 2000;
+  std::vector<testing::Moments> m(std::size_t(n * (dv + 1)));
+  Index drawn = 0;
+  for (int t = 0; t < T; ++t) {
+    randattn::SoftmaxAccumulator<double> acc = exact;
+    drawn += randattn::sampled_remainder_merge<double>(
+        p.q, p.k, p.k, p.v, sets, SampledRemainder{3, false, 4}, scale, causal,
+        randattn::Philox(std::uint64_t(t), 1), 0, acc, nullptr, &index);
+    const Eigen::MatrixXd nd = true_numden(acc);
+    for (Index i = 0; i < n; ++i)
+      for (Index c = 0; c <= dv; ++c) m[std::size_t(i * (dv + 1) + c)].add(nd(i, c));
+  }
+  CHECK(drawn > 0);
+  for (Index i = 0; i < n; ++i) {
+    const Eigen::RowVectorXd truth = exact_numden(p.q, p.k, p.v, i, scale, causal);
+    for (Index c = 0; c <= dv; ++c) {
+      const testing::Moments& e = m[std::size_t(i * (dv + 1) + c)];
+      CAPTURE(i, c, e.mean, truth(c), e.standard_error());
+      CHECK(std::abs(e.mean - truth(c)) <= 5 * e.standard_error() + 1e-12 * std::abs(truth(c)));
+    }
+  }
+}
+
+TEST_CASE("sparse-lowrank: clusters support options are checked", "[sparse_lowrank][clusters]") {
+  const Problem<double> p(141, 20, 4, 2, 1.0);
+  for (const ClusterSupport& bad : {ClusterSupport{0, 1, 8}, ClusterSupport{4, 0, 8},
+                                    ClusterSupport{4, 5, 8}, ClusterSupport{4, 2, 0}}) {
+    SupportSpec<double> s;
+    s.clusters = bad;
+    CAPTURE(bad.clusters, bad.probe, bad.chunk);
+    CHECK_THROWS_AS(randattn::sparse_lowrank_attention<double>(p.q, p.k, p.v, s),
+                    std::invalid_argument);
+    CHECK_THROWS_AS(randattn::sparse_lowrank_attention<double>(p.q.topRows(0), p.k, p.v, s),
+                    std::invalid_argument);
+  }
+}
+
+TEST_CASE("sparse-lowrank: the cluster bounds' gradients against finite differences",
+          "[sparse_lowrank][clusters][gradients]") {
+  // F = Σ_ic W_ic B_ic with B the bounds the cluster proposal draws with (clusters rebuilt at each
+  // evaluation with the same seed: assignments and radii stay put under a step of 1e-5), against
+  // KeyClusterIndex::bound_gradients given gamma = W.
+  const Index n = 37, d = 4, K = 3;
+  const bool causal = GENERATE(false, true);
+  CAPTURE(causal);
+  Problem<double> p = clustered_problem<double>(151, n, d, 1, 4, 1.0);
+  const double scale = 0.7;
+  const ClusterSupport cs{K, 1, 8};
+  const RowMatrix<double> w = testing::gaussian<double>(152, n, K, 1.0);
+  const auto bounds = [&] {
+    const randattn::detail::KeyClusterIndex<double> index(p.q, p.k, cs, scale, causal, 3);
+    RowMatrix<double> b = RowMatrix<double>::Zero(n, K);
+    index.bounds_into(p.q, 0, b);
+    for (Index i = 0; i < n; ++i)
+      if (index.sampled(i) == 0) b.row(i).setZero();  // rows scored exactly: no bounds
+    return b;
+  };
+  const auto f = [&] { return testing::contract(w, bounds()); };
+  const randattn::detail::KeyClusterIndex<double> index(p.q, p.k, cs, scale, causal, 3);
+  RowMatrix<double> gamma = w;
+  for (Index i = 0; i < n; ++i)
+    if (index.sampled(i) == 0) gamma.row(i).setZero();
+  RowMatrix<double> dq = RowMatrix<double>::Zero(n, d), dk = RowMatrix<double>::Zero(n, d);
+  index.bound_gradients(p.q, p.k, gamma, scale, dq, dk);
+  CHECK(dk.norm() > 0);
+  testing::check_gradient("dq", p.q, dq, f);
+  testing::check_gradient("dk", p.k, dk, f);
+}
+
+TEST_CASE("sparse-lowrank: the clusters support's backward against finite differences",
+          "[sparse_lowrank][clusters][gradients]") {
+  // The support is a fixed set of pairs given the keys: the shared pair backward, with the
+  // sampled remainder's draws (and all-probed calls, whose exact part is exact attention's).
+  const Index n = 37, d = 4, dv = 3;
+  const bool causal = GENERATE(false, true);
+  const std::string remainder = GENERATE(as<std::string>{}, "none", "sample", "all probed");
+  CAPTURE(causal, remainder);
+  RowMatrix<double> q = testing::gaussian<double>(161, n, d), k = testing::gaussian<double>(162, n, d),
+                    v = testing::gaussian<double>(163, n, dv);
+  const RowMatrix<double> g = testing::gaussian<double>(164, n, dv);
+  SupportSpec<double> s;
+  s.clusters = ClusterSupport{4, remainder == "all probed" ? 4 : 1, 8};
+  SparseLowRankOptions opt;
+  opt.causal = causal;
+  opt.seed = 5;
+  const auto check = [&](const auto& rem) {
+    RowMatrix<double> out(n, dv), dq(n, d), dk(n, d), dvv(n, dv);
+    const auto saved = randattn::sparse_lowrank_forward<double>(q, k, v, s, out, rem, opt);
+    CHECK(out == randattn::sparse_lowrank_attention<double>(q, k, v, s, rem, opt));
+    randattn::sparse_lowrank_backward<double>(saved, q, k, v, out, g, dq, dk, dvv);
+    const auto f = [&] {
+      return testing::contract(g, randattn::sparse_lowrank_attention<double>(q, k, v, s, rem, opt));
+    };
+    const testing::OneThread one_thread;
+    testing::check_gradient("dq", q, dq, f);
+    testing::check_gradient("dk", k, dk, f);
+    testing::check_gradient("dv", v, dvv, f);
+  };
+  if (remainder == "sample")
+    check(SampledRemainder{6, false, 8});
+  else
+    check(randattn::NoRemainder{});
 }

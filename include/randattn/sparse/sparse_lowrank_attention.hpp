@@ -9,8 +9,10 @@
 // log-scaled form (core/softmax_accumulator.hpp), then divided.
 //
 // The support is the union of the parts given in SupportSpec: LSH (separate-key sort-and-chunk or
-// exact buckets, exactly the target sets of lsh_attention), LSF filters, a window with sinks, and
-// Quest-style key blocks. With one hashing support alone, E is computed by that method's own
+// exact buckets, exactly the target sets of lsh_attention), LSF filters, a window with sinks,
+// Quest-style key blocks, and key clusters (cluster_support.hpp; with them the sampled remainder
+// draws from the clusters). The clusters alone with every cluster probed are exact attention,
+// computed by exact attention's own tiles, bit for bit. With one hashing support alone, E is computed by that method's own
 // kernel, so without remainder the result is lsh_attention's or lsf_attention's bit for bit;
 // otherwise E is computed over the explicit target sets (sparse/target_attention.hpp).
 //
@@ -24,7 +26,7 @@
 // of core/detail/self_rule.hpp). E is then computed over explicit target sets without key i, and
 // the remainder leaves out S_i ∪ {i}.
 //
-// Causal: every part uses keys j <= i only. Window and block supports with no remainder, the
+// Causal: every part uses keys j <= i only. Window, block and cluster supports with no remainder, the
 // sampled remainder or a feature remainder make output i independent of keys after i (bit for
 // bit, key centring from a fixed prefix aside); hashing supports sort every key, so there the
 // promise is only that no pair j > i is scored or estimated.
@@ -42,6 +44,7 @@
 
 #include "../attention/random_feature_attention.hpp"
 #include "../core/detail/output_check.hpp"
+#include "../core/exact_attention.hpp"
 #include "../core/detail/self_rule.hpp"
 #include "../core/options.hpp"
 #include "../core/softmax_accumulator.hpp"
@@ -56,6 +59,7 @@
 #include "../lsh/lsh_attention.hpp"
 #include "../random/streams.hpp"
 #include "block_support.hpp"
+#include "cluster_support.hpp"
 #include "feature_remainder.hpp"
 #include "key_centring.hpp"
 #include "sampled_remainder.hpp"
@@ -74,10 +78,11 @@ struct SupportSpec {
   LsfOptions lsf_options;
   std::optional<WindowSupport> window;
   std::optional<BlockSupport> blocks;
+  std::optional<ClusterSupport> clusters;  // k-means seeded by SparseLowRankOptions::seed
 
   int parts() const {
     return int(lsh != nullptr) + int(lsf != nullptr) + int(window.has_value()) +
-           int(blocks.has_value());
+           int(blocks.has_value()) + int(clusters.has_value());
   }
 };
 
@@ -86,7 +91,7 @@ struct SparseLowRankOptions : AttentionOptions {
   bool centre_keys = false;
   Index centre_prefix = 64;  // causal centring: mean of the first centre_prefix keys ...
   std::optional<Eigen::RowVectorXd> key_mean;  // ... unless given (e.g. of calibration keys)
-  std::uint64_t seed = 0;   // sampled remainder draws
+  std::uint64_t seed = 0;   // sampled remainder draws, k-means of a clusters support
   std::uint64_t row_offset = 0;  // draws of query i keyed by row_offset + i (batched slices)
   bool exclude_self = false;  // the self rule (see above); needs as many queries as keys
 };
@@ -117,13 +122,21 @@ bool hashed_alone(const SupportSpec<Scalar>& s) {
   return s.parts() == 1 && (s.lsh || s.lsf);
 }
 
-// The union of the support's parts; `chunks`: the LSH part's sort-and-chunk layout, if cut.
+// The clusters support alone with every cluster probed: every valid key, exact attention.
+template <typename Scalar>
+bool clusters_all_probed(const SupportSpec<Scalar>& s) {
+  return s.parts() == 1 && s.clusters && s.clusters->probe >= s.clusters->clusters;
+}
+
+// The union of the support's parts; `chunks`: the LSH part's sort-and-chunk layout, if cut;
+// `clusters`: the clusters part's index, if any.
 template <typename Scalar>
 TargetSets support_sets(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                         const Eigen::Ref<const RowMatrix<Scalar>>& hash_keys,
                         const SupportSpec<Scalar>& s, const LshOptions& lsh_opt,
-                        const LsfOptions& lsf_opt, bool causal, const LshChunks* chunks) {
-  TargetSets parts[4];
+                        const LsfOptions& lsf_opt, bool causal, const LshChunks* chunks,
+                        const KeyClusterIndex<Scalar>* clusters) {
+  TargetSets parts[5];
   std::size_t count = 0;
   if (s.lsh)
     parts[count++] = chunks ? lsh_target_sets(*chunks, causal)
@@ -131,8 +144,9 @@ TargetSets support_sets(const Eigen::Ref<const RowMatrix<Scalar>>& q,
   if (s.lsf) parts[count++] = lsf_target_sets<Scalar>(*s.lsf, q, hash_keys, lsf_opt);
   if (s.window) parts[count++] = window_target_sets(q.rows(), hash_keys.rows(), *s.window, causal);
   if (s.blocks) parts[count++] = block_target_sets<Scalar>(q, hash_keys, *s.blocks, causal);
+  if (clusters) parts[count++] = clusters->target_sets();
   if (count == 1) return std::move(parts[0]);
-  const TargetSets* ptrs[4];
+  const TargetSets* ptrs[5];
   for (std::size_t p = 0; p < count; ++p) ptrs[p] = &parts[p];
   return union_of(ptrs, count);
 }
@@ -153,6 +167,8 @@ struct SparseLowRankChoices {
   SampledDraws<Scalar> draws;            // sampled remainder: what was drawn
   RandomFeatureOptions feature_options;  // feature remainder: the options it ran with
   std::vector<char> remainder_kept;      // feature remainder: rows whose estimate was kept
+  // Sampled remainder with a clusters support: the clusters it drew from (their bounds' backward).
+  std::optional<KeyClusterIndex<Scalar>> clusters;
 
   // Keeps the feature remainder's rows that the denominator rule (and a full support) left, and
   // hands the remainder on.
@@ -163,6 +179,34 @@ struct SparseLowRankChoices {
     return r;
   }
 };
+
+// Every valid key scored by exact attention's tiles (the clusters support with every cluster
+// probed): no remainder is left. `keep` receives the sets of all valid keys.
+template <typename Scalar>
+SoftmaxAccumulator<Scalar> all_keys_exact(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                                          const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                                          const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                                          Scalar scale, bool causal, SparseLowRankStats& st,
+                                          SparseLowRankChoices<Scalar>* keep) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  ExactOptions eopt;
+  eopt.causal = causal;
+  eopt.scale = double(scale);
+  eopt.check_finite = false;  // checked by the caller
+  SoftmaxAccumulator<Scalar> acc = exact_attention_accumulate<Scalar>(q, k, v, eopt);
+  const Index n_q = q.rows(), n_k = k.rows();
+  for (Index i = 0; i < n_q; ++i) st.pairs_scored += valid_keys(i, n_k, causal);
+  st.exact_seconds += seconds_since(start);
+  if (keep) {
+    keep->exact = gather_target_sets(n_q, n_k, [&](Index i, auto&& add) {
+      for (Index j = 0; j < valid_keys(i, n_k, causal); ++j) add(std::int32_t(j));
+    });
+    keep->draws.start(n_q, 0);
+    keep->remainder_kept.assign(std::size_t(n_q), 0);
+  }
+  return acc;
+}
 
 }  // namespace detail
 
@@ -201,7 +245,19 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
       detail::resolve_scale<Scalar>(where, opt, detail::inverse_sqrt_dim(q.cols()));
   SparseLowRankStats local;
   SparseLowRankStats& st = stats ? *stats : local;
+  if (support.clusters) detail::check_cluster_support(*support.clusters, where);
   if (q.rows() == 0) return SoftmaxAccumulator<Scalar>(0, v.cols());
+  if (detail::clusters_all_probed(support) && !opt.exclude_self) {
+    SoftmaxAccumulator<Scalar> acc =
+        detail::all_keys_exact<Scalar>(q, k, v, scale, opt.causal, st, keep);
+    if (keep) {  // as a feature remainder would have run, for its (zero) backward
+      keep->feature_options.causal = opt.causal;
+      keep->feature_options.scale = double(scale);
+      keep->feature_options.check_finite = false;
+    }
+    detail::check_accumulator_finite(where, acc, opt.check_finite, [] {}, true);
+    return acc;
+  }
 
   // The keys the supports see; working storage from the thread's pool.
   auto start = Clock::now();
@@ -238,6 +294,11 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
     check_lsh_inputs<Scalar>(where, q, hash_keys, v, *support.lsh, lsh_opt);
     chunks = lsh_chunks<Scalar>(*support.lsh, q, hash_keys, lsh_opt);
   }
+  // A clusters part is clustered once: its index serves its target sets and the sampled
+  // remainder's proposal.
+  std::optional<detail::KeyClusterIndex<Scalar>> clusters;
+  if (support.clusters) clusters.emplace(q, hash_keys, *support.clusters, scale, opt.causal, opt.seed);
+  const detail::KeyClusterIndex<Scalar>* cluster_index = clusters ? &*clusters : nullptr;
   // A single hashing support computes E with its own kernel (not under the self rule, whose E
   // and remainder need the explicit sets). LSH chunks alone with no remainder or a feature
   // remainder: the sizes |S_i| suffice (the correction runs chunk by chunk), so the sets are
@@ -254,7 +315,7 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
     for (Index s : sizes) st.pairs_scored += s;
   } else if (need_sets) {
     sets = detail::support_sets<Scalar>(q, hash_keys, support, lsh_opt, lsf_opt, opt.causal,
-                                        chunks ? &*chunks : nullptr);
+                                        chunks ? &*chunks : nullptr, cluster_index);
     if (opt.exclude_self) {
       left_out = detail::sets_with_self(sets);
       sets = detail::sets_under_self_rule(sets, opt.causal);
@@ -290,7 +351,7 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
     st.samples += sampled_remainder_merge<Scalar>(
         q, k, hash_keys, v, remainder_sets, remainder, scale, opt.causal,
         Philox(opt.seed, streams::sparse_remainder_draws), opt.row_offset, acc,
-        keep ? &keep->draws : nullptr);
+        keep ? &keep->draws : nullptr, cluster_index);
   } else if constexpr (features) {
     RandomFeatureOptions fopt;
     fopt.causal = opt.causal;
@@ -331,7 +392,9 @@ SoftmaxAccumulator<Scalar> sparse_lowrank_accumulate(
       keep->exact = std::move(sets);
     else if (!keep->lsh_kernel)
       keep->exact = detail::support_sets<Scalar>(q, hash_keys, support, lsh_opt, lsf_opt,
-                                                 opt.causal, chunks ? &*chunks : nullptr);
+                                                 opt.causal, chunks ? &*chunks : nullptr,
+                                                 cluster_index);
+    if (sampled && clusters) keep->clusters = std::move(clusters);  // last use of the index
   }
   // The parts ran unchecked (inputs were checked above): their overflow is reported here.
   detail::check_accumulator_finite(where, acc, opt.check_finite, [] {}, true);

@@ -25,8 +25,10 @@
 //    p_ib = s u_ib / Σ_b' n_ib' u_ib' with u_ib = exp(scale ub_ib) and ub_ib = q_i⁺·M_b + q_i⁻·m_b
 //    the bound of key block b (block_bounds.hpp), so ∂L/∂log w_ij = dS_ij reaches q_i through the
 //    bound (M_b where q_ic > 0, m_b where q_ic < 0) and the keys holding each block's largest and
-//    smallest coordinates. The floor s / N_i and the cap 1 are constants. This is the gradient of
-//    the same estimate, drawn with the same random numbers.
+//    smallest coordinates. With a clusters support the groups are clusters and u_ic = exp(B_ic),
+//    B_ic = scale·q_i·c + |scale|·‖q_i‖·r_c: the gradient reaches q_i, the centroid (a mean of
+//    keys) and the key at the radius (cluster_support.hpp). The floor s / N_i and the cap 1 are
+//    constants. This is the gradient of the same estimate, drawn with the same random numbers.
 //
 // What is held constant: the forward's discrete choices, kept by sparse_lowrank_forward: every
 // support set (hash chunks or buckets, filters, window, block ranking, the fallback, the self
@@ -251,43 +253,37 @@ struct BlockExtremes {
   }
 };
 
-// The gradient through the sampled remainder's probabilities (its block-bound rule): with
-// ds = ∂L/∂log w per drawn pair (w = 1/p, so ∂L/∂log p = −ds) and, for a block b in the
-// proportional regime, log p_ib = log s + scale ub_ib − log Σ_b' n_ib' exp(scale ub_ib'):
-//   ∂L/∂ub_ib' = scale (π_ib' Σ_{b prop.} Z_ib − [b' prop.] Z_ib'),
-// Z_ib the sum of ds over the row's keys drawn from block b and π_ib' = n_ib' exp(scale ub_ib') /
-// Σ_b n_ib exp(scale ub_ib). Then ub_ib = q_i⁺·M_b + q_i⁻·m_b: q_i receives M_bc where q_ic > 0
-// and m_bc where q_ic < 0, and the key holding M_bc (m_bc) receives Σ_i ∂L/∂ub_ib q_ic⁺ (q_ic⁻).
-// bound_keys: the keys the bounds saw (centred or not; the mean is held constant). Adds to dq
-// (raw queries) and dk.
-template <typename Scalar>
-void sampling_bound_gradients(const Eigen::Ref<const RowMatrix<Scalar>>& q,
-                              const Eigen::Ref<const RowMatrix<Scalar>>& bound_keys,
-                              const SampledDraws<Scalar>& draws, const TargetSets& drawn,
-                              const Eigen::Ref<const Vector<Scalar>>& ds,
-                              const SampledRemainder& rule, Scalar scale,
-                              Eigen::Ref<RowMatrix<Scalar>> dq, Eigen::Ref<RowMatrix<Scalar>> dk) {
-  const Index n_q = q.rows(), d = q.cols(), B = rule.block_size;
-  const KeyBlockBounds<Scalar> bounds(bound_keys, B);
-  const Index blocks = bounds.blocks();
-  const BlockExtremes<Scalar> extremes(bound_keys, B, blocks);
-  Scratch<RowMatrix<Scalar>> gamma(n_q, blocks);  // ∂L/∂ub_ib
+// ∂L/∂(bound of group b) per query (gamma, n_q x groups, in the units of the proposal's bounds),
+// through the sampled remainder's probabilities: with ds = ∂L/∂log w per drawn pair (w = 1/p, so
+// ∂L/∂log p = −ds) and, for a group b in the proportional regime, log p_ib = log s + f ub_ib −
+// log Σ_b' n_ib' exp(f ub_ib') (f the proposal's bound_scale):
+//   ∂L/∂ub_ib' = f (π_ib' Σ_{b prop.} Z_ib − [b' prop.] Z_ib'),
+// Z_ib the sum of ds over the row's keys drawn from group b and π_ib' = n_ib' exp(f ub_ib') /
+// Σ_b n_ib exp(f ub_ib). The floor s / N_i and the cap 1 are constants. Rows in parallel, each
+// written by one thread.
+template <typename Scalar, typename Proposal>
+void sampling_gamma(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Proposal& proposal,
+                    const SampledDraws<Scalar>& draws, const TargetSets& drawn,
+                    const Eigen::Ref<const Vector<Scalar>>& ds, const SampledRemainder& rule,
+                    Eigen::Ref<RowMatrix<Scalar>> gamma) {
+  const Index n_q = q.rows(), groups = proposal.groups();
+  const double f = proposal.bound_scale();
   gamma.setZero();
   constexpr Index kRows = 64;
   parallel_for((n_q + kRows - 1) / kRows, [&](Index t) {
     const Index i0 = t * kRows, rows = std::min(kRows, n_q - i0);
-    Scratch<RowMatrix<Scalar>> ub(rows, blocks);
-    bounds.bounds_into(q.middleRows(i0, rows), ub);
-    Scratch<Eigen::VectorXd> zb(blocks), pi(blocks);
+    Scratch<RowMatrix<Scalar>> ub(rows, groups);
+    proposal.bounds_into(q, i0, ub);
+    Scratch<Eigen::VectorXd> zb(groups), pi(groups);
     for (Index i = i0; i < i0 + rows; ++i) {
       const Index sampled = draws.sampled_blocks[std::size_t(i)];
       if (sampled == 0 || drawn.size(i) == 0) continue;
       zb.head(sampled).setZero();
       for (Index p = drawn.start[std::size_t(i)]; p < drawn.start[std::size_t(i) + 1]; ++p) {
-        const Index b = bounds.block_of(drawn.keys[std::size_t(p)]);
-        if (b < sampled) zb(b) += double(ds(p));  // the own block's keys (causal) have p = 1
+        const Index b = proposal.group_of(i, drawn.keys[std::size_t(p)]);
+        if (b >= 0 && b < sampled) zb(b) += double(ds(p));  // keys taken whole have p = 1
       }
-      // The regime of each block's p = min(1, max(s u / U, s / N)), as the forward left it.
+      // The regime of each group's p = min(1, max(s u / U, s / N)), as the forward left it.
       double count = 0;
       for (Index b = 0; b < sampled; ++b) count += double(draws.outside(i, b));
       const double at_floor = rule.samples / count;
@@ -299,20 +295,54 @@ void sampling_bound_gradients(const Eigen::Ref<const RowMatrix<Scalar>>& q,
         if (!proportional) zb(b) = 0;
         total += zb(b);
         any = any || zb(b) != 0;
-        if (draws.outside(i, b) > 0) top = std::max(top, double(scale) * double(ub(i - i0, b)));
+        if (draws.outside(i, b) > 0) top = std::max(top, f * double(ub(i - i0, b)));
       }
       if (!any) continue;
       double mass = 0;
       for (Index b = 0; b < sampled; ++b) {
         pi(b) = draws.outside(i, b) > 0
-                    ? double(draws.outside(i, b)) * std::exp(double(scale) * ub(i - i0, b) - top)
+                    ? double(draws.outside(i, b)) * std::exp(f * ub(i - i0, b) - top)
                     : 0.0;
         mass += pi(b);
       }
       for (Index b = 0; b < sampled; ++b)
-        gamma(i, b) = static_cast<Scalar>(double(scale) * (pi(b) / mass * total - zb(b)));
+        gamma(i, b) = static_cast<Scalar>(f * (pi(b) / mass * total - zb(b)));
+    }
+  });
+}
+
+// The gradient through the sampled remainder's probabilities (see sampling_gamma), added to dq
+// (raw queries) and dk. Key blocks: ub_ib = q_i⁺·M_b + q_i⁻·m_b, so q_i receives M_bc where
+// q_ic > 0 and m_bc where q_ic < 0, and the key holding M_bc (m_bc) receives Σ_i ∂L/∂ub_ib q_ic⁺
+// (q_ic⁻). Clusters (`clusters` given): through the cluster bounds
+// (KeyClusterIndex::bound_gradients). bound_keys: the keys the bounds saw (centred or not; the
+// mean is held constant).
+template <typename Scalar>
+void sampling_bound_gradients(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                              const Eigen::Ref<const RowMatrix<Scalar>>& bound_keys,
+                              const SampledDraws<Scalar>& draws, const TargetSets& drawn,
+                              const Eigen::Ref<const Vector<Scalar>>& ds,
+                              const SampledRemainder& rule, Scalar scale, bool causal,
+                              const KeyClusterIndex<Scalar>* clusters,
+                              Eigen::Ref<RowMatrix<Scalar>> dq, Eigen::Ref<RowMatrix<Scalar>> dk) {
+  const Index n_q = q.rows(), d = q.cols();
+  if (clusters) {
+    Scratch<RowMatrix<Scalar>> gamma(n_q, clusters->groups());
+    sampling_gamma<Scalar>(q, *clusters, draws, drawn, ds, rule, gamma);
+    clusters->bound_gradients(q, bound_keys, gamma, scale, dq, dk);
+    return;
+  }
+  const BlockProposal<Scalar> proposal(bound_keys, rule.block_size, scale, causal);
+  const Index blocks = proposal.groups();
+  const BlockExtremes<Scalar> extremes(bound_keys, rule.block_size, blocks);
+  Scratch<RowMatrix<Scalar>> gamma(n_q, blocks);  // ∂L/∂ub_ib
+  sampling_gamma<Scalar>(q, proposal, draws, drawn, ds, rule, gamma);
+  constexpr Index kRows = 64;
+  parallel_for((n_q + kRows - 1) / kRows, [&](Index t) {
+    for (Index i = t * kRows; i < std::min(n_q, (t + 1) * kRows); ++i) {
+      const Index sampled = draws.sampled_blocks[std::size_t(i)];
       const auto g = gamma.row(i).head(sampled);
-      for (Index c = 0; c < d; ++c) {
+      for (Index c = 0; c < d && sampled > 0; ++c) {
         const Scalar qc = q(i, c);
         if (qc > 0) dq(i, c) += g.dot(extremes.hi.col(c).head(sampled));
         if (qc < 0) dq(i, c) += g.dot(extremes.lo.col(c).head(sampled));
@@ -666,8 +696,9 @@ void sparse_lowrank_backward(const SparseLowRankSaved<Scalar, Remainder>& saved,
       if (saved.options.centre_keys) centred_into<Scalar>(k, choices.key_mean, centred);
       const Eigen::Ref<const RowMatrix<Scalar>> bound_keys =
           saved.options.centre_keys ? Eigen::Ref<const RowMatrix<Scalar>>(centred) : k;
-      detail::sampling_bound_gradients<Scalar>(q, bound_keys, choices.draws, saved.drawn, ds, rule,
-                                               scale, dq_raw, dks);
+      detail::sampling_bound_gradients<Scalar>(
+          q, bound_keys, choices.draws, saved.drawn, ds, rule, scale, saved.options.causal,
+          choices.clusters ? &*choices.clusters : nullptr, dq_raw, dks);
     }
   } else if constexpr (features) {
     const TargetSets& left_out = saved.options.exclude_self ? choices.left_out : choices.exact;

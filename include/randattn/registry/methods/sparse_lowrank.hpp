@@ -1,6 +1,6 @@
 #pragma once
-// Registered method "sparse-lowrank": exact softmax terms on a support (lsh, lsf, window, blocks
-// or a comma-separated union) plus an unbiased estimate of the keys outside it (remainder none,
+// Registered method "sparse-lowrank": exact softmax terms on a support (lsh, lsf, window, blocks,
+// clusters or a comma-separated union) plus an unbiased estimate of the keys outside it (remainder none,
 // favor, oprf, sderf or sample), merged in log-scaled form (sparse/sparse_lowrank_attention.hpp).
 // Each part keeps its own method's options, declared once: lsh's (chunk, rounds, buckets, ...),
 // lsf's (filters, tables, eta or alpha, ...) and the random-feature options of favor, oprf and
@@ -31,17 +31,18 @@ class SparseLowRankMethod final : public TypedMethod<SparseLowRankMethod> {
  public:
   const char* name() const override { return "sparse-lowrank"; }
   const char* summary() const override {
-    return "exact on a support (lsh, lsf, window, blocks) + unbiased remainder (features or "
-           "samples)";
+    return "exact on a support (lsh, lsf, window, blocks, clusters) + unbiased remainder "
+           "(features or samples)";
   }
 
-  static constexpr const char* kSupports[] = {"lsh", "lsf", "window", "blocks"};
+  static constexpr const char* kSupports[] = {"lsh", "lsf", "window", "blocks", "clusters"};
 
   bool supports_exclude_self() const override { return true; }
 
   std::vector<OptionSpec> options() const override {
     OptionSpec support{"support", OptionType::text, std::string("lsh"),
-                       "keys scored exactly: lsh, lsf, window, blocks, or a comma-separated union"};
+                       "keys scored exactly: lsh, lsf, window, blocks, clusters, or a comma-separated "
+                       "union"};
     OptionSpec remainder{"remainder", OptionType::text, std::string("oprf"),
                          "estimate of the other keys: none, favor, oprf, sderf or sample"};
     remainder.choices = {"none", "favor", "oprf", "sderf", "sample"};
@@ -52,7 +53,8 @@ class SparseLowRankMethod final : public TypedMethod<SparseLowRankMethod> {
                      "window support: the first s keys too"};
     sinks.min = Bound{0};
     OptionSpec block{"block_size", OptionType::integer, std::int64_t(64),
-                     "blocks support and sample remainder: keys per block B"};
+                     "blocks support and sample remainder: keys per block B; clusters support: "
+                     "causal chunk"};
     block.min = Bound{1};
     OptionSpec top{"top_blocks", OptionType::integer, std::int64_t(2),
                    "blocks support: key blocks T with the highest bound per query block"};
@@ -68,8 +70,14 @@ class SparseLowRankMethod final : public TypedMethod<SparseLowRankMethod> {
     OptionSpec prefix{"centre_prefix", OptionType::integer, std::int64_t(64),
                       "causal centring: mean of the first keys (or of calibration_k)"};
     prefix.min = Bound{1};
-    std::vector<OptionSpec> out = {support, remainder, window, sinks, block, top,
-                                   samples, sampling,  centre, prefix};
+    OptionSpec clusters{"clusters", OptionType::integer, std::int64_t(16),
+                        "clusters support: k-means clusters of the keys per head"};
+    clusters.min = Bound{1};
+    OptionSpec probe{"probe", OptionType::integer, std::int64_t(2),
+                     "clusters support: clusters opened at least per query (<= clusters)"};
+    probe.min = Bound{1};
+    std::vector<OptionSpec> out = {support, remainder, window,   sinks, block, top, clusters,
+                                   probe,   samples,   sampling, centre, prefix};
     for (const auto& part : {LshMethod().options(), LsfMethod().options(), OprfFamily::options()})
       for (const OptionSpec& s : part)
         if (std::none_of(out.begin(), out.end(), [&](const OptionSpec& o) { return o.name == s.name; }))
@@ -133,6 +141,16 @@ class SparseLowRankMethod final : public TypedMethod<SparseLowRankMethod> {
       spec->blocks = BlockSupport{o.integer("block_size"), o.integer("top_blocks")};
       report.insert(report.end(), {{"block_size", o.integer("block_size")},
                                    {"top_blocks", o.integer("top_blocks")}});
+    }
+    if (has("clusters")) {
+      if (o.integer("probe") > o.integer("clusters"))
+        throw OptionError(o.spelled("probe") + " must be at most " + o.spelled("clusters") + " (" +
+                          std::to_string(o.integer("clusters")) + "), got " +
+                          std::to_string(o.integer("probe")));
+      spec->clusters = ClusterSupport{o.integer("clusters"), o.integer("probe"),
+                                      o.integer("block_size")};
+      report.insert(report.end(), {{"clusters", o.integer("clusters")}, {"probe", o.integer("probe")}});
+      if (!has("blocks")) report.emplace_back("block_size", o.integer("block_size"));
     }
     if (remainder == "favor" || remainder == "oprf" || remainder == "sderf") check_features(call);
     SparseLowRankOptions opt;

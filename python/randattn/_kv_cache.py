@@ -2,6 +2,8 @@
 
 import os
 
+import numpy as np
+
 from . import _core
 from ._arrays import as_numpy, dtype_name, like
 
@@ -11,7 +13,7 @@ class KVCache:
     with sublinear retrieval; one cache per layer.
 
     ``KVCache(head_dim=d, value_dim=dv, kv_heads=h, mode="exact", sinks=4, window=256,
-    scale=None, dtype="float32", check_finite=True, **mode_options)``
+    scale=None, dtype="float32", storage=None, check_finite=True, **mode_options)``
 
     mode and its options (defaults in parentheses; ``randattn.KVCache.modes()`` lists them):
       "exact"       every cached key (the reference)
@@ -30,15 +32,22 @@ class KVCache:
     at construction (``dtype``); inputs of the other dtype are converted to it (float64 → float32
     rounds to nearest), and results have the cache's dtype (a torch tensor when q is one).
 
+    ``storage`` is how keys and values are held, independent of ``dtype`` (its default):
+    "float32", "float64", "bfloat16", "float16" (rounded to nearest even; a finite entry beyond
+    ±65504 raises ValueError) or "int8" (one scale per token and kv head: x ≈ s·round(x/s),
+    s = max|x|/127; NaN/Inf raise ValueError even with check_finite=False). NumPy and torch
+    dtypes name them too. Every mode reads the stored rows directly; ``memory_bytes`` is the
+    whole cache's size and ``bytes_per_token`` one token's keys and values as stored.
+
     - ``append(k, v)``: k (kv_heads, t, head_dim), v (kv_heads, t, value_dim); t tokens, oldest
       first ((kv_heads, head_dim) and (kv_heads, value_dim) append one token).
     - ``attend(q)``: q (q_heads, head_dim), q_heads a multiple of kv_heads (query head i uses kv
       head i // (q_heads // kv_heads)) → (q_heads, value_dim); ``attend(q, report=True)`` →
       (out, report dict: keys_scored, exact_keys, retrieved_keys, pages_scored, pages_opened,
-      tables_probed, bucket_entries, filters_opened, clusters_opened, empty_heads, mode,
-      size).
-    - ``save(path)``, ``KVCache.load(path)``: portable file; a loaded cache gives bit-identical
-      results and keeps growing like the original.
+      tables_probed, bucket_entries, filters_opened, clusters_opened, empty_heads,
+      bytes_per_token, mode, size).
+    - ``save(path)``, ``KVCache.load(path)``: portable file (the storage type and the rows as
+      stored); a loaded cache gives bit-identical results and keeps growing like the original.
     - ``len(cache)``: tokens cached.
 
     ``attend`` releases the GIL and runs concurrently with other attends on the same cache;
@@ -48,9 +57,10 @@ class KVCache:
     """
 
     def __init__(self, head_dim, value_dim, kv_heads, mode="exact", sinks=4, window=256, scale=None, *,
-                 dtype="float32", check_finite=True, **mode_options):
+                 dtype="float32", storage=None, check_finite=True, **mode_options):
         self._cache = _core.KVCache(head_dim, value_dim, kv_heads, mode, sinks, window, scale,
-                                    dtype_name(dtype), check_finite, mode_options)
+                                    dtype_name(dtype), _storage_name(storage), check_finite,
+                                    mode_options)
 
     @classmethod
     def load(cls, path):
@@ -81,6 +91,11 @@ class KVCache:
 
     mode = property(lambda self: self._cache.mode)
     dtype = property(lambda self: self._cache.dtype)
+    storage = property(lambda self: self._cache.storage, doc="how keys and values are stored")
+    memory_bytes = property(lambda self: self._cache.memory_bytes,
+                            doc="bytes of keys, values, scales and the retrieval index")
+    bytes_per_token = property(lambda self: self._cache.bytes_per_token,
+                               doc="bytes of one token's keys and values (all kv heads) as stored")
     head_dim = property(lambda self: self._cache.head_dim)
     value_dim = property(lambda self: self._cache.value_dim)
     kv_heads = property(lambda self: self._cache.kv_heads)
@@ -90,4 +105,18 @@ class KVCache:
 
     def __repr__(self):
         return (f"KVCache(head_dim={self.head_dim}, value_dim={self.value_dim}, kv_heads={self.kv_heads}, "
-                f"mode={self.mode!r}, dtype={self.dtype!r}, size={len(self)})")
+                f"mode={self.mode!r}, dtype={self.dtype!r}, storage={self.storage!r}, "
+                f"size={len(self)})")
+
+
+def _storage_name(storage):
+    """A storage name from a string, a NumPy dtype-like or a torch dtype (None: the dtype's)."""
+    if storage is None or isinstance(storage, str):
+        return storage
+    name = str(storage)
+    if name.startswith("torch."):
+        return name[len("torch."):]
+    try:
+        return np.dtype(storage).name
+    except TypeError:
+        raise TypeError(f"storage must be a name or a dtype, got {storage!r}") from None

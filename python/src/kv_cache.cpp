@@ -1,11 +1,13 @@
 // randattn._core.KVCache: the library's KvCache<float> or KvCache<double> (decode/kv_cache.hpp)
-// behind one class. The dtype is fixed at construction; inputs of the other float dtype are
-// converted to it (one counted copy). attend runs without the GIL and without excluding other
+// behind one class. The dtype (of the computation and results) is fixed at construction; inputs
+// of the other float dtype are converted to it (one counted copy). The storage of keys and values
+// (float32, float64, bfloat16, float16, int8) is independent of it. attend runs without the GIL and without excluding other
 // attends (KvCache::attend is const and keeps no state); append and load take the cache
 // exclusively, so Python threads may mix them freely.
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <randattn/decode/kv_cache.hpp>
 
@@ -14,6 +16,7 @@
 #include <fstream>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <shared_mutex>
 #include <string>
 #include <variant>
@@ -29,6 +32,18 @@ namespace {
 
 using randattn::DecodeMode;
 using randattn::KvCacheOptions;
+using randattn::KvStorage;
+
+// The storage named `name`; ValueError naming the known ones.
+KvStorage storage_named(const std::string& name) {
+  std::string names;
+  for (const KvStorage s : {KvStorage::float32, KvStorage::float64, KvStorage::bfloat16,
+                            KvStorage::float16, KvStorage::int8}) {
+    if (name == randattn::to_string(s)) return s;
+    names += std::string(names.empty() ? "'" : ", '") + randattn::to_string(s) + "'";
+  }
+  throw py::value_error("KVCache: unknown storage '" + name + "' (available: " + names + ")");
+}
 
 struct ModeInfo {
   const char* name;
@@ -202,10 +217,12 @@ class KVCache {
  public:
   KVCache(py::handle head_dim, py::handle value_dim, py::handle kv_heads, const std::string& mode,
           py::handle sinks, py::handle window, py::handle scale, const std::string& dtype,
-          py::handle check_finite, const py::dict& options) {
+          const std::optional<std::string>& storage, py::handle check_finite,
+          const py::dict& options) {
     const Index d = to_integer(head_dim, "head_dim"), dv = to_integer(value_dim, "value_dim"),
                 h = to_integer(kv_heads, "kv_heads");
     KvCacheOptions o = to_options(mode_info(mode), sinks, window, scale, check_finite, options);
+    if (storage) o.storage = storage_named(*storage);
     if (dtype == "float32") {
       impl_.emplace<randattn::KvCache<float>>(d, dv, h, std::move(o));
     } else if (dtype == "float64") {
@@ -293,6 +310,7 @@ class KVCache {
       fields["filters_opened"] = rep.filters_opened;
       fields["clusters_opened"] = rep.clusters_opened;
       fields["empty_heads"] = rep.empty_heads;
+      fields["bytes_per_token"] = rep.bytes_per_token;
     }
     return {out, fields};
   }
@@ -325,6 +343,20 @@ class KVCache {
   }
   std::string dtype() const {
     return std::holds_alternative<randattn::KvCache<float>>(impl_) ? "float32" : "float64";
+  }
+  std::string storage() const {
+    return visit([](const auto& c) { return std::string(randattn::to_string(c.storage())); });
+  }
+  // Bytes of the whole cache (keys, values, scales and the retrieval index), and of one token's
+  // keys and values in all kv heads as stored.
+  std::size_t memory_bytes() const {
+    return visit([&](const auto& c) {
+      std::shared_lock<std::shared_mutex> lock(mutex_);
+      return c.memory_bytes();
+    });
+  }
+  std::size_t bytes_per_token() const {
+    return visit([](const auto& c) { return c.bytes_per_token(); });
   }
   Index head_dim() const { return visit([](const auto& c) { return c.head_dim(); }); }
   Index value_dim() const { return visit([](const auto& c) { return c.value_dim(); }); }
@@ -394,9 +426,10 @@ void bind_kv_cache(py::module_& m) {
   using namespace pybind11::literals;
   py::class_<KVCache>(m, "KVCache")
       .def(py::init<py::handle, py::handle, py::handle, const std::string&, py::handle, py::handle,
-                    py::handle, const std::string&, py::handle, const py::dict&>(),
+                    py::handle, const std::string&, const std::optional<std::string>&, py::handle,
+                    const py::dict&>(),
            "head_dim"_a, "value_dim"_a, "kv_heads"_a, "mode"_a, "sinks"_a, "window"_a, "scale"_a,
-           "dtype"_a, "check_finite"_a, "options"_a)
+           "dtype"_a, "storage"_a, "check_finite"_a, "options"_a)
       .def_static("load", &KVCache::load, "path"_a)
       .def("append", &KVCache::append, "k"_a, "v"_a)
       .def("attend", &KVCache::attend, "q"_a, "report"_a)
@@ -404,6 +437,9 @@ void bind_kv_cache(py::module_& m) {
       .def_property_readonly("size", &KVCache::size)
       .def_property_readonly("mode", &KVCache::mode)
       .def_property_readonly("dtype", &KVCache::dtype)
+      .def_property_readonly("storage", &KVCache::storage)
+      .def_property_readonly("memory_bytes", &KVCache::memory_bytes)
+      .def_property_readonly("bytes_per_token", &KVCache::bytes_per_token)
       .def_property_readonly("head_dim", &KVCache::head_dim)
       .def_property_readonly("value_dim", &KVCache::value_dim)
       .def_property_readonly("kv_heads", &KVCache::kv_heads)

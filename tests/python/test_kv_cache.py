@@ -422,3 +422,74 @@ def test_clusters_save_load_bit_identical_and_truncated_file(tmp_path):
     cut.write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError):
         randattn.KVCache.load(cut)
+
+
+STORAGES = ["float32", "float64", "bfloat16", "float16", "int8"]
+
+
+def stored(x, storage):
+    """x (kv_heads, n, cols) as each storage type holds it, from the definitions (NumPy)."""
+    x = np.asarray(x, np.float64)
+    if storage in ("float32", "float64"):
+        return x.astype(storage).astype(np.float64)
+    if storage == "float16":
+        return x.astype(np.float16).astype(np.float64)
+    if storage == "bfloat16":
+        torch = pytest.importorskip("torch")
+        return torch.from_numpy(x).to(torch.bfloat16).to(torch.float64).numpy()
+    s = np.abs(x).max(axis=-1, keepdims=True) / 127
+    return s * np.rint(x / np.where(s > 0, s, 1))
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("mode", ["exact", "blocks", "lsf", "clusters"])
+def test_storage_types_attend_over_the_rounded_rows(rng, tmp_path, storage, mode):
+    n = 90
+    k, v = tokens(rng, n)
+    q = queries(rng)
+    options = dict(MODES.get(mode, {}), **(dict(clusters=4, probe=2) if mode == "clusters" else {}))
+    cache = filled(k, v, mode, dtype="float64", options=options, storage=storage)
+    assert cache.storage == storage
+    entry = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int8": 1}[storage]
+    scales = 2 * 8 if storage == "int8" else 0
+    assert cache.bytes_per_token == KV_HEADS * ((D + DV) * entry + scales)
+    assert cache.memory_bytes >= n * cache.bytes_per_token
+    out, report = cache.attend(q, report=True)
+    assert report["bytes_per_token"] == cache.bytes_per_token
+    # The same mode over float64 rows that are the stored ones: only the accumulation differs.
+    ref = filled(stored(k, storage), stored(v, storage), mode, dtype="float64", options=options)
+    assert_close(out, ref.attend(q), np.float64, n + D)
+    # save/load keeps the storage and the rows: bit-identical.
+    cache.save(tmp_path / "c.bin")
+    loaded = randattn.KVCache.load(tmp_path / "c.bin")
+    assert loaded.storage == storage
+    assert identical(loaded.attend(q), out)
+
+
+def test_storage_names_dtypes_and_bad_storage(rng):
+    k, v = tokens(rng, 20, np.float32)
+    assert filled(k, v, dtype="float32").storage == "float32"
+    assert filled(k, v, dtype="float64").storage == "float64"
+    assert filled(k, v, dtype="float32", storage=np.float16).storage == "float16"
+    assert filled(k, v, dtype="float32", storage=np.int8).storage == "int8"
+    torch = pytest.importorskip("torch")
+    assert filled(k, v, dtype="float32", storage=torch.bfloat16).storage == "bfloat16"
+    with pytest.raises(ValueError, match="unknown storage 'float8'"):
+        filled(k, v, storage="float8")
+    with pytest.raises(ValueError, match="unknown storage 'int32'"):
+        filled(k, v, storage=np.int32)
+
+
+@pytest.mark.parametrize("check_finite", [True, False])
+def test_int8_refuses_non_finite_and_float16_refuses_overflow(rng, check_finite):
+    k, v = tokens(rng, 12)
+    q = queries(rng)
+    for storage, bad in [("int8", np.nan), ("int8", np.inf), ("float16", 7e4)]:
+        cache = filled(k, v, storage=storage, check_finite=check_finite)
+        before = cache.attend(q)
+        k1, v1 = tokens(rng, 1)
+        k1[1, 0, 3] = bad
+        with pytest.raises(ValueError, match="int8|range"):
+            cache.append(k1, v1)
+        assert len(cache) == 12
+        assert identical(cache.attend(q), before)

@@ -5,6 +5,7 @@
 #include "attention/random_feature_backward.hpp"
 #include "core/exact_attention.hpp"
 #include "core/exact_backward.hpp"
+#include "core/half_precision.hpp"
 #include "core/input_checks.hpp"
 #include "core/invalid_argument.hpp"
 #include "core/linear_attention.hpp"

@@ -1,7 +1,8 @@
 """randattn: randomized attention approximation and tensor sketching, from NumPy and PyTorch.
 
 Attention of 2-D ``(n, d)`` or 4-D ``(batch, heads, n, d)`` float32/float64 arrays or CPU torch
-tensors, exact or approximated (random features, hybrids, LSH)::
+tensors, or float16 and bfloat16 ones (computed in float32, rounded once), exact or approximated
+(random features, hybrids, LSH)::
 
     out = randattn.attention(q, k, v, method="favor", features=256, seed=0)
 
@@ -42,7 +43,10 @@ def attention(q, k, v, *, method="exact", causal=False, scale=None, seed=0, chec
 
     q: (n_q, d) or (batch, heads, n_q, d); k: (n_k, d) or (batch, heads, n_k, d), or None with
     shared_qk=True (methods that support it: lsh); v: (n_k, dv) or (batch, heads, n_k, dv).
-    Returns (n_q, dv) or (batch, heads, n_q, dv), as a NumPy array or a torch tensor like q. On
+    Returns (n_q, dv) or (batch, heads, n_q, dv), as a NumPy array or a torch tensor like q.
+    q, k and v share one dtype (TypeError otherwise): float32 or float64, or float16 (NumPy or
+    torch) and bfloat16 (torch), which run in float32 on the exactly widened inputs and give its
+    result rounded to their dtype (ValueError for a float16 result beyond 65504); gradients too. On
     torch tensors that require grad (grad enabled), the result is attached to the autograd graph
     for the methods with a backward pass (see docs/gradients.md; ``out`` is then refused); with
     report=True, (out, report) where report is the command line's --report fields as a dict

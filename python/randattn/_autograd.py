@@ -9,19 +9,12 @@ estimate: projections, hashes, filters and samples are fixed by the seed and the
 import numpy as np
 
 from . import _core
-from ._arrays import _torch, is_tensor
+from ._arrays import _torch, is_tensor, tensor_values, to_tensor
 
 
 def _numpy(x):
     """A tensor's values as NumPy (detached), or x itself."""
-    if is_tensor(x):
-        x = x.detach()
-        if x.is_neg():
-            x = x.resolve_neg()
-        if x.is_conj():
-            x = x.resolve_conj()
-        return x.numpy()
-    return x
+    return tensor_values(x) if is_tensor(x) else x
 
 
 def _check_differentiable(method, option_gradients):
@@ -60,7 +53,7 @@ def _function_class():
             ctx.call, ctx.option_names = call, option_names
             ctx.option_shapes = [(t.shape, t.dtype) for t in options]
             ctx.save_for_backward(q, k, v, *options)
-            return torch.from_numpy(result)
+            return to_tensor(result)
 
         @staticmethod
         def backward(ctx, grad_out):
@@ -68,8 +61,8 @@ def _function_class():
                 raise RuntimeError("randattn attention cannot differentiate twice: its backward is not "
                                    "differentiable (do not pass create_graph=True through it)")
             ctx.saved_tensors  # raises if an input was changed in place since the forward
-            dq, dk, dv, options = ctx.call.backward(grad_out.detach().contiguous().numpy())
-            grads = [torch.from_numpy(dq), None if dk is None else torch.from_numpy(dk), torch.from_numpy(dv)]
+            dq, dk, dv, options = ctx.call.backward(tensor_values(grad_out.contiguous()))
+            grads = [to_tensor(dq), None if dk is None else to_tensor(dk), to_tensor(dv)]
             for name, (shape, dtype) in zip(ctx.option_names, ctx.option_shapes):
                 grads.append(torch.from_numpy(options[name].reshape(tuple(shape))).to(dtype)
                              if name in options else None)

@@ -150,7 +150,8 @@ class Attention(torch.nn.Module):
             options["scale"] = scale
         if self.omega is not None:
             options["omega"] = self.omega
-        if query.dtype not in (torch.float32, torch.float64) or query.device.type != "cpu":
+        if query.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16) or \
+                query.device.type != "cpu":
             out = None  # randattn.attention names what is wrong with the inputs
         else:
             out = self._output(query, key, value)

@@ -6,6 +6,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <randattn/core/half_precision.hpp>
 #include <randattn/core/types.hpp>
 #include <randattn/registry/options.hpp>
 
@@ -25,6 +26,37 @@ namespace randattn_python {
 namespace py = pybind11;
 using randattn::Index;
 
+// NumPy has no bfloat16: such arrays travel as this one-field structured dtype of the raw 16 bits
+// (python/randattn/_arrays.py makes the same from a torch bfloat16 tensor's bits).
+inline py::dtype bfloat16_dtype() {
+  // Made once, kept for the process (never destroyed after the interpreter).
+  static const auto* dtype = [] {
+    py::list fields;
+    fields.append(py::make_tuple("bfloat16", "=u2"));
+    return new py::dtype(py::module_::import("numpy").attr("dtype")(fields));
+  }();
+  return *dtype;
+}
+
+}  // namespace randattn_python
+
+// Eigen's half types as NumPy dtypes, so that py::array_t<Eigen::half> and
+// py::array_t<Eigen::bfloat16> read and make float16 and bfloat16 arrays.
+namespace pybind11::detail {
+template <>
+struct npy_format_descriptor<Eigen::half> {
+  static constexpr auto name = const_name("numpy.float16");
+  static pybind11::dtype dtype() { return pybind11::dtype("float16"); }
+};
+template <>
+struct npy_format_descriptor<Eigen::bfloat16> {
+  static constexpr auto name = const_name("bfloat16");
+  static pybind11::dtype dtype() { return randattn_python::bfloat16_dtype(); }
+};
+}  // namespace pybind11::detail
+
+namespace randattn_python {
+
 // Inputs copied because they were not C-contiguous (or not in native byte order). Tests read
 // it to check that C-contiguous inputs are used in place.
 inline std::atomic<std::int64_t>& input_copies() {
@@ -32,9 +64,22 @@ inline std::atomic<std::int64_t>& input_copies() {
   return count;
 }
 
-enum class Dtype { float32, float64 };
+// float16 and bfloat16 only from as_attention_array().
+enum class Dtype { float32, float64, float16, bfloat16 };
 
-inline const char* dtype_name(Dtype t) { return t == Dtype::float32 ? "float32" : "float64"; }
+inline const char* dtype_name(Dtype t) {
+  switch (t) {
+    case Dtype::float32:
+      return "float32";
+    case Dtype::float64:
+      return "float64";
+    case Dtype::float16:
+      return "float16";
+    case Dtype::bfloat16:
+      return "bfloat16";
+  }
+  return "?";
+}
 
 inline std::string type_name(py::handle h) {
   return py::str(py::type::handle_of(h).attr("__name__"));
@@ -64,8 +109,65 @@ inline py::array as_float_array(py::handle obj, const std::string& name) {
   return a;
 }
 
+inline bool is_bfloat16(const py::array& a) { return py::array_t<Eigen::bfloat16>::check_(a); }
+
+// A dtype as NumPy prints it, bfloat16 by its name.
+inline std::string dtype_text(const py::array& a) {
+  return is_bfloat16(a) ? "bfloat16" : std::string(py::str(py::handle(a.dtype())));
+}
+
+// `obj` as a NumPy array of float16, bfloat16, float32 or float64 (any byte order): q, k and v
+// of attention; TypeError otherwise.
+inline py::array as_attention_array(py::handle obj, const std::string& name) {
+  if (!py::isinstance<py::array>(obj))
+    throw py::type_error(name + " must be a NumPy array, got " + type_name(obj));
+  auto a = py::reinterpret_borrow<py::array>(obj);
+  const py::dtype t = a.dtype();
+  if (!is_bfloat16(a) && (t.kind() != 'f' || (t.itemsize() != 2 && t.itemsize() != 4 &&
+                                               t.itemsize() != 8)))
+    throw py::type_error(name + " must have dtype float16, bfloat16, float32 or float64, got " +
+                         std::string(py::str(py::handle(t))));
+  return a;
+}
+
+// The dtype of an array from as_float_array() or as_attention_array().
 inline Dtype dtype_of(const py::array& a) {
-  return a.dtype().itemsize() == 4 ? Dtype::float32 : Dtype::float64;
+  if (is_bfloat16(a)) return Dtype::bfloat16;
+  switch (a.dtype().itemsize()) {
+    case 2:
+      return Dtype::float16;
+    case 4:
+      return Dtype::float32;
+    default:
+      return Dtype::float64;
+  }
+}
+
+// fn(Scalar()) for the scalar type of `t`.
+template <typename Fn>
+decltype(auto) with_scalar(Dtype t, Fn&& fn) {
+  switch (t) {
+    case Dtype::float16:
+      return fn(Eigen::half());
+    case Dtype::bfloat16:
+      return fn(Eigen::bfloat16());
+    case Dtype::float32:
+      return fn(float());
+    default:
+      return fn(double());
+  }
+}
+
+// The values of a float array of any of the four dtypes, row-major, as float64 (exact).
+inline std::vector<double> float64_values(const py::array& a) {
+  if (is_bfloat16(a)) {
+    const auto c = py::array_t<Eigen::bfloat16, py::array::c_style | py::array::forcecast>::ensure(a);
+    if (!c) throw py::error_already_set();
+    return std::vector<double>(c.data(), c.data() + c.size());
+  }
+  const auto d = py::array_t<double, py::array::c_style | py::array::forcecast>::ensure(a);
+  if (!d) throw py::error_already_set();
+  return std::vector<double>(d.data(), d.data() + d.size());
 }
 
 // A float array read as a C-contiguous buffer of Scalar: the caller's memory when it already is

@@ -61,12 +61,11 @@ reg::Value to_value(const reg::OptionSpec& spec, py::handle h) {
       return to_real(h, spec.name);
     case reg::OptionType::text:
       return to_text(h, spec.name);
-    case reg::OptionType::array: {
-      const py::array a = as_float_array(h, spec.name);
-      const auto d = py::array_t<double, py::array::c_style | py::array::forcecast>::ensure(a);
+    case reg::OptionType::array: {  // any float dtype: the values are exact in float64
+      const py::array a = as_attention_array(h, spec.name);
       reg::ArrayValue out;
       out.shape = shape_of(a);
-      out.data.assign(d.data(), d.data() + d.size());
+      out.data = float64_values(a);
       out.source = "array";
       return out;
     }
@@ -171,10 +170,9 @@ Scalar* output_buffer(const py::handle& out_obj, const std::vector<py::ssize_t>&
                          type_name(out_obj));
   auto out = py::reinterpret_borrow<py::array>(out_obj);
   const std::vector<Index> want(shape.begin(), shape.end());
-  const std::string want_dtype = py::str(py::handle(py::dtype::of<Scalar>()));
   if (!py::array_t<Scalar>::check_(out))
-    throw py::value_error("out has dtype " + std::string(py::str(py::handle(out.dtype()))) +
-                          ", expected " + want_dtype + " (the dtype of q, k and v)");
+    throw py::value_error("out has dtype " + dtype_text(out) + ", expected " +
+                          randattn::scalar_type_name<Scalar>() + " (the dtype of q, k and v)");
   if (shape_of(out) != want)
     throw py::value_error("out has shape " + shape_str(shape_of(out)) + ", expected " +
                           shape_str(want));
@@ -273,9 +271,9 @@ Arguments arguments(py::handle q_obj, py::handle k_obj, py::handle v_obj,
   settings.option_gradients = option_gradients;
   a.threads = to_threads(threads);
 
-  a.q = as_float_array(q_obj, "q");
-  a.v = as_float_array(v_obj, "v");
-  if (!k_obj.is_none()) a.k = as_float_array(k_obj, "k");
+  a.q = as_attention_array(q_obj, "q");
+  a.v = as_attention_array(v_obj, "v");
+  if (!k_obj.is_none()) a.k = as_attention_array(k_obj, "k");
   a.dtype = dtype_of(a.q);
   if (dtype_of(a.v) != a.dtype || (a.k && dtype_of(*a.k) != a.dtype))
     throw py::type_error(std::string("q, k and v must have the same dtype, got q ") +
@@ -299,12 +297,10 @@ py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj,
                      py::handle out) {
   const Arguments a = arguments(q_obj, k_obj, v_obj, method_name, causal, scale, seed,
                                 check_finite, threads, shared_qk, report, keywords);
-  const bool want_report = a.call.settings.report;
-  return a.dtype == Dtype::float32
-             ? run_method<float>(*a.method, a.call, a.four_d, a.layout, a.q, a.keys(), a.v,
-                                 a.threads, want_report, out)
-             : run_method<double>(*a.method, a.call, a.four_d, a.layout, a.q, a.keys(), a.v,
-                                  a.threads, want_report, out);
+  return with_scalar(a.dtype, [&](auto scalar) {
+    return run_method<decltype(scalar)>(*a.method, a.call, a.four_d, a.layout, a.q, a.keys(), a.v,
+                                        a.threads, a.call.settings.report, out);
+  });
 }
 
 // A differentiable call (the registry's Gradient): forward() computes the output as attention()
@@ -318,10 +314,9 @@ class GradientCall {
                const py::dict& options, const std::vector<std::string>& option_gradients)
       : args_(arguments(q, k, v, method, causal, scale, seed, check_finite, threads, shared_qk,
                         report, options, option_gradients)) {
-    if (args_.dtype == Dtype::float32)
-      state_ = std::make_unique<Typed<float>>(args_);
-    else
-      state_ = std::make_unique<Typed<double>>(args_);
+    with_scalar(args_.dtype, [&](auto scalar) {
+      state_ = std::make_unique<Typed<decltype(scalar)>>(args_);
+    });
   }
 
   py::object forward() {
@@ -365,10 +360,9 @@ class GradientCall {
       if (!py::isinstance<py::array>(grad_out_obj))
         throw py::type_error("grad_out must be an array, got " + type_name(grad_out_obj));
       const auto g = py::reinterpret_borrow<py::array>(grad_out_obj);
-      const std::string want = py::str(py::handle(py::dtype::of<Scalar>()));
       if (!py::array_t<Scalar>::check_(g))
-        throw py::value_error("grad_out has dtype " + std::string(py::str(py::handle(g.dtype()))) +
-                              ", expected " + want + " (the dtype of the output)");
+        throw py::value_error("grad_out has dtype " + dtype_text(g) + ", expected " +
+                              randattn::scalar_type_name<Scalar>() + " (the dtype of the output)");
       if (shape_of(g) != std::vector<Index>(shape.begin(), shape.end()))
         throw py::value_error("grad_out has shape " + shape_str(shape_of(g)) +
                               ", expected the output's shape " +
@@ -376,7 +370,7 @@ class GradientCall {
       const RowMajorInput<Scalar> go(g);
       const py::ssize_t count = g.size();
       for (py::ssize_t i = 0; i < count; ++i)
-        if (!std::isfinite(go.data()[i]))
+        if (!std::isfinite(double(go.data()[i])))
           throw py::value_error("grad_out holds a non-finite value (" +
                                 std::to_string(double(go.data()[i])) + ") at flat index " +
                                 std::to_string(i));
@@ -406,7 +400,9 @@ class GradientCall {
   };
 
   Arguments args_;
-  std::variant<std::unique_ptr<Typed<float>>, std::unique_ptr<Typed<double>>> state_;
+  std::variant<std::unique_ptr<Typed<float>>, std::unique_ptr<Typed<double>>,
+               std::unique_ptr<Typed<Eigen::half>>, std::unique_ptr<Typed<Eigen::bfloat16>>>
+      state_;
   bool done_forward_ = false;
 };
 

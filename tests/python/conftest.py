@@ -9,6 +9,24 @@ import pytest
 
 DTYPES = [np.float32, np.float64]
 
+# Small options of every method: enough features, rounds and filters to exercise the paths at
+# n = 37 (no multiple of any chunk or block, spanning several).
+SMALL_OPTIONS = {
+    "exact": {},
+    "favor": {"features": 16},
+    "favor-hyp": {"features": 8},
+    "trig": {"features": 8},
+    "oprf": {"features": 16, "fit": "given", "rho": 1.0},
+    "sderf": {"features": 16, "fit": "given", "rho": 1.0},
+    "hybrid": {"features": 8, "lambda_features": 4},
+    "hybrid-gaussian": {"features": 8, "lambda_features": 4},
+    "hedgehog": {"features": 8},
+    "lsh": {"chunk": 8, "rounds": 2},
+    "lsf": {"filters": 16, "tables": 2, "eta": 0.3},
+    "sparse-lowrank": {"support": "window", "window": 8, "remainder": "favor", "features": 16},
+    "auto": {"approximation": "favor", "crossover": 0, "features": 16},
+}
+
 
 def tolerance(dtype, terms):
     """Bound on the relative rounding error of a result built from sums of `terms` products and

@@ -45,8 +45,8 @@ BAD_ATTENTION = [
     (dict(causal="yes"), TypeError, "causal"),
     (dict(seed=-1), ValueError, "seed"),
     (dict(seed=1.5), TypeError, "seed"),
-    (dict(k=np.ones((5, 4), dtype=np.int32)), TypeError, "dtype float32 or float64"),
-    (dict(k=np.ones((5, 4), dtype=np.float16)), TypeError, "dtype float32 or float64"),
+    (dict(k=np.ones((5, 4), dtype=np.int32)), TypeError, "dtype float16, bfloat16, float32 or float64"),
+    (dict(k=np.ones((5, 4), dtype=np.float16)), TypeError, "same dtype, got q float64, k float16"),
     (dict(v=np.ones((5, 4), dtype=np.float32)), TypeError, "same dtype"),
     (dict(k=None), ValueError, "k is required for method 'exact'"),
     (dict(method="lsh", k=None), ValueError, "shared_qk=True"),
@@ -113,7 +113,7 @@ def test_torch_specific_errors(data):
         randattn.attention(q, data["k"], data["v"])
     with pytest.raises(TypeError, match="dtype"):
         randattn.attention(torch.ones(5, 4, dtype=torch.int64), data["k"], data["v"])
-    with pytest.raises(TypeError, match="dtype float32 or float64"):
+    with pytest.raises(TypeError, match="same dtype, got q float16, k float64"):
         randattn.attention(torch.ones(5, 4, dtype=torch.float16), data["k"], data["v"])
 
 
@@ -284,5 +284,5 @@ def test_torch_negative_and_conjugate_views(data):
     out = randattn.attention(neg, data["k"], data["v"])
     np.testing.assert_allclose(out.numpy(), randattn.attention(-data["q"], data["k"], data["v"]), rtol=0, atol=0)
     conj = torch.ones(5, 4, dtype=torch.complex64).conj()
-    with pytest.raises(TypeError, match="dtype float32 or float64"):
+    with pytest.raises(TypeError, match="dtype float16, bfloat16, float32 or float64"):
         randattn.attention(conj, data["k"], data["v"])

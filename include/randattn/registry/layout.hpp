@@ -54,6 +54,7 @@
 #include <vector>
 
 #include "../detail/parallel.hpp"
+#include "half_precision.hpp"
 #include "method.hpp"
 #include "options.hpp"
 
@@ -789,26 +790,40 @@ inline Call whole_call(const Call& call, const Layout& layout) {
 }  // namespace detail
 
 // The job of `method` for `call` under `layout` (checked with check_layout()): the method's own
-// job when the layout is plain, else the sub-calls described above.
+// job when the layout is plain, else the sub-calls described above. Half-precision Scalar
+// (Eigen::half, Eigen::bfloat16): the float32 job of the whole call, its inputs widened and its
+// output rounded once (half_precision.hpp).
 template <typename Scalar>
 Job<Scalar> build_job(const Method& method, const Call& call, const Layout& layout) {
-  if (layout.plain(call.shape)) return method.build(call, Scalar());
-  // The whole call's job checks every option against the whole shape before anything runs.
-  (void)method.build(detail::whole_call(call, layout), Scalar());
-  return [&method, call, layout](const Scalar* q, const Scalar* k, const Scalar* v, Scalar* out) {
-    detail::LayoutRunner<Scalar> runner(method, call, layout);
-    return runner(q, k, v, out);
-  };
+  if constexpr (is_half_precision_v<Scalar>) {
+    return detail::half_job<Scalar>(method, call, layout.kv_heads,
+                                    build_job<float>(method, call, layout));
+  } else {
+    if (layout.plain(call.shape)) return method.build(call, Scalar());
+    // The whole call's job checks every option against the whole shape before anything runs.
+    (void)method.build(detail::whole_call(call, layout), Scalar());
+    return [&method, call, layout](const Scalar* q, const Scalar* k, const Scalar* v,
+                                   Scalar* out) {
+      detail::LayoutRunner<Scalar> runner(method, call, layout);
+      return runner(q, k, v, out);
+    };
+  }
 }
 
 // A differentiable call of `method` under `layout` (see Gradient): the method's own when the
-// layout is plain, else one per piece as for build_job().
+// layout is plain, else one per piece as for build_job(); for half-precision Scalar, the float32
+// gradient of the whole call, as for build_job().
 template <typename Scalar>
 GradientPtr<Scalar> build_gradient(const Method& method, const Call& call, const Layout& layout) {
-  // Checks every option against the whole shape.
-  GradientPtr<Scalar> whole = method.build_gradient(detail::whole_call(call, layout), Scalar());
-  if (layout.plain(call.shape)) return whole;
-  return std::make_unique<detail::LayoutGradient<Scalar>>(method, call, layout);
+  if constexpr (is_half_precision_v<Scalar>) {
+    return std::make_unique<detail::HalfGradient<Scalar>>(
+        method, call, layout.kv_heads, build_gradient<float>(method, call, layout));
+  } else {
+    // Checks every option against the whole shape.
+    GradientPtr<Scalar> whole = method.build_gradient(detail::whole_call(call, layout), Scalar());
+    if (layout.plain(call.shape)) return whole;
+    return std::make_unique<detail::LayoutGradient<Scalar>>(method, call, layout);
+  }
 }
 
 }  // namespace randattn::registry

@@ -5,6 +5,7 @@
 // method's report fields.
 
 #include <randattn/core/allocation_error.hpp>
+#include <randattn/core/half_precision.hpp>
 #include <randattn/core/options.hpp>
 #include <randattn/core/types.hpp>
 #include <randattn/detail/seconds_since.hpp>
@@ -126,10 +127,10 @@ class Method {
 
 namespace detail {
 
-// "float32" or "float64".
+// "float32", "float64", "float16" or "bfloat16".
 template <typename Scalar>
 const char* scalar_name() {
-  return sizeof(Scalar) == 4 ? "float32" : "float64";
+  return scalar_type_name<Scalar>();
 }
 
 // Runs fn(); a failed allocation becomes an allocation_error naming the method and the bytes

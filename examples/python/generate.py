@@ -99,6 +99,12 @@ class OracleCache:
         return (out, {"keys_scored": total}) if report else out
 
 
+def kl_text(kl):
+    """A KL for the table: four decimals, or two significant digits below 0.001 (compressed caches
+    stay far below that)."""
+    return f"{kl:.4f}" if kl >= 1e-3 or kl == 0 else f"{kl:.1e}"
+
+
 def report_means(reports):
     """Mean of every numeric (non-bool) field over the reports, in first-seen order."""
     sums, counts = {}, {}
@@ -184,11 +190,11 @@ def main(argv=None):
             else:
                 budgets = iter([r["keys_scored"] for r in reports])
                 oracle_kl = kl_top1(decode(model, tokens, lambda: OracleCache(c, budgets))[1])[0]
-                oracle = f"{oracle_kl:.4f}"
+                oracle = kl_text(oracle_kl)
                 ratio = f"{kl / oracle_kl:.2f}" if oracle_kl > 0 else "-"
             means = ", ".join(f"{k} {v:.4g}" for k, v in report_means(reports).items())
             print(f"| {llama2c.method_label(mode, options)} | {len(tokens) / seconds:.1f} | "
-                  f"{1e6 * cache_seconds / len(tokens):.1f} | {top1_gen} | {float(agree.mean()):.4f} | {kl:.4f} | "
+                  f"{1e6 * cache_seconds / len(tokens):.1f} | {top1_gen} | {float(agree.mean()):.4f} | {kl_text(kl)} | "
                   f"{sum(shares) / len(shares):.3f} | {oracle} | {ratio} | {means} |", flush=True)
 
 

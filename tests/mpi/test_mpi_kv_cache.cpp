@@ -93,6 +93,12 @@ TEST_CASE("Sharded KvCache: exact mode equals the single-process cache", "[mpi][
   Communicator comm;
   KvCacheOptions opt;
   check_equal(comm, opt, 1e-12, true);
+  // Compressed storage: each rank holds its tokens' rows as the single cache holds them.
+  for (const randattn::KvStorage storage : {randattn::KvStorage::bfloat16, randattn::KvStorage::int8}) {
+    KvCacheOptions stored = opt;
+    stored.storage = storage;
+    check_equal(comm, stored, 1e-12, true);
+  }
 
   // float, against the double reference: within 1e-6.
   const Data data;
@@ -130,6 +136,8 @@ TEST_CASE("Sharded KvCache: lsh_sample and lsf retrieve what the single process 
   lsf.lsf_tables = 3;
   lsf.lsf_alpha = 0.7;
   lsf.seed = 9;
+  check_equal(comm, lsf, 1e-12, true);
+  lsf.storage = randattn::KvStorage::int8;
   check_equal(comm, lsf, 1e-12, true);
 }
 

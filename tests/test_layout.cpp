@@ -264,3 +264,214 @@ TEMPLATE_TEST_CASE("Every registered method reports logits beyond the range, nev
     }
   }
 }
+
+// --- Half precision --------------------------------------------------------------------------
+
+namespace {
+
+// The bits of a half value (Eigen::half and Eigen::bfloat16 hold them in `x` / `value`).
+template <typename Half>
+std::uint16_t bits_of(Half h) {
+  return Eigen::numext::bit_cast<std::uint16_t>(h);
+}
+
+// values<float>(...) rounded to Half, and those rounded values widened back (exactly).
+template <typename Half>
+struct RoundedInput {
+  std::vector<Half> half;
+  std::vector<float> wide;
+  RoundedInput(std::uint64_t seed, Index rows, Index cols) {
+    for (float x : values<float>(seed, rows, cols)) {
+      half.push_back(Half(x));
+      wide.push_back(float(half.back()));
+    }
+  }
+};
+
+// One registered call (build_job) of Scalar buffers with the given options; k may be empty
+// (shared QK).
+template <typename Scalar>
+std::vector<Scalar> registered(const std::string& name, std::map<std::string, reg::Value> options,
+                               const BatchShape& shape, Index kv_heads,
+                               const std::map<std::string, reg::IndexArray>& given, bool causal,
+                               const std::vector<Scalar>& q, const std::vector<Scalar>& k,
+                               const std::vector<Scalar>& v) {
+  const reg::Method& method = reg::find_method(name, kPython);
+  reg::Settings settings;
+  settings.causal = causal;
+  settings.shared_qk = k.empty();
+  settings.seed = 9;
+  settings.scale = reg::default_scale(shape.d);
+  const std::vector<std::int64_t> qs{shape.batch, shape.heads, shape.n_q, shape.d},
+      ks{shape.batch, kv_heads, shape.n_k, shape.d}, vs{shape.batch, kv_heads, shape.n_k, shape.dv};
+  const reg::CallShape call_shape = reg::call_shape(qs, k.empty() ? nullptr : &ks, vs, kPython);
+  const reg::Layout layout = reg::make_layout(method, given, call_shape, settings, kPython);
+  const reg::Call call = reg::make_call(method, std::move(options), settings, shape, kPython);
+  std::vector<Scalar> out(std::size_t(shape.slices() * shape.n_q * shape.dv));
+  reg::build_job<Scalar>(method, call, layout)(q.data(), k.empty() ? nullptr : k.data(), v.data(),
+                                               out.data());
+  return out;
+}
+
+// half holds float32's values rounded to Half: the same bits as Half(x), and each entry within
+// the unit roundoff u relative to x (float16's subnormals, |x| < 2^-14: within 2^-25), so the
+// relative error of the whole is at most u too.
+template <typename Half>
+void check_rounded(const std::vector<Half>& half, const std::vector<float>& wide) {
+  REQUIRE(half.size() == wide.size());
+  const double u = randattn::half_unit_roundoff<Half>();
+  const double tiny = std::is_same<Half, Eigen::half>::value ? 0x1p-25 : 0.0;
+  double diff = 0, norm = 0;
+  for (std::size_t i = 0; i < half.size(); ++i) {
+    CHECK(bits_of(half[i]) == bits_of(Half(wide[i])));
+    const double e = std::abs(double(float(half[i])) - double(wide[i]));
+    CHECK(e <= std::max(u * std::abs(double(wide[i])), tiny));
+    diff += e * e;
+    norm += double(wide[i]) * double(wide[i]);
+  }
+  CHECK(std::sqrt(diff / norm) <= u);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("Half-precision calls are the float32 call on the same inputs, rounded once",
+                   "[layout][half]", Eigen::half, Eigen::bfloat16) {
+  using Half = TestType;
+  // Grouped heads (4 query heads on 2 key heads) with key lengths, causal and not: a few methods
+  // of every family, and auto.
+  const BatchShape shape{2, 4, 19, 19, 8, 3};
+  const Index kv_heads = 2;
+  const RoundedInput<Half> q(41, shape.slices() * shape.n_q, shape.d),
+      k(42, shape.batch * kv_heads * shape.n_k, shape.d),
+      v(43, shape.batch * kv_heads * shape.n_k, shape.dv);
+  const std::map<std::string, reg::IndexArray> lengths{{"key_lengths", integers({2}, {19, 11})}};
+  const std::vector<std::pair<std::string, std::map<std::string, reg::Value>>> runs = {
+      {"exact", {}},
+      {"favor", {{"features", std::int64_t(16)}}},
+      {"hybrid", {{"features", std::int64_t(8)}, {"lambda_features", std::int64_t(4)}}},
+      {"hedgehog", {{"features", std::int64_t(8)}}},
+      {"lsh", {{"chunk", std::int64_t(4)}, {"rounds", std::int64_t(2)}}},
+      {"lsf", {{"filters", std::int64_t(16)}, {"tables", std::int64_t(2)}, {"eta", 0.3}}},
+      {"sparse-lowrank",
+       {{"support", std::string("window")}, {"window", std::int64_t(4)},
+        {"remainder", std::string("favor")}, {"features", std::int64_t(16)}}},
+      {"auto", {{"crossover", std::int64_t(0)}, {"features", std::int64_t(16)}}},
+  };
+  for (const auto& [name, options] : runs)
+    for (bool causal : {false, true}) {
+      INFO(name << " causal " << causal);
+      const std::vector<Half> half = registered<Half>(name, options, shape, kv_heads, lengths,
+                                                      causal, q.half, k.half, v.half);
+      check_rounded(half, registered<float>(name, options, shape, kv_heads, lengths, causal,
+                                            q.wide, k.wide, v.wide));
+    }
+  // Shared QK (keys := the normalised queries).
+  const BatchShape shared{2, 2, 19, 19, 8, 3};
+  const RoundedInput<Half> qs(44, shared.slices() * shared.n_q, shared.d),
+      vs(45, shared.slices() * shared.n_k, shared.dv);
+  const std::map<std::string, reg::Value> lsh{{"chunk", std::int64_t(4)}};
+  check_rounded(registered<Half>("lsh", lsh, shared, 2, {}, true, qs.half, {}, vs.half),
+                registered<float>("lsh", lsh, shared, 2, {}, true, qs.wide, {}, vs.wide));
+}
+
+TEMPLATE_TEST_CASE("Half-precision gradients are the float32 gradients, rounded once",
+                   "[layout][half][gradient]", Eigen::half, Eigen::bfloat16) {
+  using Half = TestType;
+  const BatchShape shape{1, 2, 23, 23, 4, 3};
+  const RoundedInput<Half> q(51, shape.slices() * shape.n_q, shape.d),
+      k(52, shape.slices() * shape.n_k, shape.d), v(53, shape.slices() * shape.n_k, shape.dv),
+      g(54, shape.slices() * shape.n_q, shape.dv);
+  for (const char* name : {"exact", "favor", "lsh"}) {
+    INFO(name);
+    const reg::Method& method = reg::find_method(name, kPython);
+    reg::Settings settings;
+    settings.causal = true;
+    settings.seed = 4;
+    settings.scale = reg::default_scale(shape.d);
+    const reg::Call call = reg::make_call(method, options_of(name), settings, shape, kPython);
+    const reg::Layout plain;
+    // Both directions on Scalar buffers: out, dq, dk, dv.
+    const auto run = [&](auto scalar, const auto& qq, const auto& kk, const auto& vv,
+                         const auto& gg) {
+      using Scalar = decltype(scalar);
+      std::vector<std::vector<Scalar>> r{std::vector<Scalar>(gg.size()),
+                                         std::vector<Scalar>(qq.size()),
+                                         std::vector<Scalar>(kk.size()),
+                                         std::vector<Scalar>(vv.size())};
+      const reg::GradientPtr<Scalar> grad = reg::build_gradient<Scalar>(method, call, plain);
+      grad->forward(qq.data(), kk.data(), vv.data(), r[0].data());
+      grad->backward(gg.data(), r[1].data(), r[2].data(), r[3].data());
+      return r;
+    };
+    const auto half = run(Half(), q.half, k.half, v.half, g.half);
+    const auto wide = run(float(), q.wide, k.wide, v.wide, g.wide);
+    for (std::size_t i = 0; i < half.size(); ++i) check_rounded(half[i], wide[i]);
+  }
+}
+
+TEST_CASE("Half-precision results beyond the type's range are an error, not an infinity",
+          "[layout][half][robustness]") {
+  using randattn::check_half_range;
+  using randattn::round_to_half;
+  // The thresholds: the largest finite value is kept, the first value that rounds to infinity
+  // (the largest plus half its spacing, a tie rounded to even) is refused, non-finite values pass.
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<Eigen::half> h(4);
+  const std::vector<float> fits{65519.99f, -65504.0f, inf, std::nanf("")};
+  round_to_half(fits.data(), 4, h.data(), "x");
+  CHECK(float(h[0]) == 65504.0f);
+  CHECK(float(h[1]) == -65504.0f);
+  CHECK(std::isinf(float(h[2])));
+  CHECK(std::isnan(float(h[3])));
+  const std::vector<float> over{1.0f, -65520.0f};
+  CHECK_THROWS_WITH(round_to_half(over.data(), 2, h.data(), "x"),
+                    "x: entry 1 is -65520, beyond the largest finite float16 (65504); pass "
+                    "bfloat16 or float32 inputs for a wider range");
+  CHECK(float(h[0]) == 65504.0f);  // nothing written
+  CHECK_NOTHROW(check_half_range<Eigen::bfloat16>(over.data(), 2, "x"));
+  const std::vector<float> wide{0x1.fep127f, 0x1.ffp127f};
+  CHECK_NOTHROW(check_half_range<Eigen::bfloat16>(wide.data(), 1, "x"));
+  CHECK_THROWS_AS(check_half_range<Eigen::bfloat16>(wide.data(), 2, "x"), randattn::invalid_argument);
+  // The unit roundoffs are half of each type's machine epsilon, the spacing above 1 (from the
+  // bits: Eigen 3.4's numeric_limits<half>::epsilon() is 2^-13, not 2^-10).
+  const auto spacing_above_one = [](auto one) {
+    using Half = decltype(one);
+    const auto next = Eigen::numext::bit_cast<Half>(std::uint16_t(bits_of(one) + 1));
+    return double(float(next)) - 1.0;
+  };
+  CHECK(randattn::half_unit_roundoff<Eigen::half>() == spacing_above_one(Eigen::half(1.0f)) / 2);
+  CHECK(randattn::half_unit_roundoff<Eigen::bfloat16>() ==
+        spacing_above_one(Eigen::bfloat16(1.0f)) / 2);
+
+  // Through the registry: uniform attention of 16 queries over 4 keys gives dv = 4 * grad_out,
+  // 240000 for a grad_out of 60000, beyond float16; the gradients are left as they were.
+  const BatchShape shape{1, 1, 16, 4, 2, 1};
+  const reg::Method& exact = reg::find_method("exact", kPython);
+  reg::Settings settings;
+  settings.scale = 1;
+  const reg::Call call = reg::make_call(exact, {}, settings, shape, kPython);
+  const std::vector<Eigen::half> q(32, Eigen::half(0.0f)), k(8, Eigen::half(1.0f)),
+      v(4, Eigen::half(1.0f)), g(16, Eigen::half(60000.0f));
+  std::vector<Eigen::half> out(16), dq(32, Eigen::half(7.0f)), dk(8, Eigen::half(7.0f)),
+      dv(4, Eigen::half(7.0f));
+  const auto grad = reg::build_gradient<Eigen::half>(exact, call, reg::Layout{});
+  grad->forward(q.data(), k.data(), v.data(), out.data());
+  for (Eigen::half o : out) CHECK(float(o) == 1.0f);
+  CHECK_THROWS_WITH(grad->backward(g.data(), dq.data(), dk.data(), dv.data()),
+                    Catch::StartsWith("randattn::registry: method 'exact', gradient dv: entry 0 "
+                                      "is 240000, beyond the largest finite float16"));
+  for (const auto* grads : {&dq, &dk, &dv})
+    for (Eigen::half x : *grads) CHECK(float(x) == 7.0f);
+  // In bfloat16 the same gradient fits: 4 * bfloat16(60000), rounded.
+  const auto to_bf16 = [](const std::vector<Eigen::half>& x) {
+    std::vector<Eigen::bfloat16> y;
+    for (Eigen::half h : x) y.push_back(Eigen::bfloat16(float(h)));
+    return y;
+  };
+  std::vector<Eigen::bfloat16> bout(16), bdq(32), bdk(8), bdv(4);
+  const auto bgrad = reg::build_gradient<Eigen::bfloat16>(exact, call, reg::Layout{});
+  bgrad->forward(to_bf16(q).data(), to_bf16(k).data(), to_bf16(v).data(), bout.data());
+  bgrad->backward(to_bf16(g).data(), bdq.data(), bdk.data(), bdv.data());
+  const float expected = float(Eigen::bfloat16(4 * float(Eigen::bfloat16(60000.0f))));
+  for (Eigen::bfloat16 x : bdv) CHECK(float(x) == expected);
+}

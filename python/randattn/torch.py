@@ -3,7 +3,8 @@
 ``Attention(method="favor", features=256)`` takes (batch, heads, n, d) query, key and value
 tensors, like ``torch.nn.functional.scaled_dot_product_attention``, and returns
 (batch, heads, n, dv). Keys and values may have fewer heads than the queries (grouped-query
-attention; their heads must divide the query heads). When an input requires grad (grad enabled),
+attention; their heads must divide the query heads). float16 and bfloat16 tensors run in float32
+and give float32's result (and gradients) rounded to their dtype. When an input requires grad (grad enabled),
 the result is attached to the autograd graph: the backward is the method's own (see
 docs/gradients.md), the gradient of the same seeded estimate. Double backward raises.
 

@@ -15,7 +15,8 @@
 //     members whenever the cluster has grown by an eighth since the last exact radius: an upper
 //     bound of the largest member distance, never loose by more than the drift of one eighth;
 //   - a cluster grown past 4× the mean size is split by a 2-means of its members (seeded by
-//     Philox from the seed, the kv head and the count of splits; kSplitSteps Lloyd steps), and
+//     Philox from the seed, the kv head and the count of splits; kSplitSteps Lloyd steps of
+//     detail/kmeans.hpp, as the sparse clusters support's k-means), and
 //     the two closest centroids are then merged (not the two halves just made with each other,
 //     nor a pair whose union passes the limit while another pair remains), so the count is K
 //     again.
@@ -38,6 +39,7 @@
 #include <Eigen/Core>
 
 #include "../../core/types.hpp"
+#include "../../detail/kmeans.hpp"
 #include "../../random/philox.hpp"
 #include "../../random/streams.hpp"
 
@@ -77,14 +79,8 @@ class KeyClusters {
     }
     const Scalar* key = key_of(j);
     const auto x = row(key);
-    // Nearest centroid: argmin ‖c‖² − 2 c·x.
-    dist_.noalias() = centroid_.topRows(k_) * x.transpose();
-    Index a = 0;
-    Scalar best = std::numeric_limits<Scalar>::infinity();
-    for (Index c = 0; c < k_; ++c) {
-      const Scalar s = norm2_(c) - 2 * dist_(c);
-      if (s < best) best = s, a = c;
-    }
+    std::int32_t a = 0;
+    nearest_centroids<Scalar>(x, centroid_.topRows(k_), norm2_.head(k_), &a);
     auto& m = members_[std::size_t(a)];
     m.push_back(j);
     const Scalar size = Scalar(m.size());
@@ -165,26 +161,15 @@ class KeyClusters {
     Index i1 = std::min(s - 2, Index(rng.uniform(splits_, lane + 1) * double(s - 1)));
     if (i1 >= i0) ++i1;
     ++splits_;
-    Row c0 = row(key_of(m[std::size_t(i0)])), c1 = row(key_of(m[std::size_t(i1)]));
-    side_.assign(std::size_t(s), 0);
-    for (int step = 0; step < kSplitSteps; ++step) {
-      Eigen::Matrix<double, 1, Eigen::Dynamic> s0 = Eigen::Matrix<double, 1, Eigen::Dynamic>::Zero(dim_);
-      Eigen::Matrix<double, 1, Eigen::Dynamic> s1 = s0;
-      Index n1 = 0;
-      for (Index u = 0; u < s; ++u) {
-        const auto x = row(key_of(m[std::size_t(u)]));
-        const bool one = (x - c1).squaredNorm() < (x - c0).squaredNorm();
-        side_[std::size_t(u)] = one;
-        n1 += one;
-        (one ? s1 : s0) += x.template cast<double>();
-      }
-      if (n1 == 0 || n1 == s) break;  // identical keys: cut by position below
-      c0 = (s0 / double(s - n1)).template cast<Scalar>();
-      c1 = (s1 / double(n1)).template cast<Scalar>();
-    }
-    Index n1 = 0;
-    for (const auto b : side_) n1 += b;
-    if (n1 == 0 || n1 == s) {
+    split_rows_.resize(s, dim_);
+    for (Index u = 0; u < s; ++u) split_rows_.row(u) = row(key_of(m[std::size_t(u)]));
+    RowMatrix<Scalar> halves(2, dim_);
+    halves.row(0) = split_rows_.row(i0);
+    halves.row(1) = split_rows_.row(i1);
+    side_.resize(std::size_t(s));
+    Index sizes[2];
+    lloyd_steps<Scalar>(split_rows_, halves, kSplitSteps, side_.data(), sizes);
+    if (sizes[1] == 0 || sizes[1] == s) {  // identical keys: cut by position
       for (Index u = 0; u < s; ++u) side_[std::size_t(u)] = u >= s / 2;
     }
     std::vector<std::int32_t>& other = members_[std::size_t(k_)];
@@ -297,7 +282,8 @@ class KeyClusters {
   std::vector<std::vector<std::int32_t>> members_;  // ascending key indices
   std::vector<Index> exact_at_;                     // size at which the radius is recomputed
   std::vector<std::int32_t> waiting_;               // keys filed before there are K
-  std::vector<std::uint8_t> side_;
+  std::vector<std::int32_t> side_;  // a split's halves (0 or 1) per member
+  RowMatrix<Scalar> split_rows_;    // a split's members' keys
   std::vector<std::int32_t> nn_;  // nearest other cluster
   Vector<Scalar> nnd_;            // its squared distance
 };

@@ -29,6 +29,7 @@
 #include <Eigen/Core>
 
 #include "../core/types.hpp"
+#include "../detail/column_argmax.hpp"
 #include "../detail/gemm.hpp"
 #include "../detail/matrix_pool.hpp"
 #include "../detail/parallel.hpp"
@@ -180,24 +181,12 @@ class LocalitySensitiveFilters {
   void assign_unit_into(const RowMatrix<Scalar>& unit, HashCodes& codes) const {
     for_each_block(unit,
                    [&](Index i0, const auto& block, RowMatrix<Scalar>& s, RowMatrix<Scalar>& work) {
-                     const Index B = block.rows();
-                     Scalar best_score[detail::kHashTile];
-                     std::int32_t best[detail::kHashTile];
                      for (Index t = 0; t < tables_; ++t) {
                        score_block(block, t, s, work);
-                       // The first maximum of every column, filter by filter: a strictly
-                       // larger score moves it, so ties keep the lower filter.
-                       std::copy(s.data(), s.data() + B, best_score);
-                       std::fill(best, best + B, 0);
-                       for (Index f = 1; f < filters_; ++f) {
-                         const Scalar* row = &s(f, 0);
-                         for (Index u = 0; u < B; ++u) {
-                           const bool larger = row[u] > best_score[u];
-                           best_score[u] = larger ? row[u] : best_score[u];
-                           best[u] = larger ? std::int32_t(f) : best[u];
-                         }
-                       }
-                       for (Index u = 0; u < B; ++u) codes(i0 + u, t) = best[u];
+                       // The first maximum of every column: ties keep the lower filter.
+                       detail::column_argmax<false>(s.data(), s.outerStride(), filters_,
+                                                    block.rows(), Scalar(1), &codes(i0, t),
+                                                    codes.outerStride());
                      }
                    });
   }

@@ -67,6 +67,7 @@
 #include "../core/value_headroom.hpp"
 #include "../detail/batch.hpp"
 #include "../detail/bits.hpp"
+#include "../detail/column_argmax.hpp"
 #include "../detail/fresh_matrix.hpp"
 #include "../detail/matrix_pool.hpp"
 #include "../detail/parallel.hpp"
@@ -229,12 +230,23 @@ class OpenedLists {
         }
       }
     }
-    // Too few pass: they are among the best, so the min_probes best are the list.
+    // Too few pass: they are among the best, so the min_probes best are the list. One probe (the
+    // default) is the best filter: the first maximum down each column of every table, on packets.
     PooledVector<Scalar> column;
-    PooledVector<std::int32_t> order;
+    PooledVector<std::int32_t> order, best;
     for (Index e = 0; e < lists; ++e) {
       if (size[std::size_t(e)] >= min_probes) continue;
       const Index u = e / tables_, t = e % tables_;
+      if (min_probes == 1) {
+        if (best.empty()) {
+          best = PooledVector<std::int32_t>(static_cast<std::size_t>(lists));
+          for (Index tt = 0; tt < tables_; ++tt)
+            column_argmax<false>(&scores(tt * m, 0), scores.outerStride(), m, queries_, Scalar(1),
+                                 best.data() + tt, tables_);
+        }
+        ids_[std::size_t(start_[std::size_t(e)])] = std::int32_t(t * m + best[std::size_t(e)]);
+        continue;
+      }
       if (column.empty()) {
         column = PooledVector<Scalar>(static_cast<std::size_t>(m));
         order = PooledVector<std::int32_t>(0, static_cast<std::size_t>(m));

@@ -32,9 +32,9 @@
 #include <Eigen/Core>
 
 #include "../core/types.hpp"
+#include "../detail/column_argmax.hpp"
 #include "../detail/matrix_pool.hpp"
 #include "../detail/parallel.hpp"
-#include "../detail/unroll.hpp"
 #include "../detail/validation.hpp"
 #include "../hashing/detail/tiles.hpp"
 #include "../hashing/hash_codes.hpp"
@@ -45,79 +45,14 @@ namespace randattn {
 
 namespace detail {
 
-#if defined(__GNUC__)
-#pragma GCC diagnostic push
-// Eigen's packet types carry alignment attributes that do not survive as template arguments.
-#pragma GCC diagnostic ignored "-Wignored-attributes"
-#endif
-
-// argmax over [s y; -s y] (s > 0) for N packets of adjacent vectors from t0 on, in the
-// coordinate-major block y (h rows of stride ld), vector by vector into codes[t * stride]. Each
-// packet keeps its running maximum and minimum, and their coordinates, in registers while the
-// loop walks down the coordinates (N independent packets hide the latency of the compares);
-// -v > -min is v < min, so the negative half needs no negation. The comparisons are strict, so
-// the first maximal entry wins, positive part before negative. Coordinates are counted in Scalar
-// (exact, h <= 2^23) so each update is a compare and two selects per packet.
-template <int N, typename Packet, typename Scalar>
-void cross_polytope_argmax_packets(const Scalar* y, Index ld, Index half, Scalar scale, Index t0,
-                                   std::int32_t* codes, Index stride) {
-  namespace ei = Eigen::internal;
-  constexpr int kP = ei::unpacket_traits<Packet>::size;
-  const Packet s = ei::pset1<Packet>(scale), one = ei::pset1<Packet>(Scalar(1));
-  Packet hi[N], lo[N], hi_arg[N], lo_arg[N];
-  RANDATTN_UNROLL
-  for (int j = 0; j < N; ++j) {
-    hi[j] = ei::pset1<Packet>(-std::numeric_limits<Scalar>::infinity());
-    lo[j] = ei::pset1<Packet>(std::numeric_limits<Scalar>::infinity());
-    hi_arg[j] = lo_arg[j] = ei::pset1<Packet>(Scalar(0));
-  }
-  Packet kk = ei::pset1<Packet>(Scalar(0));
-  for (Index k = 0; k < half; ++k) {
-    const Scalar* row = y + k * ld + t0;
-    RANDATTN_UNROLL
-    for (int j = 0; j < N; ++j) {
-      const Packet v = ei::pmul(ei::ploadu<Packet>(row + j * kP), s);
-      const Packet up = ei::pcmp_lt(hi[j], v), down = ei::pcmp_lt(v, lo[j]);
-      hi[j] = ei::pselect(up, v, hi[j]);
-      hi_arg[j] = ei::pselect(up, kk, hi_arg[j]);
-      lo[j] = ei::pselect(down, v, lo[j]);
-      lo_arg[j] = ei::pselect(down, kk, lo_arg[j]);
-    }
-    kk = ei::padd(kk, one);
-  }
-  RANDATTN_UNROLL
-  for (int j = 0; j < N; ++j) {
-    Scalar h[kP], l[kP], ha[kP], la[kP];
-    ei::pstoreu(h, hi[j]);
-    ei::pstoreu(l, lo[j]);
-    ei::pstoreu(ha, hi_arg[j]);
-    ei::pstoreu(la, lo_arg[j]);
-    RANDATTN_UNROLL
-    for (int i = 0; i < kP; ++i)
-      codes[(t0 + j * kP + i) * stride] =
-          static_cast<std::int32_t>(h[i] >= -l[i] ? ha[i] : la[i] + Scalar(half));
-  }
-}
-
 // Bucket codes of the `count` vectors whose h = half projections, times `scale` > 0, are the
-// columns of y (h rows of stride ld), written to codes[t * stride].
+// columns of y (h rows of stride ld), written to codes[t * stride]: the first maximum of
+// [s y; -s y] down each column.
 template <typename Scalar>
 void cross_polytope_argmax(const Scalar* y, Index ld, Index half, Index count, Scalar scale,
                            std::int32_t* codes, Index stride) {
-  using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
-  constexpr int kP = Eigen::internal::unpacket_traits<Packet>::size, kStrip = 4;
-  Index t0 = 0;
-  for (; t0 + kStrip * kP <= count; t0 += kStrip * kP)
-    cross_polytope_argmax_packets<kStrip, Packet>(y, ld, half, scale, t0, codes, stride);
-  for (; t0 + kP <= count; t0 += kP)
-    cross_polytope_argmax_packets<1, Packet>(y, ld, half, scale, t0, codes, stride);
-  for (; t0 < count; ++t0)
-    cross_polytope_argmax_packets<1, Scalar>(y, ld, half, scale, t0, codes, stride);
+  column_argmax<true>(y, ld, half, count, scale, codes, stride);
 }
-
-#if defined(__GNUC__)
-#pragma GCC diagnostic pop
-#endif
 
 }  // namespace detail
 

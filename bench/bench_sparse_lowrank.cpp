@@ -10,6 +10,13 @@
 //                           alone and lsh + oprf, without and with centre_keys, at equal pairs.
 //   Time/n/part             n = 16384: part 0 lsh alone, 1 oprf alone, 2 sparse-lowrank (its
 //                           counters: seconds per call in the support, exact and remainder parts).
+//   ClusterTime/n/causal/part  the clusters support (64 clusters, probe 4, chunk 64; remainder
+//                           none) on clustered keys: k = t_s(j) + 0.2 e_j around 32 topics
+//                           t ~ N(0, I), q = 6 t_s'(i) + 0.2 e'_i (peaked attention, as trained
+//                           models give). Part 0 is exact attention on its support alone (the
+//                           call's target sets, built outside the timed loop), part 1 the whole
+//                           call (counters: support_s, exact_s, pairs_scored); the goal is part 1
+//                           within 1.6x of part 0.
 #include <cmath>
 #include <map>
 
@@ -157,6 +164,50 @@ void Time(benchmark::State& state) {
   }
 }
 
+Data clustered_data(Index n) {
+  constexpr Index kTopics = 32;  // fewer than the clusters: tight clusters, as k-means splits topics
+  const randattn::Philox rng(78);
+  const RowMatrix<float> topics = randattn::gaussian_matrix<float>(rng.with_stream(4), kTopics, kD);
+  Data d{randattn::gaussian_matrix<float>(rng.with_stream(0), n, kD, 0.2),
+         randattn::gaussian_matrix<float>(rng.with_stream(1), n, kD, 0.2),
+         randattn::gaussian_matrix<float>(rng.with_stream(2), n, kD), {}};
+  for (Index j = 0; j < n; ++j) {
+    d.k.row(j) += topics.row(Index(rng.uniform(std::uint64_t(j), 0) * kTopics));
+    d.q.row(j) += 6.0f * topics.row(Index(rng.uniform(std::uint64_t(j), 1) * kTopics));
+  }
+  return d;
+}
+
+void ClusterTime(benchmark::State& state) {
+  bench::set_threads(1);
+  const Index n = state.range(0), part = state.range(2);
+  static std::map<Index, Data> cache;
+  if (!cache.count(n)) cache.emplace(n, clustered_data(n));
+  const Data& d = cache.at(n);
+  randattn::SupportSpec<float> support;
+  support.clusters = randattn::ClusterSupport{64, 4, 64};
+  randattn::SparseLowRankOptions opt;
+  opt.scale = kScale;
+  opt.causal = state.range(1) != 0;
+  const randattn::TargetSets sets =
+      randattn::cluster_target_sets<float>(d.q, d.k, *support.clusters, kScale, opt.causal, opt.seed);
+  RowMatrix<float> out;
+  randattn::SparseLowRankStats st;
+  for (auto _ : state) {
+    if (part == 0)
+      out = randattn::target_attention_accumulate<float>(d.q, d.k, d.v, sets, kScale).finalize();
+    if (part == 1)
+      out = randattn::sparse_lowrank_attention<float>(d.q, d.k, d.v, support, {}, opt, &st);
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.counters["pairs_scored"] = double(sets.pairs()) / (double(n) * double(n));
+  if (part == 1) {
+    const double calls = double(state.iterations());
+    state.counters["support_s"] = st.support_seconds / calls;
+    state.counters["exact_s"] = st.exact_seconds / calls;
+  }
+}
+
 void register_all() {
   for (Index s : {350, 500, 700, 1000})
     benchmark::RegisterBenchmark("GaussianError", GaussianError)
@@ -178,6 +229,13 @@ void register_all() {
         ->Args({16384, part})
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
+  for (Index causal : {0, 1})
+    for (Index part : {0, 1})
+      benchmark::RegisterBenchmark("ClusterTime", ClusterTime)
+          ->ArgNames({"n", "causal", "part"})
+          ->Args({16384, causal, part})
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
 }
 
 const int registered = (register_all(), 0);

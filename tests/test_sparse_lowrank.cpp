@@ -46,6 +46,21 @@ struct Problem {
 template <typename Scalar>
 using Oprf = randattn::OptimalPositiveFeatures<Scalar, randattn::OrthogonalProjection<Scalar>>;
 
+// Keys around `topics` centres (each key a random centre plus noise), queries along a random
+// centre scaled by `beta`: peaked attention over clustered keys, as trained keys are.
+template <typename Scalar>
+Problem<Scalar> clustered_problem(std::uint64_t seed, Index n, Index d, Index dv, Index topics,
+                                  double beta) {
+  Problem<Scalar> p(seed, n, d, dv, 0.05);  // q and k: the noise
+  const RowMatrix<Scalar> centres = testing::gaussian<Scalar>(seed + 7, topics, d, 1.0);
+  const randattn::Philox rng(seed + 8);
+  for (Index j = 0; j < n; ++j) {
+    p.k.row(j) += centres.row(Index(rng.uniform(std::uint64_t(j), 0) * double(topics)));
+    p.q.row(j) += Scalar(beta) * centres.row(Index(rng.uniform(std::uint64_t(j), 1) * double(topics)));
+  }
+  return p;
+}
+
 // The total Σ_{valid j} exp(scale q_i·k_j) [v_j | 1] in double, row i.
 Eigen::RowVectorXd exact_numden(const RowMatrix<double>& q, const RowMatrix<double>& k,
                                 const RowMatrix<double>& v, Index i, double scale, bool causal) {
@@ -444,8 +459,10 @@ TEST_CASE("sparse-lowrank: results do not depend on the thread count", "[sparse_
   SupportSpec<float> alone;
   alone.lsh = &hash;
   alone.lsh_options.chunk = 8;
+  // Clustered keys, so that clusters stay closed and the cluster proposal draws.
+  const Problem<float> grouped = clustered_problem<float>(63, 2100, 16, 4, 24, 6.0);
   SupportSpec<float> clusters;
-  clusters.clusters = ClusterSupport{8, 2, 16};
+  clusters.clusters = ClusterSupport{32, 2, 16};
   const auto run = [&] {
     std::vector<RowMatrix<float>> out;
     out.push_back(randattn::sparse_lowrank_attention<float>(
@@ -454,8 +471,11 @@ TEST_CASE("sparse-lowrank: results do not depend on the thread count", "[sparse_
       SparseLowRankOptions opt;
       opt.causal = causal;
       opt.seed = 4;
+      SparseLowRankStats st;
       out.push_back(randattn::sparse_lowrank_attention<float>(
-          big.q, big.k, big.v, clusters, SampledRemainder{32, false, 16}, opt));
+          grouped.q, grouped.k, grouped.v, clusters, SampledRemainder{32, false, 16}, opt, &st));
+      CHECK(st.samples > 0);
+      CHECK(st.pairs_scored < 2100 * 2100 / 2);
     }
     out.push_back(randattn::sparse_lowrank_attention<float>(
         p.q, p.k, p.v, s, FeatureRemainder<Oprf<float>>{map, {}}, {}));
@@ -565,24 +585,6 @@ TEMPLATE_TEST_CASE("sparse_lowrank_attention_into equals the allocating form bit
   }
 }
 
-namespace {
-
-// Keys around `topics` centres (each key a random centre plus noise), queries along a random
-// centre scaled by `beta`: peaked attention over clustered keys, as trained keys are.
-template <typename Scalar>
-Problem<Scalar> clustered_problem(std::uint64_t seed, Index n, Index d, Index dv, Index topics,
-                                  double beta) {
-  Problem<Scalar> p(seed, n, d, dv, 0.05);  // q and k: the noise
-  const RowMatrix<Scalar> centres = testing::gaussian<Scalar>(seed + 7, topics, d, 1.0);
-  const randattn::Philox rng(seed + 8);
-  for (Index j = 0; j < n; ++j) {
-    p.k.row(j) += centres.row(Index(rng.uniform(std::uint64_t(j), 0) * double(topics)));
-    p.q.row(j) += Scalar(beta) * centres.row(Index(rng.uniform(std::uint64_t(j), 1) * double(topics)));
-  }
-  return p;
-}
-
-}  // namespace
 
 TEMPLATE_TEST_CASE("sparse-lowrank: clusters with every cluster probed is exact attention",
                    "[sparse_lowrank][clusters]", RANDATTN_TEST_SCALARS) {

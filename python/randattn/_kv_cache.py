@@ -5,7 +5,7 @@ import os
 import numpy as np
 
 from . import _core
-from ._arrays import as_numpy, dtype_name, like
+from ._arrays import as_numpy, dtype_name, is_tensor, like
 
 
 class KVCache:
@@ -39,6 +39,12 @@ class KVCache:
     dtypes name them too. Every mode reads the stored rows directly; ``memory_bytes`` is the
     whole cache's size and ``bytes_per_token`` one token's keys and values as stored.
 
+    Half precision: ``dtype="bfloat16"`` or ``"float16"`` (or the torch/NumPy dtype) makes a
+    float32 cache whose storage defaults to that type. Any cache takes NumPy float16 and torch
+    float16/bfloat16 arrays (widened exactly); ``attend`` of a half-precision query returns its
+    dtype, the float result rounded once to nearest (a float16 result beyond ±65504 raises
+    ValueError).
+
     - ``append(k, v)``: k (kv_heads, t, head_dim), v (kv_heads, t, value_dim); t tokens, oldest
       first ((kv_heads, head_dim) and (kv_heads, value_dim) append one token).
     - ``attend(q)``: q (q_heads, head_dim), q_heads a multiple of kv_heads (query head i uses kv
@@ -58,9 +64,11 @@ class KVCache:
 
     def __init__(self, head_dim, value_dim, kv_heads, mode="exact", sinks=4, window=256, scale=None, *,
                  dtype="float32", storage=None, check_finite=True, **mode_options):
+        storage = _storage_name(storage)
+        if _storage_name(dtype) in _HALF:
+            dtype, storage = "float32", storage or _storage_name(dtype)
         self._cache = _core.KVCache(head_dim, value_dim, kv_heads, mode, sinks, window, scale,
-                                    dtype_name(dtype), _storage_name(storage), check_finite,
-                                    mode_options)
+                                    dtype_name(dtype), storage, check_finite, mode_options)
 
     @classmethod
     def load(cls, path):
@@ -75,13 +83,14 @@ class KVCache:
         return {name: dict(options) for name, options in _core.kv_cache_modes.items()}
 
     def append(self, k, v):
-        self._cache.append(as_numpy(k, "k"), as_numpy(v, "v"))
+        self._cache.append(_widened(k, "k"), _widened(v, "v"))
 
     def attend(self, q, report=False):
         if not isinstance(report, bool):
             raise TypeError(f"report must be True or False, got {type(report).__name__}")
-        out, fields = self._cache.attend(as_numpy(q, "q"), report)
-        return (like(out, q), fields) if report else like(out, q)
+        out, fields = self._cache.attend(_widened(q, "q"), report)
+        out = _rounded_like(out, q)
+        return (out, fields) if report else out
 
     def save(self, path):
         self._cache.save(os.fspath(path))
@@ -107,6 +116,46 @@ class KVCache:
         return (f"KVCache(head_dim={self.head_dim}, value_dim={self.value_dim}, kv_heads={self.kv_heads}, "
                 f"mode={self.mode!r}, dtype={self.dtype!r}, storage={self.storage!r}, "
                 f"size={len(self)})")
+
+
+_HALF = ("float16", "bfloat16")
+
+
+def _half_name(x):
+    """'float16' or 'bfloat16' for a half-precision NumPy array or torch tensor, else None."""
+    if is_tensor(x):
+        name = str(x.dtype)[len("torch."):]
+    else:
+        name = getattr(getattr(x, "dtype", None), "name", None)
+    return name if name in _HALF else None
+
+
+def _widened(x, name):
+    """x as a NumPy array; half precision widened to float32 (exact: every such value is a float)."""
+    if _half_name(x) is None:
+        return as_numpy(x, name)
+    if is_tensor(x):
+        return as_numpy(x.float(), name)
+    return x.astype(np.float32)
+
+
+def _rounded_like(out, q):
+    """The float result in q's kind: a half-precision q's dtype (rounded once to nearest), else as
+    the cache computed it."""
+    half = _half_name(q)
+    if half is None:
+        return like(out, q)
+    if is_tensor(q):
+        rounded = like(out, q).to(q.dtype)
+        finite = bool(rounded.float().isfinite().all())
+    else:
+        with np.errstate(over="ignore"):  # overflow is reported below
+            rounded = out.astype(np.float16)
+        finite = bool(np.isfinite(rounded).all())
+    if not finite and np.isfinite(out).all():
+        raise ValueError(f"KVCache.attend: the result exceeds the range of {half} (±65504); "
+                         "attend with a float32 query")
+    return rounded
 
 
 def _storage_name(storage):

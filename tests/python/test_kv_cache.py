@@ -493,3 +493,30 @@ def test_int8_refuses_non_finite_and_float16_refuses_overflow(rng, check_finite)
             cache.append(k1, v1)
         assert len(cache) == 12
         assert identical(cache.attend(q), before)
+
+
+def test_half_precision_queries_and_caches(rng):
+    torch = pytest.importorskip("torch")
+    k, v = tokens(rng, 40, np.float32)
+    q = queries(rng, np.float32)
+    for half, np_half in [(torch.bfloat16, None), (torch.float16, np.float16)]:
+        name = str(half)[len("torch."):]
+        cache = randattn.KVCache(head_dim=D, value_dim=DV, kv_heads=KV_HEADS, dtype=half, **SMALL)
+        assert cache.dtype == "float32" and cache.storage == name
+        kt, vt, qt = (torch.from_numpy(x).to(half) for x in (k, v, q))
+        cache.append(kt, vt)
+        out = cache.attend(qt)
+        assert out.dtype == half
+        # The float32 result over the same (exactly widened) inputs, rounded once.
+        ref = filled(kt.float().numpy(), vt.float().numpy(), dtype="float32", storage=name)
+        expected = torch.from_numpy(ref.attend(qt.float().numpy())).to(half)
+        assert torch.equal(out, expected)
+        if np_half is not None:  # NumPy float16 in, float16 out
+            got = cache.attend(q.astype(np_half))
+            assert got.dtype == np.float16
+            assert identical(got, ref.attend(q.astype(np_half).astype(np.float32)).astype(np.float16))
+    # A float16 result beyond 65504 is refused.
+    big = randattn.KVCache(head_dim=D, value_dim=DV, kv_heads=KV_HEADS, **SMALL)
+    big.append(k, 1e5 * np.ones_like(v))
+    with pytest.raises(ValueError, match="range of float16"):
+        big.attend(q.astype(np.float16))

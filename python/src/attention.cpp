@@ -1,7 +1,9 @@
 // randattn._core.attention: every attention method of the library's registry
 // (include/randattn/registry/) behind one call, chosen by name. Keywords are converted here to
 // the registry's typed values (TypeError for a wrong type, checked first); every value and
-// combination is then checked by the registry (ValueError), as on the command line.
+// combination is then checked by the registry (ValueError), as on the command line. q, k and v
+// of one dtype: float32, float64, or float16 and bfloat16, which the registry runs in float32
+// (registry/half_precision.hpp) with results and gradients rounded to their dtype.
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>

@@ -2,7 +2,8 @@
 // inputs and their checks in both front ends' spellings, self-exclusion of every method that
 // supports it under packed sequences and padding, and sub-calls that give the same bits for any
 // thread count. Also every registered method's batched job on logits beyond the floating-point
-// range: the overflow error, never NaN.
+// range: the overflow error, never NaN; and half-precision calls and gradients (Eigen::half,
+// Eigen::bfloat16), which must be the float32 call on the same inputs rounded once.
 #include <randattn/registry/layout.hpp>
 #include <randattn/registry/registry.hpp>
 
@@ -271,16 +272,16 @@ namespace {
 
 // The bits of a half value (Eigen::half and Eigen::bfloat16 hold them in `x` / `value`).
 template <typename Half>
-std::uint16_t bits_of(Half h) {
+std::uint16_t half_bits(Half h) {
   return Eigen::numext::bit_cast<std::uint16_t>(h);
 }
 
 // values<float>(...) rounded to Half, and those rounded values widened back (exactly).
 template <typename Half>
-struct RoundedInput {
+struct RoundedHalfInput {
   std::vector<Half> half;
   std::vector<float> wide;
-  RoundedInput(std::uint64_t seed, Index rows, Index cols) {
+  RoundedHalfInput(std::uint64_t seed, Index rows, Index cols) {
     for (float x : values<float>(seed, rows, cols)) {
       half.push_back(Half(x));
       wide.push_back(float(half.back()));
@@ -291,11 +292,12 @@ struct RoundedInput {
 // One registered call (build_job) of Scalar buffers with the given options; k may be empty
 // (shared QK).
 template <typename Scalar>
-std::vector<Scalar> registered(const std::string& name, std::map<std::string, reg::Value> options,
-                               const BatchShape& shape, Index kv_heads,
-                               const std::map<std::string, reg::IndexArray>& given, bool causal,
-                               const std::vector<Scalar>& q, const std::vector<Scalar>& k,
-                               const std::vector<Scalar>& v) {
+std::vector<Scalar> registered_call(const std::string& name,
+                                    std::map<std::string, reg::Value> options,
+                                    const BatchShape& shape, Index kv_heads,
+                                    const std::map<std::string, reg::IndexArray>& given,
+                                    bool causal, const std::vector<Scalar>& q,
+                                    const std::vector<Scalar>& k, const std::vector<Scalar>& v) {
   const reg::Method& method = reg::find_method(name, kPython);
   reg::Settings settings;
   settings.causal = causal;
@@ -317,13 +319,13 @@ std::vector<Scalar> registered(const std::string& name, std::map<std::string, re
 // the unit roundoff u relative to x (float16's subnormals, |x| < 2^-14: within 2^-25), so the
 // relative error of the whole is at most u too.
 template <typename Half>
-void check_rounded(const std::vector<Half>& half, const std::vector<float>& wide) {
+void check_rounded_half(const std::vector<Half>& half, const std::vector<float>& wide) {
   REQUIRE(half.size() == wide.size());
   const double u = randattn::half_unit_roundoff<Half>();
   const double tiny = std::is_same<Half, Eigen::half>::value ? 0x1p-25 : 0.0;
   double diff = 0, norm = 0;
   for (std::size_t i = 0; i < half.size(); ++i) {
-    CHECK(bits_of(half[i]) == bits_of(Half(wide[i])));
+    CHECK(half_bits(half[i]) == half_bits(Half(wide[i])));
     const double e = std::abs(double(float(half[i])) - double(wide[i]));
     CHECK(e <= std::max(u * std::abs(double(wide[i])), tiny));
     diff += e * e;
@@ -341,7 +343,7 @@ TEMPLATE_TEST_CASE("Half-precision calls are the float32 call on the same inputs
   // of every family, and auto.
   const BatchShape shape{2, 4, 19, 19, 8, 3};
   const Index kv_heads = 2;
-  const RoundedInput<Half> q(41, shape.slices() * shape.n_q, shape.d),
+  const RoundedHalfInput<Half> q(41, shape.slices() * shape.n_q, shape.d),
       k(42, shape.batch * kv_heads * shape.n_k, shape.d),
       v(43, shape.batch * kv_heads * shape.n_k, shape.dv);
   const std::map<std::string, reg::IndexArray> lengths{{"key_lengths", integers({2}, {19, 11})}};
@@ -353,32 +355,34 @@ TEMPLATE_TEST_CASE("Half-precision calls are the float32 call on the same inputs
       {"lsh", {{"chunk", std::int64_t(4)}, {"rounds", std::int64_t(2)}}},
       {"lsf", {{"filters", std::int64_t(16)}, {"tables", std::int64_t(2)}, {"eta", 0.3}}},
       {"sparse-lowrank",
-       {{"support", std::string("window")}, {"window", std::int64_t(4)},
-        {"remainder", std::string("favor")}, {"features", std::int64_t(16)}}},
+       {{"support", std::string("window")},
+        {"window", std::int64_t(4)},
+        {"remainder", std::string("favor")},
+        {"features", std::int64_t(16)}}},
       {"auto", {{"crossover", std::int64_t(0)}, {"features", std::int64_t(16)}}},
   };
   for (const auto& [name, options] : runs)
     for (bool causal : {false, true}) {
       INFO(name << " causal " << causal);
-      const std::vector<Half> half = registered<Half>(name, options, shape, kv_heads, lengths,
-                                                      causal, q.half, k.half, v.half);
-      check_rounded(half, registered<float>(name, options, shape, kv_heads, lengths, causal,
-                                            q.wide, k.wide, v.wide));
+      const std::vector<Half> half = registered_call<Half>(name, options, shape, kv_heads, lengths,
+                                                           causal, q.half, k.half, v.half);
+      check_rounded_half(half, registered_call<float>(name, options, shape, kv_heads, lengths,
+                                                      causal, q.wide, k.wide, v.wide));
     }
   // Shared QK (keys := the normalised queries).
   const BatchShape shared{2, 2, 19, 19, 8, 3};
-  const RoundedInput<Half> qs(44, shared.slices() * shared.n_q, shared.d),
+  const RoundedHalfInput<Half> qs(44, shared.slices() * shared.n_q, shared.d),
       vs(45, shared.slices() * shared.n_k, shared.dv);
   const std::map<std::string, reg::Value> lsh{{"chunk", std::int64_t(4)}};
-  check_rounded(registered<Half>("lsh", lsh, shared, 2, {}, true, qs.half, {}, vs.half),
-                registered<float>("lsh", lsh, shared, 2, {}, true, qs.wide, {}, vs.wide));
+  check_rounded_half(registered_call<Half>("lsh", lsh, shared, 2, {}, true, qs.half, {}, vs.half),
+                     registered_call<float>("lsh", lsh, shared, 2, {}, true, qs.wide, {}, vs.wide));
 }
 
 TEMPLATE_TEST_CASE("Half-precision gradients are the float32 gradients, rounded once",
                    "[layout][half][gradient]", Eigen::half, Eigen::bfloat16) {
   using Half = TestType;
   const BatchShape shape{1, 2, 23, 23, 4, 3};
-  const RoundedInput<Half> q(51, shape.slices() * shape.n_q, shape.d),
+  const RoundedHalfInput<Half> q(51, shape.slices() * shape.n_q, shape.d),
       k(52, shape.slices() * shape.n_k, shape.d), v(53, shape.slices() * shape.n_k, shape.dv),
       g(54, shape.slices() * shape.n_q, shape.dv);
   for (const char* name : {"exact", "favor", "lsh"}) {
@@ -394,10 +398,9 @@ TEMPLATE_TEST_CASE("Half-precision gradients are the float32 gradients, rounded 
     const auto run = [&](auto scalar, const auto& qq, const auto& kk, const auto& vv,
                          const auto& gg) {
       using Scalar = decltype(scalar);
-      std::vector<std::vector<Scalar>> r{std::vector<Scalar>(gg.size()),
-                                         std::vector<Scalar>(qq.size()),
-                                         std::vector<Scalar>(kk.size()),
-                                         std::vector<Scalar>(vv.size())};
+      std::vector<std::vector<Scalar>> r{
+          std::vector<Scalar>(gg.size()), std::vector<Scalar>(qq.size()),
+          std::vector<Scalar>(kk.size()), std::vector<Scalar>(vv.size())};
       const reg::GradientPtr<Scalar> grad = reg::build_gradient<Scalar>(method, call, plain);
       grad->forward(qq.data(), kk.data(), vv.data(), r[0].data());
       grad->backward(gg.data(), r[1].data(), r[2].data(), r[3].data());
@@ -405,7 +408,7 @@ TEMPLATE_TEST_CASE("Half-precision gradients are the float32 gradients, rounded 
     };
     const auto half = run(Half(), q.half, k.half, v.half, g.half);
     const auto wide = run(float(), q.wide, k.wide, v.wide, g.wide);
-    for (std::size_t i = 0; i < half.size(); ++i) check_rounded(half[i], wide[i]);
+    for (std::size_t i = 0; i < half.size(); ++i) check_rounded_half(half[i], wide[i]);
   }
 }
 
@@ -431,12 +434,13 @@ TEST_CASE("Half-precision results beyond the type's range are an error, not an i
   CHECK_NOTHROW(check_half_range<Eigen::bfloat16>(over.data(), 2, "x"));
   const std::vector<float> wide{0x1.fep127f, 0x1.ffp127f};
   CHECK_NOTHROW(check_half_range<Eigen::bfloat16>(wide.data(), 1, "x"));
-  CHECK_THROWS_AS(check_half_range<Eigen::bfloat16>(wide.data(), 2, "x"), randattn::invalid_argument);
+  CHECK_THROWS_AS(check_half_range<Eigen::bfloat16>(wide.data(), 2, "x"),
+                  randattn::invalid_argument);
   // The unit roundoffs are half of each type's machine epsilon, the spacing above 1 (from the
   // bits: Eigen 3.4's numeric_limits<half>::epsilon() is 2^-13, not 2^-10).
   const auto spacing_above_one = [](auto one) {
     using Half = decltype(one);
-    const auto next = Eigen::numext::bit_cast<Half>(std::uint16_t(bits_of(one) + 1));
+    const auto next = Eigen::numext::bit_cast<Half>(std::uint16_t(half_bits(one) + 1));
     return double(float(next)) - 1.0;
   };
   CHECK(randattn::half_unit_roundoff<Eigen::half>() == spacing_above_one(Eigen::half(1.0f)) / 2);

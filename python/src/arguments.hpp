@@ -161,7 +161,8 @@ decltype(auto) with_scalar(Dtype t, Fn&& fn) {
 // The values of a float array of any of the four dtypes, row-major, as float64 (exact).
 inline std::vector<double> float64_values(const py::array& a) {
   if (is_bfloat16(a)) {
-    const auto c = py::array_t<Eigen::bfloat16, py::array::c_style | py::array::forcecast>::ensure(a);
+    const auto c =
+        py::array_t<Eigen::bfloat16, py::array::c_style | py::array::forcecast>::ensure(a);
     if (!c) throw py::error_already_set();
     return std::vector<double>(c.data(), c.data() + c.size());
   }

@@ -39,8 +39,10 @@ struct Float32Inputs {
       widen_to_float(from, count, to.data());
     };
     copy(hq, n.q, q);
-    if (hk) copy(hk, n.k, k);
-    else k.clear();
+    if (hk)
+      copy(hk, n.k, k);
+    else
+      k.clear();
     copy(hv, n.v, v);
   }
   const float* keys(bool given) const { return given ? k.data() : nullptr; }
@@ -75,7 +77,9 @@ template <typename Half>
 class HalfGradient final : public Gradient<Half> {
  public:
   HalfGradient(const Method& method, const Call& call, Index kv_heads, GradientPtr<float> inner)
-      : method_(&method), call_(call), sizes_(buffer_sizes(call.shape, kv_heads)),
+      : method_(&method),
+        call_(call),
+        sizes_(buffer_sizes(call.shape, kv_heads)),
         inner_(std::move(inner)) {}
 
   Report forward(const Half* q, const Half* k, const Half* v, Half* out) override {
@@ -83,7 +87,8 @@ class HalfGradient final : public Gradient<Half> {
       has_keys_ = k != nullptr;
       in_.widen(q, k, v, sizes_);
       std::vector<float> result(std::size_t(sizes_.out));
-      Report report = inner_->forward(in_.q.data(), in_.keys(has_keys_), in_.v.data(), result.data());
+      Report report =
+          inner_->forward(in_.q.data(), in_.keys(has_keys_), in_.v.data(), result.data());
       round_to_half(result.data(), sizes_.out, out, half_result_name(*method_, "output"));
       return report;
     });
@@ -95,12 +100,13 @@ class HalfGradient final : public Gradient<Half> {
           gk(std::size_t(has_keys_ ? sizes_.k : 0)), gv(std::size_t(sizes_.v));
       widen_to_float(grad_out, sizes_.out, go.data());
       inner_->backward(go.data(), gq.data(), has_keys_ ? gk.data() : nullptr, gv.data());
-      // Checked in full before anything is written: a refused call leaves dq, dk and dv as they were.
+      // All checked before anything is written: a refused call leaves dq, dk and dv unchanged.
       const struct {
         const std::vector<float>& from;
         Half* to;
         const char* name;
-      } grads[] = {{gq, dq, "gradient dq"}, {gk, has_keys_ ? dk : nullptr, "gradient dk"},
+      } grads[] = {{gq, dq, "gradient dq"},
+                   {gk, has_keys_ ? dk : nullptr, "gradient dk"},
                    {gv, dv, "gradient dv"}};
       for (const auto& g : grads)
         if (g.to)

@@ -1,6 +1,6 @@
 """sparse-lowrank from Python: the support method alone without remainder (bit for bit), the exact
-limit of a support holding every key, the report's fields, and one clear ValueError per bad
-option."""
+limit of a support holding every key, the clusters support (every cluster probed is exact
+attention, causality, seeding), the report's fields, and one clear ValueError per bad option."""
 
 import numpy as np
 import pytest
@@ -76,9 +76,61 @@ def test_report_fields():
     (dict(support="lsh", dedupe=False), "dedupe=false"),
     (dict(remainder="oprf", causal=True), "fit=given"),
     (dict(remainder="favor", rho=1.0), "applies to the oprf and sderf remainders"),
+    (dict(support="clusters", clusters=0), "clusters must be at least 1"),
+    (dict(support="clusters", probe=0), "probe must be at least 1"),
+    (dict(support="clusters", clusters=4, probe=5), "probe must be at most"),
 ])
 def test_bad_options_raise_one_clear_value_error(options, phrase):
     q, k, v = inputs(np.float64)
     with pytest.raises(ValueError, match=None) as err:
         randattn.attention(q, k, v, method="sparse-lowrank", **options)
     assert phrase in str(err.value)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("remainder", ["none", "sample"])
+def test_clusters_all_probed_is_exact_attention(dtype, causal, remainder):
+    q, k, v = inputs(dtype, n=70)
+    exact = randattn.attention(q, k, v, method="exact", causal=causal)
+    out, report = randattn.attention(q, k, v, method="sparse-lowrank", support="clusters", clusters=6,
+                                     probe=6, block_size=16, remainder=remainder, causal=causal,
+                                     report=True)
+    assert np.array_equal(out, exact)
+    assert report["clusters"] == 6 and report["probe"] == 6 and report["block_size"] == 16
+    assert report["pairs_scored"] == (70 * 71 / 2 if causal else 70 * 70) / (70 * 70)
+
+
+def clustered_inputs(n=200, d=8, topics=10, beta=10.0, seed=3):
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((topics, d))
+    k = centres[rng.integers(topics, size=n)] + 0.05 * rng.standard_normal((n, d))
+    q = beta * centres[rng.integers(topics, size=n)] + 0.05 * rng.standard_normal((n, d))
+    return q, k, rng.standard_normal((n, 3))
+
+
+@pytest.mark.parametrize("remainder", ["none", "sample"])
+def test_clusters_causal_outputs_do_not_see_later_keys(remainder):
+    q, k, v = clustered_inputs()
+    options = dict(method="sparse-lowrank", support="clusters", clusters=20, probe=1, block_size=16,
+                   remainder=remainder, samples=8, causal=True, seed=4)
+    before, report = randattn.attention(q, k, v, report=True, **options)
+    assert report["pairs_scored"] < 0.5 * (200 * 201 / 2) / (200 * 200)  # clusters left closed
+    j = 90
+    k2, v2 = k.copy(), v.copy()
+    k2[j:] = -7 * k2[j:] + 1
+    v2[j:] = 100
+    after = randattn.attention(q, k2, v2, **options)
+    assert np.array_equal(before[:j], after[:j])
+    assert not np.array_equal(before[j:], after[j:])
+
+
+def test_clusters_seed_gives_the_clusters():
+    q, k, v = clustered_inputs()
+    options = dict(method="sparse-lowrank", support="clusters", clusters=20, probe=1, remainder="none",
+                   report=True)
+    a, ra = randattn.attention(q, k, v, seed=1, **options)
+    b, rb = randattn.attention(q, k, v, seed=1, **options)
+    assert np.array_equal(a, b) and ra["pairs_scored"] == rb["pairs_scored"]
+    pairs = {randattn.attention(q, k, v, seed=s, **options)[1]["pairs_scored"] for s in range(2, 6)}
+    assert len(pairs | {ra["pairs_scored"]}) > 1  # other seeds, other clusters

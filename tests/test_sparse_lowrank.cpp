@@ -790,3 +790,43 @@ TEST_CASE("sparse-lowrank: the clusters support's backward against finite differ
   else
     check(randattn::NoRemainder{});
 }
+
+TEST_CASE("sparse-lowrank: the cluster bound is an upper bound on every member's logit",
+          "[sparse_lowrank][clusters]") {
+  // Each query's clusters split the keys before its chunk (each once, group_of naming its
+  // cluster), and scale·q·c + |scale|·‖q‖·r bounds the logit of every member; the scale's sign
+  // does not matter.
+  const Index n = 200, d = 6, K = 5, C = 16;
+  const bool causal = GENERATE(false, true);
+  const double scale = GENERATE(0.4, -0.4);
+  CAPTURE(causal, scale);
+  const RowMatrix<double> q = testing::gaussian<double>(171, n, d, 2.0);
+  RowMatrix<double> k = testing::gaussian<double>(172, n, d, 1.5);
+  k.col(0).array() += 3.0;  // off-centre keys
+  const randattn::detail::KeyClusterIndex<double> index(q, k, ClusterSupport{K, 1, C}, scale,
+                                                        causal, 6);
+  RowMatrix<double> ub(n, K);
+  index.bounds_into(q, 0, ub);
+  Index clustered = 0;
+  for (Index i = 0; i < n; ++i) {
+    if (index.sampled(i) == 0) {
+      CHECK((causal && i < 2 * C));  // K keys are first completed before chunk 1
+      continue;
+    }
+    ++clustered;
+    std::vector<int> seen(std::size_t(n), 0);
+    for (Index c = 0; c < K; ++c) {
+      const randattn::detail::KeySpan span = index.group(i, c);
+      for (Index u = 0; u < span.size; ++u) {
+        const Index j = span.at(u);
+        ++seen[std::size_t(j)];
+        REQUIRE(index.group_of(i, j) == c);
+        REQUIRE(scale * q.row(i).dot(k.row(j)) <= ub(i, c) + 1e-12 * (1 + std::abs(ub(i, c))));
+      }
+    }
+    for (Index j = 0; j < n; ++j)
+      REQUIRE(seen[std::size_t(j)] == (j < index.whole_from(i) ? 1 : 0));
+    CHECK(index.whole_from(i) == (causal ? i / C * C : n));
+  }
+  CHECK(clustered >= n - C);
+}

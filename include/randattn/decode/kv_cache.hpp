@@ -896,14 +896,11 @@ class KvCache {
     }
   }
 
-  // A cluster whose bound is this far below the best logit scored holds keys whose weights are
-  // each below 2^-24 of that key's (float's rounding unit): negligible, so it stays closed.
-  static constexpr double kClusterMargin = 16.635532333438686;  // 24·ln 2
-
   // clusters: per query head, the bound scale·q·c + |scale|·‖q‖·r ≥ scale·q·k of every member k
   // of each cluster; the `probe` highest bounds are opened (ties by index) and scored; then
-  // every other cluster whose bound is within kClusterMargin of the best logit so far (the exact
-  // part's and the probed clusters'), whose members could still carry weight.
+  // every other cluster whose bound is within detail::kClusterMargin (detail/kmeans.hpp) of the
+  // best logit so far (the exact part's and the probed clusters'), whose members could still
+  // carry weight.
   template <typename QG>
   void retrieve_clustered(const Head& head, const QG& qg, Index first, Index last,
                           SoftmaxAccumulator<Scalar>& acc, Scratch& s, DecodeReport& rep,
@@ -929,7 +926,7 @@ class KvCache {
       for (Index u = 0; u < probe; ++u) open(s.ranked[u].second);
       std::sort(s.idx.begin(), s.idx.end());
       score_and_merge(head, q, r, head0, s, rep, acc);
-      const Scalar floor = acc.log_scale()(r) - Scalar(kClusterMargin);
+      const Scalar floor = acc.log_scale()(r) - Scalar(detail::kClusterMargin);
       Index opened = probe;
       s.idx.clear();
       for (; opened < K && !(s.ranked[opened].first < floor); ++opened) open(s.ranked[opened].second);

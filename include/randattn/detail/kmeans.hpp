@@ -22,6 +22,11 @@
 
 namespace randattn::detail {
 
+// A cluster whose bound on its members' logits is this far below a logit scored holds keys whose
+// weights are each below 2^-24 (float's rounding unit) of that key's: negligible, so it may stay
+// closed (the clusters of decoding and of the sparse + low-rank support).
+constexpr double kClusterMargin = 16.635532333438686;  // 24·ln 2
+
 constexpr Index kAssignRows = 256;  // rows per block of the assignment: their dots stay in cache
 
 // labels[u] = the nearest row of c (K x d) to row u of x (n x d); c_norm2 the squared norms of

@@ -40,5 +40,7 @@ constexpr std::uint32_t kv_cache_clusters =
 // Keys drawn by the sampled remainder of sparse + low-rank attention (sparse/sampled_remainder.hpp):
 // "SPL" + purpose.
 constexpr std::uint32_t sparse_remainder_draws = 0x53504C01u;
+// Seeds of the clusters support's k-means (sparse/cluster_support.hpp).
+constexpr std::uint32_t sparse_cluster_seeds = 0x53504C02u;
 
 }  // namespace randattn::streams

@@ -40,14 +40,9 @@
 #include "../detail/pooled_vector.hpp"
 #include "../detail/validation.hpp"
 #include "../random/philox.hpp"
+#include "../random/streams.hpp"
 
 namespace randattn {
-
-namespace streams {
-// Seeds of the clusters support's k-means (sparse/cluster_support.hpp): "SPL" + purpose, after
-// sparse_remainder_draws.
-constexpr std::uint32_t sparse_cluster_seeds = 0x53504C02u;
-}  // namespace streams
 
 struct ClusterSupport {
   Index clusters = 16;  // K >= 1 clusters of the keys
@@ -58,9 +53,6 @@ struct ClusterSupport {
 namespace detail {
 
 constexpr int kClusterSteps = 4;  // Lloyd steps of each k-means
-// A bound this far below a logit scored: each member weighs under 2^-24 (float's rounding unit)
-// of that key. The decoding cache's kClusterMargin (decode/kv_cache.hpp) is the same.
-constexpr double kClusterMargin = 16.635532333438686;  // 24·ln 2
 
 inline void check_cluster_support(const ClusterSupport& s, const char* where) {
   require(s.clusters >= 1, where, "clusters must be >= 1, got ", s.clusters);

@@ -20,16 +20,14 @@
 
 #include <Eigen/Core>
 
-namespace randattn::detail {
+#include "../core/half_precision.hpp"
 
-template <typename T>
-constexpr bool is_half_type =
-    std::is_same<T, Eigen::bfloat16>::value || std::is_same<T, Eigen::half>::value;
+namespace randattn::detail {
 
 // A stored value as the compute type Scalar (exact).
 template <typename Scalar, typename T>
 inline Scalar widen(T x) {
-  if constexpr (is_half_type<T>) {
+  if constexpr (is_half_precision_v<T>) {
     return Scalar(static_cast<float>(x));
   } else {
     return Scalar(x);
@@ -51,7 +49,7 @@ inline float round_to_odd(double x) {
 // x rounded to the floating-point storage type T (float, double, bfloat16 or half).
 template <typename T, typename Scalar>
 inline T narrow(Scalar x) {
-  if constexpr (is_half_type<T>) {
+  if constexpr (is_half_precision_v<T>) {
     if constexpr (std::is_same<Scalar, double>::value) {
       return T(round_to_odd(x));
     } else {

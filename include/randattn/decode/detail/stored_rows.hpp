@@ -201,7 +201,7 @@ class StoredRows {
           using T = std::remove_cv_t<std::remove_pointer_t<decltype(r.row_ptr(0))>>;
           if constexpr (std::is_same<T, std::int8_t>::value) {
             w.raw(r.row_ptr(0), n);
-          } else if constexpr (is_half_type<T>) {
+          } else if constexpr (is_half_precision_v<T>) {
             w.template reals<std::uint16_t>(reinterpret_cast<const std::uint16_t*>(r.row_ptr(0)), n);
           } else {
             w.reals(r.row_ptr(0), n);
@@ -230,7 +230,7 @@ class StoredRows {
           std::vector<T> all(n);
           if constexpr (std::is_same<T, std::int8_t>::value) {
             std::memcpy(all.data(), r.take(n, "int8 rows"), n);
-          } else if constexpr (is_half_type<T>) {
+          } else if constexpr (is_half_precision_v<T>) {
             r.template reals<std::uint16_t>(reinterpret_cast<std::uint16_t*>(all.data()), n, "rows");
           } else {
             r.reals(all.data(), n, "rows");

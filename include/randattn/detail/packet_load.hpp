@@ -3,9 +3,9 @@
 // int8, loaded one packet of the compute type at a time (load_packet), so that a kernel reading a
 // compressed row converts it in registers and never writes a widened copy. With AVX-512 or AVX2
 // the conversions are one or two instructions per packet (bfloat16: the 16 bits shifted into the
-// high half of a float; half: vcvtph2ps; int8: sign extension and vcvtdq2ps); other builds and
-// other pairs widen element by element into a packet-sized buffer. Widening is exact: every
-// bfloat16, half and int8 value is a float.
+// high half of a float; half: vcvtph2ps; int8: sign extension and vcvtdq2ps), with SSE2 alone
+// for bfloat16 and int8; other builds and pairs widen element by element into a packet-sized
+// buffer. Widening is exact: every bfloat16, half and int8 value is a float.
 //
 // narrow<T>(x) rounds a compute value to a storage type, to nearest with ties to even, from
 // double in one rounding (round to odd into float first, then to the 8- or 11-bit significand:
@@ -98,6 +98,21 @@ inline P_t load_packet(const T* p) {
     }
     if constexpr (std::is_same<Scalar, double>::value && size == 4 && std::is_same<T, float>::value)
       return _mm256_cvtps_pd(_mm_loadu_ps(p));
+#endif
+#if defined(__SSE2__)
+    // The baseline x86-64 (SSE2, no F16C): bfloat16 by interleaving with zero words, int8 by
+    // spreading each byte over a lane and shifting it down with its sign.
+    if constexpr (std::is_same<Scalar, float>::value && size == 4) {
+      if constexpr (std::is_same<T, Eigen::bfloat16>::value)
+        return _mm_castsi128_ps(_mm_unpacklo_epi16(
+            _mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+      if constexpr (std::is_same<T, std::int8_t>::value) {
+        std::int32_t four;
+        std::memcpy(&four, p, 4);
+        const __m128i x = _mm_cvtsi32_si128(four), pairs = _mm_unpacklo_epi8(x, x);
+        return _mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpacklo_epi16(pairs, pairs), 24));
+      }
+    }
 #endif
     alignas(64) Scalar buf[size];
     for (int i = 0; i < size; ++i) buf[i] = widen<Scalar>(p[i]);

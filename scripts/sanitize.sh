@@ -39,11 +39,14 @@ sanitized_configure "$asan" address,undefined -DRANDATTN_BUILD_FUZZERS=ON \
 # per-thread tables, the batched feature paths), concurrent KvCache::attend and the layouts'
 # parallel slices, which share their jobs. The other families' [threads] cases check thread-count
 # independence of the same parallel_for over disjoint rows, which the plain build's run already
-# covers; compiling them once more under TSan would cost minutes of CI for no new code.
+# covers; compiling them once more under TSan would cost minutes of CI for no new code. For the
+# same reason the build links only the registered methods that the [threads] cases call
+# (tests/method_subset.cpp), not the whole method table.
 threaded="threads;kv_cache;layout"
 randattn_log "ThreadSanitizer: multi-threaded tests (test files: $threaded), built beside the first build"
 sanitized_configure "$tsan" thread \
-    -DRANDATTN_BUILD_BENCHMARKS=OFF -DRANDATTN_BUILD_TOOLS=OFF -DRANDATTN_BUILD_EXAMPLES=OFF -DRANDATTN_TEST_FILES="$threaded"
+    -DRANDATTN_BUILD_BENCHMARKS=OFF -DRANDATTN_BUILD_TOOLS=OFF -DRANDATTN_BUILD_EXAMPLES=OFF -DRANDATTN_TEST_FILES="$threaded" \
+    -DRANDATTN_TESTS_SUBSET_TABLE=ON
 
 # The ThreadSanitizer build and the compile check of the benchmarks and examples run at the
 # lowest priority beside the AddressSanitizer build and its tests: they take the cores those leave

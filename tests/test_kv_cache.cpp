@@ -983,6 +983,91 @@ TEST_CASE("KvCache clusters: bad options throw std::invalid_argument", "[kv_cach
   }
   CHECK_NOTHROW(KvCache<float>(8, 8, 1, clusters_options(1, 1)));
   CHECK_NOTHROW(KvCache<float>(8, 8, 1, clusters_options(5, 5)));
+  KvCacheOptions o = clusters_options(4, 2);
+  o.cluster_margin = std::numeric_limits<double>::quiet_NaN();
+  CHECK_THROWS_WITH(KvCache<float>(8, 8, 1, o), Catch::Contains("cluster_margin must not be NaN"));
+  o.cluster_margin = -std::numeric_limits<double>::infinity();
+  CHECK_NOTHROW(KvCache<float>(8, 8, 1, o));
+  for (const Index samples : {Index(-1), (Index(1) << 24) + 1}) {
+    o.cluster_samples = samples;
+    CHECK_THROWS_WITH(KvCache<float>(8, 8, 1, o), Catch::Contains("cluster_samples must be in"));
+  }
+}
+
+TEST_CASE("KvCache clusters: the draws from closed clusters are unbiased in numerator and "
+          "denominator",
+          "[kv_cache][clusters][statistical]") {
+  // margin −inf and probe 1: one cluster is opened per query head and `samples` keys drawn from
+  // the others estimate their share. Given the clusters, the unnormalised sums Σ_j e^{l_j}·[v_j, 1]
+  // over every key are estimated without bias, with the variance of importance sampling,
+  // (1/S)·(Σ_j f_j²/p_j − F²) over the closed keys j, p_j = π_c/n_c. The seed moves the draws
+  // (and the splits' seeds): the mean over R seeds has the mean of those variances over R.
+  const Index d = 16, dv = 4, kvh = 1, qh = 2, n = 600, sinks = 4, window = 16, K = 16, S = 8;
+  const int R = 300;
+  const Tokens<float> tok(131, n, kvh, d, dv);
+  const RowMatrix<float> q = testing::gaussian<float>(133, qh, d, 1.0);
+  const Eigen::MatrixXd keys = tok.head_keys(0).cast<double>(), values = tok.head_values(0).cast<double>();
+  const double scale = 1 / std::sqrt(double(d));
+  Eigen::MatrixXd sum = Eigen::MatrixXd::Zero(qh, dv + 1), variance = sum, truth = sum;
+  Eigen::VectorXd top(qh);
+  for (Index i = 0; i < qh; ++i) {
+    const Eigen::VectorXd l = scale * (keys * q.row(i).transpose().cast<double>());
+    top(i) = l.maxCoeff();
+    const Eigen::VectorXd w = (l.array() - top(i)).exp();
+    truth.row(i) << (values.transpose() * w).transpose(), w.sum();
+  }
+  for (int seed = 0; seed < R; ++seed) {
+    KvCacheOptions o = clusters_options(K, 1, sinks, window);
+    o.seed = std::uint64_t(seed);
+    o.cluster_margin = -std::numeric_limits<double>::infinity();
+    o.cluster_samples = S;
+    const auto cache = filled(tok, o);
+    DecodeReport rep;
+    const auto acc = cache.attend_partial(q, sinks, window, &rep);
+    const auto& cl = cache.key_clusters(0);
+    REQUIRE(cl.count() == K);
+    CHECK(rep.clusters_opened == qh);
+    Index retrieved = 0;  // the opened clusters' members and S draws per query head
+    for (Index i = 0; i < qh; ++i) {
+      // The estimate, on the scale of truth (shifted by the largest logit).
+      const double shift = std::exp(double(acc.log_scale()(i)) - top(i));
+      sum.row(i) += acc.numden().row(i).cast<double>() * shift;
+      // The cluster opened (the highest bound) and the proposal over the others.
+      const Eigen::VectorXd qd = q.row(i).transpose().cast<double>();
+      const Eigen::VectorXd b = scale * (cl.centroids().cast<double>() * qd);
+      Index opened = 0;
+      for (Index c = 1; c < K; ++c)
+        if (b(c) + scale * qd.norm() * cl.radii()(c) > b(opened) + scale * qd.norm() * cl.radii()(opened))
+          opened = c;
+      retrieved += Index(cl.members(opened).size()) + S;
+      double total = 0;
+      for (Index c = 0; c < K; ++c)
+        if (c != opened) total += double(cl.members(c).size()) * std::exp(b(c) - top(i));
+      Eigen::VectorXd f2_over_p = Eigen::VectorXd::Zero(dv + 1), f = f2_over_p;
+      for (Index c = 0; c < K; ++c) {
+        if (c == opened) continue;
+        const double p = std::exp(b(c) - top(i)) / total;  // π_c / n_c
+        for (const std::int32_t j : cl.members(c)) {
+          const double w = std::exp(scale * keys.row(j).dot(qd) - top(i));
+          Eigen::VectorXd fj(dv + 1);
+          fj << w * values.row(j).transpose(), w;
+          f += fj;
+          f2_over_p += fj.cwiseAbs2() / p;
+        }
+      }
+      variance.row(i) += ((f2_over_p - f.cwiseAbs2()) / double(S)).transpose();
+    }
+    CHECK(rep.retrieved_keys == retrieved);
+  }
+  for (Index i = 0; i < qh; ++i) {
+    for (Index c = 0; c <= dv; ++c) {
+      const double mean = sum(i, c) / R, sd = std::sqrt(variance(i, c)) / R;
+      INFO("query head " << i << ", column " << c << ": mean " << mean << ", truth " << truth(i, c)
+                         << ", sd of the mean " << sd);
+      CHECK(sd > 0);
+      CHECK(std::abs(mean - truth(i, c)) <= 4.5 * sd + 1e-5 * std::abs(truth(i, c)));
+    }
+  }
 }
 
 TEST_CASE("KvCache clusters: splits and merges keep the count and every key in one cluster",
@@ -1073,15 +1158,22 @@ TEST_CASE("KvCache clusters: save/load keeps the clusters; truncated files are r
   const Index d = 16, dv = 8, kvh = 2, qh = 4, n = 3000;
   const Tokens<float> tok = drifting_tokens(107, n, kvh, d, dv);
   const RowMatrix<float> q = needle_queries(tok, qh, 8, 5.0);
-  const auto cache = filled(tok, clusters_options(8, 2, 3, 20));
+  // A finite margin closes some clusters, and keys are drawn from them.
+  KvCacheOptions o = clusters_options(8, 2, 3, 20);
+  o.cluster_margin = 4;
+  o.cluster_samples = 12;
+  const auto cache = filled(tok, o);
   CHECK(cache.key_clusters(0).splits() > 0);
   const std::string path = temp_path("clusters.bin"), cut = temp_path("clusters_cut.bin");
   cache.save(path);
   const auto loaded = KvCache<float>::load(path);
   CHECK(loaded.options().clusters == 8);
   CHECK(loaded.options().probe == 2);
+  CHECK(loaded.options().cluster_margin == 4);
+  CHECK(loaded.options().cluster_samples == 12);
   DecodeReport a, b;
   CHECK(bit_identical<float>(loaded.attend(q, &a), cache.attend(q, &b)));
+  CHECK(a.clusters_opened < 8 * qh);  // some clusters closed: keys were drawn
   CHECK(a.clusters_opened == b.clusters_opened);
   CHECK(a.retrieved_keys == b.retrieved_keys);
   for (Index h = 0; h < kvh; ++h) {
@@ -1292,8 +1384,9 @@ TEST_CASE("KvCache storage types: rounding of doubles, ranges, refused input", "
     std::ofstream out(path, std::ios::binary | std::ios::trunc);
     out.write(b.data(), std::streamsize(b.size()));
   };
-  // The storage field sits right before the rows: 20 tokens × (8 + 4) entries × 2 bytes.
-  const std::size_t storage_at = bytes.size() - 8 - 20 * (d + dv) * 2 - 4;
+  // The storage field sits before the clusters' margin and samples (8 bytes each) and the rows:
+  // 20 tokens × (8 + 4) entries × 2 bytes.
+  const std::size_t storage_at = bytes.size() - 8 - 20 * (d + dv) * 2 - 16 - 4;
   std::vector<char> wrong = bytes;
   wrong[storage_at] = 9;
   rewrite(wrong);

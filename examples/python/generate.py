@@ -15,7 +15,9 @@ distributions with exact decoding's over the generated positions (and over all p
 KL divergence from exact's distributions, the share of cached keys scored per step, the KL of the
 oracle at the same keys per step ("oracle KL": at every position and layer, each query head attends
 exactly to its own highest-logit keys, as many in all as the mode scored there), the ratio of the two
-("KL/oracle"), and the means of the numeric fields of the caches' reports.
+("KL/oracle"), the same four figures over the generated positions alone (the steps that decode after
+the prompt, where the cache is longest; the early positions of the prompt have too few keys for any
+mode to leave many out), and the means of the numeric fields of the caches' reports.
 Options after a --mode are KVCache's keywords (sinks, window, scale, page_size, top_pages, bits,
 tables, filters, eta, seed).
 """
@@ -170,32 +172,48 @@ def main(argv=None):
               f"torch threads {torch.get_num_threads()}")
         print(f"# exact greedy continuation: {text!r}")
         print("| mode | tokens/s | cache µs/token | top-1 (generated) | top-1 (all) | KL (nats) | keys scored "
-              "| oracle KL | KL/oracle | report means |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "| oracle KL | KL/oracle | KL (generated) | keys scored (generated) | oracle KL (generated) "
+              "| KL/oracle (generated) | report means |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         ref_log = torch.log_softmax(reference.double(), -1)
         generated = slice(len(prompt) - 1, len(tokens) - 1)  # positions whose next token was generated
 
         def kl_top1(logits):
+            """KL from exact decoding and top-1 agreement, per position."""
             log_p = torch.log_softmax(logits.double(), -1)
-            return float((ref_log.exp() * (ref_log - log_p)).sum(-1).mean()), (log_p.argmax(-1) == ref_log.argmax(-1)).double()
+            return (ref_log.exp() * (ref_log - log_p)).sum(-1), (log_p.argmax(-1) == ref_log.argmax(-1)).double()
+
+        def mean(x):
+            return float(x.mean()) if len(x) else float("nan")
+
+        def ratio_text(kl, oracle_kl):
+            return f"{kl / oracle_kl:.2f}" if oracle_kl > 0 else "-"
 
         for mode, options, make in factories:
             _, logits, seconds, cache_seconds, reports = decode(model, tokens, make)
             kl, agree = kl_top1(logits)
-            top1_gen = f"{float(agree[generated].mean()):.4f}" if args.steps > 0 else "-"
+            top1_gen = f"{mean(agree[generated]):.4f}" if args.steps > 0 else "-"
             # Reports come position by position, layer by layer: the order the oracle's attends run in.
-            shares = [r["keys_scored"] / (c.n_heads * r["size"]) for r in reports]
+            shares = torch.tensor([r["keys_scored"] / (c.n_heads * r["size"]) for r in reports],
+                                  dtype=torch.float64).view(len(tokens), c.n_layers)
             if mode == "exact":
-                oracle, ratio = "0", "-"
+                oracle = ratio = oracle_gen = ratio_gen = "-"
             else:
                 budgets = iter([r["keys_scored"] for r in reports])
                 oracle_kl = kl_top1(decode(model, tokens, lambda: OracleCache(c, budgets))[1])[0]
-                oracle = kl_text(oracle_kl)
-                ratio = f"{kl / oracle_kl:.2f}" if oracle_kl > 0 else "-"
+                oracle, ratio = kl_text(mean(oracle_kl)), ratio_text(mean(kl), mean(oracle_kl))
+                if args.steps > 0:
+                    oracle_gen = kl_text(mean(oracle_kl[generated]))
+                    ratio_gen = ratio_text(mean(kl[generated]), mean(oracle_kl[generated]))
+                else:
+                    oracle_gen = ratio_gen = "-"
+            kl_gen, share_gen = ((kl_text(mean(kl[generated])), f"{mean(shares[generated]):.3f}")
+                                 if args.steps > 0 else ("-", "-"))
             means = ", ".join(f"{k} {v:.4g}" for k, v in report_means(reports).items())
             print(f"| {llama2c.method_label(mode, options)} | {len(tokens) / seconds:.1f} | "
-                  f"{1e6 * cache_seconds / len(tokens):.1f} | {top1_gen} | {float(agree.mean()):.4f} | {kl_text(kl)} | "
-                  f"{sum(shares) / len(shares):.3f} | {oracle} | {ratio} | {means} |", flush=True)
+                  f"{1e6 * cache_seconds / len(tokens):.1f} | {top1_gen} | {mean(agree):.4f} | {kl_text(mean(kl))} | "
+                  f"{mean(shares):.3f} | {oracle} | {ratio} | {kl_gen} | {share_gen} | {oracle_gen} | {ratio_gen} | "
+                  f"{means} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,11 @@ const std::vector<ModeInfo>& modes() {
        DecodeMode::clusters,
        {{"clusters", std::int64_t(o.clusters), "key clusters per kv head (>= 1)"},
         {"probe", std::int64_t(o.probe), "clusters always opened per query head (1..clusters)"},
+        {"margin", o.cluster_margin,
+         "further clusters opened whose bound is within this many nats of the best logit "
+         "(-inf: only the probe clusters)"},
+        {"samples", std::int64_t(o.cluster_samples),
+         "keys drawn from the closed clusters, importance-weighted (0: none)"},
         seed,
         centre_tokens,
         key_centre}},
@@ -177,6 +182,9 @@ KvCacheOptions to_options(const ModeInfo& mode, py::handle sinks, py::handle win
   if (owns(mode, "clusters")) {
     o.clusters = integer_in("clusters", 1, kBig);
     o.probe = integer_in("probe", 1, o.clusters);
+    o.cluster_margin = kw.real("margin");
+    if (std::isnan(o.cluster_margin)) throw py::value_error("KVCache: margin must not be NaN");
+    o.cluster_samples = integer_in("samples", 0, std::int64_t(1) << 24);
   }
   if (owns(mode, "seed")) o.seed = to_seed(kw.value("seed"), "seed");
   if (owns(mode, "centre_tokens")) {
@@ -387,6 +395,8 @@ class KVCache {
       set("min_probes", py::cast(o.lsf_min_probes));
       set("clusters", py::cast(o.clusters));
       set("probe", py::cast(o.probe));
+      set("margin", py::cast(o.cluster_margin));
+      set("samples", py::cast(o.cluster_samples));
       set("seed", py::cast(o.seed));
       set("centre_tokens", py::cast(o.centre_tokens));
       if (o.key_centre.size() > 0) {

@@ -320,7 +320,8 @@ def test_options_belong_to_their_modes():
         randattn.KVCache(D, DV, KV_HEADS, mode="blocks", page_size=2.5)
     modes = randattn.KVCache.modes()
     assert set(modes) == {"exact", "blocks", "lsh-sample", "lsf", "clusters"}
-    assert set(modes["clusters"]) == {"clusters", "probe", "seed", "centre_tokens", "key_centre"}
+    assert set(modes["clusters"]) == {"clusters", "probe", "margin", "samples", "seed", "centre_tokens",
+                                      "key_centre"}
     assert set(modes["lsh-sample"]) == {"bits", "tables", "hash_block", "seed", "centre_tokens", "key_centre"}
     for block in (0, 4097):
         with pytest.raises(ValueError, match=r"hash_block must be in \[1, 4096\]"):
@@ -392,7 +393,8 @@ def test_clusters_kwargs_report_and_probe_equal_to_clusters_is_exact():
     assert np.array_equal(every.attend(q), exact.attend(q))  # bit for bit
 
 
-@pytest.mark.parametrize("options", [dict(clusters=0), dict(probe=0), dict(clusters=4, probe=5)])
+@pytest.mark.parametrize("options", [dict(clusters=0), dict(probe=0), dict(clusters=4, probe=5),
+                                     dict(margin=float("nan")), dict(samples=-1)])
 def test_clusters_bad_options_raise_value_error(options):
     with pytest.raises(ValueError):
         randattn.KVCache(16, 8, 2, mode="clusters", **options)
@@ -408,7 +410,10 @@ def test_clusters_options_of_other_modes_are_refused():
 def test_clusters_save_load_bit_identical_and_truncated_file(tmp_path):
     k, v = _clustered_tokens(6, 2, 500, 16, 8)
     q = np.random.default_rng(7).normal(size=(4, 16)).astype(np.float32)
-    cache = randattn.KVCache(16, 8, 2, mode="clusters", sinks=2, window=16, clusters=6, probe=2, seed=1)
+    # A fixed budget (only the probed clusters) and keys drawn from the others.
+    cache = randattn.KVCache(16, 8, 2, mode="clusters", sinks=2, window=16, clusters=6, probe=2, seed=1,
+                             margin=float("-inf"), samples=10)
+    assert cache.options["margin"] == float("-inf") and cache.options["samples"] == 10
     cache.append(k, v)
     path = tmp_path / "clusters.kvc"
     cache.save(path)
@@ -417,6 +422,7 @@ def test_clusters_save_load_bit_identical_and_truncated_file(tmp_path):
     a, ra = loaded.attend(q, report=True)
     b, rb = cache.attend(q, report=True)
     assert np.array_equal(a, b) and ra == rb
+    assert rb["clusters_opened"] == 4 * 2  # the probed clusters alone
     data = path.read_bytes()
     cut = tmp_path / "cut.kvc"
     cut.write_bytes(data[: len(data) // 2])

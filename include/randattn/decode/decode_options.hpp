@@ -18,8 +18,9 @@
 //   clusters    key clusters after ClusterKV (arXiv 2412.03213) (decode/detail/key_clusters.hpp):
 //               `clusters` clusters per kv head, each with its centroid c and radius r; a query
 //               opens the clusters whose bound scale·q·c + |scale|·‖q‖·r on a member's logit is
-//               within a negligible margin of the best logit scored, and at least its `probe`
-//               highest bounds, and attends exactly to their members.
+//               within `cluster_margin` of the best logit scored (by default a negligible
+//               margin), and at least its `probe` highest bounds, and attends exactly to their
+//               members; `cluster_samples` keys drawn from the closed clusters estimate the rest.
 // In every retrieval mode the first `sinks` and the last `window` tokens are attended exactly and
 // are never candidates of the retrieval, so no key is counted twice.
 //
@@ -118,6 +119,16 @@ struct KvCacheOptions {
   // (1..clusters; probe == clusters is exact decoding). The splits' 2-means use `seed`.
   Index clusters = 64;
   Index probe = 8;
+  // clusters: after the `probe` clusters, every other cluster whose bound is within
+  // `cluster_margin` nats of the best logit scored is opened too. The default, 24·ln 2, leaves
+  // closed only clusters whose every member weighs under 2⁻²⁴ of the best key (the result is
+  // exact decoding's within rounding); −inf opens the `probe` clusters alone (a fixed budget).
+  double cluster_margin = 16.635532333438686;
+  // clusters: keys drawn with replacement from the clusters left closed, a cluster c with
+  // probability ∝ n_c·exp(scale·q·c) and then a member uniformly, each scored with its logit
+  // lowered by log(samples·p) (self-normalised importance sampling of the closed clusters'
+  // share, as lsh_sample does for the keys it misses). 0: the closed clusters are left out.
+  Index cluster_samples = 0;
 
   // Key centring for retrieval scores (hash codes, page bounds) only; logits always use the raw
   // keys. Either the mean of the first `centre_tokens` tokens of each kv head (fixed once that

@@ -105,9 +105,12 @@ class KvCache {
 
   // Largest number of cached tokens (key indices are 32-bit).
   static constexpr Index kMaxTokens = std::numeric_limits<std::int32_t>::max();
-  // Version 3 added the options of the clusters mode, version 4 the storage type; versions 2 and
-  // 3 (float32/float64 storage of the file's scalar) are still read.
-  static constexpr std::uint32_t kFileVersion = 4;
+  // Version 3 added the options of the clusters mode, version 4 the storage type, version 5 the
+  // clusters' margin and samples; versions 2 to 4 are still read (2 and 3: float32/float64
+  // storage of the file's scalar; 2 to 4: the default margin and no samples).
+  static constexpr std::uint32_t kFileVersion = 5;
+  // Keys drawn per query head from the closed clusters (draw indices are 32-bit counters).
+  static constexpr Index kMaxClusterSamples = Index(1) << 24;
 
   KvCache(Index head_dim, Index value_dim, Index kv_heads, KvCacheOptions options = {})
       : d_(head_dim), dv_(value_dim), kv_heads_(kv_heads), opt_(std::move(options)) {
@@ -149,6 +152,10 @@ class KvCache {
     detail::require(opt_.probe >= 1 && opt_.probe <= opt_.clusters, where,
                     "options.probe must be in [1, options.clusters = ", opt_.clusters, "], got ",
                     opt_.probe);
+    detail::require(!std::isnan(opt_.cluster_margin), where, "options.cluster_margin must not be NaN");
+    detail::require(opt_.cluster_samples >= 0 && opt_.cluster_samples <= kMaxClusterSamples, where,
+                    "options.cluster_samples must be in [0, ", kMaxClusterSamples, "], got ",
+                    opt_.cluster_samples);
     detail::require(opt_.centre_tokens >= 0, where, "options.centre_tokens must be >= 0, got ",
                     opt_.centre_tokens);
     const bool given = opt_.key_centre.size() > 0;
@@ -471,6 +478,8 @@ class KvCache {
     w.u64(std::uint64_t(opt_.key_centre.rows()));
     w.reals(opt_.key_centre.data(), static_cast<std::size_t>(opt_.key_centre.size()));
     w.u32(std::uint32_t(storage_));
+    w.f64(opt_.cluster_margin);
+    w.u64(std::uint64_t(opt_.cluster_samples));
     for (const Head& h : heads_) {
       h.keys.write(w, n_);
       h.values.write(w, n_);
@@ -544,6 +553,10 @@ class KvCache {
                       storage, ", which this build does not know");
       o.storage = KvStorage(storage);
     }
+    if (version >= 5) {
+      o.cluster_margin = r.f64("cluster_margin");
+      o.cluster_samples = Index(r.u64("cluster_samples"));
+    }
     const KvStorage storage = o.storage.value_or(detail::storage_of<Scalar>());
     // Bytes per token and kv head: entries, and two int8 scales.
     const std::uint64_t per_token =
@@ -611,6 +624,8 @@ class KvCache {
     std::vector<typename detail::SimHashTables<Scalar>::Run> bucket_runs;
     std::vector<typename detail::SimHashTables<Scalar>::Cursor> walking;
     std::vector<std::pair<Scalar, std::int32_t>> ranked;
+    std::vector<double> mass;                              // clusters: cumulative proposal
+    std::vector<std::pair<std::int32_t, Scalar>> drawn;    // clusters: (key, log(samples·p))
     RowMatrix<Scalar> bounds, bound_q, tile_nd;
     Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> scores;  // column per query head
     Vector<Scalar> tile_max;
@@ -898,9 +913,9 @@ class KvCache {
 
   // clusters: per query head, the bound scale·q·c + |scale|·‖q‖·r ≥ scale·q·k of every member k
   // of each cluster; the `probe` highest bounds are opened (ties by index) and scored; then
-  // every other cluster whose bound is within detail::kClusterMargin (detail/kmeans.hpp) of the
-  // best logit so far (the exact part's and the probed clusters'), whose members could still
-  // carry weight.
+  // every other cluster whose bound is within cluster_margin of the best logit so far (the exact
+  // part's and the probed clusters'), whose members could still carry weight; then
+  // cluster_samples keys drawn from the clusters left closed (see decode_options.hpp).
   template <typename QG>
   void retrieve_clustered(const Head& head, const QG& qg, Index first, Index last,
                           SoftmaxAccumulator<Scalar>& acc, Scratch& s, DecodeReport& rep,
@@ -926,15 +941,72 @@ class KvCache {
       for (Index u = 0; u < probe; ++u) open(s.ranked[u].second);
       std::sort(s.idx.begin(), s.idx.end());
       score_and_merge(head, q, r, head0, s, rep, acc);
-      const Scalar floor = acc.log_scale()(r) - Scalar(detail::kClusterMargin);
       Index opened = probe;
-      s.idx.clear();
-      for (; opened < K && !(s.ranked[opened].first < floor); ++opened) open(s.ranked[opened].second);
+      if (opt_.cluster_margin > -kInf) {
+        const Scalar floor = acc.log_scale()(r) - Scalar(opt_.cluster_margin);
+        s.idx.clear();
+        for (; opened < K && !(s.ranked[opened].first < floor); ++opened) open(s.ranked[opened].second);
+        if (!s.idx.empty()) {
+          std::sort(s.idx.begin(), s.idx.end());
+          score_and_merge(head, q, r, head0, s, rep, acc);
+        }
+      }
       rep.clusters_opened += opened;
-      if (s.idx.empty()) continue;
-      std::sort(s.idx.begin(), s.idx.end());
-      score_and_merge(head, q, r, head0, s, rep, acc);
+      if (opt_.cluster_samples > 0 && opened < K)
+        sample_closed_clusters(head, r, opened, first, last, head0, s, rep, acc, q);
     }
+  }
+
+  // cluster_samples keys drawn with replacement from the clusters s.ranked[opened, K): cluster c
+  // with probability π_c ∝ n_c·exp(scale·q·c), then a member uniformly, so key j has p_j = π_c/n_c
+  // and its logit is lowered by log(samples·p_j). The draws are a pure function of (seed, cache
+  // size, query head, draw).
+  template <typename QRow>
+  void sample_closed_clusters(const Head& head, Index r, Index opened, Index first, Index last,
+                              Index head0, Scratch& s, DecodeReport& rep,
+                              SoftmaxAccumulator<Scalar>& acc, const QRow& q) const {
+    const auto& cl = head.clusters;
+    const Index K = cl.count(), closed = K - opened;
+    s.mass.resize(static_cast<std::size_t>(closed));
+    double top = -kInf;
+    for (Index u = 0; u < closed; ++u) {
+      const Index c = s.ranked[opened + u].second;
+      if (!cl.members(c).empty()) top = std::max(top, double(s.bounds(r, c)));
+    }
+    if (top == -kInf) return;  // the closed clusters have no member
+    double total = 0;
+    for (Index u = 0; u < closed; ++u) {
+      const Index c = s.ranked[opened + u].second;
+      const double n_c = double(cl.members(c).size());
+      total += n_c > 0 ? n_c * std::exp(double(s.bounds(r, c)) - top) : 0.0;
+      s.mass[u] = total;  // cumulative
+    }
+    const Philox rng(opt_.seed, streams::kv_cache_cluster_draws);
+    const std::uint64_t draw_key = (std::uint64_t(n_) << 24) | std::uint64_t(head0 + r);
+    const Index S = opt_.cluster_samples;
+    s.drawn.clear();
+    for (Index t = 0; t < S; ++t) {
+      const double u = rng.uniform(draw_key, std::uint32_t(2 * t)) * total;
+      const Index pick = std::min<Index>(
+          closed - 1, Index(std::upper_bound(s.mass.begin(), s.mass.end(), u) - s.mass.begin()));
+      const Index c = s.ranked[opened + pick].second;
+      const auto& members = cl.members(c);
+      if (members.empty()) continue;  // probability 0 up to rounding at a cumulative boundary
+      const double n_c = double(members.size());
+      const std::int32_t j = members[std::min<std::size_t>(
+          members.size() - 1, std::size_t(rng.uniform(draw_key, std::uint32_t(2 * t + 1)) * n_c))];
+      if (j < first || j >= last) continue;  // outside this call's candidates: weight 0
+      const double p = n_c * std::exp(double(s.bounds(r, c)) - top) / total / n_c;
+      s.drawn.push_back({j, Scalar(std::log(double(S) * p))});
+    }
+    std::sort(s.drawn.begin(), s.drawn.end());
+    s.idx.clear();
+    for (const auto& [j, log_sp] : s.drawn) s.idx.push_back(j);
+    const auto correction = [&](std::int32_t j, Scalar) {
+      return std::lower_bound(s.drawn.begin(), s.drawn.end(), std::pair<std::int32_t, Scalar>{j, -kInf})
+          ->second;
+    };
+    score_and_merge(head, q, r, head0, s, rep, acc, &correction);
   }
 
   struct NoCorrection {};

@@ -36,6 +36,8 @@ constexpr std::uint32_t kv_cache_filters =
     0x4B564302u;  // filters (decode/detail/filter_tables.hpp)
 constexpr std::uint32_t kv_cache_clusters =
     0x4B564303u;  // seeds of a cluster's split (decode/detail/key_clusters.hpp)
+constexpr std::uint32_t kv_cache_cluster_draws =
+    0x4B564304u;  // keys drawn from the closed clusters (decode/kv_cache.hpp)
 
 // Keys drawn by the sampled remainder of sparse + low-rank attention (sparse/sampled_remainder.hpp):
 // "SPL" + purpose.

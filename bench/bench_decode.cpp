@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -131,6 +132,16 @@ std::vector<Config> configs() {
   clusters.clusters = 1024;
   clusters.probe = 16;
   c.push_back({"clusters_C1024_p16", clusters});
+  // A fixed budget: the probed clusters alone, then with keys drawn from the others.
+  clusters.cluster_margin = -std::numeric_limits<double>::infinity();
+  c.push_back({"clusters_C1024_p16_fixed", clusters});
+  clusters.probe = 8;
+  c.push_back({"clusters_C1024_p8_fixed", clusters});
+  clusters.probe = 12;
+  c.push_back({"clusters_C1024_p12_fixed", clusters});
+  clusters.probe = 16;
+  clusters.cluster_samples = 64;
+  c.push_back({"clusters_C1024_p16_fixed_s64", clusters});
   return c;
 }
 
@@ -274,7 +285,8 @@ StreamAnchor stream_anchor(const KvCache<float>& cache, const World& w) {
 }
 
 std::string row_name(const Config& c, Index n) {
-  return "BM_Decode/" + c.name + "/storage:" + to_string(*c.options.storage) +
+  // A row that names no storage type keeps the cache's own (float32).
+  return "BM_Decode/" + c.name + "/storage:" + to_string(c.options.storage.value_or(KvStorage::float32)) +
          "/n:" + std::to_string(n);
 }
 

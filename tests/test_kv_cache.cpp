@@ -893,14 +893,17 @@ KvCacheOptions clusters_options(Index clusters, Index probe, Index sinks = 4, In
 }
 
 // Every invariant of the clusters of kv head h: `clusters` of them, every candidate key
-// [sinks, n − window) in exactly one, members ascending, radius ≥ every member's distance.
+// [sinks, n − window) in exactly one but the newest ones of the open block (fewer than a
+// block), members ascending, radius ≥ every member's distance.
 template <typename S>
 void check_clusters(const KvCache<S>& cache, Index h) {
   const auto& cl = cache.key_clusters(h);
   const KvCacheOptions& o = cache.options();
-  const Index n = cache.size(), first = o.sinks, last = std::max(first, n - o.window);
+  const Index n = cache.size(), first = o.sinks, all = std::max(first, n - o.window);
   REQUIRE(cl.count() == o.clusters);
-  REQUIRE(cl.keys() == last - first);
+  REQUIRE(cl.keys() == all - first);
+  REQUIRE(cl.unfiled() < randattn::detail::KeyClusters<S>::kFileBlock);
+  const Index last = all - cl.unfiled();
   std::vector<int> seen(std::size_t(n), 0);
   const auto keys = cache.keys(h);
   for (Index c = 0; c < cl.count(); ++c) {

@@ -375,8 +375,10 @@ class KvCache {
         // pass other counts): the others are scored exactly. With every cluster to be opened
         // (probe == clusters) or none built yet, every key is: one exact range, the tiles of
         // exact mode, bit for bit.
+        // The newest keys past the window that are not filed yet (their block is open) are
+        // scored exactly too.
         const Index lo = std::min(opt_.sinks, n_);
-        const Index hi = std::max(lo, n_ - std::min(opt_.window, n_));
+        const Index hi = std::max(lo, n_ - std::min(opt_.window, n_) - heads_[0].clusters.unfiled());
         s_end = std::min(std::max(s_end, lo), w_begin);
         w_begin = std::max(s_end, std::min(w_begin, hi));
         if (heads_[0].clusters.count() == 0 || opt_.probe >= opt_.clusters || w_begin == s_end)
@@ -933,10 +935,15 @@ class KvCache {
       s.ranked.resize(static_cast<std::size_t>(K));
       for (Index c = 0; c < K; ++c)
         s.ranked[c] = {s.bounds(r, c) + spread * cl.radii()(c), std::int32_t(c)};
-      std::sort(s.ranked.begin(), s.ranked.end(), [](const auto& a, const auto& b) {
-        return a.first > b.first || (a.first == b.first && a.second < b.second);
-      });
       const Index probe = std::min(opt_.probe, K);
+      // Highest bound first, ties by index; with no margin only the first `probe` are needed.
+      const auto higher = [](const auto& a, const auto& b) {
+        return a.first > b.first || (a.first == b.first && a.second < b.second);
+      };
+      if (opt_.cluster_margin > -kInf)
+        std::sort(s.ranked.begin(), s.ranked.end(), higher);
+      else
+        std::partial_sort(s.ranked.begin(), s.ranked.begin() + probe, s.ranked.end(), higher);
       s.idx.clear();
       for (Index u = 0; u < probe; ++u) open(s.ranked[u].second);
       std::sort(s.idx.begin(), s.idx.end());

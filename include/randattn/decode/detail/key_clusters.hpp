@@ -9,7 +9,13 @@
 // The count stays `clusters` (K) at all times once K keys are filed:
 //   - the first K keys filed are K clusters of one key each (k-means of K keys into K clusters);
 //     before that the keys only wait (the cache scores them exactly);
-//   - a later key joins its nearest centroid (ties: lowest index); the centroid is the running
+//   - later keys are filed in blocks of kFileBlock (as the cache's SimHash tables hash theirs):
+//     until its block is complete a key is pending, in no cluster (the cache scores it exactly);
+//     the block's dots with the centroids come from one block x K product, which reads the
+//     centroids once per block instead of once per key; its keys then join in order, each the
+//     centroid nearest at its turn (the dots with the few centroids moved since the product are
+//     computed again), as if filed one by one;
+//   - a key joins its nearest centroid (ties: lowest index); the centroid is the running
 //     mean of the members (MacQueen's online k-means), so it follows the keys, and the radius
 //     grows by the centroid's move (triangle inequality), then is recomputed exactly from the
 //     members whenever the cluster has grown by an eighth since the last exact radius: an upper
@@ -23,7 +29,7 @@
 //     Centroids and radii of the clusters made are exact (means and largest distances).
 // Everything is a function of the keys in order and the seed: no thread count, no timing.
 //
-// Cost per key filed: K·d for the nearest centroid (a matrix-vector product) and O(d) for the
+// Cost per key filed: K·d for the nearest centroid (a block's matrix product) and O(d) for the
 // centroid and radius (amortised, the exact radius included); a split costs O(s·d) for its s
 // members and O(K·d) for the closest pair (each cluster keeps its nearest neighbour, see
 // merge_closest); the nearest neighbours of the first K keys cost O(K²·d) once.
@@ -50,6 +56,7 @@ class KeyClusters {
  public:
   static constexpr int kSplitSteps = 4;      // Lloyd steps of a split's 2-means
   static constexpr Index kSplitFactor = 4;   // a cluster splits past this many times the mean size
+  static constexpr Index kFileBlock = 32;    // keys filed together once there are K clusters
 
   KeyClusters() = default;
   KeyClusters(Index dim, Index clusters, std::uint64_t seed, Index head)
@@ -59,8 +66,10 @@ class KeyClusters {
   // K, and the clusters in use: 0 until K keys are filed, then K.
   Index target() const { return k_; }
   Index count() const { return built_ ? k_ : 0; }
-  // Keys filed (in clusters, or waiting until there are K).
+  // Keys inserted (in clusters, waiting until there are K, or pending until their block is
+  // complete), and of those the newest not in a cluster: the cache scores them exactly.
   Index keys() const { return keys_; }
+  Index unfiled() const { return built_ ? Index(pending_.size()) : Index(waiting_.size()); }
   Index splits() const { return Index(splits_); }
 
   // count() x dim centroids, their squared norms and radii.
@@ -68,7 +77,8 @@ class KeyClusters {
   auto radii() const { return radius_.head(count()); }
   const std::vector<std::int32_t>& members(Index c) const { return members_[std::size_t(c)]; }
 
-  // Files key j (its row at key_of(j), as for every member: a pointer to dim scalars).
+  // Inserts key j (its row at key_of(j), as for every member: a pointer to dim scalars, valid
+  // until the next call of key_of), the next candidate in order.
   template <typename KeyOf>
   void insert(std::int32_t j, KeyOf key_of) {
     ++keys_;
@@ -77,10 +87,60 @@ class KeyClusters {
       if (Index(waiting_.size()) == k_) build(key_of);
       return;
     }
-    const Scalar* key = key_of(j);
-    const auto x = row(key);
-    std::int32_t a = 0;
-    nearest_centroids<Scalar>(x, centroid_.topRows(k_), norm2_.head(k_), &a);
+    pending_.push_back(j);
+    if (Index(pending_.size()) == kFileBlock) file_pending(key_of);
+  }
+
+  std::size_t bytes() const {
+    std::size_t b = sizeof(Scalar) * std::size_t(centroid_.size() + norm2_.size() + radius_.size());
+    for (const auto& m : members_) b += m.capacity() * sizeof(std::int32_t);
+    return b + (waiting_.capacity() + pending_.capacity()) * sizeof(std::int32_t);
+  }
+
+ private:
+  using Row = Eigen::Matrix<Scalar, 1, Eigen::Dynamic>;
+  auto row(const Scalar* p) const { return Eigen::Map<const Row>(p, dim_); }
+
+  // The pending block: its dot products with the centroids from one product; then each key in
+  // order joins its nearest centroid, the dots with the centroids that moved since (those its
+  // block's earlier keys joined) computed again, so that the choice is the one of filing key
+  // by key. After a split the block's remaining dots are computed again.
+  template <typename KeyOf>
+  void file_pending(KeyOf key_of) {
+    const Index B = Index(pending_.size());
+    block_.resize(B, dim_);
+    for (Index u = 0; u < B; ++u) block_.row(u) = row(key_of(pending_[std::size_t(u)]));
+    dots_.resize(B, k_);
+    row_dots(dots_, block_, centroid_.topRows(k_));
+    moved_.clear();
+    for (Index u = 0; u < B; ++u) {
+      const auto x = block_.row(u);
+      for (const std::int32_t c : moved_) dots_(u, c) = x.dot(centroid_.row(c));
+      std::int32_t a = 0;
+      Scalar low = std::numeric_limits<Scalar>::infinity();
+      for (Index c = 0; c < k_; ++c) {
+        const Scalar d2 = norm2_(c) - 2 * dots_(u, c);  // ‖x − c‖² − ‖x‖²
+        if (d2 < low) low = d2, a = std::int32_t(c);
+      }
+      const std::uint64_t before = splits_;
+      join(pending_[std::size_t(u)], a, u, key_of);
+      if (splits_ != before) {
+        moved_.clear();
+        if (u + 1 < B) {
+          auto rest = dots_.bottomRows(B - u - 1);
+          row_dots(rest, block_.bottomRows(B - u - 1), centroid_.topRows(k_));
+        }
+      } else if (std::find(moved_.begin(), moved_.end(), a) == moved_.end()) {
+        moved_.push_back(a);
+      }
+    }
+    pending_.clear();
+  }
+
+  // Key j (row u of the block) joins cluster a.
+  template <typename KeyOf>
+  void join(std::int32_t j, std::int32_t a, Index u, KeyOf key_of) {
+    const auto x = block_.row(u);
     auto& m = members_[std::size_t(a)];
     m.push_back(j);
     const Scalar size = Scalar(m.size());
@@ -93,16 +153,6 @@ class KeyClusters {
     if (Index(m.size()) >= exact_at_[std::size_t(a)]) exact_radius(a, key_of);
     if (k_ > 1 && Index(m.size()) * k_ > kSplitFactor * keys_) split_and_merge(a, key_of);
   }
-
-  std::size_t bytes() const {
-    std::size_t b = sizeof(Scalar) * std::size_t(centroid_.size() + norm2_.size() + radius_.size());
-    for (const auto& m : members_) b += m.capacity() * sizeof(std::int32_t);
-    return b + waiting_.capacity() * sizeof(std::int32_t);
-  }
-
- private:
-  using Row = Eigen::Matrix<Scalar, 1, Eigen::Dynamic>;
-  auto row(const Scalar* p) const { return Eigen::Map<const Row>(p, dim_); }
 
   // The first K keys: one cluster each.
   template <typename KeyOf>
@@ -281,7 +331,11 @@ class KeyClusters {
   Vector<Scalar> norm2_, radius_, dist_;
   std::vector<std::vector<std::int32_t>> members_;  // ascending key indices
   std::vector<Index> exact_at_;                     // size at which the radius is recomputed
-  std::vector<std::int32_t> waiting_;               // keys filed before there are K
+  std::vector<std::int32_t> waiting_;               // keys inserted before there are K
+  std::vector<std::int32_t> pending_;               // keys of the block not filed yet
+  RowMatrix<Scalar> block_;                         // their keys, while filing
+  RowMatrix<Scalar> dots_;                          // their dots with the centroids
+  std::vector<std::int32_t> moved_;                 // centroids moved since those dots
   std::vector<std::int32_t> side_;  // a split's halves (0 or 1) per member
   RowMatrix<Scalar> split_rows_;    // a split's members' keys
   std::vector<std::int32_t> nn_;  // nearest other cluster

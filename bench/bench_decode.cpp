@@ -134,6 +134,11 @@ std::vector<Config> configs() {
   c.push_back({"clusters_C1024_p16", clusters});
   // A fixed budget: the probed clusters alone, then with keys drawn from the others.
   clusters.cluster_margin = -std::numeric_limits<double>::infinity();
+  clusters.clusters = 512;
+  clusters.probe = 8;
+  c.push_back({"clusters_C512_p8_fixed", clusters});
+  clusters.clusters = 1024;
+  clusters.probe = 16;
   c.push_back({"clusters_C1024_p16_fixed", clusters});
   clusters.probe = 8;
   c.push_back({"clusters_C1024_p8_fixed", clusters});

@@ -40,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include <Eigen/Core>
@@ -56,7 +57,7 @@ class KeyClusters {
  public:
   static constexpr int kSplitSteps = 4;      // Lloyd steps of a split's 2-means
   static constexpr Index kSplitFactor = 4;   // a cluster splits past this many times the mean size
-  static constexpr Index kFileBlock = 32;    // keys filed together once there are K clusters
+  static constexpr Index kFileBlock = 64;    // keys filed together once there are K clusters
 
   KeyClusters() = default;
   KeyClusters(Index dim, Index clusters, std::uint64_t seed, Index head)
@@ -111,25 +112,22 @@ class KeyClusters {
     block_.resize(B, dim_);
     for (Index u = 0; u < B; ++u) block_.row(u) = row(key_of(pending_[std::size_t(u)]));
     dots_.resize(B, k_);
-    row_dots(dots_, block_, centroid_.topRows(k_));
+    dots_.noalias() = block_ * centroid_.topRows(k_).transpose();
     moved_.clear();
     for (Index u = 0; u < B; ++u) {
       const auto x = block_.row(u);
       for (const std::int32_t c : moved_) dots_(u, c) = x.dot(centroid_.row(c));
-      std::int32_t a = 0;
-      Scalar low = std::numeric_limits<Scalar>::infinity();
-      for (Index c = 0; c < k_; ++c) {
-        const Scalar d2 = norm2_(c) - 2 * dots_(u, c);  // ‖x − c‖² − ‖x‖²
-        if (d2 < low) low = d2, a = std::int32_t(c);
-      }
+      // ‖x − c‖² − ‖x‖² of every centroid, its least value, then its first index (ties: the
+      // lowest), in three vectorised passes over K entries.
+      gaps_.noalias() = norm2_.head(k_).transpose() - 2 * dots_.row(u);
+      const Scalar low = gaps_.minCoeff();
+      const std::int32_t a = std::int32_t(std::find(gaps_.data(), gaps_.data() + k_, low) - gaps_.data());
       const std::uint64_t before = splits_;
       join(pending_[std::size_t(u)], a, u, key_of);
       if (splits_ != before) {
         moved_.clear();
-        if (u + 1 < B) {
-          auto rest = dots_.bottomRows(B - u - 1);
-          row_dots(rest, block_.bottomRows(B - u - 1), centroid_.topRows(k_));
-        }
+        if (u + 1 < B)
+          dots_.bottomRows(B - u - 1).noalias() = block_.bottomRows(B - u - 1) * centroid_.topRows(k_).transpose();
       } else if (std::find(moved_.begin(), moved_.end(), a) == moved_.end()) {
         moved_.push_back(a);
       }
@@ -171,7 +169,9 @@ class KeyClusters {
     }
     nn_.assign(std::size_t(k_ + 1), -1);
     nnd_.setZero(k_ + 1);
-    for (Index c = 0; c < k_; ++c) refresh(c, k_);
+    fresh_.resize(std::size_t(k_));
+    std::iota(fresh_.begin(), fresh_.end(), 0);
+    refresh_rows(k_, -1, -1);
     waiting_.clear();
     waiting_.shrink_to_fit();
     built_ = true;
@@ -238,38 +238,46 @@ class KeyClusters {
     merge_closest(a, key_of);
   }
 
-  // Squared distance between the centroids of clusters x and y.
-  Scalar gap(Index x, Index y) const { return (centroid_.row(x) - centroid_.row(y)).squaredNorm(); }
-
-  // The nearest other cluster of x among rows [0, rows) (never `skip`), from one
-  // matrix-vector product.
-  void refresh(Index x, Index rows, Index skip = -1) {
-    dist_.noalias() = centroid_.topRows(rows) * centroid_.row(x).transpose();
-    nn_[std::size_t(x)] = -1;
-    nnd_(x) = std::numeric_limits<Scalar>::infinity();
-    for (Index y = 0; y < rows; ++y) {
-      if (y == x || y == skip) continue;
-      const Scalar g = norm2_(x) + norm2_(y) - 2 * dist_(y);
-      if (g < nnd_(x)) nnd_(x) = g, nn_[std::size_t(x)] = std::int32_t(y);
+  // Rows [0, rows) after clusters c0 and c1 (c1 may be −1) moved: their nearest neighbours
+  // are recomputed (with `apart`, not each other), and so are those of the rows whose neighbour
+  // was one of them; every other row compares its neighbour with them. The dots of all the rows
+  // recomputed come from one product, which reads the centroids once.
+  void update_neighbours(Index rows, Index c0, Index c1, bool apart) {
+    fresh_.assign({std::int32_t(c0)});
+    if (c1 >= 0) fresh_.push_back(std::int32_t(c1));
+    for (Index x = 0; x < rows; ++x) {
+      const std::int32_t y = nn_[std::size_t(x)];
+      if (x != c0 && x != c1 && (y == c0 || y == c1 || y < 0)) fresh_.push_back(std::int32_t(x));
+    }
+    refresh_rows(rows, apart ? c1 : -1, apart ? c0 : -1);
+    // Rows 0 and 1 of the product are c0's and c1's dots.
+    for (Index x = 0; x < rows; ++x) {
+      if (std::find(fresh_.begin(), fresh_.end(), std::int32_t(x)) != fresh_.end()) continue;
+      for (Index i = 0; i < (c1 >= 0 ? 2 : 1); ++i) {
+        const Index c = fresh_[std::size_t(i)];
+        const Scalar g = norm2_(x) + norm2_(c) - 2 * fresh_dots_(i, x);
+        if (g < nnd_(x)) nnd_(x) = g, nn_[std::size_t(x)] = std::int32_t(c);
+      }
     }
   }
 
-  // Rows [0, rows) after clusters `changed` moved: their nearest neighbours are recomputed,
-  // and every other row compares its neighbour with them (or recomputes, if it was one).
-  void update_neighbours(Index rows, Index c0, Index c1, bool apart) {
-    refresh(c0, rows, apart ? c1 : -1);
-    if (c1 >= 0) refresh(c1, rows, apart ? c0 : -1);
-    for (Index x = 0; x < rows; ++x) {
-      if (x == c0 || x == c1) continue;
-      const std::int32_t y = nn_[std::size_t(x)];
-      if (y == c0 || y == c1 || y < 0) {
-        refresh(x, rows);
-        continue;
-      }
-      for (const Index c : {c0, c1}) {
-        if (c < 0) continue;
-        const Scalar g = gap(x, c);
-        if (g < nnd_(x)) nnd_(x) = g, nn_[std::size_t(x)] = std::int32_t(c);
+  // The nearest other cluster among rows [0, rows) of every row in fresh_, from one product;
+  // fresh_[0] never takes skip0 and fresh_[1] never skip1 (−1: no row is skipped).
+  void refresh_rows(Index rows, Index skip0, Index skip1) {
+    const Index m = Index(fresh_.size());
+    fresh_rows_.resize(m, dim_);
+    for (Index i = 0; i < m; ++i) fresh_rows_.row(i) = centroid_.row(fresh_[std::size_t(i)]);
+    fresh_dots_.resize(m, rows);
+    fresh_dots_.noalias() = fresh_rows_ * centroid_.topRows(rows).transpose();
+    for (Index i = 0; i < m; ++i) {
+      const Index x = fresh_[std::size_t(i)];
+      const Index skip = i == 0 ? skip0 : i == 1 ? skip1 : -1;
+      nn_[std::size_t(x)] = -1;
+      nnd_(x) = std::numeric_limits<Scalar>::infinity();
+      for (Index y = 0; y < rows; ++y) {
+        if (y == x || y == skip) continue;
+        const Scalar g = norm2_(x) + norm2_(y) - 2 * fresh_dots_(i, y);
+        if (g < nnd_(x)) nnd_(x) = g, nn_[std::size_t(x)] = std::int32_t(y);
       }
     }
   }
@@ -328,16 +336,19 @@ class KeyClusters {
   std::uint64_t splits_ = 0;
   bool built_ = false;
   RowMatrix<Scalar> centroid_;  // (K + 1) x d: rows [0, K) in use, row K a split's scratch
-  Vector<Scalar> norm2_, radius_, dist_;
+  Vector<Scalar> norm2_, radius_;
   std::vector<std::vector<std::int32_t>> members_;  // ascending key indices
   std::vector<Index> exact_at_;                     // size at which the radius is recomputed
   std::vector<std::int32_t> waiting_;               // keys inserted before there are K
   std::vector<std::int32_t> pending_;               // keys of the block not filed yet
   RowMatrix<Scalar> block_;                         // their keys, while filing
   RowMatrix<Scalar> dots_;                          // their dots with the centroids
+  Row gaps_;                                        // one key's squared distances, shifted
   std::vector<std::int32_t> moved_;                 // centroids moved since those dots
   std::vector<std::int32_t> side_;  // a split's halves (0 or 1) per member
   RowMatrix<Scalar> split_rows_;    // a split's members' keys
+  std::vector<std::int32_t> fresh_;  // clusters whose nearest neighbour is recomputed
+  RowMatrix<Scalar> fresh_rows_, fresh_dots_;  // their centroids, and dots with every centroid
   std::vector<std::int32_t> nn_;  // nearest other cluster
   Vector<Scalar> nnd_;            // its squared distance
 };

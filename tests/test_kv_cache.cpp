@@ -902,7 +902,8 @@ void check_clusters(const KvCache<S>& cache, Index h) {
   const Index n = cache.size(), first = o.sinks, all = std::max(first, n - o.window);
   REQUIRE(cl.count() == o.clusters);
   REQUIRE(cl.keys() == all - first);
-  REQUIRE(cl.unfiled() < randattn::detail::KeyClusters<S>::kFileBlock);
+  REQUIRE(cl.file_block() == std::clamp<Index>(o.clusters / 16, 1, 64));
+  REQUIRE(cl.unfiled() < cl.file_block());
   const Index last = all - cl.unfiled();
   std::vector<int> seen(std::size_t(n), 0);
   const auto keys = cache.keys(h);
@@ -1089,6 +1090,49 @@ TEST_CASE("KvCache clusters: splits and merges keep the count and every key in o
   // One cluster: never split, holds every candidate.
   const auto one = filled(tok, clusters_options(1, 1, 3, 20));
   for (Index h = 0; h < kvh; ++h) check_clusters(one, h);
+}
+
+TEST_CASE("KvCache clusters: keys filed in blocks; the open block is scored exactly",
+          "[kv_cache]") {
+  // 128 clusters file keys 8 at a time: at every size the invariants hold with fewer than 8
+  // keys pending, those are among the keys scored, and appending token by token gives the
+  // same clusters and bits as in blocks of 37.
+  const Index d = 16, dv = 8, kvh = 2, qh = 4, n = 2500, sinks = 3, window = 20;
+  const Tokens<float> tok = drifting_tokens(113, n, kvh, d, dv);
+  const RowMatrix<float> q = needle_queries(tok, qh, 9, 5.0);
+  KvCacheOptions o = clusters_options(128, 1, sinks, window);
+  o.cluster_margin = -std::numeric_limits<double>::infinity();
+  KvCache<float> one_by_one(d, dv, kvh, o), blocks(d, dv, kvh, o);
+  REQUIRE(one_by_one.key_clusters(0).file_block() == 8);
+  Index pending_seen = 0;
+  for (Index i = 0; i < n; ++i) {
+    one_by_one.append(tok.keys(i, 1), tok.values(i, 1));
+    const auto& cl = one_by_one.key_clusters(0);
+    if (cl.count() == 0 || i % 13 != 0) continue;
+    for (Index h = 0; h < kvh; ++h) check_clusters(one_by_one, h);
+    pending_seen += cl.unfiled() > 0;
+    DecodeReport rep;
+    rep.record_keys = true;
+    one_by_one.attend(q, &rep);
+    const Index size = one_by_one.size(), from = size - window - cl.unfiled();
+    Index missing = 0;
+    for (const auto& keys : rep.scored_keys)
+      for (Index j = from; j < size; ++j) missing += !std::binary_search(keys.begin(), keys.end(), std::int32_t(j));
+    CHECK(missing == 0);
+  }
+  CHECK(pending_seen > 0);
+  CHECK(one_by_one.key_clusters(0).splits() > 0);
+  for (Index i = 0; i < n; i += 37) {
+    const Index t = std::min<Index>(37, n - i);
+    blocks.append(tok.keys(i, t), tok.values(i, t));
+  }
+  CHECK(bit_identical<float>(blocks.attend(q), one_by_one.attend(q)));
+  for (Index h = 0; h < kvh; ++h) {
+    const auto &a = blocks.key_clusters(h), &b = one_by_one.key_clusters(h);
+    CHECK(a.splits() == b.splits());
+    CHECK(bit_identical<float>(RowMatrix<float>(a.centroids()), RowMatrix<float>(b.centroids())));
+    for (Index c = 0; c < a.count(); ++c) CHECK(a.members(c) == b.members(c));
+  }
 }
 
 TEST_CASE("KvCache clusters: every key left out is below the negligible margin", "[kv_cache]") {

@@ -9,7 +9,7 @@
 // The count stays `clusters` (K) at all times once K keys are filed:
 //   - the first K keys filed are K clusters of one key each (k-means of K keys into K clusters);
 //     before that the keys only wait (the cache scores them exactly);
-//   - later keys are filed in blocks of kFileBlock (as the cache's SimHash tables hash theirs):
+//   - later keys are filed in blocks of K/16 (1 to 64; as the cache's SimHash tables hash theirs):
 //     until its block is complete a key is pending, in no cluster (the cache scores it exactly);
 //     the block's dots with the centroids come from one block x K product, which reads the
 //     centroids once per block instead of once per key; its keys then join in order, each the
@@ -57,11 +57,15 @@ class KeyClusters {
  public:
   static constexpr int kSplitSteps = 4;      // Lloyd steps of a split's 2-means
   static constexpr Index kSplitFactor = 4;   // a cluster splits past this many times the mean size
-  static constexpr Index kFileBlock = 64;    // keys filed together once there are K clusters
+  // Keys filed together once there are K clusters: K/16, from 1 to 64. The block amortises
+  // one read of the K centroids; with few clusters there is little to amortise, and a smaller
+  // block leaves fewer pending keys to be scored exactly.
+  static constexpr Index kMaxFileBlock = 64;
 
   KeyClusters() = default;
   KeyClusters(Index dim, Index clusters, std::uint64_t seed, Index head)
-      : dim_(dim), k_(clusters), seed_(seed), head_(head) {}
+      : dim_(dim), k_(clusters), seed_(seed), head_(head),
+        file_block_(std::clamp<Index>(clusters / 16, 1, kMaxFileBlock)) {}
 
   Index dim() const { return dim_; }
   // K, and the clusters in use: 0 until K keys are filed, then K.
@@ -71,6 +75,7 @@ class KeyClusters {
   // complete), and of those the newest not in a cluster: the cache scores them exactly.
   Index keys() const { return keys_; }
   Index unfiled() const { return built_ ? Index(pending_.size()) : Index(waiting_.size()); }
+  Index file_block() const { return file_block_; }
   Index splits() const { return Index(splits_); }
 
   // count() x dim centroids, their squared norms and radii.
@@ -89,7 +94,7 @@ class KeyClusters {
       return;
     }
     pending_.push_back(j);
-    if (Index(pending_.size()) == kFileBlock) file_pending(key_of);
+    if (Index(pending_.size()) == file_block_) file_pending(key_of);
   }
 
   std::size_t bytes() const {
@@ -332,6 +337,7 @@ class KeyClusters {
   Index dim_ = 0, k_ = 0;
   std::uint64_t seed_ = 0;
   Index head_ = 0;
+  Index file_block_ = 1;
   Index keys_ = 0;
   std::uint64_t splits_ = 0;
   bool built_ = false;

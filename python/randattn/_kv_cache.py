@@ -23,7 +23,10 @@ class KVCache:
       "lsf"         locality-sensitive filters: filters (256) per table, tables (4), eta (None:
                     from alpha), alpha (0.5), min_probes (1), seed (0)
       "clusters"    key clusters: clusters (64) per kv head, probe (8) clusters at least opened
-                    per query head (probe == clusters is exact), seed (0) of the splits
+                    per query head (probe == clusters is exact), margin (24 ln 2: further
+                    clusters whose bound is within it of the best logit; -inf: the probe
+                    clusters alone), samples (0) keys drawn from the closed clusters with
+                    importance weights, seed (0) of the splits and draws
     Every retrieval mode also takes centre_tokens (0) or key_centre (None) for key centring, and
     attends exactly to the first ``sinks`` and last ``window`` tokens. An option of another mode
     raises ValueError naming it; an unknown keyword raises TypeError.

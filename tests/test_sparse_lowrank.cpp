@@ -666,6 +666,13 @@ TEST_CASE("sparse-lowrank: a query's clusters hold every key that can matter",
       }
   }
   CHECK(left_out > 0.2 * valid_pairs);
+  // margin −inf: the probed cluster alone (and the own chunk), a subset of every row's support.
+  ClusterSupport fixed = cs;
+  fixed.margin = -INFINITY;
+  const TargetSets few = randattn::cluster_target_sets<double>(p.q, keys, fixed, scale, causal, 9);
+  for (Index i = 0; i < n; ++i)
+    REQUIRE(std::includes(sets.begin(i), sets.end(i), few.begin(i), few.end(i)));
+  CHECK(few.keys.size() < sets.keys.size());
   // The seed seeds the k-means: another gives other clusters, the same the same.
   CHECK(randattn::cluster_target_sets<double>(p.q, keys, cs, scale, causal, 9).keys == sets.keys);
   CHECK_FALSE(randattn::cluster_target_sets<double>(p.q, keys, ClusterSupport{24, 1, C}, scale,
@@ -713,7 +720,8 @@ TEST_CASE("sparse-lowrank: the sampled remainder drawing from clusters is unbias
 TEST_CASE("sparse-lowrank: clusters support options are checked", "[sparse_lowrank][clusters]") {
   const Problem<double> p(141, 20, 4, 2, 1.0);
   for (const ClusterSupport& bad : {ClusterSupport{0, 1, 8}, ClusterSupport{4, 0, 8},
-                                    ClusterSupport{4, 5, 8}, ClusterSupport{4, 2, 0}}) {
+                                    ClusterSupport{4, 5, 8}, ClusterSupport{4, 2, 0},
+                                    ClusterSupport{4, 2, 8, std::nan("")}}) {
     SupportSpec<double> s;
     s.clusters = bad;
     CAPTURE(bad.clusters, bad.probe, bad.chunk);

@@ -134,3 +134,20 @@ def test_clusters_seed_gives_the_clusters():
     assert np.array_equal(a, b) and ra["pairs_scored"] == rb["pairs_scored"]
     pairs = {randattn.attention(q, k, v, seed=s, **options)[1]["pairs_scored"] for s in range(2, 6)}
     assert len(pairs | {ra["pairs_scored"]}) > 1  # other seeds, other clusters
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_clusters_margin_minus_infinity_opens_the_probed_clusters_alone(causal):
+    q, k, v = inputs("float64", n=120)
+    options = dict(method="sparse-lowrank", support="clusters", clusters=12, probe=2, block_size=16,
+                   remainder="none", causal=causal, report=True, seed=2)
+    _, wide = randattn.attention(q, k, v, **options)
+    out, fixed = randattn.attention(q, k, v, margin=float("-inf"), **options)
+    assert np.all(np.isfinite(out))
+    assert fixed["pairs_scored"] < wide["pairs_scored"]
+    # Every cluster probed is exact attention whatever the margin.
+    exact = randattn.attention(q, k, v, method="exact", causal=causal)
+    all_probed = dict(options, probe=12, report=False)
+    assert np.array_equal(randattn.attention(q, k, v, margin=float("-inf"), **all_probed), exact)
+    with pytest.raises(ValueError, match="margin"):
+        randattn.attention(q, k, v, margin=float("nan"), **options)

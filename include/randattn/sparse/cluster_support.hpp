@@ -5,8 +5,9 @@
 // centroid c and radius r, the largest distance of a member from c, so that for each member k
 //     scale·q·k ≤ scale·q·c + |scale|·‖q‖·r        (Cauchy–Schwarz).
 // Query i opens the `probe` clusters with the highest bounds (ties to the lower index) and every
-// other cluster whose bound is within kClusterMargin of a lower bound on the largest logit of the
-// keys it scores: whatever such a cluster holds weighs less than 2^-24 of that key each. Its
+// other cluster whose bound is within `margin` of a lower bound on the largest logit of the keys
+// it scores: with the default margin, kClusterMargin, whatever a cluster left closed holds weighs
+// less than 2^-24 of that key each; with −inf the `probe` clusters alone are opened. Its
 // support is the members of the clusters opened. The lower bound: a centroid is the mean of the
 // members k-means gave it, so the largest of their logits is at least scale·q·c; under causal
 // masking the query's own key's logit is one too. No logit is computed twice.
@@ -48,6 +49,8 @@ struct ClusterSupport {
   Index clusters = 16;  // K >= 1 clusters of the keys
   Index probe = 2;      // 1 <= probe <= K clusters opened at least per query
   Index chunk = 64;     // causal: clusters over completed chunks of C >= 1 keys
+  // Further clusters opened: bound within this many nats of the best logit (not NaN; −inf: none).
+  double margin = detail::kClusterMargin;
 };
 
 namespace detail {
@@ -58,6 +61,7 @@ inline void check_cluster_support(const ClusterSupport& s, const char* where) {
   require(s.clusters >= 1, where, "clusters must be >= 1, got ", s.clusters);
   require(s.probe >= 1 && s.probe <= s.clusters, where, "probe must be in [1, clusters = ",
           s.clusters, "], got ", s.probe);
+  require(!std::isnan(s.margin), where, "margin must not be NaN");
   require(s.chunk >= 1, where, "the clusters' chunk must be >= 1, got ", s.chunk);
 }
 
@@ -157,7 +161,7 @@ class KeyClusterIndex {
     Scalar low = causal_ && i < n_k_ ? self_(i) : -std::numeric_limits<Scalar>::infinity();
     for (Index u = 0; u < probe; ++u)
       if (ep.count(0, order[std::size_t(u)]) > 0) low = std::max(low, logit_(i, order[std::size_t(u)]));
-    const Scalar floor = low - Scalar(kClusterMargin);
+    const Scalar floor = low - Scalar(s_.margin);
     const auto open = [&](Index c) {
       const std::int32_t* m = ep.members.data() + ep.start[std::size_t(c)];
       for (Index u = 0; u < ep.count(t, c); ++u) add(m[u]);

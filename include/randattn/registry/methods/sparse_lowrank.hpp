@@ -76,8 +76,13 @@ class SparseLowRankMethod final : public TypedMethod<SparseLowRankMethod> {
     OptionSpec probe{"probe", OptionType::integer, std::int64_t(2),
                      "clusters support: clusters opened at least per query (<= clusters)"};
     probe.min = Bound{1};
-    std::vector<OptionSpec> out = {support, remainder, window,   sinks, block, top, clusters,
-                                   probe,   samples,   sampling, centre, prefix};
+    OptionSpec margin{"margin", OptionType::real, randattn::detail::kClusterMargin,
+                      "clusters support: further clusters opened whose bound is within this many "
+                      "nats of the best logit (default 24 ln 2; -inf: the probe clusters alone)"};
+    margin.finite = true;
+    margin.negative_infinity = true;
+    std::vector<OptionSpec> out = {support, remainder, window,   sinks,  block,  top,   clusters,
+                                   probe,   margin,    samples,  sampling, centre, prefix};
     for (const auto& part : {LshMethod().options(), LsfMethod().options(), OprfFamily::options()})
       for (const OptionSpec& s : part)
         if (std::none_of(out.begin(), out.end(), [&](const OptionSpec& o) { return o.name == s.name; }))
@@ -148,7 +153,7 @@ class SparseLowRankMethod final : public TypedMethod<SparseLowRankMethod> {
                           std::to_string(o.integer("clusters")) + "), got " +
                           std::to_string(o.integer("probe")));
       spec->clusters = ClusterSupport{o.integer("clusters"), o.integer("probe"),
-                                      o.integer("block_size")};
+                                      o.integer("block_size"), o.real("margin")};
       report.insert(report.end(), {{"clusters", o.integer("clusters")}, {"probe", o.integer("probe")}});
       if (!has("blocks")) report.emplace_back("block_size", o.integer("block_size"));
     }

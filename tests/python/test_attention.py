@@ -180,7 +180,7 @@ def test_method_table_defaults_are_the_cli_defaults():
     # sparse-lowrank: its own options, then those of its parts (lsh, lsf, oprf/sderf) with their
     # defaults, each once.
     own = {"support": "lsh", "remainder": "oprf", "window": 64, "sinks": 0, "block_size": 64, "top_blocks": 2,
-           "clusters": 16, "probe": 2, "samples": 64, "sampling": "bounds", "centre_keys": False,
+           "clusters": 16, "probe": 2, "margin": 24 * np.log(2), "samples": 64, "sampling": "bounds", "centre_keys": False,
            "centre_prefix": 64}
     parts = {**m["lsh"]["options"], **m["lsf"]["options"], **m["oprf"]["options"]}
     assert m["sparse-lowrank"]["options"] == {**own, **parts}

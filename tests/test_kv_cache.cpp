@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <set>
 #include <string>
 #include <thread>
@@ -24,6 +25,8 @@
 #include <catch2/catch.hpp>
 
 #include <randattn/decode/kv_cache.hpp>
+
+#include <Eigen/QR>
 
 #include "support.hpp"
 
@@ -211,6 +214,90 @@ TEST_CASE("KvCache blocks attends to the pages with the highest bound", "[kv_cac
   const RowMatrix<double> out2 = filled(tok, centred).attend(q, &rep2);
   CHECK(rep2.scored_keys == rep.scored_keys);
   CHECK((out2 - out).norm() <= 1e-12 * out.norm());
+}
+
+TEST_CASE("Principal axes: orthonormal eigenvectors of the covariance, by decreasing variance",
+          "[kv_cache]") {
+  const Index d = 6, n = 400;
+  // Rows stretched along the axes of a random rotation, with decreasing spreads.
+  const RowMatrix<double> z = testing::gaussian<double>(5, n, d, 1.0);
+  const Eigen::HouseholderQR<Eigen::MatrixXd> qr(testing::gaussian<double>(6, d, d, 1.0));
+  const Eigen::MatrixXd rotation = qr.householderQ();
+  Eigen::VectorXd spread(d);
+  spread << 9, 5, 3, 2, 1, 0.5;
+  RowMatrix<double> rows = (z * spread.asDiagonal()) * rotation.transpose();
+  rows.rowwise() += testing::gaussian<double>(7, 1, d, 4.0).row(0);
+  const auto at = [&](Index j) { return rows.row(j).data(); };
+  const RowMatrix<double> axes = randattn::detail::principal_axes<double>(n, d, at);
+  CHECK((axes.transpose() * axes - Eigen::MatrixXd::Identity(d, d)).norm() <= 1e-12);
+  const RowMatrix<double> centred = rows.rowwise() - rows.colwise().mean();
+  const Eigen::MatrixXd cov = centred.transpose() * centred;
+  for (Index a = 0; a < d; ++a) {
+    const Eigen::VectorXd v = axes.col(a);
+    const double lambda = v.dot(cov * v);
+    CHECK((cov * v - lambda * v).norm() <= 1e-9 * cov.norm());
+    if (a > 0) CHECK(lambda < axes.col(a - 1).dot(cov * axes.col(a - 1)));
+    Index top;
+    v.cwiseAbs().maxCoeff(&top);
+    CHECK(v(top) > 0);
+    // Well separated spreads: the axis is the rotation's column, up to sign.
+    CHECK(std::abs(std::abs(v.dot(rotation.col(a))) - 1) <= 0.05);
+  }
+  // Too few rows, or a non-finite row: the identity.
+  CHECK(randattn::detail::principal_axes<double>(1, d, at) == RowMatrix<double>::Identity(d, d));
+  rows(3, 2) = std::numeric_limits<double>::quiet_NaN();
+  CHECK(randattn::detail::principal_axes<double>(n, d, at) == RowMatrix<double>::Identity(d, d));
+}
+
+TEST_CASE("KvCache blocks with page_axes bounds the pages in the principal axes", "[kv_cache]") {
+  const Index d = 16, dv = 8, n = 640, P = 32, axes_tokens = 100;
+  const Tokens<double> tok(31, n, 1, d, dv);
+  KvCacheOptions opt;
+  opt.mode = DecodeMode::blocks;
+  opt.sinks = 0;
+  opt.window = 0;
+  opt.page_size = P;
+  opt.top_pages = 3;
+  opt.page_axes = axes_tokens;
+  const auto cache = filled(tok, opt);
+  const RowMatrix<double> q = needle_queries(tok, 1, 3, 5.0);
+  DecodeReport rep;
+  rep.record_keys = true;
+  const RowMatrix<double> out = cache.attend(q, &rep);
+  CHECK(rep.pages_opened == 3);
+  // The bounds by hand in the axes of the first keys; every key's score is below its page's.
+  const RowMatrix<double> axes = randattn::detail::principal_axes<double>(
+      axes_tokens, d, [&](Index j) { return tok.k.row(j).data(); });
+  const RowMatrix<double> qa = q * axes;
+  std::vector<std::pair<double, Index>> bounds;
+  for (Index p = 0; p < n / P; ++p) {
+    const RowMatrix<double> keys = tok.k.middleRows(p * P, P);
+    const RowMatrix<double> ka = keys * axes;
+    double b = 0;
+    for (Index c = 0; c < d; ++c)
+      b += std::max(qa(0, c) * ka.col(c).minCoeff(), qa(0, c) * ka.col(c).maxCoeff());
+    CHECK((keys * q.row(0).transpose()).maxCoeff() <= b + 1e-12);
+    bounds.push_back({-b, p});
+  }
+  std::sort(bounds.begin(), bounds.end());
+  std::set<std::int32_t> expected;
+  for (int t = 0; t < 3; ++t)
+    for (Index j = 0; j < P; ++j) expected.insert(std::int32_t(bounds[t].second * P + j));
+  CHECK(std::set<std::int32_t>(rep.scored_keys[0].begin(), rep.scored_keys[0].end()) == expected);
+
+  // Before the axes are fixed the pages are bounded in the keys' own coordinates.
+  KvCacheOptions raw = opt;
+  raw.page_axes = 0;
+  KvCache<double> early(d, dv, 1, opt), plain(d, dv, 1, raw);
+  early.append(tok.keys(0, axes_tokens - 1), tok.values(0, axes_tokens - 1));
+  plain.append(tok.keys(0, axes_tokens - 1), tok.values(0, axes_tokens - 1));
+  CHECK(bit_identical<double>(early.attend(q), plain.attend(q)));
+  CHECK_THROWS_AS((KvCache<double>(d, dv, 1, [&] {
+                    KvCacheOptions bad = opt;
+                    bad.page_axes = -1;
+                    return bad;
+                  }())),
+                  std::invalid_argument);
 }
 
 TEST_CASE("SimHash sample probability is P[Binomial(L, c) >= 2]", "[kv_cache]") {
@@ -435,6 +522,7 @@ TEMPLATE_TEST_CASE("KvCache appending token by token equals one block, bit for b
       opt.clusters = 16;  // 278 candidates: splits and merges happen
       opt.probe = 2;
       opt.centre_tokens = centre_tokens;
+      opt.page_axes = centre_tokens > 0 ? 45 : 0;  // fixed mid-page, mid-block
       const auto block = filled(tok, opt);
       KvCache<S> single(d, dv, kvh, opt), mixed(d, dv, kvh, opt);
       for (Index i = 0; i < n; ++i) single.append(tok.keys(i, 1), tok.values(i, 1));
@@ -529,6 +617,7 @@ TEMPLATE_TEST_CASE("KvCache save/load round trip is bit-identical", "[kv_cache]"
     opt.seed = 5;
     opt.scale = 0.3;
     opt.key_centre = testing::gaussian<double>(3, kvh, d, 0.5);
+    opt.page_axes = 30;
     const auto cache = filled(tok, opt);
     cache.save(path);
     const auto loaded = KvCache<S>::load(path);
@@ -1431,9 +1520,10 @@ TEST_CASE("KvCache storage types: rounding of doubles, ranges, refused input", "
     std::ofstream out(path, std::ios::binary | std::ios::trunc);
     out.write(b.data(), std::streamsize(b.size()));
   };
-  // The storage field sits before the clusters' margin and samples (8 bytes each) and the rows:
-  // 20 tokens × (8 + 4) entries × 2 bytes.
-  const std::size_t storage_at = bytes.size() - 8 - 20 * (d + dv) * 2 - 16 - 4;
+  // The storage field sits before the clusters' margin and samples and page_axes (8 bytes each)
+  // and the rows: 20 tokens × (8 + 4) entries × 2 bytes.
+  const std::size_t rows_at = bytes.size() - 8 - 20 * (d + dv) * 2;
+  const std::size_t storage_at = rows_at - 24 - 4;
   std::vector<char> wrong = bytes;
   wrong[storage_at] = 9;
   rewrite(wrong);
@@ -1442,5 +1532,15 @@ TEST_CASE("KvCache storage types: rounding of doubles, ranges, refused input", "
   shorter.insert(shorter.end(), bytes.end() - 8, bytes.end());
   rewrite(shorter);
   CHECK_THROWS_WITH(KvCache<float>::load(path), Contains("truncated"));
+  // A file of format version 5 (no page_axes) is still read.
+  std::vector<char> v5(bytes.begin(), bytes.begin() + std::ptrdiff_t(rows_at - 8));
+  v5.insert(v5.end(), bytes.begin() + std::ptrdiff_t(rows_at), bytes.end());
+  CHECK(v5[8] == 6);
+  v5[8] = 5;
+  rewrite(v5);
+  const auto old = KvCache<float>::load(path);
+  CHECK(old.options().page_axes == 0);
+  CHECK(old.size() == 20);
+  CHECK(bit_identical<float>(RowMatrix<float>(old.keys(0)), RowMatrix<float>(filled(tok, bf).keys(0))));
   std::remove(path.c_str());
 }

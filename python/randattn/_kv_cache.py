@@ -17,7 +17,8 @@ class KVCache:
 
     mode and its options (defaults in parentheses; ``randattn.KVCache.modes()`` lists them):
       "exact"       every cached key (the reference)
-      "blocks"      Quest page bounds: page_size (32) tokens per page, top_pages (64) attended
+      "blocks"      Quest page bounds: page_size (32) tokens per page, top_pages (64) attended,
+                    axes (0): > 0 bounds the pages in the principal axes of the first `axes` keys
       "lsh-sample"  MagicPIG SimHash sampling with importance weights: bits (8) K per table,
                     tables (64) L, hash_block (64) keys hashed per block, seed (0)
       "lsf"         locality-sensitive filters: filters (256) per table, tables (4), eta (None:

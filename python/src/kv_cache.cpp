@@ -67,6 +67,8 @@ const std::vector<ModeInfo>& modes() {
        DecodeMode::blocks,
        {{"page_size", std::int64_t(o.page_size), "tokens per page"},
         {"top_pages", std::int64_t(o.top_pages), "pages attended per query head"},
+        {"axes", std::int64_t(o.page_axes),
+         "page boxes in the principal axes of the first `axes` keys (0: the keys' own coordinates)"},
         centre_tokens,
         key_centre}},
       {"lsh-sample",
@@ -164,6 +166,7 @@ KvCacheOptions to_options(const ModeInfo& mode, py::handle sinks, py::handle win
   if (owns(mode, "page_size")) {
     o.page_size = integer_in("page_size", 1, kBig);
     o.top_pages = integer_in("top_pages", 0, kBig);
+    o.page_axes = integer_in("axes", 0, kBig);
   }
   if (owns(mode, "bits")) {
     o.lsh_bits = int(integer_in("bits", 0, 16));
@@ -385,6 +388,7 @@ class KVCache {
       };
       set("page_size", py::cast(o.page_size));
       set("top_pages", py::cast(o.top_pages));
+      set("axes", py::cast(o.page_axes));
       set("bits", py::cast(o.lsh_bits));
       if (o.mode == DecodeMode::lsh_sample) d["tables"] = o.lsh_tables;
       set("hash_block", py::cast(o.lsh_hash_block));

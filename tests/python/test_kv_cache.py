@@ -526,3 +526,24 @@ def test_half_precision_queries_and_caches(rng):
     big.append(k, 1e5 * np.ones_like(v))
     with pytest.raises(ValueError, match="range of float16"):
         big.attend(q.astype(np.float16))
+
+
+def test_blocks_page_boxes_in_principal_axes(rng, tmp_path):
+    n = 120
+    k, v = tokens(rng, n)
+    k *= np.linspace(4.0, 0.25, D)  # keys that vary along few directions
+    q = queries(rng)
+    options = dict(page_size=8, top_pages=3, axes=40)
+    cache = filled(k, v, "blocks", options=options)
+    assert cache.options["axes"] == 40 and randattn.KVCache.modes()["blocks"]["axes"] == 0
+    cache.save(tmp_path / "c.bin")
+    loaded = randattn.KVCache.load(tmp_path / "c.bin")
+    assert loaded.options["axes"] == 40 and identical(loaded.attend(q), cache.attend(q))
+    # Every page attended: exact decoding, whatever basis bounds the pages.
+    every = filled(k, v, "blocks", options=dict(options, top_pages=n))
+    assert_close(every.attend(q), filled(k, v).attend(q), np.float64, n + D)
+    # Until `axes` keys are cached the pages are bounded in the keys' own coordinates.
+    assert identical(filled(k[:, :39], v[:, :39], "blocks", options=options).attend(q),
+                     filled(k[:, :39], v[:, :39], "blocks", options=dict(options, axes=0)).attend(q))
+    with pytest.raises(ValueError, match="axes must be in"):
+        filled(k, v, "blocks", options=dict(options, axes=-1))

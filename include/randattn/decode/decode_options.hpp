@@ -6,7 +6,8 @@
 //   blocks      page retrieval after Quest (Tang et al., arXiv 2406.10774): per page of
 //               `page_size` tokens the per-coordinate min and max of its keys; a query scores a
 //               page by the upper bound Σ_c max(q_c·min_c, q_c·max_c) ≥ q·k of every key in it and
-//               attends exactly to the `top_pages` pages with the highest bound.
+//               attends exactly to the `top_pages` pages with the highest bound; with
+//               `page_axes` the boxes are taken in the principal axes of the first keys.
 //   lsh_sample  SimHash sampling after MagicPIG (Chen et al., arXiv 2410.16179): K = `lsh_bits`
 //               sign bits per table, L = `lsh_tables` tables; a key is sampled when it collides
 //               with the query in at least two tables, and its logit is lowered by log p, p its
@@ -95,6 +96,12 @@ struct KvCacheOptions {
   // blocks: tokens per page and pages attended per query head.
   Index page_size = 32;
   Index top_pages = 64;
+  // blocks: > 0 takes the page boxes in the principal axes of the first `page_axes` keys of each
+  // kv head (the eigenvectors of their covariance, linalg/principal_axes.hpp), fixed once that
+  // many tokens are cached; the pages cached until then are summarised again. 0: the keys' own
+  // coordinates. Keys of trained models vary along few directions, and the rotated box is then
+  // often the tighter bound (docs/decode.md measures both, and what they change in a model).
+  Index page_axes = 0;
 
   // lsh_sample: bits per table (0..16), tables (2..1024), seed of the hyperplanes, and the
   // tokens hashed together (1..4096): keys are hashed in blocks aligned to their positions,

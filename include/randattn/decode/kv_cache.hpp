@@ -85,6 +85,7 @@
 #include "../core/types.hpp"
 #include "../detail/chunk_products.hpp"
 #include "../detail/validation.hpp"
+#include "../linalg/principal_axes.hpp"
 #include "decode_options.hpp"
 #include "detail/binary_io.hpp"
 #include "detail/filter_tables.hpp"
@@ -106,9 +107,10 @@ class KvCache {
   // Largest number of cached tokens (key indices are 32-bit).
   static constexpr Index kMaxTokens = std::numeric_limits<std::int32_t>::max();
   // Version 3 added the options of the clusters mode, version 4 the storage type, version 5 the
-  // clusters' margin and samples; versions 2 to 4 are still read (2 and 3: float32/float64
-  // storage of the file's scalar; 2 to 4: the default margin and no samples).
-  static constexpr std::uint32_t kFileVersion = 5;
+  // clusters' margin and samples, version 6 page_axes; versions 2 to 5 are still read (2 and 3:
+  // float32/float64 storage of the file's scalar; 2 to 4: the default margin and no samples; 2
+  // to 5: no page axes).
+  static constexpr std::uint32_t kFileVersion = 6;
   // Keys drawn per query head from the closed clusters (draw indices are 32-bit counters).
   static constexpr Index kMaxClusterSamples = Index(1) << 24;
 
@@ -131,6 +133,8 @@ class KvCache {
                     opt_.page_size);
     detail::require(opt_.top_pages >= 0, where, "options.top_pages must be >= 0, got ",
                     opt_.top_pages);
+    detail::require(opt_.page_axes >= 0 && opt_.page_axes <= kMaxTokens, where,
+                    "options.page_axes must be in [0, ", kMaxTokens, "], got ", opt_.page_axes);
     detail::require(opt_.lsh_bits >= 0 && opt_.lsh_bits <= 16, where,
                     "options.lsh_bits must be in [0, 16], got ", opt_.lsh_bits);
     detail::require(opt_.lsh_tables >= 2 && opt_.lsh_tables <= 1024, where,
@@ -482,6 +486,7 @@ class KvCache {
     w.u32(std::uint32_t(storage_));
     w.f64(opt_.cluster_margin);
     w.u64(std::uint64_t(opt_.cluster_samples));
+    w.u64(std::uint64_t(opt_.page_axes));
     for (const Head& h : heads_) {
       h.keys.write(w, n_);
       h.values.write(w, n_);
@@ -559,6 +564,7 @@ class KvCache {
       o.cluster_margin = r.f64("cluster_margin");
       o.cluster_samples = Index(r.u64("cluster_samples"));
     }
+    if (version >= 6) o.page_axes = Index(r.u64("page_axes"));
     const KvStorage storage = o.storage.value_or(detail::storage_of<Scalar>());
     // Bytes per token and kv head: entries, and two int8 scales.
     const std::uint64_t per_token =
@@ -665,6 +671,12 @@ class KvCache {
       const auto j = std::int32_t(n_ - 1 - opt_.window);
       for (Head& head : heads_)
         head.clusters.insert(j, [&](std::int32_t i) { return head.keys.row_as(i, key_row_.data()); });
+    }
+    if (opt_.mode == DecodeMode::blocks && n_ == opt_.page_axes) {
+      for (Head& head : heads_) {
+        const auto key_at = [&](Index j) { return head.keys.row_as(j, key_row_.data()); };
+        head.pages.rotate(detail::principal_axes<Scalar>(n_, d_, key_at), key_at);
+      }
     }
     if (pending && n_ == opt_.centre_tokens) {
       Matrix centre(kv_heads_, d_);

@@ -20,6 +20,7 @@
 //   blocks      pages are pages of a rank's own tokens (global pages when page_size divides
 //               shard_tokens) and each rank attends to its own top_pages pages: up to
 //               P·top_pages pages in all. With every page attended it is exact decoding.
+//               With page_axes, a rank's axes are those of its own first page_axes tokens.
 // Centring: a given key_centre, or the mean of the first centre_tokens tokens of the whole
 // sequence: every rank sees every appended block, so each sums the first tokens' keys itself
 // (in double, in token order, as the single process does) and fixes its local cache's centre

@@ -44,6 +44,9 @@ class GrowableRows {
     if (cols_ > 0) std::memcpy(dst, values, sizeof(T) * static_cast<std::size_t>(cols_));
   }
 
+  // No rows; the capacity stays.
+  void clear() { rows_ = 0; }
+
   T* row_ptr(Index i) { return data_.data() + i * cols_; }
   const T* row_ptr(Index i) const { return data_.data() + i * cols_; }
 

@@ -102,6 +102,9 @@ std::vector<Config> configs() {
   blocks.page_size = 16;
   blocks.top_pages = 128;
   stored("blocks_P16_top128", blocks, compressed);
+  blocks.page_axes = 1024;  // the boxes in the principal axes of the first 1024 keys
+  c.push_back({"blocks_P16_top128_axes", blocks});
+  blocks.page_axes = 0;
   blocks.page_size = 8;
   blocks.top_pages = 256;
   c.push_back({"blocks_P8_top256", blocks});

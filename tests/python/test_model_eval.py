@@ -360,3 +360,27 @@ def test_generate_errors(checkpoint, text, args, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert result.stdout == ""
+
+
+def test_bound_slack_bounds_hold_and_script_runs(checkpoint, text):
+    import bound_slack
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((60, 6)) * np.linspace(3, 0.3, 6) + 1.0
+    q = 2 * rng.standard_normal((9, 6))
+    axes = bound_slack.principal_axes(k[:20])
+    assert np.allclose(axes.T @ axes, np.eye(6), atol=1e-12)
+    groups = [np.arange(i, min(i + 7, 60)) for i in range(0, 60, 7)]
+    bounds = bound_slack.group_bounds(q, k, groups, axes)
+    true = np.stack([(q @ k[g].T).max(1) for g in groups], 1)
+    for name, b in bounds.items():
+        assert (b >= true - 1e-9).all(), name  # every bound bounds
+    assert (bounds["box ∧ ball"] <= np.minimum(bounds["box"], bounds["ball"])).all()
+    result = subprocess.run([sys.executable, str(EXAMPLES / "bound_slack.py"), str(checkpoint), str(text),
+                             "--seqs", "2", "--page", "4", "--top", "2"],
+                            capture_output=True, text=True, env={"PYTHONPATH": str(EXAMPLES)})
+    assert result.returncode == 0, result.stderr
+    rows = [line.strip("|").split("|") for line in result.stdout.splitlines() if line.startswith("| pages")
+            or line.startswith("| clusters")]
+    assert len(rows) == 8, result.stdout
+    for kind, name, slack, top, mass in rows:
+        assert float(slack) >= 0 and float(top) >= 0 and 0 < float(mass) <= 1 + 1e-9, (kind, name)

@@ -12,7 +12,9 @@
 //   - later keys are filed in blocks of K/16 (1 to 64; as the cache's SimHash tables hash theirs):
 //     until its block is complete a key is pending, in no cluster (the cache scores it exactly);
 //     the block's dots with the centroids come from one block x K product, which reads the
-//     centroids once per block instead of once per key; its keys then join in order, each the
+//     centroids once per block instead of once per key (from a transposed copy kept with them,
+//     d x K row-major, so that the product reads it in place: Eigen's GEMM copied all K
+//     centroids into its panels for every product, a quarter of the append's time); its keys then join in order, each the
 //     centroid nearest at its turn (the dots with the few centroids moved since the product are
 //     computed again), as if filed one by one;
 //   - a key joins its nearest centroid (ties: lowest index); the centroid is the running
@@ -46,6 +48,7 @@
 #include <Eigen/Core>
 
 #include "../../core/types.hpp"
+#include "../../detail/chunk_products.hpp"
 #include "../../detail/kmeans.hpp"
 #include "../../random/philox.hpp"
 #include "../../random/streams.hpp"
@@ -98,7 +101,8 @@ class KeyClusters {
   }
 
   std::size_t bytes() const {
-    std::size_t b = sizeof(Scalar) * std::size_t(centroid_.size() + norm2_.size() + radius_.size());
+    std::size_t b = sizeof(Scalar) * std::size_t(centroid_.size() + columns_.size() + norm2_.size() +
+                                                 radius_.size());
     for (const auto& m : members_) b += m.capacity() * sizeof(std::int32_t);
     return b + (waiting_.capacity() + pending_.capacity()) * sizeof(std::int32_t);
   }
@@ -106,6 +110,14 @@ class KeyClusters {
  private:
   using Row = Eigen::Matrix<Scalar, 1, Eigen::Dynamic>;
   auto row(const Scalar* p) const { return Eigen::Map<const Row>(p, dim_); }
+
+  // out = rows · [centroids 0 .. count)ᵀ, reading the transposed copy in place.
+  template <typename Out, typename Rows>
+  void centroid_dots(Out&& out, const Rows& rows, Index count) const {
+    row_panel_product(out, rows, columns_.leftCols(count), false);
+  }
+  // Centroid c changed: its column of the transposed copy follows.
+  void moved(Index c) { columns_.col(c) = centroid_.row(c).transpose(); }
 
   // The pending block: its dot products with the centroids from one product; then each key in
   // order joins its nearest centroid, the dots with the centroids that moved since (those its
@@ -117,7 +129,7 @@ class KeyClusters {
     block_.resize(B, dim_);
     for (Index u = 0; u < B; ++u) block_.row(u) = row(key_of(pending_[std::size_t(u)]));
     dots_.resize(B, k_);
-    dots_.noalias() = block_ * centroid_.topRows(k_).transpose();
+    centroid_dots(dots_, block_, k_);
     moved_.clear();
     for (Index u = 0; u < B; ++u) {
       const auto x = block_.row(u);
@@ -132,7 +144,7 @@ class KeyClusters {
       if (splits_ != before) {
         moved_.clear();
         if (u + 1 < B)
-          dots_.bottomRows(B - u - 1).noalias() = block_.bottomRows(B - u - 1) * centroid_.topRows(k_).transpose();
+          centroid_dots(dots_.bottomRows(B - u - 1), block_.bottomRows(B - u - 1), k_);
       } else if (std::find(moved_.begin(), moved_.end(), a) == moved_.end()) {
         moved_.push_back(a);
       }
@@ -151,6 +163,7 @@ class KeyClusters {
     const Scalar before = (x - c).norm();
     c += (x - c) / size;
     norm2_(a) = c.squaredNorm();
+    moved(a);
     // The centroid moved by before/size: every old member is at most r + that from it.
     radius_(a) = std::max(radius_(a) + before / size, before * (size - 1) / size);
     if (Index(m.size()) >= exact_at_[std::size_t(a)]) exact_radius(a, key_of);
@@ -161,6 +174,7 @@ class KeyClusters {
   template <typename KeyOf>
   void build(KeyOf key_of) {
     centroid_.setZero(k_ + 1, dim_);  // one spare row for the half of a split
+    columns_.setZero(dim_, line_padded<Scalar>(k_ + 1));
     norm2_.setZero(k_ + 1);
     radius_.setZero(k_ + 1);
     members_.assign(std::size_t(k_ + 1), {});
@@ -169,6 +183,7 @@ class KeyClusters {
       const std::int32_t j = waiting_[std::size_t(c)];
       centroid_.row(c) = row(key_of(j));
       norm2_(c) = centroid_.row(c).squaredNorm();
+      moved(c);
       members_[std::size_t(c)] = {j};
       exact_at_[std::size_t(c)] = 2;
     }
@@ -201,6 +216,7 @@ class KeyClusters {
     for (const std::int32_t j : members_[std::size_t(c)]) sum += row(key_of(j)).template cast<double>();
     centroid_.row(c) = (sum / double(members_[std::size_t(c)].size())).template cast<Scalar>();
     norm2_(c) = centroid_.row(c).squaredNorm();
+    moved(c);
     exact_radius(c, key_of);
   }
 
@@ -273,7 +289,7 @@ class KeyClusters {
     fresh_rows_.resize(m, dim_);
     for (Index i = 0; i < m; ++i) fresh_rows_.row(i) = centroid_.row(fresh_[std::size_t(i)]);
     fresh_dots_.resize(m, rows);
-    fresh_dots_.noalias() = fresh_rows_ * centroid_.topRows(rows).transpose();
+    centroid_dots(fresh_dots_, fresh_rows_, rows);
     for (Index i = 0; i < m; ++i) {
       const Index x = fresh_[std::size_t(i)];
       const Index skip = i == 0 ? skip0 : i == 1 ? skip1 : -1;
@@ -319,6 +335,7 @@ class KeyClusters {
       std::swap(members_[std::size_t(by)], members_[std::size_t(k_)]);
       centroid_.row(by) = centroid_.row(k_);
       norm2_(by) = norm2_(k_);
+      moved(by);
       radius_(by) = radius_(k_);
       exact_at_[std::size_t(by)] = exact_at_[std::size_t(k_)];
       nn_[std::size_t(by)] = nn_[std::size_t(k_)];
@@ -342,6 +359,7 @@ class KeyClusters {
   std::uint64_t splits_ = 0;
   bool built_ = false;
   RowMatrix<Scalar> centroid_;  // (K + 1) x d: rows [0, K) in use, row K a split's scratch
+  RowMatrix<Scalar> columns_;   // d x (K + 1, padded to whole cache lines): centroid_ transposed
   Vector<Scalar> norm2_, radius_;
   std::vector<std::vector<std::int32_t>> members_;  // ascending key indices
   std::vector<Index> exact_at_;                     // size at which the radius is recomputed

@@ -13,10 +13,10 @@
 //     until its block is complete a key is pending, in no cluster (the cache scores it exactly);
 //     the block's dots with the centroids come from one block x K product, which reads the
 //     centroids once per block instead of once per key (from a transposed copy kept with them,
-//     d x K row-major, so that the product reads it in place: Eigen's GEMM copied all K
-//     centroids into its panels for every product, a quarter of the append's time); its keys then join in order, each the
-//     centroid nearest at its turn (the dots with the few centroids moved since the product are
-//     computed again), as if filed one by one;
+//     d x K row-major, that the product reads in place: Eigen's GEMM copied all K centroids
+//     into its panels for every product, a quarter of the append's time); its keys then join
+//     in order, each the centroid nearest at its turn (the dots with the few centroids moved
+//     since the product are computed again), as if filed one by one;
 //   - a key joins its nearest centroid (ties: lowest index); the centroid is the running
 //     mean of the members (MacQueen's online k-means), so it follows the keys, and the radius
 //     grows by the centroid's move (triangle inequality), then is recomputed exactly from the

@@ -47,12 +47,15 @@ def principal_axes(rows):
 def kmeans(keys, count, steps, rng):
     """Labels of `count` clusters of the rows (Lloyd from distinct random rows)."""
     centroids = keys[rng.choice(len(keys), count, replace=False)]
+
+    def nearest():  # ‖x − c‖² up to ‖x‖², without an n × count × d array
+        return ((centroids ** 2).sum(1)[None] - 2 * keys @ centroids.T).argmin(1)
     for _ in range(steps):
-        labels = ((keys[:, None, :] - centroids[None]) ** 2).sum(-1).argmin(1)
+        labels = nearest()
         for c in range(count):
             if (labels == c).any():
                 centroids[c] = keys[labels == c].mean(0)
-    return ((keys[:, None, :] - centroids[None]) ** 2).sum(-1).argmin(1)
+    return nearest()
 
 
 def group_bounds(q, keys, groups, axes):

@@ -99,6 +99,28 @@ KvCache<Scalar> filled(const Tokens<Scalar>& tok, const KvCacheOptions& opt) {
   return cache;
 }
 
+// The keys of the `top` pages of P consecutive keys with the highest box bound on q·k, the boxes
+// taken in the basis of axes' columns (ties by page index); checks that every key's score is
+// below its page's bound.
+std::set<std::int32_t> top_page_keys(const RowMatrix<double>& q, const RowMatrix<double>& k, Index P,
+                                     int top, const RowMatrix<double>& axes) {
+  const RowMatrix<double> qa = q * axes;
+  std::vector<std::pair<double, Index>> bounds;
+  for (Index p = 0; p < k.rows() / P; ++p) {
+    const RowMatrix<double> keys = k.middleRows(p * P, P), ka = keys * axes;
+    double b = 0;
+    for (Index c = 0; c < k.cols(); ++c)
+      b += std::max(qa(0, c) * ka.col(c).minCoeff(), qa(0, c) * ka.col(c).maxCoeff());
+    CHECK((keys * q.row(0).transpose()).maxCoeff() <= b + 1e-12);
+    bounds.push_back({-b, p});
+  }
+  std::sort(bounds.begin(), bounds.end());
+  std::set<std::int32_t> keys;
+  for (int t = 0; t < top; ++t)
+    for (Index j = 0; j < P; ++j) keys.insert(std::int32_t(bounds[std::size_t(t)].second * P + j));
+  return keys;
+}
+
 std::string temp_path(const std::string& name) {
   return "/tmp/randattn_test_kv_cache_" + std::to_string(::getpid()) + "_" + name;
 }
@@ -184,20 +206,9 @@ TEST_CASE("KvCache blocks attends to the pages with the highest bound", "[kv_cac
   const RowMatrix<double> out = cache.attend(q, &rep);
   CHECK(rep.pages_opened == 3);
   CHECK(rep.pages_scored == n / P);
-  // The bounds by hand; every key's score is below its page's bound.
-  std::vector<std::pair<double, Index>> bounds;
-  for (Index p = 0; p < n / P; ++p) {
-    const RowMatrix<double> keys = tok.k.middleRows(p * P, P);
-    double b = 0;
-    for (Index c = 0; c < d; ++c)
-      b += std::max(q(0, c) * keys.col(c).minCoeff(), q(0, c) * keys.col(c).maxCoeff());
-    CHECK((keys * q.row(0).transpose()).maxCoeff() <= b + 1e-12);
-    bounds.push_back({-b, p});
-  }
-  std::sort(bounds.begin(), bounds.end());
-  std::set<std::int32_t> expected;
-  for (int t = 0; t < 3; ++t)
-    for (Index j = 0; j < P; ++j) expected.insert(std::int32_t(bounds[t].second * P + j));
+  // The bounds by hand (the identity basis multiplies exactly); every key's score is below its
+  // page's bound.
+  const std::set<std::int32_t> expected = top_page_keys(q, tok.k, P, 3, RowMatrix<double>::Identity(d, d));
   CHECK(std::set<std::int32_t>(rep.scored_keys[0].begin(), rep.scored_keys[0].end()) == expected);
   // Output: softmax over exactly those keys.
   std::map<Index, int> targets;
@@ -268,22 +279,8 @@ TEST_CASE("KvCache blocks with page_axes bounds the pages in the principal axes"
   // The bounds by hand in the axes of the first keys; every key's score is below its page's.
   const RowMatrix<double> axes = randattn::detail::principal_axes<double>(
       axes_tokens, d, [&](Index j) { return tok.k.row(j).data(); });
-  const RowMatrix<double> qa = q * axes;
-  std::vector<std::pair<double, Index>> bounds;
-  for (Index p = 0; p < n / P; ++p) {
-    const RowMatrix<double> keys = tok.k.middleRows(p * P, P);
-    const RowMatrix<double> ka = keys * axes;
-    double b = 0;
-    for (Index c = 0; c < d; ++c)
-      b += std::max(qa(0, c) * ka.col(c).minCoeff(), qa(0, c) * ka.col(c).maxCoeff());
-    CHECK((keys * q.row(0).transpose()).maxCoeff() <= b + 1e-12);
-    bounds.push_back({-b, p});
-  }
-  std::sort(bounds.begin(), bounds.end());
-  std::set<std::int32_t> expected;
-  for (int t = 0; t < 3; ++t)
-    for (Index j = 0; j < P; ++j) expected.insert(std::int32_t(bounds[t].second * P + j));
-  CHECK(std::set<std::int32_t>(rep.scored_keys[0].begin(), rep.scored_keys[0].end()) == expected);
+  CHECK(std::set<std::int32_t>(rep.scored_keys[0].begin(), rep.scored_keys[0].end()) ==
+        top_page_keys(q, tok.k, P, 3, axes));
 
   // Before the axes are fixed the pages are bounded in the keys' own coordinates.
   KvCacheOptions raw = opt;

@@ -61,10 +61,10 @@ def kmeans(keys, count, steps, rng):
 def group_bounds(q, keys, groups, axes):
     """{bound name: (queries, groups) upper bounds on q·k} for the key groups (lists of rows)."""
     out = {}
-    for name, basis in (("box", None), ("axes", axes)):
-        qb = q if basis is None else q @ basis
-        lo = np.stack([(keys[g] if basis is None else keys[g] @ basis).min(0) for g in groups])
-        hi = np.stack([(keys[g] if basis is None else keys[g] @ basis).max(0) for g in groups])
+    for name, basis in (("box", np.eye(q.shape[1])), ("axes", axes)):
+        qb, kb = q @ basis, keys @ basis
+        lo = np.stack([kb[g].min(0) for g in groups])
+        hi = np.stack([kb[g].max(0) for g in groups])
         out[name] = np.maximum(qb, 0) @ hi.T + np.minimum(qb, 0) @ lo.T
     centre = np.stack([keys[g].mean(0) for g in groups])
     radius = np.array([np.linalg.norm(keys[g] - centre[i], axis=1).max() for i, g in enumerate(groups)])

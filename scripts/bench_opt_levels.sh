@@ -9,14 +9,16 @@
 # users get.
 #
 # Usage: scripts/bench_opt_levels.sh [--compiler g++|clang++] [--arch native|x86-64-v3|x86-64]
-#            [--filter REGEX] [--reps N] [--min-time SECONDS] [BENCH ...]
+#            [--filter REGEX] [--reps N] [--min-time SECONDS] [--cpu N] [BENCH ...]
 # BENCH: benchmark executables (default: bench_core bench_features bench_lsh bench_lsf bench_decode).
+# --cpu N runs every benchmark on logical CPU N (taskset), so that both levels are measured on
+# the same CPU (on a shared virtual machine the CPUs' speeds need not agree).
 # Build directories: $RANDATTN_BENCH_DIR (default build-opt-levels/ in the repository), one per
 # compiler, architecture and level; rebuilt incrementally.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-compiler=g++ arch=native filter=. reps=3 min_time=0.5 benches=()
+compiler=g++ arch=native filter=. reps=3 min_time=0.5 cpu= benches=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --compiler) compiler="$2"; shift 2 ;;
@@ -24,7 +26,8 @@ while [ $# -gt 0 ]; do
         --filter) filter="$2"; shift 2 ;;
         --reps) reps="$2"; shift 2 ;;
         --min-time) min_time="$2"; shift 2 ;;
-        -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --cpu) cpu="$2"; shift 2 ;;
+        -h|--help) sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) randattn_log "unknown option $1 (see --help)"; exit 2 ;;
         *) benches+=("$1"); shift ;;
     esac
@@ -51,11 +54,13 @@ for level in O2 O3; do
     cmake --build "$RANDATTN_BUILD_DIR" -j"$(nproc)" --target "${benches[@]}" >&2
 done
 
+pin=()
+[ -z "$cpu" ] || pin=(taskset -c "$cpu")
 for rep in $(seq "$reps"); do
     for bench in "${benches[@]}"; do
         for level in O2 O3; do
             randattn_log "run $rep/$reps: $bench -$level"
-            "$root_dir/$(basename "$compiler")-$arch-$level/bench/$bench" --benchmark_filter="$filter" \
+            "${pin[@]}" "$root_dir/$(basename "$compiler")-$arch-$level/bench/$bench" --benchmark_filter="$filter" \
                 --benchmark_min_time="$min_time" --benchmark_format=json \
                 --benchmark_out="$out_dir/$bench.$level.$rep.json" >/dev/null
         done

@@ -37,6 +37,7 @@
 #include "../core/scaled_features.hpp"
 #include "../core/types.hpp"
 #include "../detail/parallel.hpp"
+#include "../detail/row_exp.hpp"
 #include "../detail/validation.hpp"
 #include "projected_feature_map.hpp"
 #include "projection.hpp"
@@ -57,8 +58,8 @@ class PositiveFeatures
   // Row u = ωᵀx (m entries) to exp(c(u − max u)); returns the row's log-scale.
   template <typename Row>
   Scalar finish_row(Row&& row, Scalar sq_norm, Scalar c) const {
-    const Scalar top = row.maxCoeff();
-    row = ((row.array() - top) * c).exp().matrix();
+    const Scalar top = detail::row_max(row.data(), row.size());
+    detail::row_exp(row.data(), row.data(), row.size(), top, c);
     return c * top - Scalar(0.5) * c * c * sq_norm - this->log_sqrt(this->projections());
   }
 
@@ -95,9 +96,9 @@ class HyperbolicFeatures
   Scalar finish_row(Row&& row, Scalar sq_norm, Scalar c) const {
     const Index m = this->projections();
     auto u = row.head(m);
-    const Scalar top = std::max(u.maxCoeff(), -u.minCoeff());
-    row.tail(m) = ((-u.array() - top) * c).exp().matrix();
-    u = ((u.array() - top) * c).exp().matrix();
+    const Scalar top = detail::row_max<true>(u.data(), m);
+    detail::row_exp<true>(u.data(), row.data() + m, m, top, c);
+    detail::row_exp(u.data(), u.data(), m, top, c);
     return c * top - Scalar(0.5) * c * c * sq_norm - this->log_sqrt(2 * m);
   }
 

@@ -23,6 +23,7 @@
 #include "../detail/gemm.hpp"
 #include "../detail/matrix_pool.hpp"
 #include "../detail/parallel.hpp"
+#include "../detail/row_exp.hpp"
 #include "../detail/validation.hpp"
 
 namespace randattn {
@@ -220,8 +221,8 @@ class QuadraticExponentialMap : public ProjectedFeatureMap<Derived, Scalar_, Pro
   template <typename Row>
   Scalar finish_row(Row&& row, Scalar sq_norm, Scalar c) const {
     row = (quad_.transpose().array() + (slope_ * c) * row.array()).matrix();
-    const Scalar top = row.maxCoeff();
-    row = (row.array() - top).exp().matrix();
+    const Scalar top = detail::row_max(row.data(), row.size());
+    detail::row_exp(row.data(), row.data(), row.size(), top, Scalar(1));
     return top + log_d_ - Scalar(0.5) * c * c * sq_norm - this->log_sqrt(this->projections());
   }
 

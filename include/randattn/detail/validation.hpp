@@ -18,6 +18,7 @@
 
 #include "../core/invalid_argument.hpp"
 #include "parallel.hpp"
+#include "unroll.hpp"
 
 namespace randattn::detail {
 
@@ -62,8 +63,10 @@ bool finite_run(const Scalar* p, Eigen::Index count) {
   const P zero = Eigen::internal::pset1<P>(Scalar(0));
   P acc[4] = {zero, zero, zero, zero};  // four chains hide the multiply-add latency
   Eigen::Index i = 0;
-  for (; i + 4 * ps <= count; i += 4 * ps)
+  for (; i + 4 * ps <= count; i += 4 * ps) {
+    RANDATTN_UNROLL  // else at -O2 the four chains stay in memory
     for (int u = 0; u < 4; ++u) acc[u] = pmadd(ploadu<P>(p + i + u * ps), zero, acc[u]);
+  }
   for (; i + ps <= count; i += ps) acc[0] = pmadd(ploadu<P>(p + i), zero, acc[0]);
   // The lanes are summed from memory: GCC 12 warns about the undefined halves inside the
   // extraction intrinsics of Eigen's predux for AVX-512 doubles (its bug 105593).

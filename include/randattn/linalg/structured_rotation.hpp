@@ -140,12 +140,36 @@ class StructuredRotation {
       detail::fwht_columns_unchecked(work, padded_, count, ld, d3);
       return;
     }
-    for (Index i = 0; i < padded_; ++i) w.row(i) *= d3[i];
-    for (Index b = 1; b < padded_ / rows; ++b) w.topRows(rows) += w.middleRows(b * rows, rows);
+    fold_signed(work, ld, count, rows, d3);
     detail::fwht_columns_unchecked(work, rows, count, ld, none);
   }
 
  private:
+  // Rows [0, rows) of the p-row work buffer become the sums over b, in order, of d[b·rows + i]
+  // times row b·rows + i (columns [0, count)), on packets: the ±1 products are exact, so these
+  // are the bits of scaling every row and then adding the blocks, which Eigen block expressions
+  // did as calls that GCC 12 inlines at -O3 only.
+  void fold_signed(Scalar* work, Index ld, Index count, Index rows, const Scalar* d) const {
+    namespace ei = Eigen::internal;
+    using Packet = typename ei::packet_traits<Scalar>::type;
+    constexpr Index kP = ei::packet_traits<Scalar>::size;
+    const Index full = count - count % kP;
+    for (Index i = 0; i < rows; ++i) {
+      Scalar* out = work + i * ld;
+      for (Index t = 0; t < full; t += kP) {
+        Packet a = ei::pmul(ei::ploadu<Packet>(out + t), ei::pset1<Packet>(d[i]));
+        for (Index r = i + rows; r < padded_; r += rows)
+          a = ei::padd(a, ei::pmul(ei::ploadu<Packet>(work + r * ld + t), ei::pset1<Packet>(d[r])));
+        ei::pstoreu(out + t, a);
+      }
+      for (Index t = full; t < count; ++t) {
+        Scalar a = out[t] * d[i];
+        for (Index r = i + rows; r < padded_; r += rows) a += work[r * ld + t] * d[r];
+        out[t] = a;
+      }
+    }
+  }
+
   template <typename Out>
   void check_apply(const char* where, const Eigen::Ref<const RowMatrix<Scalar>>& x, const Out& out,
                    Index max_cols) const {

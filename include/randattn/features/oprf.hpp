@@ -96,7 +96,7 @@ std::pair<Eigen::VectorXd, double> normalised_row_moments(
   Packet sq_lanes = ei::pset1<Packet>(0.0);
   double sq = 0;
   for (Index i = 0; i < x.rows(); ++i) {
-    const Scalar* row = &x.coeffRef(i, 0);
+    const Scalar* row = x.data() + i * x.outerStride();  // no entry to index when d = 0
     for (Index j = 0; j < full; j += kP) {
       const Packet v = load_packet<Packet>(row + j);
       ei::pstoreu(sum.data() + j, ei::padd(ei::ploadu<Packet>(sum.data() + j), v));

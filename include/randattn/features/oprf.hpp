@@ -51,6 +51,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include <Eigen/Core>
@@ -86,29 +87,39 @@ template <typename Scalar>
 std::pair<Eigen::VectorXd, double> normalised_row_moments(
     const Eigen::Ref<const RowMatrix<Scalar>>& x, double normaliser) {
   // One pass over the rows (a column-wise sum of a row-major matrix would stride through it d
-  // times), on packets of doubles widened in registers (GCC 12 vectorises the widening loop at
-  // -O3 only); the squared norms are summed per lane, the lanes last.
-  namespace ei = Eigen::internal;
-  using Packet = typename ei::packet_traits<double>::type;
-  constexpr Index kP = ei::unpacket_traits<Packet>::size;
-  const Index d = x.cols(), full = d - d % kP;
+  // times).
+  const Index d = x.cols();
   Eigen::VectorXd sum = Eigen::VectorXd::Zero(d);
-  Packet sq_lanes = ei::pset1<Packet>(0.0);
   double sq = 0;
-  for (Index i = 0; i < x.rows(); ++i) {
-    const Scalar* row = x.data() + i * x.outerStride();  // no entry to index when d = 0
-    for (Index j = 0; j < full; j += kP) {
-      const Packet v = load_packet<Packet>(row + j);
-      ei::pstoreu(sum.data() + j, ei::padd(ei::ploadu<Packet>(sum.data() + j), v));
-      sq_lanes = ei::pmadd(v, v, sq_lanes);
+  if constexpr (std::is_same<Scalar, double>::value) {
+    // Nothing to widen: Eigen's own sums are packet code at any optimisation level.
+    for (Index i = 0; i < x.rows(); ++i) {
+      sum.noalias() += x.row(i).transpose();
+      sq += x.row(i).squaredNorm();
     }
-    for (Index j = full; j < d; ++j) {
-      const double v = double(row[j]);
-      sum(j) += v;
-      sq += v * v;
+  } else {
+    // Packets of doubles widened in registers (GCC 12 vectorises the widening loop at -O3 only);
+    // the squared norms are summed per lane, the lanes last.
+    namespace ei = Eigen::internal;
+    using Packet = typename ei::packet_traits<double>::type;
+    constexpr Index kP = ei::unpacket_traits<Packet>::size;
+    const Index full = d - d % kP;
+    Packet sq_lanes = ei::pset1<Packet>(0.0);
+    for (Index i = 0; i < x.rows(); ++i) {
+      const Scalar* row = x.data() + i * x.outerStride();  // no entry to index when d = 0
+      for (Index j = 0; j < full; j += kP) {
+        const Packet v = load_packet<Packet>(row + j);
+        ei::pstoreu(sum.data() + j, ei::padd(ei::ploadu<Packet>(sum.data() + j), v));
+        sq_lanes = ei::pmadd(v, v, sq_lanes);
+      }
+      for (Index j = full; j < d; ++j) {
+        const double v = double(row[j]);
+        sum(j) += v;
+        sq += v * v;
+      }
     }
+    sq += ei::predux(sq_lanes);
   }
-  sq += ei::predux(sq_lanes);
   const double n = double(x.rows());
   return {normaliser * sum / n, normaliser * normaliser * sq / n};
 }

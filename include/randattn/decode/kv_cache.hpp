@@ -84,6 +84,7 @@
 #include "../core/softmax_accumulator.hpp"
 #include "../core/types.hpp"
 #include "../detail/chunk_products.hpp"
+#include "../detail/gathered_rows.hpp"
 #include "../detail/validation.hpp"
 #include "../linalg/principal_axes.hpp"
 #include "decode_options.hpp"
@@ -623,7 +624,6 @@ class KvCache {
   struct Scratch {
     std::vector<std::int32_t> idx;
     Eigen::Matrix<Scalar, 1, Eigen::Dynamic> logits;
-    std::vector<std::pair<std::size_t, std::size_t>> runs;  // (first position in idx, length)
     typename detail::SimHashTables<Scalar>::HashScratch hash;
     typename detail::FilterTables<Scalar>::Scratch filter;
     std::vector<std::int32_t> touched;
@@ -775,10 +775,10 @@ class KvCache {
       for (Index i = 0; i < bk; i += kStreamRows) {
         const Index m = std::min(kStreamRows, bk - i);
         if (kPrefetchValues) {
-          prefetch_row(&keys.coeffRef(j0 + i, 0), m * d_);
-          prefetch_row(&values.coeffRef(j0 + i, 0), m * dv_);
+          detail::prefetch_row(&keys.coeffRef(j0 + i, 0), m * d_);
+          detail::prefetch_row(&values.coeffRef(j0 + i, 0), m * dv_);
         } else if (const Index next = j0 + i + m; next < last) {
-          prefetch_row(&keys.coeffRef(next, 0), std::min(kStreamRows, last - next) * d_);
+          detail::prefetch_row(&keys.coeffRef(next, 0), std::min(kStreamRows, last - next) * d_);
         }
         detail::row_dots(w.middleRows(i, m), keys.middleRows(j0 + i, m), qs);
         if (key_scale) w.middleRows(i, m).array().colwise() *= scales(key_scale, j0 + i, m);
@@ -800,26 +800,9 @@ class KvCache {
     return Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(all + first, count);
   }
 
-  // Gathered rows are read in index order with software prefetch a few rows ahead: scattered
-  // keys would otherwise pay one memory latency per row.
-  static constexpr std::size_t kPrefetchAhead = 6;
-  static constexpr std::size_t kMinRun = 4;  // shorter runs are read row by row
-  static constexpr Index kStreamRows = 16;    // rows per request of exact_range
+  static constexpr Index kStreamRows = 16;  // rows per request of exact_range
   // Values are requested with their keys on AVX-512 builds only (see exact_range).
   static constexpr bool kPrefetchValues = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32;
-  // Into the first-level cache (prefetcht0): with requests to the second level (prefetcht2) exact
-  // decoding read K and V at 0.49–0.54 of a plain read on a Zen 5, with these at 0.56–0.60.
-  template <typename T>
-  static void prefetch_row(const T* row, Index count) {
-#if defined(__GNUC__) || defined(__clang__)
-    const char* p = reinterpret_cast<const char*>(row);
-    const std::size_t bytes = sizeof(T) * static_cast<std::size_t>(count);
-    for (std::size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
-#else
-    (void)row;
-    (void)count;
-#endif
-  }
 
   template <typename QG>
   void retrieve_pages(const Head& head, const QG& qg, Index first, Index last,
@@ -1031,9 +1014,8 @@ class KvCache {
   struct NoCorrection {};
 
   // Softmax over the keys s.idx (ascending) of one query head, logits scale·q·k_j (minus
-  // log p_j with a correction), merged into row r of acc. Consecutive keys form runs read as
-  // blocks (the kernels of exact decoding over contiguous rows, as pages give); isolated keys are
-  // read one row at a time with software prefetch.
+  // log p_j with a correction), merged into row r of acc. The rows are read where they lie, in
+  // index order (detail/gathered_rows.hpp).
   template <typename QRow, typename Correction = NoCorrection>
   void score_and_merge(const Head& head, const QRow& q, Index r, Index head0, Scratch& s,
                        DecodeReport& rep, SoftmaxAccumulator<Scalar>& acc,
@@ -1045,35 +1027,13 @@ class KvCache {
       keys.insert(keys.end(), s.idx.begin(), s.idx.end());
     }
     if (m == 0) return;
-    s.runs.clear();
-    for (std::size_t u = 0; u < m;) {
-      std::size_t e = u + 1;
-      while (e < m && s.idx[e] == s.idx[e - 1] + 1) ++e;
-      s.runs.push_back({u, e - u});
-      u = e;
-    }
     s.logits.resize(Index(m));
     s.qrow = q;
     detail::StoredRows<Scalar>::visit_pair(
         head.keys, head.values,
         [&](const auto& keys, const Scalar* key_scale, const auto& values, const Scalar* value_scale) {
-          // Each run (or each isolated row) in turn: row j's entries of `rows`, f(run's rows,
-          // its first position in idx, its length).
-          const auto each_run = [&](const auto& rows, Index width, auto f) {
-            for (const auto& [u0, len] : s.runs) {
-              if (len >= kMinRun) {
-                f(rows.middleRows(s.idx[u0], Index(len)), Index(u0), Index(len));
-                continue;
-              }
-              for (std::size_t u = u0; u < u0 + len; ++u) {
-                if (u + kPrefetchAhead < m) prefetch_row(&rows.coeffRef(s.idx[u + kPrefetchAhead], 0), width);
-                f(rows.middleRows(s.idx[u], 1), Index(u), Index(1));
-              }
-            }
-          };
-          each_run(keys, d_, [&](const auto& rows, Index u, Index len) {
-            detail::row_dots(s.logits.segment(u, len).transpose(), rows, s.qrow);
-          });
+          detail::gathered_dots(s.logits.data(), keys.data(), keys.outerStride(), s.idx.data(),
+                                Index(m), s.qrow.data(), d_);
           if (key_scale) {
             for (std::size_t u = 0; u < m; ++u) s.logits(Index(u)) *= key_scale[s.idx[u]];
           }
@@ -1095,9 +1055,8 @@ class KvCache {
           }
           auto num = s.nd.head(dv_);
           num.setZero();
-          each_run(values, dv_, [&](const auto& rows, Index u, Index len) {
-            detail::row_panel_product(num, s.logits.segment(u, len), rows, true);
-          });
+          detail::gathered_weighted_sum(num.data(), s.logits.data(), values.data(),
+                                        values.outerStride(), s.idx.data(), Index(m), dv_);
           acc.merge_rows(r, s.nd, Vector<Scalar>::Constant(1, c));
         });
   }

@@ -1,7 +1,10 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <type_traits>
+#include <vector>
 
 #include "support.hpp"
 
@@ -464,5 +467,74 @@ TEMPLATE_TEST_CASE("row_panel_product: every entry one chain of multiply-adds, w
                   .all());
       }
     }
+  }
+}
+
+TEMPLATE_TEST_CASE("gathered rows: the contiguous kernels' bits on rows listed by index",
+                   "[core][kernels]", RANDATTN_TEST_SCALARS) {
+  // gathered_dots against row_dots of each listed row alone (every depth, stored types
+  // included); gathered_weighted_sum against row_panel_product over a copy of the listed rows in
+  // list order, onto the same start: the same bits on whole packets of columns, the columns past
+  // the last packet within rounding of the exact sum. Lists with gaps, runs, repeats and
+  // remainders of four rows.
+  using Scalar = TestType;
+  using randattn::detail::widen;
+  constexpr Index ps = randattn::detail::row_panel::packet_size<Scalar>;
+  const auto check_storage = [&](auto tag) {
+    using T = decltype(tag);
+    INFO("storage of " << sizeof(T) << " bytes");
+    const Index n = 40;
+    const std::vector<std::int32_t> idx_all = {0, 3, 4, 5, 6, 7, 11, 11, 20, 21, 22, 39, 38, 17};
+    for (const Index width : {Index(1), Index(7), Index(2 * ps), Index(2 * ps + 1),
+                              Index(13 * ps + 3), Index(16 * ps)}) {
+      INFO("width " << width);
+      const RowMatrix<Scalar> source = RowMatrix<Scalar>::Random(n, width);
+      RowMatrix<T> stored(n, width);
+      for (Index i = 0; i < n; ++i)
+        for (Index c = 0; c < width; ++c)
+          stored(i, c) = std::is_integral<T>::value ? T(std::lround(127 * double(source(i, c))))
+                                                    : randattn::detail::narrow<T>(source(i, c));
+      const Vector<Scalar> q = Vector<Scalar>::Random(width);
+      const RowMatrix<Scalar> q_row = q.transpose();
+      for (const Index m : {Index(0), Index(1), Index(4), Index(7), Index(14)}) {
+        INFO("m " << m);
+        const std::int32_t* idx = idx_all.data();
+        Vector<Scalar> dots(m), w = Vector<Scalar>::Random(m);
+        randattn::detail::gathered_dots(dots.data(), stored.data(), width, idx, m, q.data(), width);
+        RowMatrix<Scalar> one(1, 1);
+        RowMatrix<T> copy(m, width);
+        for (Index u = 0; u < m; ++u) {
+          randattn::detail::row_dots(one, stored.middleRows(idx[u], 1), q_row);
+          CHECK(dots(u) == one(0, 0));
+          copy.row(u) = stored.row(idx[u]);
+        }
+        const Vector<Scalar> start = Vector<Scalar>::Random(width);
+        Vector<Scalar> num = start;
+        randattn::detail::gathered_weighted_sum(num.data(), w.data(), stored.data(), width, idx, m,
+                                                width);
+        RowMatrix<Scalar> ref = start.transpose();
+        randattn::detail::row_panel_product(ref, w.transpose(), copy, true);
+        const Index packed = width / ps * ps;
+        CHECK(num.head(packed).transpose() == ref.leftCols(packed));
+        for (Index c = packed; c < width; ++c) {
+          double exact = double(start(c)), bound = std::abs(double(start(c)));
+          for (Index u = 0; u < m; ++u) {
+            const double term = double(w(u)) * double(widen<Scalar>(copy(u, c)));
+            exact += term;
+            bound += std::abs(term);
+          }
+          CHECK(std::abs(double(num(c)) - exact) <=
+                2 * double(m + 1) * double(std::numeric_limits<Scalar>::epsilon()) * bound);
+        }
+      }
+    }
+  };
+  check_storage(Scalar());
+  if constexpr (std::is_same<Scalar, float>::value) {
+    check_storage(Eigen::bfloat16());
+    check_storage(Eigen::half());
+    check_storage(std::int8_t());
+  } else {
+    check_storage(float());
   }
 }

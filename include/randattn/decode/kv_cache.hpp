@@ -28,7 +28,7 @@
 // n·L entries and L·m headers (lsf).
 // attend: exact O(n·(d + dv)) per query head, every key and value row read once per kv head; blocks
 // O(n/P·d + top_pages·P·(d + dv)); lsh_sample O(L·K·d + bucket entries + sampled·(d + dv));
-// lsf O(L·m·d + found·(d + dv)); plus the exact part (sinks + window).
+// lsf O(L·m·d + n/64 + found·(d + dv)); plus the exact part (sinks + window).
 //
 // Threads. attend() is const and keeps no mutable state (its scratch is local to the call), so
 // any number of threads may attend to one cache at once; append/save/load are not to be run
@@ -92,6 +92,7 @@
 #include "detail/filter_tables.hpp"
 #include "detail/key_clusters.hpp"
 #include "detail/page_bounds.hpp"
+#include "detail/sorted_index_set.hpp"
 #include "detail/stored_rows.hpp"
 #include "simhash_tables.hpp"
 
@@ -398,8 +399,8 @@ class KvCache {
       return all;
     }
     Scratch scratch;
-    if (opt_.mode == DecodeMode::lsh_sample || opt_.mode == DecodeMode::lsf)
-      scratch.counts.assign(static_cast<std::size_t>(n_), 0);
+    if (opt_.mode == DecodeMode::lsh_sample) scratch.counts.assign(static_cast<std::size_t>(n_), 0);
+    if (opt_.mode == DecodeMode::lsf || opt_.mode == DecodeMode::clusters) scratch.members.reset(n_);
     for (Index h = 0; h < kv_heads_; ++h) {
       const Head& head = heads_[h];
       const auto qg = q.middleRows(h * group, group);
@@ -626,8 +627,8 @@ class KvCache {
     Eigen::Matrix<Scalar, 1, Eigen::Dynamic> logits;
     typename detail::SimHashTables<Scalar>::HashScratch hash;
     typename detail::FilterTables<Scalar>::Scratch filter;
-    std::vector<std::int32_t> touched;
-    std::vector<std::uint8_t> counts;
+    std::vector<std::uint8_t> counts;  // lsh_sample: collisions per key
+    detail::SortedIndexSet members;     // lsf, clusters: the keys found
     std::vector<std::uint32_t> codes;
     std::vector<typename detail::SimHashTables<Scalar>::Run> bucket_runs;
     std::vector<typename detail::SimHashTables<Scalar>::Cursor> walking;
@@ -889,20 +890,13 @@ class KvCache {
         // The centre is not fixed yet, so no key is stored in a filter: score every candidate.
         for (Index j = first; j < last; ++j) s.idx.push_back(std::int32_t(j));
       } else {
-        s.touched.clear();
         rep.filters_opened += head.filters.probe(
             q.data(), lsf_threshold_, opt_.lsf_min_probes, s.filter,
             [&](const std::vector<std::int32_t>& bucket) {
               rep.bucket_entries += Index(bucket.size());
-              for (const std::int32_t j : bucket) {
-                if (s.counts[j]) continue;  // the union counts every key once
-                s.counts[j] = 1;
-                s.touched.push_back(j);
-                if (j >= first && j < last) s.idx.push_back(j);
-              }
+              for (const std::int32_t j : bucket) s.members.insert(j);  // the union of the buckets
             });
-        for (const std::int32_t j : s.touched) s.counts[j] = 0;
-        std::sort(s.idx.begin(), s.idx.end());
+        s.members.drain(first, last, s.idx);
       }
       score_and_merge(head, q, r, head0, s, rep, acc);
     }
@@ -921,8 +915,7 @@ class KvCache {
     const Index K = cl.count();
     s.bounds.noalias() = scale_ * (qg * cl.centroids().transpose());
     const auto open = [&](std::int32_t c) {
-      for (const std::int32_t j : cl.members(c))
-        if (j >= first && j < last) s.idx.push_back(j);
+      for (const std::int32_t j : cl.members(c)) s.members.insert(j);
     };
     for (Index r = 0; r < qg.rows(); ++r) {
       const auto q = qg.row(r);
@@ -941,17 +934,15 @@ class KvCache {
         std::partial_sort(s.ranked.begin(), s.ranked.begin() + probe, s.ranked.end(), higher);
       s.idx.clear();
       for (Index u = 0; u < probe; ++u) open(s.ranked[u].second);
-      std::sort(s.idx.begin(), s.idx.end());
+      s.members.drain(first, last, s.idx);
       score_and_merge(head, q, r, head0, s, rep, acc);
       Index opened = probe;
       if (opt_.cluster_margin > -kInf) {
         const Scalar floor = acc.log_scale()(r) - Scalar(opt_.cluster_margin);
         s.idx.clear();
         for (; opened < K && !(s.ranked[opened].first < floor); ++opened) open(s.ranked[opened].second);
-        if (!s.idx.empty()) {
-          std::sort(s.idx.begin(), s.idx.end());
-          score_and_merge(head, q, r, head0, s, rep, acc);
-        }
+        s.members.drain(first, last, s.idx);
+        if (!s.idx.empty()) score_and_merge(head, q, r, head0, s, rep, acc);
       }
       rep.clusters_opened += opened;
       if (opt_.cluster_samples > 0 && opened < K)

@@ -913,7 +913,9 @@ class KvCache {
                           Index head0) const {
     const auto& cl = head.clusters;
     const Index K = cl.count();
-    s.bounds.noalias() = scale_ * (qg * cl.centroids().transpose());
+    s.bounds.resize(qg.rows(), K);
+    cl.dots(s.bounds, qg);
+    s.bounds *= scale_;
     const auto open = [&](std::int32_t c) {
       for (const std::int32_t j : cl.members(c)) s.members.insert(j);
     };

@@ -85,6 +85,9 @@ class KeyClusters {
   auto centroids() const { return centroid_.topRows(count()); }
   auto radii() const { return radius_.head(count()); }
   const std::vector<std::int32_t>& members(Index c) const { return members_[std::size_t(c)]; }
+  // out (rows x count(), sized) = rows · centroidsᵀ, reading the transposed copy in place.
+  template <typename Out, typename Rows>
+  void dots(Out&& out, const Rows& rows) const { centroid_dots(out, rows, count()); }
 
   // Inserts key j (its row at key_of(j), as for every member: a pointer to dim scalars, valid
   // until the next call of key_of), the next candidate in order.

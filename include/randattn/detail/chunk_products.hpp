@@ -185,6 +185,13 @@ void product(Out& out, Start<typename Out::Scalar> start, const A& a, const B& b
           "row_panel_product", "operands do not fit: out ", out.rows(), "x", out.cols(), ", a ",
           rows, "x", depth, ", b ", b.rows(), "x", cols);
   if (rows == 0 || cols == 0) return;
+  if (depth == 0) {
+    // out = start. b has no rows and may have no storage, so no pointer into it is formed.
+    for (Index r = 0; r < rows; ++r)
+      for (Index c = 0; c < cols; ++c)
+        out(r, c) = start.data ? start.alpha * start.data[r * start.stride + c] : Scalar(0);
+    return;
+  }
   const Strided<Scalar> sa{a.data(), a.rowStride(), a.colStride()};
   Scalar* o = out.data();
   const auto* bb = b.data();

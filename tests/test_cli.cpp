@@ -215,6 +215,54 @@ TEST_CASE("cli: 2-D float32 exact attention", "[cli]") {
   CHECK(ws.files() == std::vector<std::string>{"k.npy", "o.npy", "q.npy", "v.npy"});
 }
 
+TEST_CASE("cli: float16 inputs give the float32 result on their values, rounded once", "[cli]") {
+  Workspace ws;
+  const std::vector<std::int64_t> qk_shape{1, 2, 6, 8}, v_shape{1, 2, 6, 5};
+  save<Eigen::half>(ws, "q.npy", qk_shape, 7);
+  save<Eigen::half>(ws, "k.npy", qk_shape, 8);
+  save<Eigen::half>(ws, "v.npy", v_shape, 9);
+  // The same values widened to float32 (exactly).
+  for (const char* name : {"q", "k", "v"}) {
+    const NpyArray h = randattn::io::read_npy(ws.path(std::string(name) + ".npy"));
+    REQUIRE(h.is_float16());
+    const std::vector<Eigen::half>& values = h.values<Eigen::half>();
+    randattn::io::write_npy(ws.path(std::string(name) + "32.npy"),
+                            std::vector<float>(values.begin(), values.end()), h.shape);
+  }
+  for (const std::string method : {"exact --causal", "favor --features 16 --seed 3", "lsh --chunk 2"}) {
+    INFO("method " << method);
+    Result r = ws.run("attention --report --method " + method + ws.attention_io());
+    INFO("stderr: " << r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(r.out.find("\"dtype\":\"float16\"") != std::string::npos);
+    r = ws.run("attention --method " + method + ws.flag("q", "q32.npy") + ws.flag("k", "k32.npy") +
+               ws.flag("v", "v32.npy") + ws.flag("out", "o32.npy"));
+    REQUIRE(r.exit_code == 0);
+    const NpyArray o16 = randattn::io::read_npy(ws.path("o.npy"));
+    const NpyArray o32 = randattn::io::read_npy(ws.path("o32.npy"));
+    CHECK(o16.shape == std::vector<std::int64_t>{1, 2, 6, 5});
+    REQUIRE(o16.is_float16());
+    REQUIRE(o32.values<float>().size() == o16.values<Eigen::half>().size());
+    for (std::size_t i = 0; i < o16.size(); ++i) {
+      INFO("entry " << i);
+      CHECK(Eigen::numext::bit_cast<std::uint16_t>(o16.values<Eigen::half>()[i]) ==
+            Eigen::numext::bit_cast<std::uint16_t>(Eigen::half(o32.values<float>()[i])));
+    }
+  }
+  // --compare measures the float16 output against exact attention in float16.
+  const Result r = ws.run("attention --method favor --features 16 --compare" + ws.attention_io());
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("\"rel_error\":") != std::string::npos);
+  // Mixed dtypes and float16 tensors for the sketches are refused.
+  require_error(ws,
+                "attention" + ws.flag("q", "q.npy") + ws.flag("k", "k32.npy") +
+                    ws.flag("v", "v.npy") + ws.flag("out", "x.npy"),
+                "--q, --k and --v must have the same dtype, got q float16, k float32, v float16");
+  require_error(ws, "sparsify --in " + quote(ws.path("q.npy")) + " --budget 8 --out " +
+                        quote(ws.path("x.npy")),
+                "float16 tensors are not sketched");
+}
+
 TEST_CASE("cli: 4-D float64 causal attention with --report", "[cli]") {
   Workspace ws;
   save<double>(ws, "q.npy", {2, 3, 6, 4}, 4);
@@ -341,7 +389,7 @@ TEST_CASE("cli: every failure is one stderr line, exit code 2 and no output", "[
         << std::string(payload_bytes, '\0');
     };
     raw_npy("int.npy", "{'descr': '<i4', 'fortran_order': False, 'shape': (5, 4), }", 80);
-    raw_npy("half.npy", "{'descr': '<f2', 'fortran_order': False, 'shape': (5, 4), }", 40);
+    raw_npy("complex.npy", "{'descr': '<c8', 'fortran_order': False, 'shape': (5, 4), }", 160);
     raw_npy("truncated.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (5, 4), }", 79);
     std::ofstream(ws.path("short_header.npy"), std::ios::binary)
         << std::string("\x93NUMPY\x01\x00\x76\x00{'de", 14);
@@ -355,7 +403,7 @@ TEST_CASE("cli: every failure is one stderr line, exit code 2 and no output", "[
                   "missing.npy: no such file");
     require_error(ws, "attention" + with("q", "garbage.npy") + k + v + out, "bad magic");
     require_error(ws, "attention" + q + with("k", "int.npy") + v + out, "unsupported dtype '<i4'");
-    require_error(ws, "attention" + q + with("k", "half.npy") + v + out, "unsupported dtype '<f2'");
+    require_error(ws, "attention" + q + with("k", "complex.npy") + v + out, "unsupported dtype '<c8'");
     require_error(ws, "attention" + with("q", "truncated.npy") + k + v + out, "truncated");
     require_error(ws, "attention" + with("q", "short_header.npy") + k + v + out, "truncated");
     require_error(ws, "attention" + q + k + with("v", "logs") + out, "is a directory");

@@ -25,7 +25,18 @@ using randattn::io::NpyError;
 using randattn::io::read_npy;
 using randattn::io::write_npy;
 
+// The element types of .npy files: the scalars of the library, and float16 as Eigen::half.
+#define NPY_TEST_TYPES RANDATTN_TEST_SCALARS, Eigen::half
+
 namespace {
+
+// The dtype a file of T holds, spelled out.
+template <typename T>
+NpyDtype expected_dtype() {
+  if (std::is_same_v<T, float>) return NpyDtype::float32;
+  if (std::is_same_v<T, double>) return NpyDtype::float64;
+  return NpyDtype::float16;
+}
 
 // A fresh directory under the system temp dir, removed with its contents at scope exit.
 struct TempDir {
@@ -118,7 +129,8 @@ const std::string kF8_2x2 = "{'descr': '<f8', 'fortran_order': False, 'shape': (
 // The bytes of `values` in the given byte order, whatever the host's.
 template <typename T>
 std::string payload_in(const std::vector<T>& values, bool big_endian) {
-  using Bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+  using Bits = std::conditional_t<sizeof(T) == 2, std::uint16_t,
+                                  std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>>;
   std::string s(values.size() * sizeof(T), '\0');
   for (std::size_t i = 0; i < values.size(); ++i) {
     Bits bits;
@@ -178,7 +190,8 @@ std::vector<T> c_block(const std::vector<T>& c, const std::vector<std::int64_t>&
 template <typename T>
 std::string stored_image(const std::vector<T>& c, const std::vector<std::int64_t>& shape,
                          bool fortran, bool big_endian) {
-  const std::string descr = std::string(big_endian ? ">" : "<") + (sizeof(T) == 4 ? "f4" : "f8");
+  const std::string descr =
+      std::string(big_endian ? ">" : "<") + (sizeof(T) == 2 ? "f2" : sizeof(T) == 4 ? "f4" : "f8");
   std::string tuple = "(";
   for (std::size_t i = 0; i < shape.size(); ++i)
     tuple += (i ? ", " : "") + std::to_string(shape[i]);
@@ -209,7 +222,7 @@ class ForwardOnlyBuf : public std::streambuf {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("npy round trip preserves shape, dtype and bits", "[npy]", RANDATTN_TEST_SCALARS) {
+TEMPLATE_TEST_CASE("npy round trip preserves shape, dtype and bits", "[npy]", NPY_TEST_TYPES) {
   TempDir dir;
   const fs::path p = dir / "a.npy";
   for (const std::vector<std::int64_t>& shape :
@@ -226,7 +239,7 @@ TEMPLATE_TEST_CASE("npy round trip preserves shape, dtype and bits", "[npy]", RA
     write_npy(p, values, shape);
     const NpyArray a = read_npy(p);
     CHECK(a.shape == shape);
-    CHECK(a.dtype() == (std::is_same_v<TestType, float> ? NpyDtype::float32 : NpyDtype::float64));
+    CHECK(a.dtype() == expected_dtype<TestType>());
     CHECK(a.size() == n);
     const std::vector<TestType>& back = a.values<TestType>();
     REQUIRE(back.size() == n);
@@ -256,6 +269,13 @@ TEST_CASE("npy writer emits NumPy's version 1.0 layout", "[npy]") {
   const std::string one_d = read_bytes(p);
   CHECK(one_d.find("'shape': (3,), }") != std::string::npos);
   CHECK(one_d.find("'descr': '<f8'") != std::string::npos);
+
+  write_npy(p, ramp<Eigen::half>(5), {5});
+  const std::string halves = read_bytes(p);
+  CHECK(halves.size() == 128 + 5 * 2);
+  CHECK(halves.find("'descr': '<f2'") != std::string::npos);
+  // -1.5 is 0xBE00 in binary16, stored little-endian.
+  CHECK(halves.compare(128, 2, std::string("\x00\xbe", 2)) == 0);
 }
 
 TEST_CASE("npy Eigen helpers", "[npy]") {
@@ -387,7 +407,7 @@ TEST_CASE("npy reader rejects malformed files with a one-line error naming the f
   }
   SECTION("unsupported dtype") {
     for (const char* descr :
-         {"<i4", ">i4", "<f2", ">f2", "<c16", "|u1", "<f16", ">f16", "O", "<f"}) {
+         {"<i4", ">i4", "<f1", "<e", "<c16", "|u1", "<f16", ">f16", "O", "<f"}) {
       INFO("descr: " << descr);
       require_rejected(dir,
                        npy_image(std::string("{'descr': '") + descr +
@@ -432,7 +452,7 @@ TEST_CASE("npy reader rejects malformed files with a one-line error naming the f
 }
 
 TEMPLATE_TEST_CASE("npy reader returns Fortran-order and big-endian files in C order, native bytes",
-                   "[npy]", RANDATTN_TEST_SCALARS) {
+                   "[npy]", NPY_TEST_TYPES) {
   using T = TestType;
   TempDir dir;
   const fs::path p = dir / "a.npy";
@@ -497,7 +517,7 @@ TEST_CASE("npy header reports the stored order and byte order", "[npy]") {
         randattn::io::host_is_little_endian());
 }
 
-TEMPLATE_TEST_CASE("npy partial readers on Fortran-order and big-endian files", "[npy]", RANDATTN_TEST_SCALARS) {
+TEMPLATE_TEST_CASE("npy partial readers on Fortran-order and big-endian files", "[npy]", NPY_TEST_TYPES) {
   using T = TestType;
   TempDir dir;
   const fs::path p = dir / "a.npy";

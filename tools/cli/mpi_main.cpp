@@ -172,6 +172,9 @@ class ShardedAttentionCommand : public RegistryAttentionCommand {
       k = shared_qk_ ? q : header("--k", k_path_);
       v = header("--v", v_path_);
       call = make_call(*chosen, q, k, v);
+      if (q.dtype == randattn::io::NpyDtype::float16)
+        throw CliError(
+            "randattn-mpi reads float32 or float64; convert float16 inputs or run randattn-cli");
       pieces = layout_given() || (k.ndim() == 4 && k.shape[1] != call.shape.heads);
       if (pieces) {
         if (layout == randattn::mpi::RowLayout::zigzag)
@@ -349,6 +352,7 @@ class ShardedAttentionCommand : public RegistryAttentionCommand {
   // compute(Scalar()) for the inputs' dtype.
   template <typename Compute>
   static void for_dtype(const InputInfo& q, Compute&& compute) {
+    // Float16 inputs were refused before any rank read them.
     if (q.dtype == randattn::io::NpyDtype::float32)
       compute(float());
     else
@@ -451,6 +455,8 @@ void with_local_range(Communicator& comm, const std::string& path, std::string& 
       throw CliError("--in: expected an array of order k >= 2, got shape " + shape_str(h.shape));
     shape = h.shape;
     dtype = randattn::io::dtype_name(h.dtype);
+    if (h.dtype == randattn::io::NpyDtype::float16)
+      throw CliError("--in: float16 tensors are not sketched; convert them to float32");
     range = randattn::mpi::sketch_range(randattn::Index(h.count), comm.rank(), comm.size());
     try {
       local = randattn::io::read_npy_range(path, range.first, range.count);

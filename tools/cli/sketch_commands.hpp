@@ -57,6 +57,8 @@ class TensorCommand {
     const randattn::io::NpyArray a = read_input("--in", in_path_);
     if (a.ndim() < 2)
       throw CliError("--in: expected an array of order k >= 2, got shape " + shape_str(a.shape));
+    if (a.is_float16())
+      throw CliError("--in: float16 tensors are not sketched; convert them to float32");
     dtype_ = randattn::io::dtype_name(a.dtype());
     shape_ = a.shape;
     const std::vector<randattn::Index> dims(a.shape.begin(), a.shape.end());

@@ -2,14 +2,15 @@
 // Reading and writing NumPy .npy files: an opt-in header, not included by <randattn/randattn.hpp>
 // (the command line and the tests use it; include it yourself to exchange arrays with NumPy).
 //
-// Read: float32 ('f4') and float64 ('f8') arrays with any number of dimensions, in either byte
-// order ('<' little-endian, '>' big-endian, '=' and '|' native) and either memory order. Every
-// reader returns the array in C (row-major) order with native byte order, whatever the file holds:
-// the values np.ascontiguousarray(np.load(path)) has. A file with fortran_order: True (what
-// np.save writes for a transposed array, a.T) is reordered on read, in one pass over the data
-// (read_npy streams it in slices, so the peak is the result plus one slice of the file); a
-// big-endian file is byte-swapped. Format versions 1.0, 2.0 and 3.0 are read (3.0 differs from 2.0
-// only by a UTF-8 header, which never matters for these dtypes).
+// Read: float16 ('f2', held as Eigen::half), float32 ('f4') and float64 ('f8') arrays with any
+// number of dimensions, in either byte order ('<' little-endian, '>' big-endian, '=' and '|'
+// native) and either memory order. Every reader returns the array in C (row-major) order with
+// native byte order, whatever the file holds: the values np.ascontiguousarray(np.load(path)) has.
+// A file with fortran_order: True (what np.save writes for a transposed array, a.T) is reordered
+// on read, in one pass over the data (read_npy streams it in slices, so the peak is the result
+// plus one slice of the file); a big-endian file is byte-swapped. Format versions 1.0, 2.0 and
+// 3.0 are read (3.0 differs from 2.0 only by a UTF-8 header, which never matters for these
+// dtypes). bfloat16 has no NumPy dtype of its own and is not read.
 //
 // Partial reads: read_npy_block (a block of indices of one axis) supports both orders and byte
 // orders. read_npy_range (a range of the flattened C-order array) supports both byte orders but
@@ -19,7 +20,7 @@
 // header only; its fortran_order and little_endian fields say how the data that follows is laid
 // out, for callers that read the data themselves.
 //
-// Write: always C order, little-endian ('<f4' / '<f8'), version 1.0 (2.0 if the header is too
+// Write: always C order, little-endian ('<f2' / '<f4' / '<f8'), version 1.0 (2.0 if the header is too
 // long). Writing goes to a temporary file in the destination directory which is renamed over the
 // destination only when complete, so a failed write never leaves a partial file behind. An
 // existing destination that is not a regular file (a symlink, FIFO, device or directory) is
@@ -64,19 +65,49 @@ class NpyError : public randattn::invalid_argument {
   using randattn::invalid_argument::invalid_argument;
 };
 
-enum class NpyDtype { float32, float64 };
+enum class NpyDtype { float32, float64, float16 };
 
-// NumPy dtype name ("float32" / "float64").
-inline const char* dtype_name(NpyDtype t) { return t == NpyDtype::float32 ? "float32" : "float64"; }
+// NumPy dtype name ("float32", "float64", "float16").
+inline const char* dtype_name(NpyDtype t) {
+  return t == NpyDtype::float32 ? "float32" : t == NpyDtype::float64 ? "float64" : "float16";
+}
+
+// Bytes per element.
+inline std::size_t dtype_size(NpyDtype t) {
+  return t == NpyDtype::float32 ? 4 : t == NpyDtype::float64 ? 8 : 2;
+}
+
+// The dtype that holds Scalar (float, double or Eigen::half).
+template <typename Scalar>
+constexpr NpyDtype dtype_of() {
+  static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double> ||
+                    std::is_same_v<Scalar, Eigen::half>,
+                "npy arrays hold float, double or Eigen::half");
+  return std::is_same_v<Scalar, float>    ? NpyDtype::float32
+         : std::is_same_v<Scalar, double> ? NpyDtype::float64
+                                          : NpyDtype::float16;
+}
+
+// f(Scalar()) with the element type of dtype t: float, double or Eigen::half.
+template <typename F>
+decltype(auto) with_element_type(NpyDtype t, F&& f) {
+  if (t == NpyDtype::float32) return f(float());
+  if (t == NpyDtype::float64) return f(double());
+  return f(Eigen::half());
+}
 
 // An n-dimensional array in C (row-major) order; data holds product(shape) values.
 struct NpyArray {
   std::vector<std::int64_t> shape;
-  std::variant<std::vector<float>, std::vector<double>> data;
+  std::variant<std::vector<float>, std::vector<double>, std::vector<Eigen::half>> data;
 
-  NpyDtype dtype() const { return data.index() == 0 ? NpyDtype::float32 : NpyDtype::float64; }
+  NpyDtype dtype() const {
+    return std::visit([](const auto& v) { return dtype_of<typename std::decay_t<decltype(v)>::value_type>(); },
+                      data);
+  }
   bool is_float32() const { return data.index() == 0; }
   bool is_float64() const { return data.index() == 1; }
+  bool is_float16() const { return data.index() == 2; }
   std::size_t ndim() const { return shape.size(); }
   std::size_t size() const {
     return std::visit([](const auto& v) { return v.size(); }, data);
@@ -85,11 +116,9 @@ struct NpyArray {
   // Typed access; throws NpyError if Scalar does not match the stored dtype.
   template <typename Scalar>
   const std::vector<Scalar>& values() const {
-    static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
-                  "NpyArray holds float or double");
     if (const auto* p = std::get_if<std::vector<Scalar>>(&data)) return *p;
     throw NpyError(std::string("npy array holds ") + dtype_name(dtype()) + ", requested " +
-                   (std::is_same_v<Scalar, float> ? "float32" : "float64"));
+                   dtype_name(dtype_of<Scalar>()));
   }
   template <typename Scalar>
   std::vector<Scalar>& values() {
@@ -329,9 +358,12 @@ inline NpyHeader read_header(std::istream& in, const std::string& name) {
     h.dtype = NpyDtype::float32;
   } else if (known_order && d.compare(1, 2, "f8") == 0) {
     h.dtype = NpyDtype::float64;
+  } else if (known_order && d.compare(1, 2, "f2") == 0) {
+    h.dtype = NpyDtype::float16;
   } else {
     fail(name, "unsupported dtype '" + excerpt(d) +
-                   "'; expected float32 ('<f4', '>f4') or float64 ('<f8', '>f8')");
+                   "'; expected float16 ('<f2', '>f2'), float32 ('<f4', '>f4') or float64 "
+                   "('<f8', '>f8')");
   }
   h.little_endian = d[0] == '<' || (d[0] != '>' && host_is_little_endian());
 
@@ -341,7 +373,7 @@ inline NpyHeader read_header(std::istream& in, const std::string& name) {
 
   if (shape->kind != PyValue::Kind::sequence)
     fail(name, "unparsable header ('shape' is not a tuple)");
-  const std::size_t elem = h.dtype == NpyDtype::float32 ? 4 : 8;
+  const std::size_t elem = dtype_size(h.dtype);
   std::uint64_t count = 1;
   bool empty = false;
   for (const PyValue& dim : shape->items) {
@@ -408,7 +440,8 @@ inline bool check_available(std::istream& in, const std::string& name, std::uint
 template <typename Scalar>
 void read_values(std::istream& in, const std::string& name, Scalar* out, std::size_t n, bool swap,
                  std::uint64_t before, std::uint64_t total) {
-  static_assert(sizeof(float) == 4 && sizeof(double) == 8, "IEEE-754 float/double required");
+  static_assert(sizeof(float) == 4 && sizeof(double) == 8 && sizeof(Eigen::half) == 2,
+                "IEEE-754 half/float/double required");
   in.read(reinterpret_cast<char*>(out), static_cast<std::streamsize>(n * sizeof(Scalar)));
   const auto got = static_cast<std::uint64_t>(in.gcount());
   if (got != n * sizeof(Scalar)) truncated(name, total, before + got);
@@ -537,7 +570,9 @@ std::vector<Scalar> read_array(std::istream& in, const std::string& name, const 
 // The header bytes (magic, version, length, dict, padding) of a little-endian C-order array.
 template <typename Scalar>
 std::string header_bytes(const std::vector<std::int64_t>& shape) {
-  std::string dict = std::string("{'descr': '") + (std::is_same_v<Scalar, float> ? "<f4" : "<f8") +
+  constexpr NpyDtype t = dtype_of<Scalar>();
+  const char* descr = t == NpyDtype::float32 ? "<f4" : t == NpyDtype::float64 ? "<f8" : "<f2";
+  std::string dict = std::string("{'descr': '") + descr +
                      "', 'fortran_order': False, 'shape': " + shape_to_python(shape) + ", }";
   // Total header (magic + version + length + dict + padding + '\n') is a multiple of 64 bytes.
   int major = 1;
@@ -599,10 +634,9 @@ inline NpyArray read_npy(std::istream& in, const std::string& name = "<stream>")
   const NpyHeader h = detail::read_header(in, name);
   NpyArray a;
   a.shape = h.shape;
-  if (h.dtype == NpyDtype::float32)
-    a.data = detail::read_array<float>(in, name, h);
-  else
-    a.data = detail::read_array<double>(in, name, h);
+  with_element_type(h.dtype, [&](auto tag) {
+    a.data = detail::read_array<decltype(tag)>(in, name, h);
+  });
   return a;
 }
 
@@ -631,7 +665,7 @@ inline NpyHeader open_npy(const std::filesystem::path& path, std::ifstream& in) 
   if (!in)
     fail(name, std::filesystem::exists(path, ec) ? "cannot open file for reading" : "no such file");
   const NpyHeader h = read_header(in, name);
-  const std::uint64_t need = std::uint64_t(h.count) * (h.dtype == NpyDtype::float32 ? 4 : 8);
+  const std::uint64_t need = std::uint64_t(h.count) * dtype_size(h.dtype);
   const std::uint64_t size = std::filesystem::file_size(path, ec);
   if (!ec && size - std::min<std::uint64_t>(size, h.data_offset) < need)
     fail(name, "truncated data (expected " + std::to_string(need) + " bytes, found " +
@@ -687,10 +721,7 @@ inline NpyArray read_npy_runs(const std::filesystem::path& path, std::size_t axi
     }
     a.data = std::move(all);
   };
-  if (h.dtype == NpyDtype::float32)
-    read(float());
-  else
-    read(double());
+  with_element_type(h.dtype, read);
   return a;
 }
 
@@ -748,8 +779,6 @@ inline NpyArray read_npy_range(const std::filesystem::path& path, std::int64_t f
 template <typename Scalar>
 void write_npy(const std::filesystem::path& path, const Scalar* data,
                const std::vector<std::int64_t>& shape) {
-  static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
-                "write_npy supports float and double");
   const std::string name = path.string();
   std::uint64_t count = 1;
   for (std::int64_t d : shape) {
@@ -816,7 +845,7 @@ inline void write_npy(const std::filesystem::path& path, const NpyArray& a) {
   std::visit([&](const auto& v) { write_npy(path, v, a.shape); }, a.data);
 }
 
-// Writes a float/double Eigen matrix as a 2-D C-order array (rows, cols).
+// Writes a float, double or Eigen::half matrix as a 2-D C-order array (rows, cols).
 template <typename Derived>
 void write_npy(const std::filesystem::path& path, const Eigen::DenseBase<Derived>& m) {
   using Scalar = typename Derived::Scalar;

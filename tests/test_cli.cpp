@@ -229,7 +229,8 @@ TEST_CASE("cli: float16 inputs give the float32 result on their values, rounded 
     randattn::io::write_npy(ws.path(std::string(name) + "32.npy"),
                             std::vector<float>(values.begin(), values.end()), h.shape);
   }
-  for (const std::string method : {"exact --causal", "favor --features 16 --seed 3", "lsh --chunk 2"}) {
+  for (const std::string method :
+       {"exact --causal", "favor --features 16 --seed 3", "lsh --chunk 2"}) {
     INFO("method " << method);
     Result r = ws.run("attention --report --method " + method + ws.attention_io());
     INFO("stderr: " << r.err);
@@ -403,7 +404,8 @@ TEST_CASE("cli: every failure is one stderr line, exit code 2 and no output", "[
                   "missing.npy: no such file");
     require_error(ws, "attention" + with("q", "garbage.npy") + k + v + out, "bad magic");
     require_error(ws, "attention" + q + with("k", "int.npy") + v + out, "unsupported dtype '<i4'");
-    require_error(ws, "attention" + q + with("k", "complex.npy") + v + out, "unsupported dtype '<c8'");
+    require_error(ws, "attention" + q + with("k", "complex.npy") + v + out,
+                  "unsupported dtype '<c8'");
     require_error(ws, "attention" + with("q", "truncated.npy") + k + v + out, "truncated");
     require_error(ws, "attention" + with("q", "short_header.npy") + k + v + out, "truncated");
     require_error(ws, "attention" + q + k + with("v", "logs") + out, "is a directory");

@@ -451,12 +451,9 @@ void with_local_range(Communicator& comm, const std::string& path, std::string& 
     } catch (const std::exception& e) {
       throw CliError(std::string("--in: ") + e.what());
     }
-    if (h.shape.size() < 2)
-      throw CliError("--in: expected an array of order k >= 2, got shape " + shape_str(h.shape));
+    require_sketchable(h.shape, h.dtype);
     shape = h.shape;
     dtype = randattn::io::dtype_name(h.dtype);
-    if (h.dtype == randattn::io::NpyDtype::float16)
-      throw CliError("--in: float16 tensors are not sketched; convert them to float32");
     range = randattn::mpi::sketch_range(randattn::Index(h.count), comm.rank(), comm.size());
     try {
       local = randattn::io::read_npy_range(path, range.first, range.count);

@@ -31,6 +31,14 @@
 
 namespace randattn_cli {
 
+// What the sketches take as --in: a float32 or float64 tensor of order k >= 2.
+inline void require_sketchable(const Shape& shape, randattn::io::NpyDtype t) {
+  if (shape.size() < 2)
+    throw CliError("--in: expected an array of order k >= 2, got shape " + shape_str(shape));
+  if (t == randattn::io::NpyDtype::float16)
+    throw CliError("--in: float16 tensors are not sketched; convert them to float32");
+}
+
 // Options and input handling shared by the tensor subcommands.
 class TensorCommand {
  public:
@@ -55,10 +63,7 @@ class TensorCommand {
   template <typename Fn>
   void with_input(Fn&& fn) {
     const randattn::io::NpyArray a = read_input("--in", in_path_);
-    if (a.ndim() < 2)
-      throw CliError("--in: expected an array of order k >= 2, got shape " + shape_str(a.shape));
-    if (a.is_float16())
-      throw CliError("--in: float16 tensors are not sketched; convert them to float32");
+    require_sketchable(a.shape, a.dtype());
     dtype_ = randattn::io::dtype_name(a.dtype());
     shape_ = a.shape;
     const std::vector<randattn::Index> dims(a.shape.begin(), a.shape.end());

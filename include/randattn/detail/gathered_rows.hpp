@@ -12,7 +12,6 @@
 
 #include <randattn/detail/intrinsics.hpp>
 
-#include <algorithm>
 #include <cstdint>
 
 #include <Eigen/Core>
@@ -62,7 +61,8 @@ inline void dots(Scalar* out, const T* base, Index stride, const std::int32_t* i
     P_t qk = Eigen::internal::ploadu<P_t>(q + k);
     row_panel::in_register(qk);
     RANDATTN_UNROLL
-    for (int r = 0; r < R; ++r) c[r] = Eigen::internal::pmadd(load_packet<P_t>(row[r] + k), qk, c[r]);
+    for (int r = 0; r < R; ++r)
+      c[r] = Eigen::internal::pmadd(load_packet<P_t>(row[r] + k), qk, c[r]);
   }
   RANDATTN_UNROLL
   for (int r = 0; r < R; ++r) {
@@ -87,7 +87,8 @@ inline void weighted_panel(Scalar* num, const Scalar* w, const T* base, Index st
     const T* row = base + Index(idx[u]) * stride;
     const P_t wu = Eigen::internal::pset1<P_t>(w[u]);
     RANDATTN_UNROLL
-    for (int p = 0; p < P; ++p) c[p] = Eigen::internal::pmadd(wu, load_packet<P_t>(row + p * ps), c[p]);
+    for (int p = 0; p < P; ++p)
+      c[p] = Eigen::internal::pmadd(wu, load_packet<P_t>(row + p * ps), c[p]);
   }
   RANDATTN_UNROLL
   for (int p = 0; p < P; ++p) Eigen::internal::pstoreu(num + p * ps, c[p]);

@@ -20,9 +20,9 @@
 // header only; its fortran_order and little_endian fields say how the data that follows is laid
 // out, for callers that read the data themselves.
 //
-// Write: always C order, little-endian ('<f2' / '<f4' / '<f8'), version 1.0 (2.0 if the header is too
-// long). Writing goes to a temporary file in the destination directory which is renamed over the
-// destination only when complete, so a failed write never leaves a partial file behind. An
+// Write: always C order, little-endian ('<f2' / '<f4' / '<f8'), version 1.0 (2.0 if the header is
+// too long). Writing goes to a temporary file in the destination directory which is renamed over
+// the destination only when complete, so a failed write never leaves a partial file behind. An
 // existing destination that is not a regular file (a symlink, FIFO, device or directory) is
 // refused, never replaced.
 //
@@ -67,15 +67,26 @@ class NpyError : public randattn::invalid_argument {
 
 enum class NpyDtype { float32, float64, float16 };
 
+namespace detail {
+// Each dtype's NumPy name, type code in a header's descr (after the byte order) and element size,
+// in the order of NpyDtype.
+struct DtypeSpelling {
+  NpyDtype dtype;
+  const char* name;
+  const char* code;
+  std::size_t size;
+};
+inline constexpr DtypeSpelling kDtypes[] = {{NpyDtype::float32, "float32", "f4", 4},
+                                            {NpyDtype::float64, "float64", "f8", 8},
+                                            {NpyDtype::float16, "float16", "f2", 2}};
+inline const DtypeSpelling& spelling(NpyDtype t) { return kDtypes[static_cast<int>(t)]; }
+}  // namespace detail
+
 // NumPy dtype name ("float32", "float64", "float16").
-inline const char* dtype_name(NpyDtype t) {
-  return t == NpyDtype::float32 ? "float32" : t == NpyDtype::float64 ? "float64" : "float16";
-}
+inline const char* dtype_name(NpyDtype t) { return detail::spelling(t).name; }
 
 // Bytes per element.
-inline std::size_t dtype_size(NpyDtype t) {
-  return t == NpyDtype::float32 ? 4 : t == NpyDtype::float64 ? 8 : 2;
-}
+inline std::size_t dtype_size(NpyDtype t) { return detail::spelling(t).size; }
 
 // The dtype that holds Scalar (float, double or Eigen::half).
 template <typename Scalar>
@@ -102,8 +113,9 @@ struct NpyArray {
   std::variant<std::vector<float>, std::vector<double>, std::vector<Eigen::half>> data;
 
   NpyDtype dtype() const {
-    return std::visit([](const auto& v) { return dtype_of<typename std::decay_t<decltype(v)>::value_type>(); },
-                      data);
+    return std::visit(
+        [](const auto& v) { return dtype_of<typename std::decay_t<decltype(v)>::value_type>(); },
+        data);
   }
   bool is_float32() const { return data.index() == 0; }
   bool is_float64() const { return data.index() == 1; }
@@ -354,12 +366,11 @@ inline NpyHeader read_header(std::istream& in, const std::string& name) {
   const std::string& d = descr->str;
   const bool known_order =
       d.size() == 3 && (d[0] == '<' || d[0] == '>' || d[0] == '=' || d[0] == '|');
-  if (known_order && d.compare(1, 2, "f4") == 0) {
-    h.dtype = NpyDtype::float32;
-  } else if (known_order && d.compare(1, 2, "f8") == 0) {
-    h.dtype = NpyDtype::float64;
-  } else if (known_order && d.compare(1, 2, "f2") == 0) {
-    h.dtype = NpyDtype::float16;
+  const DtypeSpelling* known = nullptr;
+  for (const DtypeSpelling& t : kDtypes)
+    if (known_order && d.compare(1, 2, t.code) == 0) known = &t;
+  if (known) {
+    h.dtype = known->dtype;
   } else {
     fail(name, "unsupported dtype '" + excerpt(d) +
                    "'; expected float16 ('<f2', '>f2'), float32 ('<f4', '>f4') or float64 "
@@ -570,9 +581,7 @@ std::vector<Scalar> read_array(std::istream& in, const std::string& name, const 
 // The header bytes (magic, version, length, dict, padding) of a little-endian C-order array.
 template <typename Scalar>
 std::string header_bytes(const std::vector<std::int64_t>& shape) {
-  constexpr NpyDtype t = dtype_of<Scalar>();
-  const char* descr = t == NpyDtype::float32 ? "<f4" : t == NpyDtype::float64 ? "<f8" : "<f2";
-  std::string dict = std::string("{'descr': '") + descr +
+  std::string dict = std::string("{'descr': '<") + spelling(dtype_of<Scalar>()).code +
                      "', 'fortran_order': False, 'shape': " + shape_to_python(shape) + ", }";
   // Total header (magic + version + length + dict + padding + '\n') is a multiple of 64 bytes.
   int major = 1;

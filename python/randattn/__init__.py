@@ -20,7 +20,7 @@ ValueError (or TypeError for wrong types). See :func:`methods` for every method 
 import numpy as np
 
 from . import _core
-from ._arrays import as_numpy, dtype_name, is_tensor, like
+from ._arrays import HALF_NAMES, as_numpy, dtype_name, half_name, is_tensor, like, rounded_like, widened
 from ._autograd import attention_backward, attention_with_grad, needs_grad
 from ._kv_cache import KVCache
 from ._sketch import SparseSketch, hosvd, sparsify
@@ -155,9 +155,14 @@ class FeatureMap:
         attention with scale s the normaliser is s ** 0.5. ``side`` ("query" or "key") matters
         only for maps that differ between the two. As for attention, ``check_finite`` refuses
         NaN or Inf in x and reports features that overflow (ValueError) instead of returning
-        them; with ``check_finite=False`` NaN and Inf propagate."""
-        values, log_scale = self._map.features(as_numpy(x, "x"), normaliser, side, check_finite)
-        return like(values, x), like(log_scale, x)
+        them; with ``check_finite=False`` NaN and Inf propagate.
+
+        x of float16 or bfloat16 (NumPy float16, torch float16 or bfloat16) is mapped in float32
+        on its exact values: ``values`` come back in x's dtype, rounded once, and ``log_scale`` in
+        float32 (rounded to 8 bits it would scale a row by up to exp(|log_scale| · 2⁻⁸))."""
+        values, log_scale = self._map.features(widened(x, "x"), normaliser, side, check_finite)
+        values = rounded_like(values, x, "FeatureMap.features", "map float32 x")
+        return values, like(log_scale, x)
 
     def redraw(self, seed):
         """Draw new projections of the same kind and shape from ``seed``."""
@@ -182,6 +187,11 @@ class Decoder:
     """Causal random-feature attention one token at a time (decoding), over a FeatureMap:
     ``append(k, v)`` adds position t, then ``query(q)`` returns its output (value_dim,). Costs
     O(M · value_dim) per token; gives what ``attention(..., causal=True)`` gives with the same map.
+
+    ``dtype`` (float32, float64, or the half types float16 and bfloat16, as names, NumPy or torch
+    dtypes) is the dtype of every k, v and q (TypeError for another) and of the outputs. A
+    half-precision decoder runs in float32 on the tokens' exact values and rounds each output
+    once to its dtype (ValueError for a float16 output beyond ±65504).
     """
 
     def __init__(self, feature_map, value_dim, *, dtype="float64", scale=None, denominator_epsilon=None,
@@ -189,14 +199,24 @@ class Decoder:
         if not isinstance(feature_map, FeatureMap):
             raise TypeError(f"feature_map must be a randattn.FeatureMap, got {type(feature_map).__name__}")
         self.feature_map = feature_map
-        self._decoder = _core.Decoder(feature_map._map, value_dim, dtype_name(dtype), scale, denominator_epsilon,
-                                      check_finite)
+        dtype = dtype_name(dtype)
+        self._half = dtype if dtype in HALF_NAMES else None
+        self._decoder = _core.Decoder(feature_map._map, value_dim, "float32" if self._half else dtype, scale,
+                                      denominator_epsilon, check_finite)
+
+    def _token(self, x, name):
+        """A token as the core decoder takes it: half precision only in a half decoder, widened."""
+        if half_name(x) != self._half:
+            given = half_name(x) or as_numpy(x, name).dtype.name
+            raise TypeError(f"{name} has dtype {given} but the decoder works in {self.dtype}")
+        return widened(x, name)
 
     def append(self, k, v):
-        self._decoder.append(as_numpy(k, "k"), as_numpy(v, "v"))
+        self._decoder.append(self._token(k, "k"), self._token(v, "v"))
 
     def query(self, q):
-        return like(self._decoder.query(as_numpy(q, "q")), q)
+        out = self._decoder.query(self._token(q, "q"))
+        return rounded_like(out, q, "Decoder.query", "decode in float32")
 
     def reset(self):
         self._decoder.reset()
@@ -204,4 +224,4 @@ class Decoder:
     def __len__(self):
         return self._decoder.length
 
-    dtype = property(lambda self: self._decoder.dtype)
+    dtype = property(lambda self: self._half or self._decoder.dtype)

@@ -10,6 +10,9 @@ import sys
 import numpy as np
 
 BFLOAT16 = np.dtype([("bfloat16", "=u2")])
+# The half-precision types, which the classes of the package run in float32 (widened exactly)
+# with results rounded once to the type.
+HALF_NAMES = ("float16", "bfloat16")
 
 
 def _torch():
@@ -71,17 +74,66 @@ def like(result, template):
 
 
 def dtype_name(dtype):
-    """'float32' or 'float64' from a NumPy dtype-like or a torch dtype."""
-    torch = _torch()
-    if torch is not None and isinstance(dtype, torch.dtype):
-        names = {torch.float32: "float32", torch.float64: "float64"}
-        if dtype not in names:
-            raise TypeError(f"dtype must be float32 or float64, got {dtype}")
-        return names[dtype]
+    """'float32', 'float64', 'float16' or 'bfloat16' from a name, a NumPy dtype-like or a torch
+    dtype; TypeError for any other."""
+    names = ("float32", "float64") + HALF_NAMES
+    name = type_name(dtype, "dtype")
+    if name not in names:
+        try:
+            name = np.dtype(name).name  # aliases such as "f4" or "double"
+        except TypeError:
+            pass
+    if name not in names:
+        raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, got {name}")
+    return name
+
+
+def type_name(t, what):
+    """A type's name from a string, a NumPy dtype-like or a torch dtype (None stays None)."""
+    if t is None or isinstance(t, str):
+        return t
+    name = str(t)
+    if name.startswith("torch."):
+        return name[len("torch."):]
     try:
-        d = np.dtype(dtype)
+        return np.dtype(t).name
     except TypeError:
-        raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
-    if d not in (np.float32, np.float64):
-        raise TypeError(f"dtype must be float32 or float64, got {d}")
-    return d.name
+        raise TypeError(f"{what} must be a name or a dtype, got {t!r}") from None
+
+
+def half_name(x):
+    """'float16' or 'bfloat16' for a half-precision NumPy array or torch tensor, else None."""
+    if is_tensor(x):
+        name = str(x.dtype)[len("torch."):]
+    else:
+        name = getattr(getattr(x, "dtype", None), "name", None)
+    return name if name in HALF_NAMES else None
+
+
+def widened(x, name):
+    """x as a NumPy array; half precision widened to float32 (exact: every such value is a float)."""
+    if half_name(x) is None:
+        return as_numpy(x, name)
+    if is_tensor(x):
+        return as_numpy(x.float(), name)
+    return x.astype(np.float32)
+
+
+def rounded_like(out, template, where, advice):
+    """The float32 result ``out`` in the template's kind and, for a half-precision template, its
+    type (rounded once to nearest); a finite result beyond that type's range raises ValueError
+    (``where: ...; advice``) instead of becoming Inf."""
+    half = half_name(template)
+    if half is None:
+        return like(out, template)
+    if is_tensor(template):
+        rounded = to_tensor(out).to(template.dtype)
+        finite = bool(rounded.float().isfinite().all())
+    else:
+        with np.errstate(over="ignore"):  # overflow is reported below
+            rounded = out.astype(np.float16)
+        finite = bool(np.isfinite(rounded).all())
+    if not finite and np.isfinite(out).all():
+        largest = "65504" if half == "float16" else "3.39e38"
+        raise ValueError(f"{where}: the result exceeds the range of {half} (±{largest}); {advice}")
+    return rounded

@@ -2,10 +2,8 @@
 
 import os
 
-import numpy as np
-
 from . import _core
-from ._arrays import as_numpy, dtype_name, is_tensor, like
+from ._arrays import HALF_NAMES, dtype_name, rounded_like, type_name, widened
 
 
 class KVCache:
@@ -68,11 +66,11 @@ class KVCache:
 
     def __init__(self, head_dim, value_dim, kv_heads, mode="exact", sinks=4, window=256, scale=None, *,
                  dtype="float32", storage=None, check_finite=True, **mode_options):
-        storage = _storage_name(storage)
-        if _storage_name(dtype) in _HALF:
-            dtype, storage = "float32", storage or _storage_name(dtype)
+        storage, dtype = type_name(storage, "storage"), dtype_name(dtype)
+        if dtype in HALF_NAMES:
+            dtype, storage = "float32", storage or dtype
         self._cache = _core.KVCache(head_dim, value_dim, kv_heads, mode, sinks, window, scale,
-                                    dtype_name(dtype), storage, check_finite, mode_options)
+                                    dtype, storage, check_finite, mode_options)
 
     @classmethod
     def load(cls, path):
@@ -87,13 +85,13 @@ class KVCache:
         return {name: dict(options) for name, options in _core.kv_cache_modes.items()}
 
     def append(self, k, v):
-        self._cache.append(_widened(k, "k"), _widened(v, "v"))
+        self._cache.append(widened(k, "k"), widened(v, "v"))
 
     def attend(self, q, report=False):
         if not isinstance(report, bool):
             raise TypeError(f"report must be True or False, got {type(report).__name__}")
-        out, fields = self._cache.attend(_widened(q, "q"), report)
-        out = _rounded_like(out, q)
+        out, fields = self._cache.attend(widened(q, "q"), report)
+        out = rounded_like(out, q, "KVCache.attend", "attend with a float32 query")
         return (out, fields) if report else out
 
     def save(self, path):
@@ -120,56 +118,3 @@ class KVCache:
         return (f"KVCache(head_dim={self.head_dim}, value_dim={self.value_dim}, kv_heads={self.kv_heads}, "
                 f"mode={self.mode!r}, dtype={self.dtype!r}, storage={self.storage!r}, "
                 f"size={len(self)})")
-
-
-_HALF = ("float16", "bfloat16")
-
-
-def _half_name(x):
-    """'float16' or 'bfloat16' for a half-precision NumPy array or torch tensor, else None."""
-    if is_tensor(x):
-        name = str(x.dtype)[len("torch."):]
-    else:
-        name = getattr(getattr(x, "dtype", None), "name", None)
-    return name if name in _HALF else None
-
-
-def _widened(x, name):
-    """x as a NumPy array; half precision widened to float32 (exact: every such value is a float)."""
-    if _half_name(x) is None:
-        return as_numpy(x, name)
-    if is_tensor(x):
-        return as_numpy(x.float(), name)
-    return x.astype(np.float32)
-
-
-def _rounded_like(out, q):
-    """The float result in q's kind: a half-precision q's dtype (rounded once to nearest), else as
-    the cache computed it."""
-    half = _half_name(q)
-    if half is None:
-        return like(out, q)
-    if is_tensor(q):
-        rounded = like(out, q).to(q.dtype)
-        finite = bool(rounded.float().isfinite().all())
-    else:
-        with np.errstate(over="ignore"):  # overflow is reported below
-            rounded = out.astype(np.float16)
-        finite = bool(np.isfinite(rounded).all())
-    if not finite and np.isfinite(out).all():
-        raise ValueError(f"KVCache.attend: the result exceeds the range of {half} (±65504); "
-                         "attend with a float32 query")
-    return rounded
-
-
-def _storage_name(storage):
-    """A storage name from a string, a NumPy dtype-like or a torch dtype (None: the dtype's)."""
-    if storage is None or isinstance(storage, str):
-        return storage
-    name = str(storage)
-    if name.startswith("torch."):
-        return name[len("torch."):]
-    try:
-        return np.dtype(storage).name
-    except TypeError:
-        raise TypeError(f"storage must be a name or a dtype, got {storage!r}") from None

@@ -192,3 +192,45 @@ def test_non_finite_inputs_in_half():
     out = randattn.attention(q, k, v, check_finite=False)
     assert out.dtype == np.float16
     assert np.isnan(out[1]).all() and np.isfinite(np.delete(out, 1, axis=0)).all()
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
+@pytest.mark.parametrize("kind", list(randattn._core.feature_map_kinds))
+def test_feature_maps_in_half_are_float32_rounded(kind, dtype):
+    x = rounded_inputs((23, 6), (1, 6), 1, seed=13, dtype=dtype)[0]
+    fm = randattn.FeatureMap(kind, 6, features=8, seed=4)
+    for side in ("query", "key"):
+        values, log_scale = fm.features(x, normaliser=0.8, side=side)
+        values32, log_scale32 = fm.features(x.float(), normaliser=0.8, side=side)
+        assert_rounded(values, values32, dtype, f"{kind} {side}")
+        assert log_scale.dtype == torch.float32 and torch.equal(log_scale, log_scale32)
+    if dtype == torch.float16:  # NumPy float16 in: float16 values, float32 log-scales
+        values, log_scale = fm.features(x.numpy(), normaliser=0.8)
+        values32, log_scale32 = fm.features(x.float().numpy(), normaliser=0.8)
+        assert values.dtype == np.float16 and log_scale.dtype == np.float32
+        assert np.array_equal(values, values32.astype(np.float16)) and np.array_equal(log_scale, log_scale32)
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
+def test_decoder_in_half_is_float32_rounded(dtype):
+    n, name = 12, str(dtype)[len("torch."):]
+    q, k, v = rounded_inputs((n, 4), (n, 4), 3, seed=5, dtype=dtype)
+    fm = randattn.FeatureMap("hybrid", 4, features=8, lambda_features=4, seed=2)
+    half, single = randattn.Decoder(fm, 3, dtype=dtype), randattn.Decoder(fm, 3, dtype="float32")
+    assert half.dtype == name and randattn.Decoder(fm, 3, dtype=name).dtype == name
+    for t in range(n):
+        half.append(k[t], v[t])
+        single.append(k[t].float(), v[t].float())
+        assert_rounded(half.query(q[t]), single.query(q[t].float()), dtype, f"token {t}")
+    assert len(half) == n
+    with pytest.raises(TypeError, match=f"k has dtype float32 but the decoder works in {name}"):
+        half.append(k[0].float(), v[0])
+    with pytest.raises(TypeError, match=f"q has dtype {name} but the decoder works in float32"):
+        single.query(q[0])
+    assert len(half) == n and len(single) == n
+    if dtype == torch.float16:  # NumPy float16 tokens and outputs
+        numpy_half = randattn.Decoder(fm, 3, dtype=np.float16)
+        for t in range(n):
+            numpy_half.append(k[t].numpy(), v[t].numpy())
+        out = numpy_half.query(q[-1].numpy())
+        assert out.dtype == np.float16 and np.array_equal(out, single.query(q[-1].float()).numpy().astype(np.float16))

@@ -152,7 +152,7 @@ def test_dtype_is_the_caches_and_other_inputs_are_converted(rng):
     assert out.dtype == np.float32
     twin = filled(k.astype(np.float32), v.astype(np.float32), dtype="float32")
     assert identical(out, twin.attend(q.astype(np.float32)))
-    with pytest.raises(TypeError, match="float32 or float64"):
+    with pytest.raises(TypeError, match="dtype must be float32, float64, float16 or bfloat16, got int32"):
         randattn.KVCache(D, DV, KV_HEADS, dtype="int32")
     with pytest.raises(TypeError, match="dtype"):
         cache32.append(k.astype(np.int64), v)

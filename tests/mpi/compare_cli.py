@@ -31,24 +31,25 @@ def write_npy(path, shape, values, dtype="<f4"):
         dtype, "".join("%d, " % s for s in shape))
     pad = (64 - (10 + len(header) + 1) % 64) % 64
     header += " " * pad + "\n"
-    code = {"<f4": "f", "<f8": "d", "<i8": "q", "|b1": "?"}[dtype]
+    code = {"<f2": "e", "<f4": "f", "<f8": "d", "<i8": "q", "|b1": "?"}[dtype]
     with open(path, "wb") as f:
         f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode())
         f.write(struct.pack("<%d%s" % (len(values), code), *values))
 
 
-def read_npy(path):
+def read_npy(path, with_dtype=False):
     with open(path, "rb") as f:
         data = f.read()
     major = data[6]
     hlen = struct.unpack("<H", data[8:10])[0] if major == 1 else struct.unpack("<I", data[8:12])[0]
     start = (10 if major == 1 else 12) + hlen
     header = ast.literal_eval(data[(10 if major == 1 else 12):start].decode())
-    code = "f" if header["descr"] == "<f4" else "d"
+    code = {"<f2": "e", "<f4": "f", "<f8": "d"}[header["descr"]]
     count = 1
     for s in header["shape"]:
         count *= s
-    return header["shape"], struct.unpack("<%d%s" % (count, code), data[start:start + count * struct.calcsize(code)])
+    values = struct.unpack("<%d%s" % (count, code), data[start:start + count * struct.calcsize(code)])
+    return (header["shape"], values, header["descr"]) if with_dtype else (header["shape"], values)
 
 
 def run(cmd, env):
@@ -73,6 +74,8 @@ def main():
     write_npy(w("q.npy"), (n, d), gauss(n * d, 0.5))
     write_npy(w("k.npy"), (n, d), gauss(n * d, 0.5))
     write_npy(w("v.npy"), (n, dv), gauss(n * dv))
+    for name, shape in (("q", (n, d)), ("k", (n, d)), ("v", (n, dv))):  # float16 copies (rounded)
+        write_npy(w(name + "16.npy"), shape, read_npy(w(name + ".npy"))[1], "<f2")
     write_npy(w("q4.npy"), (2, 3, n, d), gauss(6 * n * d, 0.5))
     write_npy(w("k4.npy"), (2, 3, 29, d), gauss(6 * 29 * d, 0.5))
     write_npy(w("v4.npy"), (2, 3, 29, dv), gauss(6 * 29 * dv))
@@ -95,6 +98,9 @@ def main():
     write_npy(w("q5.npy"), (3, 4, n, d), gauss(12 * n * d, 0.5))
     write_npy(w("k5.npy"), (3, 2, n, d), gauss(6 * n * d, 0.5))
     write_npy(w("v5.npy"), (3, 2, n, dv), gauss(6 * n * dv))
+    for name in ("q5", "k5", "v5"):
+        shape, values = read_npy(w(name + ".npy"))
+        write_npy(w(name + "_16.npy"), shape, values, "<f2")
     write_npy(w("k5_mha.npy"), (3, 4, n, d), gauss(12 * n * d, 0.5))
     write_npy(w("v5_mha.npy"), (3, 4, n, dv), gauss(12 * n * dv))
     write_npy(w("lengths4.npy"), (2,), [29, 11], "<i8")
@@ -142,6 +148,9 @@ def main():
                 ["--layout", "zigzag"]
         yield "exact 4-D n_q != n_k", ["--method", "exact"] + qkv4, []
         yield "favor 4-D n_q != n_k", ["--method", "favor"] + qkv4, []
+        qkv16 = ["--q", w("q16.npy"), "--k", w("k16.npy"), "--v", w("v16.npy")]
+        yield "exact causal float16", ["--method", "exact", "--causal"] + qkv16, []
+        yield "favor float16", ["--method", "favor", "--seed", "3"] + qkv16, []
 
     # Layouts run whole batch items and sequences per rank: randattn-cli's output bit for bit.
     def layout_cases():
@@ -156,6 +165,9 @@ def main():
                     yield m + " grouped heads, packed sequences" + c, extra + gqa + causal + [
                         "--cu-seqlens", w("cu5.npy")]
                     yield m + " exclude self" + c, extra + mha + causal + ["--exclude-self"]
+        yield "exact grouped heads, key mask float16", ["--method", "exact", "--q", w("q5_16.npy"), "--k",
+                                                        w("k5_16.npy"), "--v", w("v5_16.npy"),
+                                                        "--key-padding-mask", w("mask5.npy")]
 
     def compare_attention(check, tag, name, args, mpi_only=(), bitwise=False):
         ref_path = w("ref_%s.npy" % tag)
@@ -163,20 +175,27 @@ def main():
         check(r.returncode == 0, "randattn-cli attention %s (%s)" % (name, r.stderr.strip()))
         if r.returncode != 0:
             return
-        _, ref = read_npy(ref_path)
+        _, ref, ref_dtype = read_npy(ref_path, with_dtype=True)
         scale = max(abs(x) for x in ref)
+        # float16 outputs are each program's float32 result rounded once: entries may differ by
+        # one float16 spacing (2^-10 |x|, or 2^-24 below 2^-14) beside the float32 difference.
+        half = ref_dtype == "<f2"
         for p in map(int, a.ranks.split(",")):
             out = w("out_%s_%d.npy" % (tag, p))
             r = mpi(p, ["attention"] + args + list(mpi_only) + ["--out", out])
             if r.returncode != 0:
                 check(False, "np %d attention %s: exit %d: %s" % (p, name, r.returncode, r.stderr.strip()))
                 continue
-            _, got = read_npy(out)
-            if bitwise:
+            _, got, got_dtype = read_npy(out, with_dtype=True)
+            if got_dtype != ref_dtype:
+                check(False, "np %d attention %s: dtype %s, randattn-cli's %s" % (p, name, got_dtype, ref_dtype))
+            elif bitwise:
                 check(got == ref, "np %d attention %s: bit for bit" % (p, name))
             else:
+                spacing = (lambda y: max(2.0 ** -10 * abs(y), 2.0 ** -24)) if half else (lambda y: 0.0)
+                ok = len(got) == len(ref) and all(abs(x - y) <= 1e-5 * scale + spacing(y) for x, y in zip(got, ref))
                 err = max(abs(x - y) for x, y in zip(got, ref)) / scale
-                check(len(got) == len(ref) and err <= 1e-5, "np %d attention %s: rel error %.2e" % (p, name, err))
+                check(ok, "np %d attention %s: rel error %.2e" % (p, name, err))
 
     for i, (name, args, mpi_only) in enumerate(attention_cases()):
         job(lambda check, i=i, name=name, args=args, mpi_only=mpi_only:

@@ -14,6 +14,8 @@
 // pairs) and reads only those; the output is randattn-cli's bit for bit. Every rank writes its
 // rows into the one output file with MPI-IO after rank 0's header; the file is written under a
 // temporary name and renamed when complete.
+// float16 attention inputs run the float32 method on their exact values; each rank rounds its
+// output rows once, as randattn-cli rounds the whole output.
 // --report prints one JSON line from rank 0, with "ranks" and "bytes_sent" (one entry per rank).
 // Not distributed (an error): --compare, exact HOSVD (hosvd without --budget), sparsify schemes
 // other than spa, LSH with exact buckets or separate keys (separate keys do run under a layout).
@@ -45,6 +47,15 @@
 namespace randattn_cli {
 
 using randattn::mpi::Communicator;
+
+// The MPI datatype that writes Scalar's bytes: half-precision values as their 16 bits.
+template <typename Scalar>
+MPI_Datatype file_datatype() {
+  if constexpr (randattn::is_half_precision_v<Scalar>)
+    return MPI_UINT16_T;
+  else
+    return randattn::mpi::datatype<Scalar>();
+}
 
 // Runs fn on every rank; a failure on any rank becomes the same CliError on every rank.
 template <typename Fn>
@@ -96,7 +107,7 @@ void write_npy_sharded(Communicator& comm, const std::string& path, const Shape&
       const MPI_Offset at =
           MPI_Offset(header.size() + (std::size_t(offset) + done) * sizeof(Scalar));
       ok = MPI_File_write_at(file, at, values.data() + done, int(n),
-                             randattn::mpi::datatype<Scalar>(), MPI_STATUS_IGNORE) == MPI_SUCCESS;
+                             file_datatype<Scalar>(), MPI_STATUS_IGNORE) == MPI_SUCCESS;
     }
   }
   ok = MPI_File_close(&file) == MPI_SUCCESS && ok;
@@ -172,9 +183,6 @@ class ShardedAttentionCommand : public RegistryAttentionCommand {
       k = shared_qk_ ? q : header("--k", k_path_);
       v = header("--v", v_path_);
       call = make_call(*chosen, q, k, v);
-      if (q.dtype == randattn::io::NpyDtype::float16)
-        throw CliError(
-            "randattn-mpi reads float32 or float64; convert float16 inputs or run randattn-cli");
       pieces = layout_given() || (k.ndim() == 4 && k.shape[1] != call.shape.heads);
       if (pieces) {
         if (layout == randattn::mpi::RowLayout::zigzag)
@@ -197,8 +205,12 @@ class ShardedAttentionCommand : public RegistryAttentionCommand {
 
     double seconds = 0;
     reg::Report fields;
+    // float16 inputs run the float32 sharded method on their exact widening, and each rank
+    // rounds its output rows once (randattn-cli's rule; the float32 results of the two programs
+    // differ only in the order of merged partial sums).
     const auto compute = [&](auto tag) {
-      using Scalar = decltype(tag);
+      using File = decltype(tag);
+      using Scalar = randattn::compute_scalar_t<File>;
       std::vector<Scalar> ql, kl, vl;
       collectively(comm, [&] {
         ql = read_rows<Scalar>("--q", q_path_, q, q_rows, comm.rank());
@@ -228,7 +240,22 @@ class ShardedAttentionCommand : public RegistryAttentionCommand {
           at += seg.count;
         }
       }
-      write_npy_sharded<Scalar>(comm, out_path_, out_shape, runs, "--out");
+      if constexpr (randattn::is_half_precision_v<File>) {
+        std::vector<std::pair<std::int64_t, std::vector<File>>> rounded;
+        collectively(comm, [&] {
+          for (const auto& [offset, values] : runs) {
+            std::vector<File> half(values.size());
+            randattn::round_to_half(
+                values.data(), randattn::Index(values.size()), half.data(),
+                "method '" + std::string(method.name()) + "', output from flat index " +
+                    std::to_string(offset));
+            rounded.emplace_back(offset, std::move(half));
+          }
+        });
+        write_npy_sharded<File>(comm, out_path_, out_shape, rounded, "--out");
+      } else {
+        write_npy_sharded<Scalar>(comm, out_path_, out_shape, runs, "--out");
+      }
     };
     for_dtype(q, compute);
     print_report(comm, method, call, q, k, v, out_shape, fields, layout_, seconds);
@@ -349,14 +376,10 @@ class ShardedAttentionCommand : public RegistryAttentionCommand {
     return 0;
   }
 
-  // compute(Scalar()) for the inputs' dtype.
+  // compute(Scalar()) for the inputs' dtype (float, double or Eigen::half).
   template <typename Compute>
   static void for_dtype(const InputInfo& q, Compute&& compute) {
-    // Float16 inputs were refused before any rank read them.
-    if (q.dtype == randattn::io::NpyDtype::float32)
-      compute(float());
-    else
-      compute(double());
+    randattn::io::with_element_type(q.dtype, compute);
   }
 
   // With --report, rank 0 prints the call's JSON line (every rank takes part: the traffic is
@@ -405,6 +428,20 @@ class ShardedAttentionCommand : public RegistryAttentionCommand {
     }
   }
 
+  // A block's values as Scalar: its own dtype, or float16 widened exactly to float.
+  template <typename Scalar>
+  static std::vector<Scalar> values_as(randattn::io::NpyArray&& block) {
+    if constexpr (std::is_same_v<Scalar, float>) {
+      if (block.is_float16()) {
+        const std::vector<Eigen::half>& half = block.values<Eigen::half>();
+        std::vector<float> out(half.size());
+        randattn::widen_to_float(half.data(), randattn::Index(half.size()), out.data());
+        return out;
+      }
+    }
+    return std::move(block.values<Scalar>());
+  }
+
   // This rank's token rows (axis ndim − 2) of every slice, segments concatenated per slice.
   template <typename Scalar>
   static std::vector<Scalar> read_rows(const char* flag, const std::string& path,
@@ -418,7 +455,7 @@ class ShardedAttentionCommand : public RegistryAttentionCommand {
     try {
       for (const auto& seg : segments)
         blocks.push_back(
-            randattn::io::read_npy_block(path, axis, seg.first, seg.count).values<Scalar>());
+            values_as<Scalar>(randattn::io::read_npy_block(path, axis, seg.first, seg.count)));
     } catch (const std::exception& e) {
       throw CliError(std::string(flag) + ": " + e.what());
     }

@@ -34,15 +34,15 @@ randattn_log "AddressSanitizer + UndefinedBehaviorSanitizer: whole test suite, f
 sanitized_configure "$asan" address,undefined -DRANDATTN_BUILD_FUZZERS=ON \
     -DRANDATTN_BUILD_BENCHMARKS=ON -DRANDATTN_BUILD_EXAMPLES=ON -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
 
-# The test files whose [threads] cases run code with synchronisation of its own or objects shared
-# between threads: test_threads.cpp (the linear core's split scan, shared maps and hashes, LSH's
-# per-thread tables, the batched feature paths), concurrent KvCache::attend and the layouts'
-# parallel slices, which share their jobs. The other families' [threads] cases check thread-count
+# The [threads] cases that run code with synchronisation of its own or objects shared between
+# threads live in test_threads.cpp (the linear core's split scan, shared maps and hashes, LSH's
+# per-thread tables, the batched feature paths, concurrent KvCache::attend, the layouts' parallel
+# sub-calls, which share their jobs). The other families' [threads] cases check thread-count
 # independence of the same parallel_for over disjoint rows, which the plain build's run already
-# covers; compiling them once more under TSan would cost minutes of CI for no new code. For the
-# same reason the build links only the registered methods that the [threads] cases call
+# covers; compiling their files once more under TSan would cost minutes of CI for no new code.
+# For the same reason the build links only the registered methods that the [threads] cases call
 # (tests/method_subset.cpp), not the whole method table.
-threaded="threads;kv_cache;layout"
+threaded="threads"
 randattn_log "ThreadSanitizer: multi-threaded tests (test files: $threaded), built beside the first build"
 sanitized_configure "$tsan" thread \
     -DRANDATTN_BUILD_BENCHMARKS=OFF -DRANDATTN_BUILD_TOOLS=OFF -DRANDATTN_BUILD_EXAMPLES=OFF -DRANDATTN_TEST_FILES="$threaded" \

@@ -1,5 +1,5 @@
 // A method table of the four methods that the [threads] cases call through the registry (the
-// layouts' parallel sub-calls in test_layout.cpp). The ThreadSanitizer build runs only those
+// layouts' parallel sub-calls in test_threads.cpp). The ThreadSanitizer build runs only those
 // cases, so it links this table (RANDATTN_TESTS_SUBSET_TABLE) instead of compiling every
 // registered method once more under ThreadSanitizer, which took longer than its tests.
 

@@ -1,11 +1,11 @@
 // Decoding over a key/value cache (decode/kv_cache.hpp): exact mode against exact attention,
 // retrieval modes that retrieve everything against exact decoding, SimHash inclusion
-// probabilities against Monte Carlo collision rates, append/save/load bit identity, threads,
+// probabilities against Monte Carlo collision rates, append/save/load bit identity,
 // grouped-query heads, argument checks, and keys and values stored as float32, float64,
-// bfloat16, float16 and int8.
+// bfloat16, float16 and int8. Concurrent attends and thread-count independence of the clusters
+// are in test_threads.cpp.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -13,14 +13,10 @@
 #include <limits>
 #include <set>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <unistd.h>
 
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
 
 #include <catch2/catch.hpp>
 
@@ -28,6 +24,7 @@
 
 #include <Eigen/QR>
 
+#include "kv_cache_support.hpp"
 #include "support.hpp"
 
 using randattn::DecodeMode;
@@ -37,6 +34,12 @@ using randattn::DecodeReport;
 using randattn::KvCache;
 using randattn::KvCacheOptions;
 using randattn::KvStorage;
+using testing::bit_identical;
+using testing::clusters_options;
+using testing::drifting_tokens;
+using testing::filled;
+using testing::needle_queries;
+using testing::Tokens;
 
 namespace {
 
@@ -44,59 +47,6 @@ template <typename Scalar>
 double rel_diff(const RowMatrix<Scalar>& a, const RowMatrix<Scalar>& b) {
   return (a.template cast<double>() - b.template cast<double>()).norm() /
          std::max(1e-300, b.template cast<double>().norm());
-}
-
-template <typename Scalar>
-bool bit_identical(const RowMatrix<Scalar>& a, const RowMatrix<Scalar>& b) {
-  return a.rows() == b.rows() && a.cols() == b.cols() &&
-         std::memcmp(a.data(), b.data(), sizeof(Scalar) * std::size_t(a.size())) == 0;
-}
-
-// Keys and values of kv_heads heads in the cache's head-major block layout: rows
-// [h·n, (h + 1)·n) are head h. Keys share a mean offset and cluster, so attention is peaked.
-template <typename Scalar>
-struct Tokens {
-  RowMatrix<Scalar> k, v;
-  Index n, kv_heads;
-  Tokens(std::uint64_t seed, Index n_, Index kv_heads_, Index d, Index dv)
-      : n(n_), kv_heads(kv_heads_) {
-    k = testing::clustered<Scalar>(seed, n * kv_heads, d, 7, 0.5);
-    k.rowwise() += testing::gaussian<Scalar>(seed + 2, 1, d, 1.0).row(0);
-    v = testing::gaussian<Scalar>(seed + 3, n * kv_heads, dv);
-  }
-  // Tokens [i0, i0 + t) of every head, head-major.
-  RowMatrix<Scalar> keys(Index i0, Index t) const { return slice(k, i0, t); }
-  RowMatrix<Scalar> values(Index i0, Index t) const { return slice(v, i0, t); }
-  RowMatrix<Scalar> head_keys(Index h) const { return k.middleRows(h * n, n); }
-  RowMatrix<Scalar> head_values(Index h) const { return v.middleRows(h * n, n); }
-
- private:
-  RowMatrix<Scalar> slice(const RowMatrix<Scalar>& m, Index i0, Index t) const {
-    RowMatrix<Scalar> out(kv_heads * t, m.cols());
-    for (Index h = 0; h < kv_heads; ++h) out.middleRows(h * t, t) = m.middleRows(h * n + i0, t);
-    return out;
-  }
-};
-
-// Queries that point at a few keys of their kv head (peaked attention).
-template <typename Scalar>
-RowMatrix<Scalar> needle_queries(const Tokens<Scalar>& tok, Index q_heads, std::uint64_t seed,
-                                 double strength) {
-  const Index d = tok.k.cols(), group = q_heads / tok.kv_heads;
-  RowMatrix<Scalar> q = testing::gaussian<Scalar>(seed, q_heads, d, 0.3);
-  for (Index i = 0; i < q_heads; ++i) {
-    const Index h = i / group;
-    const Index j = (i * 7919 + 13) % tok.n;
-    q.row(i) += Scalar(strength) * tok.k.row(h * tok.n + j) / tok.k.row(h * tok.n + j).norm();
-  }
-  return q;
-}
-
-template <typename Scalar>
-KvCache<Scalar> filled(const Tokens<Scalar>& tok, const KvCacheOptions& opt) {
-  KvCache<Scalar> cache(tok.k.cols(), tok.v.cols(), tok.kv_heads, opt);
-  cache.append(tok.k, tok.v);
-  return cache;
 }
 
 // The keys of the `top` pages of P consecutive keys with the highest box bound on q·k, the boxes
@@ -704,41 +654,6 @@ TEST_CASE("KvCache load rejects corrupt, truncated and mismatched files", "[kv_c
   std::remove(bad.c_str());
 }
 
-TEST_CASE("KvCache concurrent attend equals serial", "[kv_cache][threads]") {
-  const Index d = 32, dv = 16, kvh = 2, qh = 8, n = 2000;
-  const Tokens<float> tok(101, n, kvh, d, dv);
-  for (const DecodeMode mode : {DecodeMode::exact, DecodeMode::blocks, DecodeMode::lsh_sample,
-                                DecodeMode::lsf}) {
-    KvCacheOptions opt;
-    opt.mode = mode;
-    opt.page_size = 16;
-    opt.top_pages = 8;
-    opt.lsh_bits = 5;
-    opt.lsh_tables = 16;
-    opt.lsf_filters = 32;
-    const auto cache = filled(tok, opt);
-    std::vector<RowMatrix<float>> queries, serial;
-    for (int i = 0; i < 16; ++i) {
-      queries.push_back(needle_queries(tok, qh, 200 + i, 4.0));
-      serial.push_back(cache.attend(queries.back()));
-    }
-    std::atomic<int> mismatches{0};
-    std::vector<std::thread> threads;
-    for (int t = 0; t < 4; ++t) {
-      threads.emplace_back([&, t] {
-        for (int rep = 0; rep < 3; ++rep)
-          for (int i = 0; i < 16; ++i) {
-            const int k = (i + 5 * t) % 16;
-            if (!bit_identical<float>(cache.attend(queries[k]), serial[k])) ++mismatches;
-          }
-      });
-    }
-    for (auto& th : threads) th.join();
-    INFO("mode " << randattn::to_string(mode));
-    CHECK(mismatches == 0);
-  }
-}
-
 TEST_CASE("KvCache grouped-query heads equal repeated kv heads", "[kv_cache]") {
   const Index d = 16, dv = 8, kvh = 2, group = 3, n = 400;
   const Tokens<double> tok(111, n, kvh, d, dv);
@@ -967,17 +882,6 @@ TEMPLATE_TEST_CASE("KvCache lsf: every filter open equals exact; probes follow t
 
 namespace {
 
-KvCacheOptions clusters_options(Index clusters, Index probe, Index sinks = 4, Index window = 32) {
-  KvCacheOptions o;
-  o.mode = DecodeMode::clusters;
-  o.clusters = clusters;
-  o.probe = probe;
-  o.sinks = sinks;
-  o.window = window;
-  o.seed = 11;
-  return o;
-}
-
 // Every invariant of the clusters of kv head h: `clusters` of them, every candidate key
 // [sinks, n − window) in exactly one but the newest ones of the open block (fewer than a
 // block), members ascending, radius ≥ every member's distance.
@@ -1008,17 +912,6 @@ void check_clusters(const KvCache<S>& cache, Index h) {
     CHECK(double(cl.radii()(c)) >= far * (1 - 1e-5));
   }
   for (Index j = 0; j < n; ++j) CHECK(seen[std::size_t(j)] == (j >= first && j < last ? 1 : 0));
-}
-
-// Tokens whose second half of keys is a tight blob away from the first half's: the cluster
-// nearest to it receives every new key, outgrows the limit and splits, again and again.
-Tokens<float> drifting_tokens(std::uint64_t seed, Index n, Index kv_heads, Index d, Index dv) {
-  Tokens<float> tok(seed, n, kv_heads, d, dv);
-  const RowMatrix<float> away = testing::gaussian<float>(seed + 5, kv_heads, d, 3.0);
-  for (Index h = 0; h < kv_heads; ++h)
-    for (Index j = n / 2; j < n; ++j)
-      tok.k.row(h * n + j) = 0.2f * tok.k.row(h * n + j) + away.row(h);
-  return tok;
 }
 
 }  // namespace
@@ -1255,35 +1148,6 @@ TEST_CASE("KvCache clusters: every key left out is below the negligible margin",
   CHECK(rep.clusters_opened < 32 * qh);  // the bound closes some clusters on this data
   CHECK(left_out > 0);
   CHECK(rep.keys_scored() + left_out == qh * n);
-}
-
-TEST_CASE("KvCache clusters: the same seed gives the same clusters for any thread count",
-          "[kv_cache][threads]") {
-  const Index d = 16, dv = 8, kvh = 2, qh = 4, n = 3000;
-  const Tokens<float> tok = drifting_tokens(107, n, kvh, d, dv);
-  const RowMatrix<float> q = needle_queries(tok, qh, 6, 5.0);
-  const auto build = [&](int threads) {
-#if defined(_OPENMP)
-    const int before = omp_get_max_threads();
-    omp_set_num_threads(threads);
-#else
-    (void)threads;
-#endif
-    auto cache = filled(tok, clusters_options(8, 3, 3, 20));
-#if defined(_OPENMP)
-    omp_set_num_threads(before);
-#endif
-    return cache;
-  };
-  const auto one = build(1), four = build(4);
-  CHECK(one.key_clusters(0).splits() > 0);
-  CHECK(bit_identical<float>(one.attend(q), four.attend(q)));
-  for (Index h = 0; h < kvh; ++h) {
-    const auto &a = one.key_clusters(h), &b = four.key_clusters(h);
-    CHECK(a.splits() == b.splits());
-    CHECK(bit_identical<float>(RowMatrix<float>(a.centroids()), RowMatrix<float>(b.centroids())));
-    for (Index c = 0; c < a.count(); ++c) CHECK(a.members(c) == b.members(c));
-  }
 }
 
 TEST_CASE("KvCache clusters: save/load keeps the clusters; truncated files are refused",

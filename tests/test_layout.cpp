@@ -1,9 +1,10 @@
 // Key layouts of registered methods (include/randattn/registry/layout.hpp): the declared layout
 // inputs and their checks in both front ends' spellings, self-exclusion of every method that
-// supports it under packed sequences and padding, and sub-calls that give the same bits for any
-// thread count. Also every registered method's batched job on logits beyond the floating-point
-// range: the overflow error, never NaN; and half-precision calls and gradients (Eigen::half,
-// Eigen::bfloat16), which must be the float32 call on the same inputs rounded once.
+// supports it under packed sequences and padding (sub-calls that give the same bits for any
+// thread count: test_threads.cpp). Also every registered method's batched job on logits beyond
+// the floating-point range: the overflow error, never NaN; and half-precision calls and
+// gradients (Eigen::half, Eigen::bfloat16), which must be the float32 call on the same inputs
+// rounded once.
 #include <randattn/registry/layout.hpp>
 #include <randattn/registry/registry.hpp>
 
@@ -17,15 +18,17 @@
 #include <string>
 #include <vector>
 
+#include "layout_support.hpp"
 #include "support.hpp"
 
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
 
 namespace reg = randattn::registry;
 using randattn::BatchShape;
 using randattn::Index;
+using testing::integers;
+using testing::options_of;
+using testing::run;
+using testing::values;
 
 namespace {
 
@@ -40,47 +43,6 @@ std::string message_of(Fn&& fn) {
     return e.what();
   }
   return "";
-}
-
-reg::IndexArray integers(std::vector<std::int64_t> shape, std::vector<std::int64_t> data) {
-  return {std::move(shape), std::move(data), false};
-}
-
-// Small options of every method that supports self-exclusion, as the Python mask tests use.
-std::map<std::string, reg::Value> options_of(const std::string& method) {
-  if (method == "favor") return {{"features", std::int64_t(16)}};
-  if (method == "lsh") return {{"chunk", std::int64_t(4)}, {"rounds", std::int64_t(2)}};
-  if (method == "lsf")
-    return {{"filters", std::int64_t(16)}, {"tables", std::int64_t(2)}, {"eta", 0.3}};
-  return {};
-}
-
-// One registered call: q (batch, heads, n, d), k and v (batch, kv_heads, n, ·), under a layout.
-template <typename Scalar>
-std::vector<Scalar> run(const std::string& name, const BatchShape& shape, Index kv_heads,
-                        const std::map<std::string, reg::IndexArray>& given, bool causal,
-                        bool exclude_self, const std::vector<Scalar>& q,
-                        const std::vector<Scalar>& k, const std::vector<Scalar>& v) {
-  const reg::Method& method = reg::find_method(name, kPython);
-  reg::Settings settings;
-  settings.causal = causal;
-  settings.exclude_self = exclude_self;
-  settings.seed = 5;
-  settings.scale = reg::default_scale(shape.d);
-  const std::vector<std::int64_t> qs{shape.batch, shape.heads, shape.n_q, shape.d},
-      ks{shape.batch, kv_heads, shape.n_k, shape.d}, vs{shape.batch, kv_heads, shape.n_k, shape.dv};
-  const reg::CallShape call_shape = reg::call_shape(qs, &ks, vs, kPython);
-  const reg::Layout layout = reg::make_layout(method, given, call_shape, settings, kPython);
-  const reg::Call call = reg::make_call(method, options_of(name), settings, shape, kPython);
-  std::vector<Scalar> out(std::size_t(shape.slices() * shape.n_q * shape.dv));
-  reg::build_job<Scalar>(method, call, layout)(q.data(), k.data(), v.data(), out.data());
-  return out;
-}
-
-template <typename Scalar>
-std::vector<Scalar> values(std::uint64_t seed, Index rows, Index cols) {
-  const randattn::RowMatrix<Scalar> x = testing::gaussian<Scalar>(seed, rows, cols);
-  return std::vector<Scalar>(x.data(), x.data() + x.size());
 }
 
 }  // namespace
@@ -172,53 +134,6 @@ TEMPLATE_TEST_CASE("Self-exclusion under packed sequences and padding equals the
       // Key lengths (12, 12) are no padding at all.
       CHECK(run<Scalar>(method, shape, 2, {{"key_lengths", integers({2}, {12, 12})}}, causal, true,
                         q, q, v) == run<Scalar>(method, shape, 2, {}, causal, true, q, q, v));
-    }
-  }
-}
-
-TEMPLATE_TEST_CASE("Layout sub-calls run in parallel with the same bits for any thread count",
-                   "[layout][threads]", RANDATTN_TEST_SCALARS) {
-  using Scalar = TestType;
-  // Grouped heads (4 query heads on 2 key heads), a scattered padding mask, causal and
-  // self-excluding: every kind of sub-call (gathered keys and queries, runs of padded queries).
-  const BatchShape shape{3, 4, 40, 40, 8, 5};
-  const Index kv_heads = 2;
-  const std::vector<Scalar> q = values<Scalar>(11, shape.slices() * shape.n_q, shape.d);
-  const std::vector<Scalar> k = values<Scalar>(12, shape.batch * kv_heads * shape.n_k, shape.d);
-  const std::vector<Scalar> v = values<Scalar>(13, shape.batch * kv_heads * shape.n_k, shape.dv);
-  std::vector<std::int64_t> mask(std::size_t(shape.batch * shape.n_k), 0);
-  for (Index j : {1, 5, 6, 7, 30}) mask[std::size_t(j)] = 1;
-  for (Index j = 25; j < 40; ++j) mask[std::size_t(shape.n_k + j)] = 1;
-  for (Index j = 0; j < 40; ++j) mask[std::size_t(2 * shape.n_k + j)] = 1;  // nothing valid
-  const std::map<std::string, reg::IndexArray> layouts[] = {
-      {{"key_padding_mask", {{shape.batch, shape.n_k}, mask, true}}},
-      {{"cu_seqlens", integers({4}, {0, 9, 10, 40})}},
-      {{"key_lengths", integers({3}, {40, 17, 0})}},
-  };
-#if defined(_OPENMP)
-  const int threads = omp_get_max_threads();
-#endif
-  for (const char* method : {"exact", "favor", "lsh", "lsf"}) {
-    for (const auto& layout : layouts) {
-      for (bool causal : {false, true}) {
-        INFO(method << " " << layout.begin()->first << " causal " << causal);
-        const auto call = [&] {
-          return run<Scalar>(method, shape, kv_heads, layout, causal, true, q, k, v);
-        };
-#if defined(_OPENMP)
-        omp_set_num_threads(1);
-#endif
-        const std::vector<Scalar> one = call();
-#if defined(_OPENMP)
-        omp_set_num_threads(2);
-#endif
-        const std::vector<Scalar> two = call();
-#if defined(_OPENMP)
-        omp_set_num_threads(threads);
-#endif
-        CHECK(one == two);
-        for (Scalar x : one) CHECK(std::isfinite(double(x)));
-      }
     }
   }
 }

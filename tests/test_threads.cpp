@@ -1,21 +1,31 @@
 // Thread-count independence and concurrent use of shared objects: results that must not depend
-// on how many threads compute them, and objects read from several threads at once. These cases
-// are what the ThreadSanitizer run compiles (scripts/sanitize.sh), beside the key/value cache's
-// and the layouts' own [threads] cases, so they are kept out of the families' larger files.
+// on how many threads compute them, and objects read from several threads at once. The
+// ThreadSanitizer run compiles this file alone (scripts/sanitize.sh), so these cases are kept out
+// of the families' larger files; the other files' [threads] cases check thread-count independence
+// of parallel loops over disjoint rows, which the plain build runs.
 #include <catch2/catch.hpp>
 
+#include <atomic>
+#include <map>
+#include <string>
 #include <thread>
 #include <tuple>
 #include <vector>
 
+#include "kv_cache_support.hpp"
+#include "layout_support.hpp"
 #include "support.hpp"
 
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
 
+namespace reg = randattn::registry;
+using randattn::BatchShape;
 using randattn::CrossPolytopeHash;
+using randattn::DecodeMode;
 using randattn::Index;
+using randattn::KvCacheOptions;
 using randattn::LinearOptions;
 using randattn::LshOptions;
 using randattn::OrthogonalProjection;
@@ -344,4 +354,123 @@ TEMPLATE_TEST_CASE("robustness: objects shared between threads give identical re
   };
   check_concurrent_calls(sketch);
   check_concurrent_calls([&] { return randattn::sketched_hosvd(tensor, {3, 3}, sopt).factors; });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Key/value cache
+// ---------------------------------------------------------------------------------------------
+
+TEST_CASE("KvCache concurrent attend equals serial", "[kv_cache][threads]") {
+  const Index d = 32, dv = 16, kvh = 2, qh = 8, n = 2000;
+  const testing::Tokens<float> tok(101, n, kvh, d, dv);
+  for (const DecodeMode mode : {DecodeMode::exact, DecodeMode::blocks, DecodeMode::lsh_sample,
+                                DecodeMode::lsf}) {
+    KvCacheOptions opt;
+    opt.mode = mode;
+    opt.page_size = 16;
+    opt.top_pages = 8;
+    opt.lsh_bits = 5;
+    opt.lsh_tables = 16;
+    opt.lsf_filters = 32;
+    const auto cache = testing::filled(tok, opt);
+    std::vector<RowMatrix<float>> queries, serial;
+    for (int i = 0; i < 16; ++i) {
+      queries.push_back(testing::needle_queries(tok, qh, 200 + i, 4.0));
+      serial.push_back(cache.attend(queries.back()));
+    }
+    std::atomic<int> mismatches{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t) {
+      threads.emplace_back([&, t] {
+        for (int rep = 0; rep < 3; ++rep)
+          for (int i = 0; i < 16; ++i) {
+            const int k = (i + 5 * t) % 16;
+            if (!testing::bit_identical<float>(cache.attend(queries[k]), serial[k])) ++mismatches;
+          }
+      });
+    }
+    for (auto& th : threads) th.join();
+    INFO("mode " << randattn::to_string(mode));
+    CHECK(mismatches == 0);
+  }
+}
+
+TEST_CASE("KvCache clusters: the same seed gives the same clusters for any thread count",
+          "[kv_cache][threads]") {
+  const Index d = 16, dv = 8, kvh = 2, qh = 4, n = 3000;
+  const testing::Tokens<float> tok = testing::drifting_tokens(107, n, kvh, d, dv);
+  const RowMatrix<float> q = testing::needle_queries(tok, qh, 6, 5.0);
+  const auto build = [&](int threads) {
+#if defined(_OPENMP)
+    const int before = omp_get_max_threads();
+    omp_set_num_threads(threads);
+#else
+    (void)threads;
+#endif
+    auto cache = testing::filled(tok, testing::clusters_options(8, 3, 3, 20));
+#if defined(_OPENMP)
+    omp_set_num_threads(before);
+#endif
+    return cache;
+  };
+  const auto one = build(1), four = build(4);
+  CHECK(one.key_clusters(0).splits() > 0);
+  CHECK(testing::bit_identical<float>(one.attend(q), four.attend(q)));
+  for (Index h = 0; h < kvh; ++h) {
+    const auto &a = one.key_clusters(h), &b = four.key_clusters(h);
+    CHECK(a.splits() == b.splits());
+    CHECK(testing::bit_identical<float>(RowMatrix<float>(a.centroids()), RowMatrix<float>(b.centroids())));
+    for (Index c = 0; c < a.count(); ++c) CHECK(a.members(c) == b.members(c));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Key layouts of registered methods
+// ---------------------------------------------------------------------------------------------
+
+TEMPLATE_TEST_CASE("Layout sub-calls run in parallel with the same bits for any thread count",
+                   "[layout][threads]", RANDATTN_TEST_SCALARS) {
+  using Scalar = TestType;
+  // Grouped heads (4 query heads on 2 key heads), a scattered padding mask, causal and
+  // self-excluding: every kind of sub-call (gathered keys and queries, runs of padded queries).
+  const BatchShape shape{3, 4, 40, 40, 8, 5};
+  const Index kv_heads = 2;
+  const std::vector<Scalar> q = testing::values<Scalar>(11, shape.slices() * shape.n_q, shape.d);
+  const std::vector<Scalar> k = testing::values<Scalar>(12, shape.batch * kv_heads * shape.n_k, shape.d);
+  const std::vector<Scalar> v = testing::values<Scalar>(13, shape.batch * kv_heads * shape.n_k, shape.dv);
+  std::vector<std::int64_t> mask(std::size_t(shape.batch * shape.n_k), 0);
+  for (Index j : {1, 5, 6, 7, 30}) mask[std::size_t(j)] = 1;
+  for (Index j = 25; j < 40; ++j) mask[std::size_t(shape.n_k + j)] = 1;
+  for (Index j = 0; j < 40; ++j) mask[std::size_t(2 * shape.n_k + j)] = 1;  // nothing valid
+  const std::map<std::string, reg::IndexArray> layouts[] = {
+      {{"key_padding_mask", {{shape.batch, shape.n_k}, mask, true}}},
+      {{"cu_seqlens", testing::integers({4}, {0, 9, 10, 40})}},
+      {{"key_lengths", testing::integers({3}, {40, 17, 0})}},
+  };
+#if defined(_OPENMP)
+  const int threads = omp_get_max_threads();
+#endif
+  for (const char* method : {"exact", "favor", "lsh", "lsf"}) {
+    for (const auto& layout : layouts) {
+      for (bool causal : {false, true}) {
+        INFO(method << " " << layout.begin()->first << " causal " << causal);
+        const auto call = [&] {
+          return testing::run<Scalar>(method, shape, kv_heads, layout, causal, true, q, k, v);
+        };
+#if defined(_OPENMP)
+        omp_set_num_threads(1);
+#endif
+        const std::vector<Scalar> one = call();
+#if defined(_OPENMP)
+        omp_set_num_threads(2);
+#endif
+        const std::vector<Scalar> two = call();
+#if defined(_OPENMP)
+        omp_set_num_threads(threads);
+#endif
+        CHECK(one == two);
+        for (Scalar x : one) CHECK(std::isfinite(double(x)));
+      }
+    }
+  }
 }

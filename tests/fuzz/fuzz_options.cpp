@@ -14,6 +14,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include <randattn/registry/registry.hpp>
@@ -24,6 +25,9 @@ namespace {
 
 namespace reg = randattn::registry;
 using randattn::Index;
+
+// The largest integer drawn inside a range (sizes stay small).
+constexpr std::int64_t kLargestSmall = 40;
 
 // An integer near the interesting edges: small values (cheap calls), the bounds of the size
 // options just outside their ranges, and the extremes of int64. Values inside a range are kept
@@ -38,7 +42,7 @@ std::int64_t consume_integer(FuzzedDataProvider& in) {
                                        reg::kMaxLsfTables + 1,
                                        std::numeric_limits<std::int64_t>::max(),
                                        std::numeric_limits<std::int64_t>::min()};
-  if (in.ConsumeBool()) return in.ConsumeIntegralInRange<std::int64_t>(-3, 40);
+  if (in.ConsumeBool()) return in.ConsumeIntegralInRange<std::int64_t>(-3, kLargestSmall);
   return edges[in.ConsumeIntegralInRange<std::size_t>(0, std::size(edges) - 1)];
 }
 
@@ -110,6 +114,13 @@ void run(FuzzedDataProvider& in) {
         in.ConsumeBool() ? known[in.ConsumeIntegralInRange<std::size_t>(0, known.size() - 1)].name
                          : in.ConsumeRandomLengthString(10);
     given[option] = consume_value(in);
+    // An edge of another option's range can lie inside this one's (2^23 + 1 filters is a valid
+    // feature count), where it asks for gigabytes: inside an option's own range, only small values.
+    auto* value = std::get_if<std::int64_t>(&given[option]);
+    for (const reg::OptionSpec& spec : known)
+      if (value && spec.name == option && *value > kLargestSmall && spec.max &&
+          double(*value) <= spec.max->value)
+        *value = kLargestSmall;
   }
   randattn::BatchShape shape;
   shape.batch = in.ConsumeIntegralInRange<Index>(1, 2);

@@ -3,7 +3,6 @@
 // (test_threads.cpp): tokens in the cache's head-major layout, peaked queries, filled caches.
 
 #include <cstdint>
-#include <cstring>
 
 #include <randattn/decode/kv_cache.hpp>
 
@@ -14,12 +13,6 @@ namespace testing {
 using randattn::DecodeMode;
 using randattn::KvCache;
 using randattn::KvCacheOptions;
-
-template <typename Scalar>
-bool bit_identical(const RowMatrix<Scalar>& a, const RowMatrix<Scalar>& b) {
-  return a.rows() == b.rows() && a.cols() == b.cols() &&
-         std::memcmp(a.data(), b.data(), sizeof(Scalar) * std::size_t(a.size())) == 0;
-}
 
 // Keys and values of kv_heads heads in the cache's head-major block layout: rows
 // [h·n, (h + 1)·n) are head h. Keys share a mean offset and cluster, so attention is peaked.

@@ -111,6 +111,12 @@ bool rows_bit_identical(const RowMatrix<Scalar>& a, const RowMatrix<Scalar>& b, 
          std::memcmp(a.data(), b.data(), sizeof(Scalar) * std::size_t(rows * a.cols())) == 0;
 }
 
+// True when a and b have the same shape and the same bits.
+template <typename Scalar>
+bool bit_identical(const RowMatrix<Scalar>& a, const RowMatrix<Scalar>& b) {
+  return a.rows() == b.rows() && rows_bit_identical(a, b, a.rows());
+}
+
 // Checks an `_into` form against the result of its allocating form. run(inputs, out) calls the
 // `_into` form on the given inputs (in the order of `inputs`, named by `names`) with out an
 // Eigen::Ref<RowMatrix<Scalar>>. It must equal `expected` bit for bit, written into a matrix of

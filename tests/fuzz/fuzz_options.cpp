@@ -116,11 +116,10 @@ void run(FuzzedDataProvider& in) {
     given[option] = consume_value(in);
     // An edge of another option's range can lie inside this one's (2^23 + 1 filters is a valid
     // feature count), where it asks for gigabytes: inside an option's own range, only small values.
-    auto* value = std::get_if<std::int64_t>(&given[option]);
-    for (const reg::OptionSpec& spec : known)
-      if (value && spec.name == option && *value > kLargestSmall && spec.max &&
-          double(*value) <= spec.max->value)
-        *value = kLargestSmall;
+    if (auto* value = std::get_if<std::int64_t>(&given[option]); value && *value > kLargestSmall)
+      for (const reg::OptionSpec& spec : known)
+        if (spec.name == option && spec.max && double(*value) <= spec.max->value)
+          *value = kLargestSmall;
   }
   randattn::BatchShape shape;
   shape.batch = in.ConsumeIntegralInRange<Index>(1, 2);
